@@ -1,0 +1,210 @@
+"""Benchmark: the driver's per-step decision cost at 16,384 simulated ranks, no Ray.
+
+Per simulated step, as the controller does it: the membership quorum (and aligning the
+data-plan weights with it), the data plan for the step, the straggler detector over every
+present rank's compute seconds per sample, and the mitigation policy (including building
+its per-group inputs from the detector). Per-rank timings are synthetic (±10 % noise, one
+rank 1.6x slow from step 20) and generated outside the timed region, as are the results a
+real driver would receive from its workers. Every 50 steps a random rank is evicted (its
+group sits out one step, a generation change) and its replacement rejoins the next step.
+
+    python bench/control_plane.py [--groups 2048] [--ranks-per-group 8] [--steps 200]
+
+The one-off setup (the first epoch's permutation, lru_cached by the data plan) is timed
+separately. PASS/FAIL compares the mean per-step total with --target-ms (5 ms); the exit
+status is 0 on PASS, 1 on FAIL. "total (cpu)" is the process CPU time of the same region,
+less sensitive to other load on a shared machine than the wall-clock columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elastic.data_plan import DataCursor, epoch_order, plan_step  # noqa: E402
+from elastic.membership import Membership  # noqa: E402
+from elastic.straggler_detector import StragglerDetector  # noqa: E402
+from elastic.straggler_policy import StragglerPolicy  # noqa: E402
+
+COMPONENTS = ("quorum", "data_plan", "detector", "policy")
+
+
+def summarize(samples: list[float]) -> tuple[float, float, float, float]:
+    ms = np.asarray(samples) * 1e3
+    return float(ms.mean()), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), float(ms.max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=2048)
+    parser.add_argument("--ranks-per-group", type=int, default=8)
+    parser.add_argument("--shard", type=int, default=2, help="FSDP shard positions per group (tp = ranks/shard)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--global-batch", type=int, default=32768)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--dataset-len", type=int, default=10_000_000)
+    parser.add_argument("--spare-slots", type=int, default=1)
+    parser.add_argument("--min-groups", type=int, default=1)
+    parser.add_argument("--churn-every", type=int, default=50, help="evict + rejoin a rank every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="gc.collect() + gc.freeze() after setup, so full collections skip the epoch order",
+    )
+    args = parser.parse_args(argv)
+    if args.ranks_per_group % args.shard:
+        parser.error("--ranks-per-group must be a multiple of --shard")
+    shard, tp = args.shard, args.ranks_per_group // args.shard
+    rpg, n_groups = args.ranks_per_group, args.groups
+    n_ranks = rpg * n_groups
+    rng = np.random.default_rng(args.seed)
+
+    # ---- one-off setup
+    t0 = time.perf_counter()
+    membership = Membership(shard, tp)
+    membership.join([membership.add_group() for _ in range(n_groups)])
+    membership_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    epoch_order(args.dataset_len, args.seed, 0)
+    epoch_s = time.perf_counter() - t0
+    gc_s = 0.0
+    if args.gc_freeze:
+        # The epoch order is a tuple of dataset_len ints: until a full collection has
+        # visited it, every gen-2 collection walks it (~1 s at 10M, then ~0.2 s each).
+        t0 = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        gc_s = time.perf_counter() - t0
+
+    detector = StragglerDetector()
+    policy = StragglerPolicy()
+    weights = {g: 1.0 for g in membership.live_groups()}
+    cursor = DataCursor()
+    base = rng.uniform(0.009, 0.011, n_ranks)  # each rank's own speed, seconds per sample
+    fixed_by_group = rng.uniform(0.02, 0.03, n_groups)  # per-step comm overhead per group
+    slow_rank = int(rng.integers(n_ranks))
+    slow_factor = 1.6
+    pending_rejoin: list[tuple[int, int]] = []  # (rank, group) replaced, rejoining next step
+
+    times = {name: [] for name in COMPONENTS}
+    totals, cpu_totals = [], []
+    decisions: Counter[str] = Counter()
+    flags_seen, recoveries, churns = 0, 0, 0
+    generations = {membership.generation}
+
+    for step in range(args.steps):
+        # ---- untimed: the cluster's side (replacements finish healing, faults happen, workers report)
+        for rank, group in pending_rejoin:
+            membership.replaced(rank)
+            membership.join([group])
+        pending_rejoin = []
+        if args.churn_every and step and step % args.churn_every == 0:
+            victim = int(rng.integers(n_ranks))
+            if membership.group_of(victim) in membership.groups:
+                group = membership.evict_rank(victim)
+                detector.forget(victim)
+                pending_rejoin.append((victim, group))
+                churns += 1
+        live_now = np.array(membership.live_groups(), dtype=np.int64)
+        present = (live_now[:, None] * rpg + np.arange(rpg)[None, :]).ravel()
+        speed = base[present] * rng.uniform(0.9, 1.1, len(present))
+        if step >= 20:
+            speed[present == slow_rank] *= slow_factor
+        reports = dict(zip(present.tolist(), speed.tolist()))
+
+        # ---- timed: the driver's decisions for this step
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        quorum = membership.quorum()
+        if quorum.groups != tuple(weights):
+            mean_w = float(np.mean(list(weights.values()))) if weights else 1.0
+            weights = {g: weights.get(g, mean_w) for g in quorum.groups}
+        t1 = time.perf_counter()
+        plan = plan_step(
+            step, cursor, dataset_len=args.dataset_len, global_batch=args.global_batch, seed=args.seed,
+            group_weights=weights, shard=shard, micro_batch=args.micro_batch,
+        )
+        cursor = plan.next_cursor
+        t2 = time.perf_counter()
+        new_flags, recovered = detector.observe(step, reports)
+        t3 = time.perf_counter()
+        groups = np.asarray(quorum.groups, dtype=np.int64)
+        group_ranks = (groups[:, None] * rpg + np.arange(rpg)[None, :]).ravel()
+        slowest = np.nan_to_num(detector.medians_of(group_ranks).reshape(len(groups), rpg), nan=0.0).max(axis=1)
+        group_list = quorum.groups
+        flagged = detector.flagged()
+        decision = policy.decide(
+            slow_ranks={rank: membership.group_of(rank) for rank in flagged},
+            rank_scores=flagged,
+            group_seconds_per_sample=dict(zip(group_list, slowest.tolist())),
+            group_fixed_seconds=dict(zip(group_list, fixed_by_group[groups].tolist())),
+            weights=weights, global_batch=args.global_batch, spare_slots=args.spare_slots,
+            min_groups=args.min_groups,
+        )
+        if decision is not None:
+            if decision.action in ("rebalance", "restore"):
+                weights = dict(decision.weights)
+            elif decision.action == "replace":
+                membership.evict_rank(decision.rank)
+                detector.forget(decision.rank)
+                pending_rejoin.append((decision.rank, decision.group))
+                weights = dict(decision.weights)
+            elif decision.action == "evict-group":
+                membership.remove_group(decision.group)
+                for rank in membership.global_ranks(decision.group):
+                    detector.forget(rank)
+                weights = dict(decision.weights)
+        t4 = time.perf_counter()
+        cpu_totals.append(time.process_time() - c0)
+
+        if decision is not None:
+            decisions[decision.action] += 1
+            if decision.action == "replace" and decision.rank == slow_rank:
+                slow_factor = 1.0
+        flags_seen += len(new_flags)
+        recoveries += len(recovered)
+        generations.add(quorum.generation)
+        for name, dt in zip(COMPONENTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            times[name].append(dt)
+        totals.append(t4 - t0)
+
+    print(
+        f"control plane: {n_groups} groups x {rpg} ranks (shard {shard} x tp {tp}) = {n_ranks} ranks, "
+        f"{args.steps} steps, global_batch {args.global_batch}, micro_batch {args.micro_batch}, "
+        f"dataset {args.dataset_len:,}"
+    )
+    print(
+        f"one-off setup: epoch permutation {epoch_s * 1e3:.0f} ms, membership {membership_s * 1e3:.1f} ms"
+        + (f", gc collect+freeze {gc_s * 1e3:.0f} ms" if args.gc_freeze else ", gc not frozen")
+    )
+    print(f"{'component':<12}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
+    for name in COMPONENTS:
+        print(f"{name:<12}" + "".join(f"{v:>10.3f}" for v in summarize(times[name])))
+    straggler = [a + b for a, b in zip(times["detector"], times["policy"])]
+    print(f"{'  straggler':<12}" + "".join(f"{v:>10.3f}" for v in summarize(straggler)) + "   (detector+policy)")
+    print(f"{'total':<12}" + "".join(f"{v:>10.3f}" for v in summarize(totals)))
+    print(f"{'total (cpu)':<12}" + "".join(f"{v:>10.3f}" for v in summarize(cpu_totals)))
+    print(
+        f"events: flags {flags_seen}, recoveries {recoveries}, churn evictions {churns}, "
+        f"decisions {dict(decisions) or '{}'}, generations seen {len(generations)} "
+        f"(final {membership.generation})"
+    )
+    mean_ms = summarize(totals)[0]
+    verdict = "PASS" if mean_ms < args.target_ms else "FAIL"
+    print(f"per-step decision cost: {mean_ms:.3f} ms mean vs target {args.target_ms:g} ms: {verdict}")
+    worst = max(COMPONENTS, key=lambda name: np.mean(times[name]))
+    print(f"largest component: {worst} ({summarize(times[worst])[0]:.3f} ms mean)")
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

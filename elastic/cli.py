@@ -1,0 +1,104 @@
+"""``elastic train`` and ``elastic report``. Flags override the config file field by field."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from elastic.config import ConfigError, load_config
+
+
+def parse_groups(text: str) -> dict[str, int]:
+    low, sep, high = text.partition(":")
+    try:
+        low_n = int(low)
+        high_n = int(high) if sep else low_n
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--groups {text!r}: use N or MIN:MAX, e.g. 2 or 1:4") from None
+    return {"scaling.min_groups": low_n, "scaling.max_groups": high_n}
+
+
+# flag -> config field; None values are left to the file or the defaults
+TRAIN_FLAGS = {
+    "run_name": "run_name",
+    "storage": "storage",
+    "steps": "steps",
+    "shard": "scaling.shard",
+    "tp": "scaling.tp",
+    "global_batch": "global_batch",
+    "micro_batch": "micro_batch",
+    "seed": "seed",
+    "metrics_port": "metrics.port",
+    "metrics_host": "metrics.host",
+    "checkpoint_every": "checkpoint.every",
+    "keep": "checkpoint.keep",
+    "inject": "fault_tolerance.inject",
+    "data": "data.path",
+    "device": "scaling.device",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant, elastic FSDP2 + TP training on Ray")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model (the embedded default needs no arguments)")
+    train.add_argument("--config", help="TOML or YAML config file")
+    train.add_argument("--run-name", help="run name; the same name and storage resume a run")
+    train.add_argument("--storage", help="where runs are kept: a local directory or an fsspec URL (s3://bucket/prefix)")
+    train.add_argument("--steps", type=int)
+    train.add_argument("--groups", type=parse_groups, help="replica groups: N or MIN:MAX")
+    train.add_argument("--shard", type=int, help="FSDP2 ranks per group")
+    train.add_argument("--tp", type=int, help="tensor-parallel ranks per group")
+    train.add_argument("--global-batch", type=int, help="samples per step, across all groups")
+    train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--data", help="text data: a path, glob or fsspec URL (default: a generated corpus)")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    train.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off)")
+    train.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
+    train.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    train.add_argument("--keep", type=int, help="committed checkpoints to keep")
+    train.add_argument("--inject", help='faults, e.g. "kill:rank=3,step=7;hang:rank=2,step=22"')
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run")
+    report.add_argument("run", help="a run directory or storage URL")
+    report.add_argument("--output", help="PNG path")
+    return parser
+
+
+def train_overrides(args: argparse.Namespace) -> dict:
+    overrides = {field: getattr(args, flag) for flag, field in TRAIN_FLAGS.items() if getattr(args, flag) is not None}
+    if args.groups:
+        overrides.update(args.groups)
+    return overrides
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from elastic.trainer import ElasticTrainer
+
+    config = load_config(args.config, train_overrides(args))
+    trainer = ElasticTrainer(config, progress=not args.quiet)
+    result = trainer.fit()
+    summary = result.summary
+    print(
+        f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
+        f"{summary['steps_discarded']} discarded; final loss {summary['final_loss']}; "
+        f"goodput {summary['goodput']:.1%}; summary at {result.summary_path}"
+    )
+    return 0 if result.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("elastic.events").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+        from elastic.report import main as report_main
+
+        return report_main([args.run] + (["--output", args.output] if args.output else []))
+    except ConfigError as error:
+        print(f"elastic: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,65 @@
+"""Who failed a step: pure reasoning over what the ranks reported. No Ray.
+
+A dead actor is its own culprit. A rank that raised an error about itself (not about a
+peer) is a culprit. A step that ran past its deadline is blamed on the unfinished rank
+that made the least progress: ranks blocked in a collective wait *after* entering the
+module that needs the hung rank, so the hung rank lags them. Errors that only say a peer
+went away are collateral. Groups whose own world failed mid-compute, or that are still
+blocked in it, must rebuild it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from workers.protocol import Progress, StepReport
+
+DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    culprits: dict[int, str]
+    broken_groups: frozenset[int]
+    errors: dict[int, str]
+    stuck: tuple[int, ...] = ()
+
+    @property
+    def cause(self) -> str:
+        causes = set(self.culprits.values())
+        for cause in (DEATH, HANG, COLLECTIVE_ERROR):
+            if cause in causes:
+                return cause
+        return COLLECTIVE_ERROR
+
+
+def least_progressed(progress: Iterable[Progress]) -> list[int]:
+    """The unfinished ranks furthest behind (the hang's culprits)."""
+    progress = [p for p in progress if p.phase != "done"]
+    if not progress:
+        return []
+    lowest = min(p.order() for p in progress)
+    return sorted(p.global_rank for p in progress if p.order() == lowest)
+
+
+def diagnose(
+    *,
+    dead: Iterable[int],
+    reports: Mapping[int, StepReport],
+    hung: Iterable[int],
+    stuck: Iterable[int] = (),
+    group_of: Mapping[int, int],
+) -> Diagnosis:
+    culprits = {rank: DEATH for rank in dead}
+    culprits.update({rank: HANG for rank in hung if rank not in culprits})
+    for rank, report in reports.items():
+        if not report.ok and not report.peer_error and rank not in culprits:
+            culprits[rank] = COLLECTIVE_ERROR
+    broken = {group_of[rank] for rank in culprits}
+    broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
+    broken |= {group_of[rank] for rank in stuck}
+    stuck = list(stuck)
+    errors = {rank: report.error[:200] for rank, report in reports.items() if not report.ok}
+    stuck = tuple(sorted(rank for rank in stuck if rank not in culprits))
+    return Diagnosis(culprits, frozenset(broken), errors, stuck)

@@ -1,0 +1,107 @@
+"""Fault injection: parsed from ``--inject`` or config, carried out inside the workers.
+
+Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
+``kill-group``, ``hang``, ``slow`` and ``fail-collective``; keys are ``rank`` or ``group``
+(global numbering at the start of the run; ``random`` picks one from the seed), ``step``
+or ``at`` (seconds since training started) and ``factor`` (for ``slow``). A fault fires
+once, on the first step at or after its trigger, in the rank(s) it names.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective")
+_TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank"}
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    group: int | None = None
+    step: int | None = None
+    at: float | None = None
+    factor: float = 1.0
+    random_target: bool = False
+
+    def targets(self, rank: int, group: int) -> bool:
+        return self.rank == rank if _TARGET[self.kind] == "rank" else self.group == group
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        if self.step is not None:
+            return step >= self.step
+        return elapsed_s >= (self.at or 0.0)
+
+
+def _parse_one(text: str) -> Fault:
+    kind, _, body = text.strip().partition(":")
+    if kind not in KINDS:
+        raise FaultSpecError(f"fault_tolerance.inject: unknown kind {kind!r} in {text!r}; use one of {KINDS}")
+    fields: dict = {"kind": kind}
+    for pair in filter(None, (p.strip() for p in body.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise FaultSpecError(f"fault_tolerance.inject: {pair!r} in {text!r} is not key=value")
+        try:
+            if key in ("rank", "group"):
+                if value == "random":
+                    fields["random_target"] = True
+                    fields[key] = -1
+                else:
+                    fields[key] = int(value)
+            elif key == "step":
+                fields["step"] = int(value)
+            elif key in ("at", "factor"):
+                fields[key] = float(value)
+            else:
+                raise FaultSpecError(
+                    f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at or factor"
+                )
+        except ValueError as error:
+            if isinstance(error, FaultSpecError):
+                raise
+            raise FaultSpecError(f"fault_tolerance.inject: {key}={value!r} in {text!r} is not a number") from None
+    target = _TARGET[kind]
+    if target not in fields:
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs {target}=N")
+    if ("step" in fields) == ("at" in fields):
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs exactly one of step=N or at=SECONDS")
+    if kind == "slow" and fields.get("factor", 1.0) <= 1.0:
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs factor > 1")
+    return Fault(**fields)
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    return [_parse_one(part) for part in spec.split(";") if part.strip()]
+
+
+def resolve_random_targets(faults: list[Fault], seed: int, n_groups: int, ranks_per_group: int) -> list[Fault]:
+    rng = random.Random(f"faults:{seed}")
+    resolved = []
+    for fault in faults:
+        if fault.random_target:
+            if _TARGET[fault.kind] == "rank":
+                fault = replace(fault, rank=rng.randrange(n_groups * ranks_per_group))
+            else:
+                fault = replace(fault, group=rng.randrange(n_groups))
+        resolved.append(fault)
+    return resolved
+
+
+def check_targets(faults: list[Fault], n_groups: int, ranks_per_group: int) -> None:
+    for fault in faults:
+        if fault.rank is not None and not 0 <= fault.rank < n_groups * ranks_per_group:
+            raise FaultSpecError(
+                f"fault_tolerance.inject: rank={fault.rank} is outside the run's "
+                f"{n_groups * ranks_per_group} ranks (0..{n_groups * ranks_per_group - 1})"
+            )
+        if fault.group is not None and not 0 <= fault.group < n_groups:
+            raise FaultSpecError(
+                f"fault_tolerance.inject: group={fault.group} is outside the run's {n_groups} groups"
+            )

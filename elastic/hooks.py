@@ -1,0 +1,79 @@
+"""User hooks, each optional, and their defaults: the reference model, corpus and AdamW."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic.config import TrainConfig
+from elastic.dataset import default_dataset
+from workers.model import ModelArgs, Transformer
+from workers.parallelize import parallelize
+from workers.train_step import token_cross_entropy
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    args: ModelArgs
+
+    def __call__(self) -> nn.Module:
+        return Transformer(self.args)
+
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps)
+
+
+@dataclass(frozen=True)
+class TrainHooks:
+    model_fn: Callable[[], nn.Module]
+    parallelize_fn: Callable[[nn.Module, Any], nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    dataset: Any
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+
+
+def model_args(config: TrainConfig) -> ModelArgs:
+    model = config.model
+    return ModelArgs(
+        vocab_size=model.vocab_size,
+        dim=model.dim,
+        n_layers=model.n_layers,
+        n_heads=model.n_heads,
+        n_kv_heads=model.kv_heads,
+        ffn_hidden=model.ffn_hidden,
+        max_seq_len=config.data.seq_len,
+        tie_embeddings=model.tie_embeddings,
+    )
+
+
+def resolve_hooks(
+    config: TrainConfig,
+    model_fn=None,
+    parallelize_fn=None,
+    loss_fn=None,
+    dataset=None,
+    optimizer_fn=None,
+) -> TrainHooks:
+    optimizer = config.optimizer
+    return TrainHooks(
+        model_fn=model_fn or ReferenceModel(model_args(config)),
+        parallelize_fn=parallelize_fn or parallelize,
+        loss_fn=loss_fn or token_cross_entropy,
+        dataset=dataset
+        if dataset is not None
+        else default_dataset(config.data.seq_len, config.data.corpus_tokens, config.seed, config.data.path),
+        optimizer_fn=optimizer_fn
+        or AdamW(optimizer.lr, optimizer.weight_decay, (optimizer.beta1, optimizer.beta2), optimizer.eps),
+    )

@@ -1,0 +1,72 @@
+"""Prometheus metrics exported by the driver. Names are prefixed ``elastic_`` and carry their
+unit; labels are bounded (rank ids, a fixed set of causes and phases)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, run: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = {"registry": self.registry}
+        self.rank_step_seconds = Gauge(
+            "elastic_rank_step_seconds", "Wall time of the rank's last step", ["rank"], **labels
+        )
+        self.rank_compute_seconds = Gauge(
+            "elastic_rank_compute_seconds", "Own compute time of the rank's last step", ["rank"], **labels
+        )
+        self.rank_communication_seconds = Gauge(
+            "elastic_rank_communication_seconds", "Cross-group reduction time of the rank's last step", ["rank"], **labels
+        )
+        self.rank_straggler_score = Gauge(
+            "elastic_rank_straggler_score", "Rank compute time over the median rank's (1.0 = typical)", ["rank"], **labels
+        )
+        self.live_groups = Gauge("elastic_live_groups", "Replica groups in the quorum", **labels)
+        self.live_ranks = Gauge("elastic_live_ranks", "Ranks in the quorum", **labels)
+        self.generation = Gauge("elastic_generation", "Membership generation", **labels)
+        self.step = Gauge("elastic_step", "Last committed step", **labels)
+        self.steps_committed = Counter("elastic_steps_committed", "Steps committed", **labels)
+        self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
+        self.recoveries = Counter("elastic_recoveries", "Recoveries by cause", ["cause"], **labels)
+        self.recovery_seconds = Histogram(
+            "elastic_recovery_seconds", "Failure detection to next committed step", ["cause"],
+            buckets=RECOVERY_BUCKETS, **labels,
+        )
+        self.evictions = Counter("elastic_evictions", "Ranks evicted by cause", ["cause"], **labels)
+        self.heal_seconds = Histogram(
+            "elastic_heal_seconds", "State copy from a live peer into a healing group", buckets=RECOVERY_BUCKETS, **labels
+        )
+        self.checkpoint_blocking_seconds = Histogram(
+            "elastic_checkpoint_blocking_seconds", "Training stall per checkpoint", buckets=CHECKPOINT_BUCKETS, **labels
+        )
+        self.checkpoint_upload_seconds = Histogram(
+            "elastic_checkpoint_upload_seconds", "Background upload time per checkpoint", buckets=CHECKPOINT_BUCKETS, **labels
+        )
+        self.checkpoint_commit_seconds = Histogram(
+            "elastic_checkpoint_commit_seconds", "Manifest write time per checkpoint", buckets=CHECKPOINT_BUCKETS, **labels
+        )
+        self.checkpoints_committed = Counter("elastic_checkpoints_committed", "Checkpoints committed", **labels)
+        self.checkpoint_failures = Counter("elastic_checkpoint_failures", "Checkpoint uploads that failed", **labels)
+        self.checkpoints_deferred = Counter(
+            "elastic_checkpoints_deferred", "Due checkpoints deferred while one was in flight", **labels
+        )
+        self.tokens_per_second = Gauge("elastic_tokens_per_second", "Training throughput", **labels)
+        self.loss = Gauge("elastic_loss", "Loss of the last committed step", **labels)
+        self.goodput_ratio = Gauge("elastic_goodput_ratio", "Committed step time over wall time", **labels)
+        self.time_seconds = Gauge(
+            "elastic_time_seconds", "Wall time attributed by category", ["category"], **labels
+        )
+        self.straggler_mitigations = Counter(
+            "elastic_straggler_mitigations", "Straggler mitigations by action", ["action"], **labels
+        )
+        self.info = Gauge("elastic_run_info", "Run identity", ["run"], **labels)
+        self.info.labels(run=run).set(1)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics``; port 0 picks a free port. Returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]

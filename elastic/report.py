@@ -1,0 +1,483 @@
+"""Post-run report: goodput breakdown table and a timeline PNG from a run's ``summary.json``.
+
+``report(run)`` reads ``<storage>/<run-name>/summary.json`` (a local path or any fsspec URL),
+checks that the time breakdown adds up to the wall time, and draws a timeline of per-rank step
+times, loss and live ranks with the run's failures, recoveries, straggler decisions and
+checkpoints marked on it. ``main`` is the ``elastic report RUN [--output PNG]`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+
+SUMMARY_NAME = "summary.json"
+DEFAULT_PNG_NAME = "timeline.png"
+
+# Display order of the breakdown; ``wall_s`` is appended last.
+BREAKDOWN_ORDER = ("committed", "recovery", "discarded", "checkpoint_stall", "startup", "idle")
+
+# Above this many ranks the per-rank step times are drawn as a ranks x steps heatmap.
+MAX_RANK_LINES = 16
+
+# Event category -> (label, colour, line style, event kinds).
+EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "failure": ("failure (rank-failed / rank-evicted)", "#d62728", "-", ("rank-failed", "rank-evicted")),
+    "recovery": ("recovery (recovered / group-joined / group-healed)", "#2ca02c", "--",
+                 ("recovered", "group-joined", "group-healed")),
+    "straggler": ("straggler (detected / mitigated)", "#ff7f0e", ":",
+                  ("straggler-detected", "straggler-mitigated")),
+    "checkpoint": ("checkpoint committed", "#1f77b4", "-", ("checkpoint-committed",)),
+    "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", ("checkpoint-failed",)),
+    "discarded": ("step discarded", "#7f7f7f", ":", ("step-discarded",)),
+}
+_CATEGORY_OF_KIND = {kind: cat for cat, (_, _, _, kinds) in EVENT_CATEGORIES.items() for kind in kinds}
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def _summary_path(run: str) -> str:
+    """The summary.json path/URL for a run directory, a run URL, or the summary file itself."""
+    run = os.fspath(run)
+    if run.endswith(".json"):
+        return run
+    return run.rstrip("/") + "/" + SUMMARY_NAME
+
+
+def _is_local(path: str) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, _ = fsspec.core.url_to_fs(path)
+    return isinstance(fs, LocalFileSystem)
+
+
+def _local_path(path: str) -> str:
+    fs, stripped = fsspec.core.url_to_fs(path)
+    return stripped
+
+
+def load_summary(run: str) -> dict[str, Any]:
+    """Load a run's summary.json. ``run`` is a run directory or URL, or the summary.json itself."""
+    import json
+
+    path = _summary_path(run)
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as handle:
+            summary = json.load(handle)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"no run summary found at {path!r} (looked for {SUMMARY_NAME} of run {run!r}); "
+            "pass a run directory, a storage URL of one, or the summary.json path"
+        ) from err
+    except IsADirectoryError as err:
+        raise FileNotFoundError(f"{path!r} is a directory, not a run summary") from err
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path!r} does not hold a run summary (a JSON object)")
+    return summary
+
+
+# ------------------------------------------------------------------------------------- breakdown
+
+
+def goodput_breakdown(summary: dict[str, Any]) -> dict[str, float]:
+    """Seconds per time category (committed, recovery, discarded, checkpoint_stall, startup,
+    idle) plus ``wall_s``, from the summary's time_breakdown; the parts must add up to wall_s."""
+    tb = dict(summary.get("time_breakdown") or {})
+    wall = tb.get("wall_s", summary.get("wall_s"))
+    if wall is None:
+        raise ValueError("summary has no wall time (time_breakdown.wall_s / wall_s)")
+    wall = float(wall)
+    parts = {name: float(tb.get(name) or 0.0) for name in BREAKDOWN_ORDER if name != "idle"}
+    tol = 1e-6 * max(abs(wall), 1e-9)
+    if tb.get("idle") is None:
+        idle = wall - sum(parts.values())
+        if idle < -tol:
+            raise ValueError(
+                f"time breakdown overcharged: parts add up to {sum(parts.values()):.6f}s "
+                f"but wall_s is {wall:.6f}s"
+            )
+        parts["idle"] = max(0.0, idle)
+    else:
+        parts["idle"] = float(tb["idle"])
+    negative = [name for name, seconds in parts.items() if seconds < -tol]
+    if negative:
+        raise ValueError(f"time breakdown has negative parts: {negative}")
+    total = sum(parts.values())
+    if not math.isclose(total, wall, rel_tol=1e-6, abs_tol=1e-9):
+        raise ValueError(
+            f"time breakdown does not add up: parts sum to {total:.6f}s but wall_s is {wall:.6f}s"
+        )
+    breakdown = {name: parts[name] for name in BREAKDOWN_ORDER}
+    breakdown["wall_s"] = wall
+    return breakdown
+
+
+def _goodput(breakdown: dict[str, float]) -> float:
+    wall = breakdown["wall_s"]
+    return breakdown["committed"] / wall if wall > 0 else 0.0
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    """An aligned text table: category, seconds, percent of wall, a total line, and goodput."""
+    wall = breakdown["wall_s"]
+    names = [name for name in breakdown if name != "wall_s"]
+    width = max(len("category"), len("total (wall)"), *(len(n) for n in names))
+
+    def pct(seconds: float) -> str:
+        return f"{100.0 * seconds / wall:6.1f}%" if wall > 0 else "    n/a"
+
+    lines = [f"{'category':<{width}}  {'seconds':>10}  {'% wall':>7}"]
+    rule = "-" * len(lines[0])
+    lines.append(rule)
+    for name in names:
+        row = f"{name:<{width}}  {breakdown[name]:>10.2f}  {pct(breakdown[name]):>7}"
+        if name == "committed":
+            row += "  <== goodput"
+        lines.append(row)
+    lines.append(rule)
+    lines.append(f"{'total (wall)':<{width}}  {wall:>10.2f}  {pct(wall):>7}")
+    lines.append(f"** goodput = committed / wall = {100.0 * _goodput(breakdown):.1f}% **")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- timeline
+
+
+def _rank_matrix(steps: list[dict[str, Any]]) -> tuple[list[int], list[list[float]]]:
+    """Sorted rank ids and a ranks x steps matrix of step seconds (NaN where a rank is absent)."""
+    ranks = sorted({int(r) for s in steps for r in (s.get("rank_step_s") or {})})
+    index = {rank: i for i, rank in enumerate(ranks)}
+    matrix = [[math.nan] * len(steps) for _ in ranks]
+    for j, step in enumerate(steps):
+        for rank, seconds in (step.get("rank_step_s") or {}).items():
+            if seconds is not None:
+                matrix[index[int(rank)]][j] = float(seconds)
+    return ranks, matrix
+
+
+def _step_columns(steps: list[dict[str, Any]]) -> tuple[list[float], list[int | None]]:
+    """Cell edges in seconds for a heatmap with one column per step spanning [t - step_s, t];
+    gaps between steps (recoveries, stalls) become empty columns (index None)."""
+    edges: list[float] = []
+    columns: list[int | None] = []
+    prev_end: float | None = None
+    for j, step in enumerate(steps):
+        end = float(step["t"])
+        dur = float(step.get("step_s") or 0.0)
+        start = end - dur if dur > 0 else (prev_end if prev_end is not None else end - 1.0)
+        if prev_end is None:
+            edges.append(start)
+        else:
+            start = max(start, prev_end)
+            if start > prev_end + 1e-9:
+                columns.append(None)
+                edges.append(start)
+        if end <= edges[-1]:
+            end = edges[-1] + 1e-6
+        columns.append(j)
+        edges.append(end)
+        prev_end = end
+    return edges, columns
+
+
+def _event_label(event: dict[str, Any]) -> str | None:
+    kind = event.get("kind")
+    if kind in ("rank-failed", "rank-evicted"):
+        cause = event.get("cause")
+        rank = event.get("rank", "?")
+        return f"rank {rank}" + (f" {cause}" if cause else "") + (" evicted" if kind == "rank-evicted" else "")
+    if kind == "straggler-mitigated":
+        target = event.get("rank", event.get("group"))
+        return f"{event.get('action', 'mitigate')} {target}" if target is not None else event.get("action")
+    if kind == "checkpoint-failed":
+        return "ckpt failed"
+    return None
+
+
+def _live_series(steps: list[dict[str, Any]], events: list[dict[str, Any]], key: str, wall: float,
+                 lose_on_failure: bool) -> tuple[list[float], list[float]]:
+    """A post-style step series of ``key`` (live_ranks / live_groups): each step's value holds from
+    the step's start; with ``lose_on_failure`` a failed or evicted rank drops the count at once."""
+    points: list[tuple[float, int, Any]] = []
+    for step in steps:
+        if step.get(key) is not None:
+            start = float(step["t"]) - float(step.get("step_s") or 0.0)
+            points.append((max(start, 0.0), 1, float(step[key])))
+    if not points:
+        return [], []
+    if lose_on_failure:
+        for event in events:
+            if event.get("kind") in ("rank-failed", "rank-evicted"):
+                points.append((float(event["t"]), 0, event.get("rank")))
+    points.sort(key=lambda p: (p[0], p[1]))
+    xs: list[float] = []
+    ys: list[float] = []
+    current: float | None = None
+    lost: set[Any] = set()
+    for x, is_step, value in points:
+        if is_step:
+            current = value
+            lost.clear()
+        elif current is not None and (value is None or value not in lost):
+            lost.add(value)
+            current = max(0.0, current - 1)
+        else:
+            continue
+        xs.append(x)
+        ys.append(current)
+    xs.append(max(wall, xs[-1]))
+    ys.append(ys[-1])
+    return xs, ys
+
+
+def plot_timeline(summary: dict[str, Any], path: str) -> str:
+    """Draw the run timeline to a PNG at ``path`` (local path or fsspec URL); returns ``path``."""
+    # Draw on an Agg canvas directly: no pyplot, no global backend switch, no display needed.
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    steps = sorted((s for s in summary.get("steps") or [] if s.get("t") is not None), key=lambda s: s["t"])
+    events = [e for e in summary.get("events") or [] if e.get("t") is not None]
+    try:
+        breakdown: dict[str, float] | None = goodput_breakdown(summary)
+    except ValueError:
+        breakdown = None
+    wall = float(
+        (breakdown or {}).get("wall_s")
+        or summary.get("wall_s")
+        or max([0.0] + [float(s["t"]) for s in steps] + [float(e["t"]) for e in events])
+    )
+    goodput = _goodput(breakdown) if breakdown else float(summary.get("goodput") or 0.0)
+
+    fig = Figure(figsize=(14, 10), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(3, 2, height_ratios=[2.2, 1.3, 1.0], width_ratios=[1.0, 0.16])
+    ax_rank = fig.add_subplot(grid[0, 0])
+    ax_loss = fig.add_subplot(grid[1, 0], sharex=ax_rank)
+    ax_live = fig.add_subplot(grid[2, 0], sharex=ax_rank)
+    side_top = fig.add_subplot(grid[0, 1])
+    side_mid = fig.add_subplot(grid[1:, 1])
+    side_mid.axis("off")
+    axes = (ax_rank, ax_loss, ax_live)
+
+    # (1) per-rank step time -------------------------------------------------------------------
+    ranks, matrix = _rank_matrix(steps)
+    times = [float(s["t"]) for s in steps]
+    if not steps:
+        ax_rank.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=ax_rank.transAxes)
+        side_top.axis("off")
+    elif len(ranks) > MAX_RANK_LINES:
+        import numpy as np
+
+        edges, columns = _step_columns(steps)
+        data = np.full((len(ranks), len(columns)), np.nan)
+        for c, j in enumerate(columns):
+            if j is not None:
+                data[:, c] = [row[j] for row in matrix]
+        masked = np.ma.masked_invalid(data)
+        y_edges = np.arange(len(ranks) + 1) - 0.5
+        mesh = ax_rank.pcolormesh(np.asarray(edges), y_edges, masked, cmap="viridis", shading="flat")
+        ax_rank.set_ylim(len(ranks) - 0.5, -0.5)
+        tick_every = max(1, len(ranks) // 16)
+        ax_rank.set_yticks(range(0, len(ranks), tick_every))
+        ax_rank.set_yticklabels([str(ranks[i]) for i in range(0, len(ranks), tick_every)], fontsize=7)
+        ax_rank.set_ylabel("rank")
+        ax_rank.set_title("per-rank step time (s); blank = rank absent or no step running", fontsize=10, loc="left")
+        side_top.axis("off")
+        cax = side_top.inset_axes([0.0, 0.05, 0.18, 0.9])
+        fig.colorbar(mesh, cax=cax, label="step time (s)")
+    else:
+        cmap = matplotlib.colormaps["tab20" if len(ranks) > 10 else "tab10"]
+        step_s = [float(s["step_s"]) if s.get("step_s") is not None else math.nan for s in steps]
+        # Break the lines across long gaps (recoveries) instead of drawing through them.
+        xs: list[float] = []
+        cols: list[int | None] = []
+        for j, t in enumerate(times):
+            if j and not math.isnan(step_s[j]) and (t - step_s[j]) - times[j - 1] > step_s[j]:
+                xs.append(math.nan)
+                cols.append(None)
+            xs.append(t)
+            cols.append(j)
+
+        def series(values: list[float]) -> list[float]:
+            return [math.nan if j is None else values[j] for j in cols]
+
+        (total,) = ax_rank.plot(xs, series(step_s), color="#555555", linewidth=2.5, alpha=0.35,
+                                zorder=1, label="step (slowest)")
+        handles = []
+        for i, rank in enumerate(ranks):
+            (line,) = ax_rank.plot(xs, series(matrix[i]), marker="o", markersize=2.5, linewidth=1.0,
+                                   color=cmap(i % cmap.N), zorder=2, label=f"rank {rank}")
+            handles.append(line)
+        handles.append(total)
+        ax_rank.set_ylabel("step time (s)")
+        ax_rank.set_ylim(bottom=0)
+        ax_rank.set_title("per-rank step time", fontsize=10, loc="left")
+        side_top.axis("off")
+        side_top.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="ranks",
+                        title_fontsize=9, borderaxespad=0.0)
+
+    # (2) loss per committed step ----------------------------------------------------------------
+    loss_points = [(float(s["t"]), float(s["loss"])) for s in steps if s.get("loss") is not None]
+    if loss_points:
+        ax_loss.plot([p[0] for p in loss_points], [p[1] for p in loss_points], color="#333333",
+                     marker=".", markersize=3, linewidth=1.0)
+    else:
+        ax_loss.text(0.5, 0.5, "no losses", ha="center", va="center", transform=ax_loss.transAxes)
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss per committed step", fontsize=10, loc="left")
+
+    # (3) live ranks / groups --------------------------------------------------------------------
+    topo_ranks = (summary.get("topology") or {}).get("ranks")
+    xs, ys = _live_series(steps, events, "live_ranks", wall, lose_on_failure=True)
+    if xs:
+        ax_live.step(xs, ys, where="post", color="#17becf", linewidth=1.8, label="live ranks")
+        ax_live.fill_between(xs, ys, step="post", color="#17becf", alpha=0.15)
+        top = max(ys + ([topo_ranks] if topo_ranks else []))
+        ax_live.set_ylim(0, top * 1.15 + 0.5)
+    gx, gy = _live_series(steps, events, "live_groups", wall, lose_on_failure=False)
+    if gx:
+        ax_groups = ax_live.twinx()
+        ax_groups.step(gx, gy, where="post", color="#8c564b", linewidth=1.0, linestyle="--")
+        ax_groups.set_ylim(0, max(gy) * 1.15 + 0.5)
+        ax_groups.set_ylabel("live groups", color="#8c564b")
+        ax_groups.tick_params(axis="y", colors="#8c564b")
+    if topo_ranks:
+        ax_live.axhline(topo_ranks, color="#999999", linewidth=0.8, linestyle=":")
+        if not xs:
+            ax_live.set_ylim(0, topo_ranks * 1.15 + 0.5)
+    ax_live.set_ylabel("live ranks", color="#17becf")
+    ax_live.set_xlabel("seconds since run start")
+    ax_live.set_title("live ranks (solid) and groups (dashed)", fontsize=10, loc="left")
+
+    # events -------------------------------------------------------------------------------------
+    present: list[str] = []
+    labelled = 0
+    for event in sorted(events, key=lambda e: e["t"]):
+        category = _CATEGORY_OF_KIND.get(event.get("kind"))
+        if category is None:
+            continue
+        if category not in present:
+            present.append(category)
+        _, colour, style, _ = EVENT_CATEGORIES[category]
+        t = float(event["t"])
+        width = 1.4 if category in ("failure", "checkpoint-failed") else 1.0
+        for ax in axes:
+            ax.axvline(t, color=colour, linestyle=style, linewidth=width, alpha=0.8, zorder=3)
+        if event.get("kind") == "recovered" and event.get("total_s"):
+            for ax in axes:
+                ax.axvspan(t - float(event["total_s"]), t, color=colour, alpha=0.08, zorder=0)
+        label = _event_label(event)
+        if label and labelled < 24:
+            labelled += 1
+            ax_live.annotate(label, xy=(t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                             textcoords="offset points", rotation=90, va="top", ha="left",
+                             fontsize=7, color=colour)
+    order = list(EVENT_CATEGORIES)
+    present.sort(key=order.index)
+    if present:
+        handles = [Line2D([], [], color=EVENT_CATEGORIES[c][1], linestyle=EVENT_CATEGORIES[c][2],
+                          linewidth=1.6, label=EVENT_CATEGORIES[c][0]) for c in present]
+        if any(e.get("kind") == "recovered" and e.get("total_s") for e in events):
+            handles.append(Patch(color=EVENT_CATEGORIES["recovery"][1], alpha=0.2, label="recovery window"))
+        side_mid.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="events",
+                        title_fontsize=9, borderaxespad=0.0)
+
+    for ax in axes:
+        ax.grid(True, alpha=0.25)
+        ax.set_xlim(0, max(wall, 1e-9))
+    if len(ranks) > MAX_RANK_LINES:
+        ax_rank.grid(False)
+    for ax in (ax_rank, ax_loss):
+        ax.tick_params(labelbottom=False)
+
+    run_name = summary.get("run") or "run"
+    title = (f"{run_name} — goodput {100.0 * goodput:.1f}% — "
+             f"{summary.get('steps_committed', len(steps))} steps committed, "
+             f"{summary.get('steps_discarded', 0)} discarded")
+    exit_status = summary.get("exit")
+    if exit_status and exit_status != "completed":
+        title += f"\nexit: {str(exit_status)[:100]}"
+    fig.suptitle(title, fontsize=13)
+
+    _save_figure(fig, path)
+    return path
+
+
+def _save_figure(fig: Any, path: str) -> None:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    if _is_local(path):
+        local = _local_path(path)
+        parent = os.path.dirname(os.path.abspath(local))
+        os.makedirs(parent, exist_ok=True)
+        with open(local, "wb") as handle:
+            handle.write(buffer.getvalue())
+    else:
+        with fsspec.open(path, "wb") as handle:
+            handle.write(buffer.getvalue())
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _default_output(run: str, summary: dict[str, Any]) -> str:
+    summary_path = _summary_path(run)
+    if _is_local(summary_path):
+        return os.path.join(os.path.dirname(os.path.abspath(_local_path(summary_path))), DEFAULT_PNG_NAME)
+    name = summary.get("run")
+    if not name:
+        parts = [p for p in summary_path.rstrip("/").split("/") if p]
+        name = parts[-2] if len(parts) >= 2 else "run"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._") or "run"
+    return os.path.join(os.getcwd(), f"{safe}-timeline.png")
+
+
+def report(run: str, output: str | None = None) -> tuple[str, dict[str, float]]:
+    """Load a run's summary, write its timeline PNG and return (png path, goodput breakdown).
+
+    The PNG goes to ``output`` if given, else ``timeline.png`` in the run directory when it is
+    local, else ``<run>-timeline.png`` in the current directory."""
+    summary = load_summary(run)
+    breakdown = goodput_breakdown(summary)
+    path = output if output is not None else _default_output(run, summary)
+    plot_timeline(summary, path)
+    return path, breakdown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="elastic report",
+        description="Goodput breakdown and timeline PNG for a finished (or crashed) run.",
+    )
+    parser.add_argument("run", metavar="RUN",
+                        help="run directory or storage URL (e.g. s3://bucket/prefix/run-name), "
+                             "or its summary.json")
+    parser.add_argument("--output", "-o", metavar="PNG", default=None,
+                        help="where to write the timeline PNG (default: timeline.png in a local run "
+                             "directory, <run>-timeline.png in the current directory for remote runs)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        path, breakdown = report(args.run, args.output)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"elastic report: error: {err}", file=sys.stderr)
+        return 1
+    print(format_breakdown(breakdown))
+    print(f"timeline: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

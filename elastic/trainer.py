@@ -1,0 +1,202 @@
+"""The Python API: ``ElasticTrainer(config, hooks...).fit()`` runs a job and returns its result."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import fsspec
+import ray
+
+from elastic.config import ConfigError, TrainConfig, check_capacity
+from elastic.controller import Controller, TrainingStopped
+from elastic.events import EventLog
+from elastic.faults import check_targets, parse_faults, resolve_random_targets
+from elastic.fleet import Fleet, Rendezvous
+from elastic.goodput import TimeLedger
+from elastic.hooks import resolve_hooks
+from elastic.membership import Membership
+from elastic.metrics import Metrics
+
+log = logging.getLogger("elastic")
+
+
+def default_run_name() -> str:
+    return f"run-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def join_url(*parts: str) -> str:
+    return "/".join([parts[0].rstrip("/"), *(p.strip("/") for p in parts[1:])])
+
+
+@dataclass
+class RunResult:
+    run: str
+    run_dir: str
+    summary_path: str
+    summary: dict[str, Any]
+    final_state: dict | None = field(default=None, repr=False)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.summary["losses"]
+
+    @property
+    def exit(self) -> str:
+        return self.summary["exit"]
+
+    @property
+    def ok(self) -> bool:
+        return self.exit == "completed"
+
+
+def connect_ray() -> bool:
+    """Join the surrounding cluster (RAY_ADDRESS, ray job submit) or start a local one.
+
+    Returns whether this process started Ray and so should stop it.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        ray.init(log_to_driver=True)
+        return False
+    # A local instance on loopback only; gloo follows the same interface.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
+    )
+    return True
+
+
+class ElasticTrainer:
+    def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, loss_fn=None,
+                 dataset=None, optimizer_fn=None, progress: bool = False, keep_final_state: bool = False):
+        self.config = config or TrainConfig()
+        self.hooks = resolve_hooks(self.config, model_fn, parallelize_fn, loss_fn, dataset, optimizer_fn)
+        self.progress = progress
+        self.keep_final_state = keep_final_state
+        scaling = self.config.scaling
+        self.faults = resolve_random_targets(
+            parse_faults(self.config.fault_tolerance.inject), self.config.seed, scaling.max_groups, scaling.ranks_per_group
+        )
+        check_targets(self.faults, scaling.max_groups, scaling.ranks_per_group)
+        try:
+            self.dataset_len = len(self.hooks.dataset)
+        except Exception as error:
+            raise ConfigError(f"dataset: cannot be read: {error}; check data.path or the dataset hook") from None
+        if self.dataset_len < self.config.global_batch:
+            raise ConfigError(
+                f"global_batch={self.config.global_batch} exceeds the dataset's {self.dataset_len} samples; "
+                "lower global_batch or give more data"
+            )
+        self.run_name = self.config.run_name or default_run_name()
+        self.run_dir = join_url(self.config.storage, self.run_name)
+
+    def fit(self) -> RunResult:
+        started_ray = connect_ray()
+        clock = time.monotonic
+        events = EventLog(clock)
+        ledger = TimeLedger(clock)
+        metrics = Metrics(self.run_name)
+        fleet = None
+        controller = None
+        exit_reason = "completed"
+        final_state = None
+        try:
+            check_capacity(self.config, ray.cluster_resources())
+            if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
+                port = metrics.serve(self.config.metrics.host, self.config.metrics.port)
+                events.emit("metrics-serving", address=f"{self.config.metrics.host}:{port}")
+            membership = Membership(self.config.scaling.shard, self.config.scaling.tp)
+            fleet = Fleet(self.config, self.hooks, membership, Rendezvous.start())
+            with ProgressBar(self.config.steps, enabled=self.progress) as bar:
+                controller = Controller(
+                    self.config, fleet, membership, self.faults, self.dataset_len, events, ledger, metrics,
+                    clock=clock, on_step=bar.update,
+                )
+                events.emit("run-started", run=self.run_name, steps=self.config.steps)
+                controller.start()
+                controller.train()
+            if self.keep_final_state:
+                final_state = controller.final_state()
+        except TrainingStopped as error:
+            exit_reason = f"stopped: {error}"
+            log.error("%s", error)
+        finally:
+            events.emit("run-finished", exit=exit_reason)
+            summary = self._summary(controller, events, ledger, exit_reason)
+            summary_path = self._write_summary(summary)
+            if fleet is not None:
+                fleet.shutdown()
+            if started_ray:
+                ray.shutdown()
+        return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
+
+    def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
+        scaling = self.config.scaling
+        wall = ledger.wall()
+        tokens = controller.tokens_committed if controller else 0
+        losses = controller.losses if controller else []
+        groups = len(controller.membership.live_groups()) if controller else 0
+        return {
+            "run": self.run_name,
+            "config": self.config.model_dump(mode="json"),
+            "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
+                         "ranks": groups * scaling.ranks_per_group},
+            "steps_committed": len(losses),
+            "steps_discarded": controller.steps_discarded if controller else 0,
+            "losses": losses,
+            "final_loss": losses[-1] if losses else None,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "goodput": ledger.goodput(),
+            "time_breakdown": ledger.breakdown(),
+            "resumed_from_step": None,
+            "steps": controller.step_records if controller else [],
+            "events": events.events,
+            "exit": exit_reason,
+        }
+
+    def _write_summary(self, summary: dict) -> str:
+        fs, path = fsspec.core.url_to_fs(self.run_dir)
+        fs.makedirs(path, exist_ok=True)
+        summary_path = join_url(self.run_dir, "summary.json")
+        with fsspec.open(summary_path, "w") as handle:
+            json.dump(summary, handle, indent=1, default=str)
+        return summary_path
+
+
+class ProgressBar:
+    """Step, loss, tokens/s and live ranks on a tqdm bar (a no-op when disabled)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.bar = total, enabled, None
+
+    def __enter__(self) -> ProgressBar:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True)
+        return self
+
+    def update(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(
+            loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", ranks=record["live_ranks"], refresh=False
+        )
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()

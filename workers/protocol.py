@@ -1,0 +1,91 @@
+"""Plain data exchanged between the driver and the rank actors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    global_rank: int
+    group: int
+    shard_index: int
+    tp_index: int
+    shard: int
+    tp: int
+    seed: int
+    use_gpu: bool
+    store_host: str
+    store_port: int
+    collective_timeout_s: float
+
+    @property
+    def group_rank(self) -> int:
+        return self.shard_index * self.tp + self.tp_index
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.shard_index, self.tp_index)
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A fault the driver tells one rank to carry out now (see ``elastic.faults``)."""
+
+    kind: str
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    generation: int
+    step: int
+    micro_batches: tuple[tuple[int, ...], ...]
+    global_tokens: int
+    commit_previous: bool
+    faults: tuple[InjectedFault, ...] = ()
+    noise: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    global_rank: int
+    step: int
+    loss_share: float = 0.0
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wall_s: float = 0.0
+    error: str | None = None
+    peer_error: bool = False
+    group_broken: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+PHASES = ("idle", "data", "compute", "replicate", "done")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a rank is doing, answered on its control thread even while the step is stuck."""
+
+    global_rank: int
+    step: int
+    phase: str
+    micro_batch: int
+    module_entries: int
+    phase_age_s: float
+
+    def order(self) -> tuple[int, int, int]:
+        return (PHASES.index(self.phase), self.micro_batch, self.module_entries)
+
+
+@dataclass
+class BuildReport:
+    global_rank: int
+    seconds: float
+    node_ip: str = ""
+    details: dict = field(default_factory=dict)

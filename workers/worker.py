@@ -1,0 +1,306 @@
+"""The rank actor: one process per GPU (or CPU slot) running its replica group's share.
+
+Each replica group is its own torch.distributed world (the default process group, with the
+group's 2-D ``(shard, tp)`` mesh on it), rendezvousing on the driver's TCPStore under a
+generation prefix. Across groups, ranks at the same position sum gradients over a
+*replicate* process group built directly on the store, outside the default world, so it can
+be torn down and rebuilt when membership changes without touching the group's own world.
+
+Steps are transactions: ``train_step`` leaves its gradients pending, and the next request
+says whether the driver saw every rank succeed (apply them) or not (drop them).
+
+Methods in the ``control`` concurrency group run on a second thread, so the driver can
+probe or abort a rank whose training thread is stuck.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import warnings
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from checkpointing.healing import export_local_state, import_local_state
+from workers.protocol import BuildReport, InjectedFault, Progress, RankSpec, StepReport, StepRequest
+from workers.train_step import accumulate_gradients, collate, sum_across_groups
+
+PEER_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",
+    "Read error",
+    "Timed out",
+    "timed out",
+    "abort",
+    "NCCL",
+)
+
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+class InjectedCollectiveFailure(RuntimeError):
+    pass
+
+
+class CollectiveAborted(RuntimeError):
+    """The driver gave up on this step while this rank waited for a peer."""
+
+
+def is_peer_error(error: BaseException) -> bool:
+    """Whether the error says a *remote* rank failed, rather than this one."""
+    if isinstance(error, InjectedCollectiveFailure):
+        return False
+    return any(marker in str(error) for marker in PEER_ERROR_MARKERS)
+
+
+def burn_cpu(seconds: float) -> None:
+    """Busy work, so an injected slowdown shows in CPU time the way a slow device would."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec, hooks):
+        self.spec = spec
+        self.hooks = hooks
+        self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        if spec.use_gpu:
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(1)
+        self.timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
+        self.store = dist.TCPStore(
+            spec.store_host, spec.store_port, is_master=False, timeout=self.timeout, wait_for_workers=False
+        )
+        self.model = None
+        self.optimizer = None
+        self.replicate_group = None
+        self.pending = False
+        self.slow_factor = 1.0
+        self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
+        self._progress_lock = threading.Lock()
+        self._module_entries = 0
+        self._wake = threading.Event()
+        self._aborted = False
+        # Process groups given up with work in flight: destroying one would block until
+        # its collective times out, so they are kept until the process ends.
+        self._abandoned: list = []
+        self._set_progress(-1, "idle")
+
+    # progress, read by the control thread
+
+    def _set_progress(self, step: int, phase: str, micro_batch: int = 0) -> None:
+        with self._progress_lock:
+            self._step, self._phase, self._micro_batch = step, phase, micro_batch
+            self._phase_started = time.monotonic()
+            if phase == "data":
+                self._module_entries = 0
+
+    def _count_module_entry(self, *_args) -> None:
+        self._module_entries += 1
+
+    @ray.method(concurrency_group="control")
+    def probe(self) -> Progress:
+        with self._progress_lock:
+            return Progress(
+                self.spec.global_rank,
+                self._step,
+                self._phase,
+                self._micro_batch,
+                self._module_entries,
+                time.monotonic() - self._phase_started,
+            )
+
+    @ray.method(concurrency_group="control")
+    def abort_collectives(self) -> None:
+        """Release this rank's thread if it waits on the replicate group.
+
+        A rank stuck inside its group's FSDP or TP collectives cannot be released (gloo has
+        no abort for in-flight work); its group is rebuilt once the collective errors out.
+        """
+        self._aborted = True
+        self._wake.set()
+
+    def _wait_replicate(self, work) -> None:
+        done = threading.Event()
+        self._wake = done
+        future = work.get_future()
+        future.add_done_callback(lambda _: done.set())
+        if self._aborted:
+            done.set()
+        done.wait()
+        if not future.done():
+            raise CollectiveAborted(f"rank {self.spec.global_rank}: replicate all-reduce aborted by the driver")
+        work.wait()
+
+    # membership
+
+    def node(self) -> dict:
+        return {"ip": ray_node_ip(), "pid": os.getpid(), "global_rank": self.spec.global_rank}
+
+    def build(self, generation: int) -> BuildReport:
+        """(Re)join the group's world under ``generation`` and build a fresh model on its mesh."""
+        started = time.perf_counter()
+        spec = self.spec
+        self._leave_replicas()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo"
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen{generation}/group{spec.group}/", self.store),
+            rank=spec.group_rank,
+            world_size=spec.shard * spec.tp,
+            timeout=self.timeout,
+        )
+        mesh = init_device_mesh(self.device.type, (spec.shard, spec.tp), mesh_dim_names=("shard", "tp"))
+        torch.manual_seed(spec.seed)
+        with self.device:
+            model = self.hooks.model_fn()
+        self.model = self.hooks.parallelize_fn(model, mesh) or model
+        self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
+        self.mesh = mesh
+        self.pending = False
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # prepend: counted before FSDP's all-gather, so a rank blocked in compute lags
+                # the peers blocked in the next module's all-gather.
+                module.register_forward_pre_hook(self._count_module_entry, prepend=True)
+        return BuildReport(spec.global_rank, time.perf_counter() - started, ray_node_ip())
+
+    def _leave_replicas(self) -> None:
+        if self.replicate_group is not None:
+            self._abandoned.append(self.replicate_group)
+        self.replicate_group = None
+
+    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
+        started = time.perf_counter()
+        self._leave_replicas()
+        if replica_size > 1:
+            shard_index, tp_index = self.spec.position
+            store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
+            if self.spec.use_gpu:
+                self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size)
+            else:
+                self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+        return time.perf_counter() - started
+
+    # the step transaction
+
+    def _settle_pending(self, commit: bool) -> None:
+        if self.pending and commit:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.pending = False
+
+    def commit(self) -> None:
+        self._settle_pending(commit=True)
+
+    def _fire(self, fault: InjectedFault) -> None:
+        if fault.kind in ("kill", "kill-group"):
+            os._exit(1)
+        if fault.kind == "slow":
+            self.slow_factor = fault.factor
+        if fault.kind == "hang":
+            hang_in = next(
+                (m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model), self.model
+            )
+            hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
+
+    def _own_compute_clock(self) -> float:
+        if self.spec.use_gpu:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        # CPU time of this thread: excludes time blocked on peers in gloo collectives.
+        return time.thread_time()
+
+    def train_step(self, request: StepRequest) -> StepReport:
+        started = time.perf_counter()
+        rank = self.spec.global_rank
+        try:
+            self._aborted = False
+            self._set_progress(request.step, "data")
+            self._settle_pending(commit=request.commit_previous)
+            for fault in request.faults:
+                self._fire(fault)
+            batches = [collate(self.hooks.dataset, mb, self.device) for mb in request.micro_batches]
+            data_s = time.perf_counter() - started
+
+            self._set_progress(request.step, "compute")
+            compute_started = self._own_compute_clock()
+            loss_share = accumulate_gradients(
+                self.model,
+                self.hooks.loss_fn,
+                batches,
+                request.global_tokens,
+                on_micro_batch=lambda index: self._set_progress(request.step, "compute", index),
+            )
+            compute_s = self._own_compute_clock() - compute_started
+            extra = (self.slow_factor - 1.0) * compute_s
+            if request.noise:
+                extra += compute_s * request.noise * (1.0 + 2.0 * torch.rand((), generator=self.noise_rng).item() - 1.0)
+            burn_cpu(extra)
+            compute_s += extra
+
+            self._set_progress(request.step, "replicate")
+            comm_started = time.perf_counter()
+            if any(fault.kind == "fail-collective" for fault in request.faults):
+                self._leave_replicas()
+                raise InjectedCollectiveFailure(f"injected collective failure on rank {rank}")
+            if self.replicate_group is not None:
+                sum_across_groups(self.model, self.replicate_group, self._wait_replicate)
+            comm_s = time.perf_counter() - comm_started
+            self.pending = True
+            self._set_progress(request.step, "done")
+            return StepReport(
+                rank,
+                request.step,
+                loss_share=loss_share,
+                data_s=data_s,
+                compute_s=compute_s,
+                comm_s=comm_s,
+                wall_s=time.perf_counter() - started,
+            )
+        except Exception as error:  # any failure discards the step; the driver decides who is evicted
+            group_broken = self._phase in ("data", "compute")
+            self._leave_replicas()
+            self.optimizer.zero_grad(set_to_none=False)
+            self.pending = False
+            self._set_progress(request.step, "idle")
+            return StepReport(
+                rank,
+                request.step,
+                error=f"{type(error).__name__}: {error}"[:2000],
+                peer_error=is_peer_error(error),
+                group_broken=group_broken,
+                wall_s=time.perf_counter() - started,
+            )
+
+    # healing
+
+    def export_state(self) -> dict:
+        """Committed state only: the driver commits or discards pending gradients first."""
+        return export_local_state(self.model, self.optimizer)
+
+    def import_state(self, state: dict) -> None:
+        import_local_state(self.model, self.optimizer, state)
+        self.pending = False
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """Committed local parameter shards, for comparing final states across runs."""
+        return export_local_state(self.model, self.optimizer)["model"]
+
+
+def ray_node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+RankActor = ray.remote(concurrency_groups={"control": 1})(RankWorker)
