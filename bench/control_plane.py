@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         plan = plan_step(
             step, cursor, dataset_len=args.dataset_len, global_batch=args.global_batch, seed=args.seed,
-            group_weights=weights, shard=shard, micro_batch=args.micro_batch,
+            group_weights=weights,
         )
         cursor = plan.next_cursor
         t2 = time.perf_counter()

@@ -254,7 +254,7 @@ class Controller:
                 request = StepRequest(
                     generation=self.membership.generation,
                     step=self.step,
-                    micro_batches=group_plan.micro_batches_by_shard[shard_index],
+                    micro_batches=group_plan.micro_batches(shard_index, self.config.scaling.shard, self.config.micro_batch),
                     global_tokens=plan.global_samples * self.config.data.seq_len,
                     commit_previous=self.pending_commit,
                     faults=faults.get(rank, ()),
@@ -384,8 +384,6 @@ class Controller:
             global_batch=self.config.global_batch,
             seed=self.config.seed,
             group_weights=weights,
-            shard=self.config.scaling.shard,
-            micro_batch=self.config.micro_batch,
         )
         started = self.clock()
         refs = self.dispatch(plan)

@@ -11,9 +11,10 @@ an empty slot is a padding sample that carries no loss.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from workers.train_step import PADDING_INDEX
 
@@ -31,8 +32,20 @@ class DataCursor:
 @dataclass(frozen=True)
 class GroupPlan:
     group: int
-    samples: int
-    micro_batches_by_shard: tuple[MicroBatches, ...]
+    indices: np.ndarray
+
+    @property
+    def samples(self) -> int:
+        return len(self.indices)
+
+    def micro_batches(self, shard_index: int, shard: int, micro_batch: int) -> MicroBatches:
+        """The micro-batches of one shard position; cut at dispatch, one rank at a time."""
+        share, size = self.indices, len(self.indices)
+        part = share[shard_index * size // shard : (shard_index + 1) * size // shard].tolist()
+        widest = -(-size // shard)
+        n_micro = max(1, -(-widest // micro_batch))
+        chunks = [tuple(part[i * micro_batch : (i + 1) * micro_batch]) for i in range(n_micro)]
+        return tuple(chunk or (PADDING_INDEX,) for chunk in chunks)
 
 
 @dataclass(frozen=True)
@@ -45,15 +58,15 @@ class StepPlan:
 
 
 @lru_cache(maxsize=4)
-def epoch_order(dataset_len: int, seed: int, epoch: int) -> tuple[int, ...]:
-    order = list(range(dataset_len))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return tuple(order)
+def epoch_order(dataset_len: int, seed: int, epoch: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(dataset_len)
+    order.flags.writeable = False
+    return order
 
 
 def take_global_batch(
     cursor: DataCursor, dataset_len: int, batch: int, seed: int
-) -> tuple[tuple[int, ...], DataCursor]:
+) -> tuple[np.ndarray, DataCursor]:
     """The next ``batch`` indices; an epoch's tail shorter than a batch is skipped."""
     if batch > dataset_len:
         raise ValueError(f"global_batch={batch} exceeds the dataset's {dataset_len} samples")
@@ -75,16 +88,6 @@ def apportion(total: int, weights: dict[int, float]) -> dict[int, int]:
     return counts
 
 
-def split_share(share: tuple[int, ...], shard: int, micro_batch: int) -> tuple[MicroBatches, ...]:
-    per_position = [share[i * len(share) // shard : (i + 1) * len(share) // shard] for i in range(shard)]
-    n_micro = max(1, max(math.ceil(len(part) / micro_batch) for part in per_position))
-    plans = []
-    for part in per_position:
-        chunks = [part[i * micro_batch : (i + 1) * micro_batch] for i in range(n_micro)]
-        plans.append(tuple(chunk or (PADDING_INDEX,) for chunk in chunks))
-    return tuple(plans)
-
-
 def plan_step(
     step: int,
     cursor: DataCursor,
@@ -93,15 +96,12 @@ def plan_step(
     global_batch: int,
     seed: int,
     group_weights: dict[int, float],
-    shard: int,
-    micro_batch: int,
 ) -> StepPlan:
     indices, next_cursor = take_global_batch(cursor, dataset_len, global_batch, seed)
     counts = apportion(len(indices), group_weights)
     groups, start = {}, 0
     for group in sorted(group_weights):
-        share = indices[start : start + counts[group]]
+        groups[group] = GroupPlan(group, indices[start : start + counts[group]])
         start += counts[group]
-        groups[group] = GroupPlan(group, len(share), split_share(share, shard, micro_batch))
     started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
     return StepPlan(step, started_at, next_cursor, len(indices), groups)

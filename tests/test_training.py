@@ -1,0 +1,37 @@
+"""End-to-end training on real Ray actors with real gloo process groups."""
+
+import pytest
+
+from elastic import ElasticTrainer
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    losses, _ = reference_run(tiny_config(tmp_path_factory.mktemp("ref")), STEPS)
+    return losses
+
+
+@pytest.mark.parametrize("groups,shard,tp", [(1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1)])
+def test_losses_match_single_process_reference(ray_cluster, tmp_path, reference, groups, shard, tp):
+    config = tiny_config(tmp_path, groups=groups, min_groups=groups, shard=shard, tp=tp, steps=STEPS)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert result.summary["topology"] == {"groups": groups, "shard": shard, "tp": tp, "ranks": groups * shard * tp}
+    assert max_relative_difference(result.losses, reference) <= 1e-4
+    assert result.summary["steps_committed"] == STEPS
+    assert result.losses[-1] < result.losses[0] - 0.5
+
+
+def test_loss_does_not_depend_on_the_number_of_groups(ray_cluster, tmp_path):
+    runs = {}
+    for groups in (1, 2, 4):
+        config = tiny_config(tmp_path, groups=groups, min_groups=groups, steps=STEPS, run_name=f"split-{groups}")
+        result = ElasticTrainer(config).fit()
+        assert result.ok, result.exit
+        runs[groups] = result.losses
+    assert max_relative_difference(runs[2], runs[1]) <= 1e-5
+    assert max_relative_difference(runs[4], runs[1]) <= 1e-5

@@ -1,0 +1,27 @@
+"""Tiny job configs for tests: a step is tens of milliseconds."""
+
+from elastic.config import build_config
+
+
+def tiny_config(tmp_path, *, groups=1, shard=1, tp=1, steps=20, **overrides):
+    values = {
+        "run_name": overrides.pop("run_name", "test"),
+        "storage": str(tmp_path / "runs"),
+        "steps": steps,
+        "global_batch": 8,
+        "micro_batch": 2,
+        "seed": 3,
+        "scaling": {"min_groups": overrides.pop("min_groups", 1), "max_groups": groups, "shard": shard, "tp": tp,
+                    "cpus_per_rank": 0.25},
+        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
+        "data": {"seq_len": 32, "corpus_tokens": 40_000},
+        "fault_tolerance": {"first_step_deadline_s": 120, "collective_timeout_s": 20,
+                            "capacity_timeout_s": overrides.pop("capacity_timeout_s", 60)},
+    }
+    for key, value in overrides.items():
+        section, _, leaf = key.partition("__")
+        if leaf:
+            values.setdefault(section, {})[leaf] = value
+        else:
+            values[key] = value
+    return build_config(values)
