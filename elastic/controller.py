@@ -196,7 +196,6 @@ class Controller:
         seconds = self.clock() - started
         if self.recovery is not None:
             self.recovery.rebuild_s += seconds
-        self.deadline.reset()
         self.events.emit("groups-rebuilt", generation=quorum.generation, groups=list(quorum.groups), seconds=round(seconds, 4))
         self.metrics.generation.set(quorum.generation)
         self.metrics.live_groups.set(len(quorum.groups))

@@ -17,10 +17,6 @@ class StepDeadline:
     def record(self, step_s: float) -> None:
         self.recent.append(step_s)
 
-    def reset(self) -> None:
-        """After a membership change the next step warms up again (new process groups)."""
-        self.recent.clear()
-
     def seconds(self) -> float:
         if len(self.recent) < 3:
             return self.first_s
