@@ -447,6 +447,12 @@ class Controller:
             for _ in range(self.config.scaling.max_groups):
                 self.reserve_group()
             self.settle_membership()
+            # Start with every group the cluster could place, not just the minimum.
+            give_up = self.clock() + self.config.fault_tolerance.first_step_deadline_s
+            while any(t.stage in ("starting", "building") for t in self.joining.values()) and self.clock() < give_up:
+                self.advance_joining()
+                time.sleep(0.02)
+            self.join_ready_groups()
         self.training_started_at = self.clock()
 
     def train(self) -> None:

@@ -1,0 +1,73 @@
+"""Fault tolerance in place, on real Ray actors: each detection path, then several at once."""
+
+import pytest
+import torch
+
+from elastic import ElasticTrainer
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+
+FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
+
+
+def failed(summary):
+    return [(e["rank"], e["cause"]) for e in summary["events"] if e["kind"] == "rank-failed"]
+
+
+@pytest.mark.parametrize(
+    "inject,culprit,cause",
+    [
+        ("kill:rank=3,step=5", 3, "death"),
+        ("fail-collective:rank=2,step=5", 2, "collective-error"),
+        ("hang:rank=1,step=5", 1, "hang"),
+    ],
+)
+def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path, inject, culprit, cause):
+    steps = 12
+    config = tiny_config(tmp_path, groups=2, shard=2, steps=steps, fault_tolerance__inject=inject, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    summary = result.summary
+    assert result.ok, result.exit
+    assert failed(summary) == [(culprit, cause)]
+    assert summary["steps_discarded"] >= 1
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+    [recovered] = [e for e in summary["events"] if e["kind"] == "recovered"]
+    assert recovered["cause"] == cause and recovered["total_s"] > 0
+
+
+def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
+    steps = 150
+    inject = "kill:rank=1,step=7;kill-group:group=1,step=15;hang:rank=0,step=22"
+    config = tiny_config(tmp_path, groups=3, shard=2, steps=steps, fault_tolerance__inject=inject, **FAST_DETECTION)
+    result = ElasticTrainer(config, keep_final_state=True).fit()
+    summary = result.summary
+    assert result.ok, result.exit
+    reference_losses, reference_params = reference_run(config, steps)
+    assert len(result.losses) == steps == summary["steps_committed"]
+    assert [r["step"] for r in summary["steps"]] == list(range(steps))
+    assert max_relative_difference(result.losses, reference_losses) <= 1e-5
+    causes = {cause for _, cause in failed(summary)}
+    assert {"death", "hang"} <= causes
+    assert summary["steps_discarded"] == len([e for e in summary["events"] if e["kind"] == "step-discarded"])
+    assert [e for e in summary["events"] if e["kind"] == "group-healed"]
+    shards = result.final_state
+    for index, expected in enumerate(reference_params):
+        full = torch.cat([shards[(0, 0)][index], shards[(1, 0)][index]])
+        torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_single_group_without_peer_stops_clearly(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=10, fault_tolerance__inject="kill:rank=1,step=3",
+                         **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert not result.ok
+    assert "no live group holds the state" in result.exit
+
+
+def test_below_minimum_stops_with_a_clear_message(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, groups=1, min_groups=1, shard=1, steps=5, scaling__cpus_per_rank=64.0)
+    from elastic.config import ConfigError
+
+    with pytest.raises(ConfigError, match="but the cluster has"):
+        ElasticTrainer(config).fit()
