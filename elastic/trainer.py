@@ -66,16 +66,20 @@ def connect_ray() -> bool:
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(log_to_driver=True)
         return False
-    # A local instance on loopback only; gloo follows the same interface.
+    start_local_ray()
+    return True
+
+
+def start_local_ray(**options) -> None:
+    """A local Ray instance on loopback only; gloo follows the same interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        log_to_driver=True,
         configure_logging=False,
         runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
+        **{"log_to_driver": True, **options},
     )
-    return True
 
 
 class ElasticTrainer:

@@ -1,21 +1,12 @@
-import os
-
 import pytest
 import ray
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+from elastic.trainer import start_local_ray
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance on loopback for the whole session."""
-    ray.init(
-        num_cpus=8,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        configure_logging=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
-    )
+    start_local_ray(num_cpus=8, log_to_driver=False)
     yield ray
     ray.shutdown()
