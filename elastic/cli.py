@@ -74,6 +74,11 @@ def train_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
+# A preempted run exits like a process killed by SIGTERM, so a retry policy (a RayJob's
+# backoffLimit, a scheduler) runs it again, and the rerun resumes from its checkpoint.
+EXIT_CODES = {"completed": 0, "preempted": 143}
+
+
 def run_train(args: argparse.Namespace) -> int:
     from elastic.trainer import ElasticTrainer
 
@@ -84,9 +89,10 @@ def run_train(args: argparse.Namespace) -> int:
     print(
         f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
         f"{summary['steps_discarded']} discarded; final loss {summary['final_loss']}; "
-        f"goodput {summary['goodput']:.1%}; summary at {result.summary_path}"
+        f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
+        f"summary at {result.summary_path}"
     )
-    return 0 if result.ok else 1
+    return EXIT_CODES.get(result.exit, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

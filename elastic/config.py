@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from checkpointing.storage import StorageOptions
+
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -108,11 +110,16 @@ class OptimizerConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: NonNegativeInt = 0
+    every: NonNegativeInt = 20
     keep: PositiveInt = 3
     grace_s: PositiveFloat = 30.0
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
+    s3_max_attempts: PositiveInt = 4
+
+    def storage_options(self) -> StorageOptions:
+        """Config fields win; otherwise boto reads AWS_ENDPOINT_URL, AWS_REGION and credentials."""
+        return StorageOptions(endpoint_url=self.s3_endpoint_url, region=self.s3_region, max_attempts=self.s3_max_attempts)
 
 
 class FaultToleranceConfig(Section):

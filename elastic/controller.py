@@ -10,12 +10,15 @@ and runs again; groups that lost a rank sit out while their replacement starts a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError
 
+from checkpointing.manager import Restorable
+from elastic.checkpointer import Checkpointer
 from elastic.config import TrainConfig
 from elastic.data_plan import DataCursor, StepPlan, plan_step
 from elastic.diagnosis import Diagnosis, diagnose, least_progressed
@@ -26,6 +29,7 @@ from elastic.goodput import TimeLedger
 from elastic.membership import Membership
 from elastic.metrics import Metrics
 from elastic.policies import FailurePolicy, ScalingPolicy, StepDeadline
+from elastic.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from workers.protocol import InjectedFault, StepReport, StepRequest
 
 log = logging.getLogger("elastic.controller")
@@ -61,7 +65,8 @@ class OpenRecovery:
 class Controller:
     def __init__(self, config: TrainConfig, fleet: Fleet, membership: Membership, faults: list[Fault],
                  dataset_len: int, events: EventLog, ledger: TimeLedger, metrics: Metrics,
-                 clock=time.monotonic, on_step=None):
+                 clock=time.monotonic, on_step=None, checkpointer: Checkpointer | None = None,
+                 resume: Restorable | None = None, stop_requested: threading.Event | None = None):
         self.config = config
         self.fleet = fleet
         self.membership = membership
@@ -72,6 +77,9 @@ class Controller:
         self.metrics = metrics
         self.clock = clock
         self.on_step = on_step or (lambda record: None)
+        self.checkpointer = checkpointer
+        self.resume = resume
+        self.stop_requested = stop_requested or threading.Event()
         ft = config.fault_tolerance
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
@@ -89,6 +97,13 @@ class Controller:
         self.recovery: OpenRecovery | None = None
         self.training_started_at: float | None = None
         self.tokens_committed = 0
+        self.first_step = 0
+        self.steps_rolled_back = 0
+        self.stragglers = (
+            StragglerMitigation(config.stragglers, config.global_batch, events, metrics, clock)
+            if config.stragglers.enabled else None
+        )
+        self.straggler_actions = NO_ACTIONS  # decided at the last commit, applied at the next boundary
 
     # membership at step boundaries
 
@@ -132,6 +147,8 @@ class Controller:
             ray.get(task.refs)
             for rank in task.ranks_to_start:
                 self.membership.replaced(rank)
+                if self.stragglers is not None:
+                    self.stragglers.forget(rank)  # a fresh process: its speed is not the old one's
             self.world_generation += 1
             ranks = self.membership.global_ranks(task.group)
             task.refs = list(self.fleet.call(ranks, "build", self.world_generation).values())
@@ -147,13 +164,10 @@ class Controller:
             return False
         live = self.membership.live_groups()
         if self.has_state:
-            if not live:
-                raise TrainingStopped(
-                    f"group(s) {ready} rebuilt but no live group holds the state to heal from, "
-                    "and there is no committed checkpoint to recover from; "
-                    "run with at least two replica groups (--groups 2) or enable checkpoints"
-                )
-            self._heal_from_peers(ready, live[0])
+            if live:
+                self._heal_from_peers(ready, live[0])
+            else:
+                self._restore_from_checkpoint(ready)
         for group in ready:
             del self.joining[group]
         self.membership.join(ready)
@@ -183,6 +197,36 @@ class Controller:
         for group in groups:
             self.events.emit("group-healed", group=group, source_group=source_group, seconds=round(seconds, 4))
             self.metrics.heal_seconds.observe(seconds)
+
+    def _restore_from_checkpoint(self, groups: list[int]) -> None:
+        """No live peer holds the state: roll back to the latest committed checkpoint."""
+        checkpoint = self.checkpointer.latest() if self.checkpointer else None
+        if checkpoint is None:
+            raise TrainingStopped(
+                f"group(s) {groups} rebuilt but no live group holds the state to heal from, "
+                "and there is no committed checkpoint to recover from; "
+                "run with at least two replica groups (--groups 2) or checkpoint more often (--checkpoint-every N)"
+            )
+        ranks = [r for g in groups for r in self.membership.global_ranks(g)]
+        seconds = self.checkpointer.restore(checkpoint, ranks)
+        rolled_back = self.step - checkpoint.step
+        self.rewind(checkpoint)
+        self.steps_rolled_back += rolled_back
+        self.metrics.steps_rolled_back.inc(rolled_back)
+        self.events.emit(
+            "restored-from-checkpoint", step=checkpoint.step, groups=groups, rolled_back_steps=rolled_back,
+            seconds=round(seconds, 4),
+        )
+
+    def rewind(self, checkpoint: Restorable) -> None:
+        """Continue from a checkpoint's step and data cursor; later committed steps rerun."""
+        self.step = checkpoint.step
+        self.cursor = DataCursor(**checkpoint.manifest.cursor)
+        kept = max(0, self.step - self.first_step)
+        del self.losses[kept:]
+        del self.step_records[kept:]
+        self.pending_commit = False
+        self.has_state = True
 
     def rebuild_replicas(self) -> None:
         started = self.clock()
@@ -225,6 +269,39 @@ class Controller:
                     "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
             time.sleep(0.05)
+
+    def report_open_mitigations(self) -> None:
+        """Emit the straggler decisions still being measured, with what was measured so far."""
+        if self.stragglers is not None:
+            self.stragglers.close()
+
+    def mitigate_stragglers(self) -> None:
+        """Apply the straggler decisions of the last committed step at this boundary."""
+        actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
+        if actions.weights is not None:
+            self.weights = dict(actions.weights)
+        live = set(self.membership.live_groups())
+        changed = False
+        for rank in actions.replace:
+            if self.membership.group_of(rank) not in live:
+                continue  # its group already left the quorum (a failure since the decision)
+            self.fleet.kill(rank)
+            group = self.membership.evict_rank(rank)
+            self.events.emit("rank-evicted", rank=rank, group=group, cause="straggler")
+            self.metrics.evictions.labels(cause="straggler").inc()
+            self.heal_group(group)
+            changed = True
+        for group in actions.evict_groups:
+            if group not in live:
+                continue
+            self.fleet.kill_group(group)
+            self.membership.remove_group(group)
+            for rank in self.membership.global_ranks(group):
+                self.stragglers.forget(rank)
+            self.events.emit("group-evicted", group=group, cause="straggler")
+            changed = True
+        if changed and self.membership.live_groups():
+            self.rebuild_replicas()
 
     # the step transaction
 
@@ -345,6 +422,11 @@ class Controller:
         for group in sorted(diagnosis.broken_groups):
             self.membership.mark_broken(group)
             self.heal_group(group)
+        if self.checkpointer is not None:
+            failed_ranks = [*diagnosis.culprits, *diagnosis.stuck]
+            self.checkpointer.abandon_if_lost(
+                set(diagnosis.broken_groups) | {self.membership.group_of(rank) for rank in failed_ranks}
+            )
         if self.recovery is None:
             self.recovery = OpenRecovery(diagnosis.cause, dict(diagnosis.culprits), step_started, detected - step_started)
         self.events.emit(
@@ -420,6 +502,11 @@ class Controller:
             "group_samples": {str(g): gp.samples for g, gp in plan.groups.items()},
         }
         self.step_records.append(record)
+        if self.stragglers is not None:
+            self.straggler_actions = self.stragglers.on_step(
+                self.step, reports, {rank: self.membership.group_of(rank) for rank in reports},
+                plan.groups.samples(), self.fleet.has_spare_slot(), self.config.scaling.min_groups,
+            )
         self.step += 1
         self.close_recovery()
         self._export_step_metrics(record, reports)
@@ -453,15 +540,54 @@ class Controller:
                 self.advance_joining()
                 time.sleep(0.02)
             self.join_ready_groups()
+            if self.resume is not None:
+                self.resume_from(self.resume)
         self.training_started_at = self.clock()
 
-    def train(self) -> None:
+    def resume_from(self, checkpoint: Restorable) -> None:
+        ranks = [r for g in self.membership.live_groups() for r in self.membership.global_ranks(g)]
+        seconds = self.checkpointer.restore(checkpoint, ranks)
+        self.first_step = checkpoint.step
+        self.rewind(checkpoint)
+        self.events.emit("resumed", step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
+
+    def train(self) -> str:
+        """Run to the configured step count, or until a stop is requested; returns the exit."""
         while self.step < self.config.steps:
+            if self.stop_requested.is_set():
+                self.report_open_mitigations()
+                self.save_final("preempted")
+                return "preempted"
             # Growing, healing and joining groups at the boundary is elasticity overhead.
             with self.ledger.timing("recovery"):
+                self.mitigate_stragglers()
                 self.settle_membership()
-            self.run_step()
+            if self.run_step():
+                self.maybe_checkpoint()
+        self.report_open_mitigations()
+        self.save_final("completed")
+        return "completed"
+
+    def _saving_group(self) -> tuple[int, list[int]]:
+        group = self.membership.live_groups()[0]
+        return group, list(self.membership.global_ranks(group))
+
+    def maybe_checkpoint(self) -> None:
+        if self.checkpointer is None or not self.checkpointer.wants_save(self.step):
+            return
         self.commit_live()
+        self.checkpointer.start(self.step, self.cursor, *self._saving_group())
+
+    def save_final(self, reason: str) -> None:
+        """Commit the last step's gradients and checkpoint it within the grace period."""
+        self.commit_live()
+        if self.checkpointer is None or not self.membership.live_groups():
+            return
+        grace_s = self.config.checkpoint.grace_s
+        with self.ledger.timing("checkpoint_stall"):
+            committed = self.checkpointer.finish(self.step, self.cursor, *self._saving_group(), self.clock() + grace_s)
+        if not committed:
+            self.events.emit("final-checkpoint-missed", step=self.step, reason=reason, grace_s=grace_s)
 
     def final_state(self) -> dict[int, list]:
         """Committed local parameter shards of the first live group, by position."""

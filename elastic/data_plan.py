@@ -6,11 +6,14 @@ to their weights (equal unless the straggler policy rebalances), each share acro
 group's shard positions, and each position's part into micro-batches. Every shard position
 of a group gets the same number of micro-batches because FSDP collectives run in lockstep;
 an empty slot is a padding sample that carries no loss.
+
+The split is computed on arrays (a driver may plan for thousands of groups every step); a
+group's ``GroupPlan`` is a view made when dispatch asks for it.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,13 +51,37 @@ class GroupPlan:
         return tuple(chunk or (PADDING_INDEX,) for chunk in chunks)
 
 
+class GroupPlans(Mapping[int, GroupPlan]):
+    """Each live group's contiguous share of the global batch, by group id (ascending)."""
+
+    def __init__(self, groups: np.ndarray, bounds: np.ndarray, indices: np.ndarray):
+        self._groups = groups  # sorted group ids
+        self._bounds = bounds  # share g is indices[bounds[i] : bounds[i + 1]]
+        self._indices = indices
+        self._position = dict(zip(groups.tolist(), range(len(groups))))
+
+    def __getitem__(self, group: int) -> GroupPlan:
+        i = self._position[group]
+        return GroupPlan(group, self._indices[self._bounds[i] : self._bounds[i + 1]])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._position)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def samples(self) -> dict[int, int]:
+        """Samples per group, without making the per-group views."""
+        return dict(zip(self._groups.tolist(), np.diff(self._bounds).tolist()))
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step: int
     cursor: DataCursor
     next_cursor: DataCursor
     global_samples: int
-    groups: dict[int, GroupPlan]
+    groups: GroupPlans
 
 
 @lru_cache(maxsize=4)
@@ -77,15 +104,27 @@ def take_global_batch(
     return indices, DataCursor(cursor.epoch, cursor.position + batch)
 
 
-def apportion(total: int, weights: dict[int, float]) -> dict[int, int]:
-    """Largest-remainder split of ``total`` items in proportion to ``weights``."""
-    weight_sum = sum(weights.values())
-    exact = {key: total * weight / weight_sum for key, weight in weights.items()}
-    counts = {key: math.floor(value) for key, value in exact.items()}
-    by_remainder = sorted(weights, key=lambda key: (counts[key] - exact[key], key))
-    for key in by_remainder[: total - sum(counts.values())]:
-        counts[key] += 1
+def apportion_array(total: int, weights: np.ndarray, weight_sum: float | None = None) -> np.ndarray:
+    """Largest-remainder split of ``total`` items in proportion to ``weights``; ties in the
+    remainder go to the lower position. ``weight_sum`` lets a caller pass the sum it
+    computed (``apportion`` passes Python's left-to-right sum, so results stay bit-identical)."""
+    weight_sum = float(weights.sum()) if weight_sum is None else weight_sum
+    exact = total * weights / weight_sum
+    counts = np.floor(exact).astype(np.int64)
+    left = total - int(counts.sum())
+    if left:
+        # lexsort's last key is the primary one: largest remainder first, then position.
+        by_remainder = np.lexsort((np.arange(len(weights)), counts - exact))
+        counts[by_remainder[:left]] += 1
     return counts
+
+
+def apportion(total: int, weights: dict[int, float]) -> dict[int, int]:
+    """Largest-remainder split of ``total`` items in proportion to ``weights`` (ties: lower key)."""
+    keys = sorted(weights)
+    values = [weights[key] for key in keys]
+    counts = apportion_array(total, np.array(values, dtype=np.float64), sum(weights.values()))
+    return dict(zip(keys, counts.tolist()))
 
 
 def plan_step(
@@ -98,10 +137,11 @@ def plan_step(
     group_weights: dict[int, float],
 ) -> StepPlan:
     indices, next_cursor = take_global_batch(cursor, dataset_len, global_batch, seed)
-    counts = apportion(len(indices), group_weights)
-    groups, start = {}, 0
-    for group in sorted(group_weights):
-        groups[group] = GroupPlan(group, indices[start : start + counts[group]])
-        start += counts[group]
+    groups = sorted(group_weights)
+    weights = np.array([group_weights[group] for group in groups], dtype=np.float64)
+    counts = apportion_array(len(indices), weights, sum(group_weights.values()))
+    bounds = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    plans = GroupPlans(np.array(groups, dtype=np.int64), bounds, indices)
     started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
-    return StepPlan(step, started_at, next_cursor, len(indices), groups)
+    return StepPlan(step, started_at, next_cursor, len(indices), plans)

@@ -68,6 +68,12 @@ class Fleet:
         ready, _ = ray.wait([self.placements[group].ready()], timeout=timeout)
         return bool(ready)
 
+    def has_spare_slot(self) -> bool:
+        """Whether the cluster could place one more rank now, outside every reserved group."""
+        free = ray.available_resources()
+        return (free.get("CPU", 0.0) >= self.scaling.cpus_per_rank
+                and free.get("GPU", 0.0) >= self.scaling.gpus_per_rank)
+
     def release(self, group: int) -> None:
         placement = self.placements.pop(group, None)
         if placement is not None:
@@ -89,6 +95,7 @@ class Fleet:
             store_host=self.rendezvous.host,
             store_port=self.rendezvous.port,
             collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
+            storage=self.config.checkpoint.storage_options(),
         )
 
     def start_rank(self, global_rank: int) -> ray.ObjectRef:

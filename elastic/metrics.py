@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from elastic.diagnosis import COLLECTIVE_ERROR, DEATH, HANG
+from elastic.goodput import CATEGORIES
+from elastic.straggler_policy import ACTIONS
+
+# The bounded label values, created at zero before anything happens: Prometheus only sees a
+# counter's first increment if it scraped the series before it, so increase() over a fresh
+# series misses the first failure, and panels would show "no data" instead of 0.
+RECOVERY_CAUSES = (DEATH, HANG, COLLECTIVE_ERROR)
+EVICTION_CAUSES = (*RECOVERY_CAUSES, "stuck-in-collective", "straggler")
+
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -31,6 +41,9 @@ class Metrics:
         self.step = Gauge("elastic_step", "Last committed step", **labels)
         self.steps_committed = Counter("elastic_steps_committed", "Steps committed", **labels)
         self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
+        self.steps_rolled_back = Counter(
+            "elastic_steps_rolled_back", "Committed steps rerun after restoring a checkpoint (no live peer)", **labels
+        )
         self.recoveries = Counter("elastic_recoveries", "Recoveries by cause", ["cause"], **labels)
         self.recovery_seconds = Histogram(
             "elastic_recovery_seconds", "Failure detection to next committed step", ["cause"],
@@ -65,6 +78,15 @@ class Metrics:
         )
         self.info = Gauge("elastic_run_info", "Run identity", ["run"], **labels)
         self.info.labels(run=run).set(1)
+        for cause in RECOVERY_CAUSES:
+            self.recoveries.labels(cause=cause)
+            self.recovery_seconds.labels(cause=cause)
+        for cause in EVICTION_CAUSES:
+            self.evictions.labels(cause=cause)
+        for action in ACTIONS:
+            self.straggler_mitigations.labels(action=action)
+        for category in CATEGORIES:
+            self.time_seconds.labels(category=category)
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics``; port 0 picks a free port. Returns the bound port."""

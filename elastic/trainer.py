@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import fsspec
 import ray
 
+from checkpointing.manager import CheckpointManager
+from checkpointing.storage import join_url
+from elastic.checkpointer import Checkpointer
 from elastic.config import ConfigError, TrainConfig, check_capacity
 from elastic.controller import Controller, TrainingStopped
 from elastic.events import EventLog
@@ -31,8 +36,10 @@ def default_run_name() -> str:
     return f"run-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def join_url(*parts: str) -> str:
-    return "/".join([parts[0].rstrip("/"), *(p.strip("/") for p in parts[1:])])
+def config_hash(config: TrainConfig) -> str:
+    """What a checkpoint's state depends on; scaling and schedule may change across a resume."""
+    relevant = config.model_dump(mode="json", include={"model", "data", "optimizer", "seed", "global_batch"})
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -55,6 +62,10 @@ class RunResult:
     def ok(self) -> bool:
         return self.exit == "completed"
 
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self.summary["last_checkpoint"]
+
 
 def connect_ray() -> bool:
     """Join the surrounding cluster (RAY_ADDRESS, ray job submit) or start a local one.
@@ -74,6 +85,7 @@ def start_local_ray(**options) -> None:
     """A local Ray instance on loopback only; gloo follows the same interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ray.init(
+        address="local",  # a new instance, even when another one runs on this machine
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         configure_logging=False,
@@ -112,6 +124,7 @@ class ElasticTrainer:
         events = EventLog(clock)
         ledger = TimeLedger(clock)
         metrics = Metrics(self.run_name)
+        stop = threading.Event()
         fleet = None
         controller = None
         exit_reason = "completed"
@@ -123,14 +136,20 @@ class ElasticTrainer:
                 events.emit("metrics-serving", address=f"{self.config.metrics.host}:{port}")
             membership = Membership(self.config.scaling.shard, self.config.scaling.tp)
             fleet = Fleet(self.config, self.hooks, membership, Rendezvous.start())
-            with ProgressBar(self.config.steps, enabled=self.progress) as bar:
+            checkpointer = self._checkpointer(fleet, events, ledger, metrics, clock)
+            resume = checkpointer.latest()
+            checkpointer.prune()
+            with ProgressBar(self.config.steps, enabled=self.progress) as bar, stop_on_signals(stop, events):
                 controller = Controller(
                     self.config, fleet, membership, self.faults, self.dataset_len, events, ledger, metrics,
-                    clock=clock, on_step=bar.update,
+                    clock=clock, on_step=bar.update, checkpointer=checkpointer, resume=resume, stop_requested=stop,
                 )
-                events.emit("run-started", run=self.run_name, steps=self.config.steps)
+                events.emit("run-started", run=self.run_name, steps=self.config.steps,
+                            resume_from=resume.step if resume else None)
+                if resume is not None:
+                    bar.skip_to(resume.step)
                 controller.start()
-                controller.train()
+                exit_reason = controller.train()
             if self.keep_final_state:
                 final_state = controller.final_state()
         except TrainingStopped as error:
@@ -146,38 +165,76 @@ class ElasticTrainer:
                 ray.shutdown()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
 
+    def _checkpointer(self, fleet, events, ledger, metrics, clock) -> Checkpointer:
+        settings = self.config.checkpoint
+        manager = CheckpointManager(self.run_dir, settings.storage_options(), settings.every, settings.keep)
+        scaling = self.config.scaling
+        topology = {"shard": scaling.shard, "tp": scaling.tp, "max_groups": scaling.max_groups}
+        return Checkpointer(manager, fleet, events, ledger, metrics, topology, config_hash(self.config), clock)
+
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling
         wall = ledger.wall()
         tokens = controller.tokens_committed if controller else 0
         losses = controller.losses if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
+        resumed = controller.resume.step if controller and controller.resume else None
+        last_checkpoint = None
+        if controller and controller.checkpointer and controller.checkpointer.last_committed_step is not None:
+            last_checkpoint = controller.checkpointer.manager.url(controller.checkpointer.last_committed_step)
         return {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),
             "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
+            "resumed_from_step": resumed,
+            "first_step": controller.first_step if controller else 0,
             "steps_committed": len(losses),
             "steps_discarded": controller.steps_discarded if controller else 0,
+            "steps_rolled_back": controller.steps_rolled_back if controller else 0,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
+            "last_checkpoint": last_checkpoint,
             "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "goodput": ledger.goodput(),
             "time_breakdown": ledger.breakdown(),
-            "resumed_from_step": None,
             "steps": controller.step_records if controller else [],
             "events": events.events,
             "exit": exit_reason,
         }
 
     def _write_summary(self, summary: dict) -> str:
-        fs, path = fsspec.core.url_to_fs(self.run_dir)
+        fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)
         fs.makedirs(path, exist_ok=True)
-        summary_path = join_url(self.run_dir, "summary.json")
-        with fsspec.open(summary_path, "w") as handle:
+        with fs.open(f"{path}/summary.json", "w") as handle:
             json.dump(summary, handle, indent=1, default=str)
-        return summary_path
+        return join_url(self.run_dir, "summary.json")
+
+
+class stop_on_signals:
+    """SIGTERM (preemption, ``ray job stop``, pod eviction) and Ctrl-C ask the controller to
+    stop at the next step boundary with a checkpoint, instead of killing the driver mid-step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, stop: threading.Event, events: EventLog):
+        self.stop, self.events, self.previous = stop, events, {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt  # a second signal: the user insists
+        self.stop.set()
+        self.events.emit("stop-requested", signal=signal.Signals(signum).name)
+
+    def __enter__(self) -> stop_on_signals:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class ProgressBar:
@@ -192,6 +249,10 @@ class ProgressBar:
 
             self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True)
         return self
+
+    def skip_to(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step)
 
     def update(self, record: dict) -> None:
         if self.bar is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from checkpointing.storage import StorageOptions
+
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -18,6 +20,7 @@ class RankSpec:
     store_host: str
     store_port: int
     collective_timeout_s: float
+    storage: StorageOptions = StorageOptions()
 
     @property
     def group_rank(self) -> int:

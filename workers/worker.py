@@ -10,7 +10,8 @@ Steps are transactions: ``train_step`` leaves its gradients pending, and the nex
 says whether the driver saw every rank succeed (apply them) or not (drop them).
 
 Methods in the ``control`` concurrency group run on a second thread, so the driver can
-probe or abort a rank whose training thread is stuck.
+probe or abort a rank whose training thread is stuck; ``finish_checkpoint`` waits for a
+background upload on a third, while training goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
+from checkpointing.rank_checkpoint import RankCheckpointer, UploadResult
 from workers.protocol import BuildReport, InjectedFault, Progress, RankSpec, StepReport, StepRequest
 from workers.train_step import accumulate_gradients, collate, sum_across_groups
 
@@ -93,6 +95,7 @@ class RankWorker:
         # Process groups given up with work in flight: destroying one would block until
         # its collective times out, so they are kept until the process ends.
         self._abandoned: list = []
+        self.checkpointer = RankCheckpointer(spec.storage, spec.global_rank)
         self._set_progress(-1, "idle")
 
     # progress, read by the control thread
@@ -152,6 +155,7 @@ class RankWorker:
         spec = self.spec
         self._leave_replicas()
         if dist.is_initialized():
+            self.checkpointer.settle(spec.collective_timeout_s)
             dist.destroy_process_group()
         backend = "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo"
         dist.init_process_group(
@@ -162,6 +166,7 @@ class RankWorker:
             timeout=self.timeout,
         )
         mesh = init_device_mesh(self.device.type, (spec.shard, spec.tp), mesh_dim_names=("shard", "tp"))
+        self.checkpointer.attach(dist.new_group(backend="gloo", timeout=self.timeout))
         torch.manual_seed(spec.seed)
         with self.device:
             model = self.hooks.model_fn()
@@ -294,6 +299,21 @@ class RankWorker:
         import_local_state(self.model, self.optimizer, state)
         self.pending = False
 
+    # checkpoints
+
+    def save_checkpoint(self, url: str) -> float:
+        """Stage committed state for an async upload to ``url``; returns the stall in seconds."""
+        return self.checkpointer.save(self.model, self.optimizer, url)
+
+    @ray.method(concurrency_group="checkpoint")
+    def finish_checkpoint(self) -> UploadResult:
+        return self.checkpointer.wait()
+
+    def load_checkpoint(self, url: str) -> float:
+        seconds = self.checkpointer.load(self.model, self.optimizer, url)
+        self.pending = False
+        return seconds
+
     def local_parameters(self) -> list[torch.Tensor]:
         """Committed local parameter shards, for comparing final states across runs."""
         return export_local_state(self.model, self.optimizer)["model"]
@@ -303,4 +323,4 @@ def ray_node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-RankActor = ray.remote(concurrency_groups={"control": 1})(RankWorker)
+RankActor = ray.remote(concurrency_groups={"control": 1, "checkpoint": 1})(RankWorker)

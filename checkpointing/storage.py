@@ -1,0 +1,65 @@
+"""Storage URLs: a local directory or any fsspec URL (``s3://bucket/prefix`` through s3fs).
+
+S3 settings come from the config (endpoint, region) on top of the standard AWS environment
+(``AWS_ENDPOINT_URL``, ``AWS_REGION``, credentials and profiles), which boto reads itself:
+credentials never pass through this code, so they cannot end up in a log or a summary.
+Transient S3 errors are retried with exponential backoff by s3fs and botocore's
+``standard`` retry mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import fsspec
+
+HASH_CHUNK = 8 << 20
+
+
+def join_url(*parts: str) -> str:
+    return "/".join([parts[0].rstrip("/"), *(p.strip("/") for p in parts[1:])])
+
+
+def is_s3(url: str) -> bool:
+    return url.startswith(("s3://", "s3a://"))
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """What a process needs to open the run's storage; plain data, so it travels to actors."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    max_attempts: int = 4
+
+    def for_url(self, url: str) -> dict:
+        if not is_s3(url):
+            return {}
+        client_kwargs = {}
+        if self.endpoint_url:
+            client_kwargs["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client_kwargs["region_name"] = self.region
+        retries = {"max_attempts": self.max_attempts, "mode": "standard"}
+        return {
+            "client_kwargs": client_kwargs,
+            "config_kwargs": {"retries": retries, "connect_timeout": 5, "read_timeout": 60},
+        }
+
+    def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, path = fsspec.core.url_to_fs(url, **self.for_url(url))
+        # s3fs caches listings; checkpoints appear and vanish under our feet.
+        fs.invalidate_cache()
+        return fs, path
+
+
+def file_digest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    """Size and sha256 of a stored file, read back from storage (so it checks what landed)."""
+    digest = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()

@@ -1,0 +1,184 @@
+"""The driver's side of checkpoints: when to save, which group saves, when a save is committed.
+
+One healthy replica group saves (groups hold identical state). Training stalls only while its
+ranks copy the state to CPU; their uploads then run in the background while steps go on. At
+each step boundary the driver polls the uploads; once every rank of the saving group
+finished, it writes the commit manifest and prunes old and partial checkpoints. One save is
+in flight at a time: a save that falls due meanwhile is deferred (and counted) until the
+boundary after the upload ends. A failed upload, or a saving group that breaks, is never
+committed; the next due save tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import ray
+from ray.exceptions import RayError
+
+from checkpointing.manager import CheckpointManager, Restorable
+from elastic.data_plan import DataCursor
+from elastic.events import EventLog
+from elastic.fleet import Fleet
+from elastic.goodput import TimeLedger
+from elastic.metrics import Metrics
+
+log = logging.getLogger("elastic.checkpointer")
+
+
+@dataclass
+class SaveInFlight:
+    step: int
+    cursor: DataCursor
+    group: int
+    ranks: list[int]
+    finish_refs: list
+    stall_s: float
+    started_at: float
+
+
+class Checkpointer:
+    def __init__(self, manager: CheckpointManager, fleet: Fleet, events: EventLog, ledger: TimeLedger,
+                 metrics: Metrics, topology: dict, config_hash: str, clock=time.monotonic):
+        self.manager = manager
+        self.fleet = fleet
+        self.events = events
+        self.ledger = ledger
+        self.metrics = metrics
+        self.topology = topology
+        self.config_hash = config_hash
+        self.clock = clock
+        self.in_flight: SaveInFlight | None = None
+        self.due = False
+        self.deferred_counted = False
+        self.last_committed_step: int | None = None
+
+    # resume
+
+    def latest(self) -> Restorable | None:
+        def skipped(step: int, reason: str) -> None:
+            self.events.emit("checkpoint-skipped", step=step, reason=reason)
+
+        return self.manager.latest(on_skip=skipped)
+
+    def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
+        """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds."""
+        started = self.clock()
+        ray.get(list(self.fleet.call(ranks, "load_checkpoint", checkpoint.url).values()))
+        self.last_committed_step = checkpoint.step
+        return self.clock() - started
+
+    # saving
+
+    def wants_save(self, step: int) -> bool:
+        """Poll the upload in flight; then whether a save should start at this boundary."""
+        self.poll()
+        self.due |= self.manager.is_due(step)
+        if not self.due:
+            return False
+        if self.in_flight is not None:
+            if not self.deferred_counted:
+                self.deferred_counted = True
+                self.metrics.checkpoints_deferred.inc()
+                self.events.emit("checkpoint-deferred", step=step, in_flight_step=self.in_flight.step)
+            return False
+        return True
+
+    def start(self, step: int, cursor: DataCursor, group: int, ranks: list[int]) -> bool:
+        """Stage the committed state of ``group`` and start its upload (the only stall)."""
+        self.due = False
+        self.deferred_counted = False
+        url = self.manager.url(step)
+        started = self.clock()
+        try:
+            with self.ledger.timing("checkpoint_stall"):
+                ray.get(list(self.fleet.call(ranks, "save_checkpoint", url).values()))
+        except RayError as error:
+            self._failed(step, f"staging failed: {error}")
+            return False
+        stall_s = self.clock() - started
+        self.metrics.checkpoint_blocking_seconds.observe(stall_s)
+        finish_refs = list(self.fleet.call(ranks, "finish_checkpoint").values())
+        self.in_flight = SaveInFlight(step, cursor, group, list(ranks), finish_refs, stall_s, self.clock())
+        self.events.emit("checkpoint-started", step=step, group=group, stall_s=round(stall_s, 4))
+        return True
+
+    def poll(self, timeout: float = 0.0) -> None:
+        save = self.in_flight
+        if save is None:
+            return
+        ready, _ = ray.wait(save.finish_refs, num_returns=len(save.finish_refs), timeout=timeout)
+        if len(ready) < len(save.finish_refs):
+            return
+        self.in_flight = None
+        try:
+            results = ray.get(save.finish_refs)
+        except RayError as error:
+            self._failed(save.step, f"a rank of group {save.group} died during the upload: {error}")
+            return
+        failures = [f"rank {r.global_rank}: {r.error}" for r in results if not r.ok]
+        if failures:
+            self._failed(save.step, "; ".join(failures))
+            return
+        self._commit(save, results)
+
+    def _commit(self, save: SaveInFlight, results) -> None:
+        upload_s = max(result.upload_s for result in results)
+        self.metrics.checkpoint_upload_seconds.observe(upload_s)
+        files = {name: digest for result in results for name, digest in result.files.items()}
+        started = self.clock()
+        try:
+            manifest = self.manager.commit(
+                save.step, asdict(save.cursor), self.topology, self.config_hash, files,
+                timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
+            )
+        except Exception as error:  # storage unreachable: not committed, the next save retries
+            self._failed(save.step, f"manifest write failed: {type(error).__name__}: {error}")
+            return
+        commit_s = self.clock() - started
+        self.metrics.checkpoint_commit_seconds.observe(commit_s)
+        self.metrics.checkpoints_committed.inc()
+        self.last_committed_step = save.step
+        self.events.emit(
+            "checkpoint-committed", step=save.step, url=self.manager.url(save.step), group=save.group,
+            files=len(manifest.files), bytes=manifest.total_bytes, stall_s=round(save.stall_s, 4),
+            upload_s=round(upload_s, 4), commit_s=round(commit_s, 4),
+        )
+        self.prune()
+
+    def prune(self) -> None:
+        writing = self.in_flight.step if self.in_flight else None
+        try:
+            deleted = self.manager.prune(writing=writing)
+        except Exception as error:  # retention is retried at the next commit
+            log.warning("checkpoint retention failed: %s", error)
+            return
+        if deleted:
+            self.events.emit("checkpoints-deleted", steps=deleted)
+
+    def _failed(self, step: int, error: str) -> None:
+        self.due = True
+        self.metrics.checkpoint_failures.inc()
+        self.events.emit("checkpoint-failed", step=step, error=error[:1000])
+
+    def abandon_if_lost(self, lost_groups: set[int]) -> None:
+        """A save whose group broke can never complete; forget it so the next one can start."""
+        if self.in_flight is not None and self.in_flight.group in lost_groups:
+            step = self.in_flight.step
+            self.in_flight = None
+            self._failed(step, f"saving group {sorted(lost_groups)} lost a rank during the upload")
+
+    def finish(self, step: int, cursor: DataCursor, group: int, ranks: list[int], deadline: float) -> bool:
+        """Final or preemption checkpoint: wait out the upload in flight, save ``step`` and
+        commit it, all before ``deadline`` (clock time). Returns whether ``step`` is committed."""
+        while self.in_flight is not None and self.clock() < deadline:
+            self.poll(timeout=min(0.5, max(0.0, deadline - self.clock())))
+        if self.last_committed_step == step:
+            return True
+        if self.in_flight is not None or not self.start(step, cursor, group, ranks):
+            return False
+        while self.in_flight is not None and self.clock() < deadline:
+            self.poll(timeout=min(0.5, max(0.0, deadline - self.clock())))
+        return self.last_committed_step == step

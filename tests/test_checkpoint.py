@@ -1,0 +1,180 @@
+"""Checkpoints on real Ray actors, to a local directory and to a real S3 API server (moto)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from elastic import ElasticTrainer
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+
+TOLERANCE = 1e-5
+
+
+def kinds(summary, kind):
+    return [event for event in summary["events"] if event["kind"] == kind]
+
+
+def committed_steps(summary):
+    return [event["step"] for event in kinds(summary, "checkpoint-committed")]
+
+
+def continues_reference(result, config, start, tolerance=TOLERANCE):
+    reference, _ = reference_run(config, config.steps)
+    return max_relative_difference(result.losses, reference[start:]) <= tolerance
+
+
+def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoint(ray_cluster, tmp_path):
+    first = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=10, checkpoint__every=5)).fit()
+    assert first.ok and first.summary["resumed_from_step"] is None
+    assert committed_steps(first.summary) == [5, 10]
+    checkpoints = Path(first.run_dir, "checkpoints")
+    manifest = json.loads((checkpoints / "step-00000010" / "manifest.json").read_text())
+    assert manifest["step"] == 10 and manifest["cursor"]["position"] == 80
+    assert {f["name"] for f in manifest["files"]} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5)
+    second = ElasticTrainer(config).fit()
+    assert second.ok and second.summary["resumed_from_step"] == 10
+    assert [r["step"] for r in second.summary["steps"]] == list(range(10, 20))
+    assert continues_reference(second, config, 10)
+    # keep=3: the oldest committed checkpoint was deleted
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000010", "step-00000015", "step-00000020"]
+
+    shard = checkpoints / "step-00000020" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    config = tiny_config(tmp_path, shard=2, steps=25, checkpoint__every=5)
+    third = ElasticTrainer(config).fit()
+    assert third.ok and third.summary["resumed_from_step"] == 15
+    [skipped] = kinds(third.summary, "checkpoint-skipped")
+    assert skipped["step"] == 20 and "__1_0.distcp" in skipped["reason"]
+    assert continues_reference(third, config, 15)
+
+
+def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_server):
+    storage = {"storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
+    saved = ElasticTrainer(tiny_config(tmp_path, groups=2, shard=2, steps=10, checkpoint__every=5, **storage)).fit()
+    assert saved.ok and committed_steps(saved.summary) == [5, 10]
+    assert saved.summary["topology"]["groups"] == 2
+    assert s3_server.filesystem().exists(f"{s3_server.bucket}/runs/test/checkpoints/step-00000010/manifest.json")
+
+    config = tiny_config(tmp_path, groups=1, tp=2, steps=16, checkpoint__every=5, **storage)
+    resumed = ElasticTrainer(config).fit()
+    assert resumed.ok and resumed.summary["resumed_from_step"] == 10
+    assert resumed.summary["topology"] == {"groups": 1, "shard": 1, "tp": 2, "ranks": 2}
+    assert continues_reference(resumed, config, 10)
+
+
+def test_single_group_recovers_from_the_latest_checkpoint(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5, fault_tolerance__inject="kill:rank=1,step=12")
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    [restored] = kinds(result.summary, "restored-from-checkpoint")
+    assert restored["step"] == 10 and restored["rolled_back_steps"] == 2
+    assert result.summary["steps_rolled_back"] == 2
+    assert [r["step"] for r in result.summary["steps"]] == list(range(20))
+    assert continues_reference(result, config, 0)
+
+
+def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeeds(ray_cluster, tmp_path, s3_server):
+    storage = {"storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
+    # One botocore attempt (s3fs still retries with backoff): the outage outlasts the retries.
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=300, checkpoint__every=4, checkpoint__s3_max_attempts=1,
+                         **storage)
+
+    def take_the_server_down_after_the_first_commit():
+        fs = s3_server.filesystem()
+        manifest = f"{s3_server.bucket}/runs/test/checkpoints/step-00000004/manifest.json"
+        while not fs.exists(manifest):
+            time.sleep(0.05)
+        s3_server.stop()
+        time.sleep(4)
+        s3_server.start()
+
+    chaos = threading.Thread(target=take_the_server_down_after_the_first_commit, daemon=True)
+    chaos.start()
+    result = ElasticTrainer(config).fit()
+    chaos.join(timeout=30)
+    assert result.ok, result.exit
+    failed = [e["step"] for e in kinds(result.summary, "checkpoint-failed")]
+    committed = committed_steps(result.summary)
+    assert failed, "the outage should have failed an upload"
+    assert not set(failed) & set(committed)
+    assert max(committed) > max(failed), "a checkpoint after the outage should commit"
+    assert [r["step"] for r in result.summary["steps"]] == list(range(300))
+    # fp32 reduction order drifts past 1e-5 after ~280 steps, with or without checkpoints
+    assert continues_reference(result, config, 0, tolerance=1e-4)
+    fs = s3_server.filesystem()
+    last = f"{s3_server.bucket}/runs/test/checkpoints/step-{max(committed):08d}/manifest.json"
+    assert fs.exists(last)
+
+
+def driver(tmp_path, ray_cluster, config):
+    """``elastic train`` in its own process, joined to the session's cluster like a Ray job."""
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastic", "train", "--quiet", "--config", str(config_file)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(0.05)
+
+
+def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_commit(ray_cluster, tmp_path, s3_server):
+    fs = s3_server.filesystem()
+    root = f"{s3_server.bucket}/runs/job/checkpoints"
+    s3 = {"run_name": "job", "storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
+    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5, **s3))
+    wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), timeout=300)
+    s3_server.pause()  # the next upload hangs mid-flight
+    time.sleep(2)
+    job.kill()
+    job.wait()
+    s3_server.resume()
+    fs.invalidate_cache()
+    committed = sorted(p for p in fs.ls(root) if fs.exists(f"{p}/manifest.json"))
+    last_committed = int(committed[-1].rsplit("-", 1)[-1])
+
+    config = tiny_config(tmp_path, shard=2, steps=last_committed + 5, checkpoint__every=5, **s3)
+    resumed = ElasticTrainer(config).fit()
+    assert resumed.ok and resumed.summary["resumed_from_step"] == last_committed
+    assert continues_reference(resumed, config, last_committed)
+    fs.invalidate_cache()
+    assert all(fs.exists(f"{p}/manifest.json") for p in fs.ls(root)), "partial checkpoints are cleaned up"
+
+
+def test_sigterm_checkpoints_within_the_grace_period_and_the_rerun_resumes(ray_cluster, tmp_path):
+    storage = str(tmp_path / "runs")
+    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=2000, checkpoint__every=50, run_name="job"))
+    summary_path = Path(storage, "job", "summary.json")
+    checkpoints = Path(storage, "job", "checkpoints")
+    wait_for(lambda: (checkpoints / "step-00000050" / "manifest.json").exists(), timeout=300)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 143, output[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["exit"] == "preempted"
+    stopped_at = summary["steps"][-1]["step"] + 1
+    assert 50 < stopped_at < 2000
+    assert committed_steps(summary)[-1] == stopped_at
+    assert (checkpoints / f"step-{stopped_at:08d}" / "manifest.json").exists()
+
+    config = tiny_config(tmp_path, shard=2, steps=stopped_at + 3, run_name="job")
+    resumed = ElasticTrainer(config).fit()
+    assert resumed.ok and resumed.summary["resumed_from_step"] == stopped_at
+    assert continues_reference(resumed, config, stopped_at)
