@@ -1,9 +1,10 @@
 """Benchmark: the driver's per-step decision cost at 16,384 simulated ranks, no Ray.
 
 Per simulated step, as the controller does it: the membership quorum (and aligning the
-data-plan weights with it), the data plan for the step, the straggler detector over every
-present rank's compute seconds per sample, and the mitigation policy (including building
-its per-group inputs from the detector). Per-rank timings are synthetic (±10 % noise, one
+data-plan weights with it), the data plan for the step, and straggler handling
+(``StragglerMitigation``: the detector over every present rank's compute seconds per
+sample, the policy's per-group inputs and decision, applying it to the membership).
+Per-rank timings are synthetic (±10 % noise, one
 rank 1.6x slow from step 20) and generated outside the timed region, as are the results a
 real driver would receive from its workers. Every 50 steps a random rank is evicted (its
 group sits out one step, a generation change) and its replacement rejoins the next step.
@@ -31,10 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elastic.data_plan import DataCursor, epoch_order, plan_step  # noqa: E402
 from elastic.membership import Membership  # noqa: E402
-from elastic.straggler_detector import StragglerDetector  # noqa: E402
-from elastic.straggler_policy import StragglerPolicy  # noqa: E402
+from elastic.config import StragglerConfig  # noqa: E402
+from elastic.events import EventLog  # noqa: E402
+from elastic.straggler_mitigation import StragglerMitigation  # noqa: E402
 
-COMPONENTS = ("quorum", "data_plan", "detector", "policy")
+COMPONENTS = ("quorum", "data_plan", "stragglers")
 
 
 def summarize(samples: list[float]) -> tuple[float, float, float, float]:
@@ -85,20 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         gc_s = time.perf_counter() - t0
 
-    detector = StragglerDetector()
-    policy = StragglerPolicy()
+    clock = time.monotonic
+    events = EventLog(clock)
+    stragglers = StragglerMitigation(StragglerConfig(), args.global_batch, events, clock=clock)
     weights = {g: 1.0 for g in membership.live_groups()}
     cursor = DataCursor()
     base = rng.uniform(0.009, 0.011, n_ranks)  # each rank's own speed, seconds per sample
-    fixed_by_group = rng.uniform(0.02, 0.03, n_groups)  # per-step comm overhead per group
+    fixed_by_group = rng.uniform(0.02, 0.03, n_groups)  # per-step overhead per group (data, update)
     slow_rank = int(rng.integers(n_ranks))
     slow_factor = 1.6
     pending_rejoin: list[tuple[int, int]] = []  # (rank, group) replaced, rejoining next step
 
     times = {name: [] for name in COMPONENTS}
     totals, cpu_totals = [], []
-    decisions: Counter[str] = Counter()
-    flags_seen, recoveries, churns = 0, 0, 0
+    churns = 0
     generations = {membership.generation}
 
     for step in range(args.steps):
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             victim = int(rng.integers(n_ranks))
             if membership.group_of(victim) in membership.groups:
                 group = membership.evict_rank(victim)
-                detector.forget(victim)
+                stragglers.forget(victim)
                 pending_rejoin.append((victim, group))
                 churns += 1
         live_now = np.array(membership.live_groups(), dtype=np.int64)
@@ -119,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         speed = base[present] * rng.uniform(0.9, 1.1, len(present))
         if step >= 20:
             speed[present == slow_rank] *= slow_factor
-        reports = dict(zip(present.tolist(), speed.tolist()))
 
         # ---- timed: the driver's decisions for this step
         c0 = time.process_time()
@@ -135,47 +136,40 @@ def main(argv: list[str] | None = None) -> int:
         )
         cursor = plan.next_cursor
         t2 = time.perf_counter()
-        new_flags, recovered = detector.observe(step, reports)
+        cpu_plan = time.process_time() - c0
+
+        # ---- untimed: the workers run the plan and report their timings
+        samples = plan.groups.samples()
+        group_samples = np.fromiter(samples.values(), np.float64, len(samples))  # live_now's order
+        compute_s = speed * np.repeat(group_samples, rpg)
+        step_s = float(np.max(fixed_by_group[live_now] + compute_s.reshape(-1, rpg).max(axis=1)))
+
+        # ---- timed: straggler handling, applied to the membership and the weights
+        c0 = time.process_time()
         t3 = time.perf_counter()
-        groups = np.asarray(quorum.groups, dtype=np.int64)
-        group_ranks = (groups[:, None] * rpg + np.arange(rpg)[None, :]).ravel()
-        slowest = np.nan_to_num(detector.medians_of(group_ranks).reshape(len(groups), rpg), nan=0.0).max(axis=1)
-        group_list = quorum.groups
-        flagged = detector.flagged()
-        decision = policy.decide(
-            slow_ranks={rank: membership.group_of(rank) for rank in flagged},
-            rank_scores=flagged,
-            group_seconds_per_sample=dict(zip(group_list, slowest.tolist())),
-            group_fixed_seconds=dict(zip(group_list, fixed_by_group[groups].tolist())),
-            weights=weights, global_batch=args.global_batch, spare_slots=args.spare_slots,
+        actions = stragglers.on_step_arrays(
+            step, present, present // rpg, samples=np.repeat(group_samples, rpg), compute_s=compute_s,
+            fixed_s=fixed_by_group[present // rpg], step_s=step_s, spare_slot=args.spare_slots > 0,
             min_groups=args.min_groups,
         )
-        if decision is not None:
-            if decision.action in ("rebalance", "restore"):
-                weights = dict(decision.weights)
-            elif decision.action == "replace":
-                membership.evict_rank(decision.rank)
-                detector.forget(decision.rank)
-                pending_rejoin.append((decision.rank, decision.group))
-                weights = dict(decision.weights)
-            elif decision.action == "evict-group":
-                membership.remove_group(decision.group)
-                for rank in membership.global_ranks(decision.group):
-                    detector.forget(rank)
-                weights = dict(decision.weights)
+        if actions.weights is not None:
+            weights = actions.weights
+        for rank in actions.replace:
+            pending_rejoin.append((rank, membership.evict_rank(rank)))
+            stragglers.forget(rank)
+            if rank == slow_rank:
+                slow_factor = 1.0  # the replacement runs at normal speed
+        for group in actions.evict_groups:
+            membership.remove_group(group)
+            for rank in membership.global_ranks(group):
+                stragglers.forget(rank)
         t4 = time.perf_counter()
-        cpu_totals.append(time.process_time() - c0)
+        cpu_totals.append(cpu_plan + time.process_time() - c0)
 
-        if decision is not None:
-            decisions[decision.action] += 1
-            if decision.action == "replace" and decision.rank == slow_rank:
-                slow_factor = 1.0
-        flags_seen += len(new_flags)
-        recoveries += len(recovered)
         generations.add(quorum.generation)
-        for name, dt in zip(COMPONENTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        for name, dt in zip(COMPONENTS, (t1 - t0, t2 - t1, t4 - t3)):
             times[name].append(dt)
-        totals.append(t4 - t0)
+        totals.append(t2 - t0 + t4 - t3)
 
     print(
         f"control plane: {n_groups} groups x {rpg} ranks (shard {shard} x tp {tp}) = {n_ranks} ranks, "
@@ -189,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'component':<12}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
     for name in COMPONENTS:
         print(f"{name:<12}" + "".join(f"{v:>10.3f}" for v in summarize(times[name])))
-    straggler = [a + b for a, b in zip(times["detector"], times["policy"])]
-    print(f"{'  straggler':<12}" + "".join(f"{v:>10.3f}" for v in summarize(straggler)) + "   (detector+policy)")
     print(f"{'total':<12}" + "".join(f"{v:>10.3f}" for v in summarize(totals)))
     print(f"{'total (cpu)':<12}" + "".join(f"{v:>10.3f}" for v in summarize(cpu_totals)))
+    stragglers.close()
+    decisions = Counter(event["action"] for event in events.of_kind("straggler-mitigated"))
     print(
-        f"events: flags {flags_seen}, recoveries {recoveries}, churn evictions {churns}, "
+        f"events: flags {len(events.of_kind('straggler-detected'))}, "
+        f"recoveries {len(events.of_kind('straggler-recovered'))}, churn evictions {churns}, "
         f"decisions {dict(decisions) or '{}'}, generations seen {len(generations)} "
         f"(final {membership.generation})"
     )

@@ -1,6 +1,7 @@
 """Static checks of deploy/: KubeRay manifests against the CRD schemas, the training config they
 point at, the Grafana dashboard against the metrics elastic/metrics.py exports, and the
-PodMonitor against the head pod it scrapes. Fast: no network, no Ray, no Kubernetes.
+PodMonitor against the head pod it scrapes, and the README's metric table against the same
+metrics. Fast: no network, no Ray, no Kubernetes.
 
 ``dashboard_queries()`` is also used by tests that evaluate every query on a real Prometheus.
 """
@@ -602,3 +603,12 @@ def test_prometheus_config_scrapes_the_local_driver():
         "localhost:9400" in s["targets"] for s in j.get("static_configs", []))]
     assert job.get("scrape_interval", config["global"]["scrape_interval"]) == "5s"
     assert job.get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_readme_lists_every_exported_metric():
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(elastic_\w+)` \|", readme, flags=re.MULTILINE))
+    exported = {
+        family + "_total" if kind == "counter" else family for family, (kind, _) in exported_metrics().items()
+    }
+    assert listed == exported, f"README metric table: missing {sorted(exported - listed)}, stale {sorted(listed - exported)}"

@@ -1,4 +1,5 @@
-"""Tests for elastic.report: breakdown table, timeline PNG and the ``elastic report`` entry point."""
+"""Tests for elastic.report: breakdown table, timeline PNG and the ``elastic report`` entry point,
+on synthetic summaries and on a real run with an injected kill."""
 
 from __future__ import annotations
 
@@ -222,3 +223,30 @@ def test_crashed_run_without_steps_still_plots(tmp_path):
     png, breakdown = report(str(write_run(tmp_path, summary)))
     assert open(png, "rb").read(8) == PNG_MAGIC
     assert breakdown["committed"] == 0.0
+
+
+def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
+    from elastic import ElasticTrainer
+    from elastic.cli import main as elastic_main
+    from tests.tiny import tiny_config
+
+    config = tiny_config(tmp_path, groups=2, steps=12, fault_tolerance__inject="kill:rank=1,step=4",
+                         fault_tolerance__min_deadline_s=3.0, fault_tolerance__deadline_factor=4.0)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    capsys.readouterr()
+
+    out = tmp_path / "timeline.png"
+    assert elastic_main(["report", result.run_dir, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert_valid_png(out)
+    for category in (*BREAKDOWN_ORDER, "total", "goodput"):
+        assert category in printed
+
+    breakdown = goodput_breakdown(load_summary(result.run_dir))
+    parts = {k: v for k, v in breakdown.items() if k != "wall_s"}
+    assert math.isclose(sum(parts.values()), breakdown["wall_s"], rel_tol=1e-9)
+    assert breakdown["wall_s"] == pytest.approx(result.summary["wall_s"], rel=1e-3)
+    # the kill shows up where it belongs: a discarded step and a recovery, besides training
+    for category in ("startup", "committed", "discarded", "recovery"):
+        assert parts[category] > 0, f"{category}: {parts}"

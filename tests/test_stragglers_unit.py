@@ -1,10 +1,15 @@
-"""Unit tests of the straggler detector and mitigation policy: pure, fake clock, milliseconds."""
+"""Unit tests of the straggler detector, policy and mitigation: pure, fake clock, milliseconds."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
+from elastic.config import StragglerConfig
+from elastic.data_plan import apportion
+from elastic.events import EventLog
+from elastic.metrics import Metrics
 from elastic.straggler_detector import StragglerDetector, StragglerFlag
 from elastic.straggler_policy import (
     Mitigation,
@@ -12,6 +17,8 @@ from elastic.straggler_policy import (
     predicted_step_seconds,
     water_fill,
 )
+from elastic.straggler_mitigation import NO_ACTIONS, StragglerMitigation
+from workers.protocol import StepReport
 
 
 class FakeClock:
@@ -473,3 +480,127 @@ def test_costlier_option_must_beat_cheaper_by_min_gain():
     replace_step = 4096 / 64 * 0.01
     assert decision.action == "rebalance"
     assert replace_step < decision.predicted_step_s < replace_step * 1.05
+
+
+# ---------------------------------------------------------------------------- mitigation
+
+
+class SimulatedFleet:
+    """Groups of ranks whose compute time is seconds per sample x their group's share, with
+    uniform noise; the step takes as long as the slowest group (fixed cost + share)."""
+
+    def __init__(self, groups=8, ranks_per_group=4, noise=0.15, seed=0, global_batch=1024, fixed_s=0.05):
+        self.rpg, self.global_batch, self.fixed_s, self.noise = ranks_per_group, global_batch, fixed_s, noise
+        self.live = list(range(groups))
+        self.weights: dict[int, float] = {}
+        self.slow: dict[int, float] = {}
+        self.rng = np.random.default_rng(seed)
+
+    def reports(self, step):
+        samples = apportion(self.global_batch, {g: self.weights.get(g, 1.0) for g in self.live})
+        reports, group_step = {}, []
+        for group in self.live:
+            ranks = range(group * self.rpg, (group + 1) * self.rpg)
+            noise = self.rng.uniform(1 - self.noise, 1 + self.noise, len(ranks))
+            compute = {r: 1e-3 * samples[group] * self.slow.get(r, 1.0) * x for r, x in zip(ranks, noise)}
+            wall = self.fixed_s + max(compute.values())
+            group_step.append(wall)
+            for r in ranks:
+                reports[r] = StepReport(r, step, data_s=self.fixed_s, compute_s=compute[r], wall_s=wall)
+        return reports, samples
+
+    def run(self, mitigation, steps, spare_slot=False, min_groups=1, stop_at_action=False):
+        """Steps until done (or the first action); returns [(step, actions)] of the steps that acted."""
+        decisions = []
+        for step in steps:
+            reports, samples = self.reports(step)
+            actions = mitigation.on_step(step, reports, {r: r // self.rpg for r in reports}, samples,
+                                         spare_slot, min_groups)
+            if actions.weights is not None:
+                self.weights = dict(actions.weights)
+            if actions != NO_ACTIONS:
+                decisions.append((step, actions))
+                if stop_at_action:
+                    break
+        return decisions
+
+
+def mitigation_for(clock, mitigate=True, metrics=None):
+    events = EventLog(clock)
+    return StragglerMitigation(StragglerConfig(mitigate=mitigate), 1024, events, metrics, clock), events
+
+
+def test_mitigation_never_acts_on_healthy_noise():
+    clock = FakeClock()
+    mitigation, events = mitigation_for(clock)
+    fleet = SimulatedFleet(noise=0.15, seed=11)
+    assert fleet.run(mitigation, range(1000), spare_slot=True) == []
+    mitigation.close()
+    assert events.events == []
+
+
+def test_slow_rank_rebalanced_measured_then_restored():
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    mitigation, events = mitigation_for(clock, metrics=Metrics("t", registry))
+    fleet = SimulatedFleet(groups=4, noise=0.05, seed=3)
+    config = StragglerConfig()
+    onset = 20
+    fleet.run(mitigation, range(onset))
+    fleet.slow = {5: 1.5}  # rank 5 of group 1
+    decisions = fleet.run(mitigation, range(onset, onset + 40))
+    [detected] = events.of_kind("straggler-detected")
+    assert (detected["rank"], detected["group"]) == (5, 1)
+    assert detected["step"] - onset + 1 == config.window // 2 + config.patience
+    step, actions = decisions[0]
+    assert step == detected["step"]
+    assert actions.replace == () and actions.evict_groups == ()
+    assert actions.weights[1] < min(actions.weights[g] for g in (0, 2, 3))
+    [mitigated] = events.of_kind("straggler-mitigated")
+    assert (mitigated["action"], mitigated["group"], mitigated["step"]) == ("rebalance", 1, step)
+    assert mitigated["predicted_gain"] > 0.05 and mitigated["measured_gain"] > 0.05
+    assert mitigated["measured_steps"] == config.window
+    assert registry.get_sample_value("elastic_rank_straggler_score", {"rank": "5"}) > config.threshold
+    assert registry.get_sample_value("elastic_straggler_mitigations_total", {"action": "rebalance"}) == 1
+
+    fleet.slow = {}  # the rank recovers its speed: its group gets its share back
+    decisions = fleet.run(mitigation, range(onset + 40, onset + 80))
+    assert events.of_kind("straggler-recovered")[0]["rank"] == 5
+    [(_, restore)] = decisions
+    assert restore.weights == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    mitigation.close()
+    assert [e["action"] for e in events.of_kind("straggler-mitigated")] == ["rebalance", "restore"]
+    assert events.of_kind("straggler-mitigated")[1]["group"] == 1
+
+
+def test_slow_rank_replaced_when_a_slot_is_spare_and_measured_after_it_returns():
+    clock = FakeClock()
+    mitigation, events = mitigation_for(clock)
+    fleet = SimulatedFleet(groups=4, noise=0.05, seed=5)
+    fleet.run(mitigation, range(10))
+    fleet.slow = {6: 1.5}
+    [(step, actions)] = fleet.run(mitigation, range(10, 30), spare_slot=True, stop_at_action=True)
+    assert actions.replace == (6,) and actions.evict_groups == ()
+    assert actions.weights == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    # The controller kills the rank; its group sits out while the replacement starts.
+    fleet.live = [0, 2, 3]
+    fleet.slow = {}
+    assert fleet.run(mitigation, range(30, 45), spare_slot=True) == []
+    assert events.of_kind("straggler-mitigated") == []  # not measured while the rank is away
+    mitigation.forget(6)
+    fleet.live = [0, 1, 2, 3]
+    assert fleet.run(mitigation, range(45, 45 + StragglerConfig().window), spare_slot=True) == []
+    [mitigated] = events.of_kind("straggler-mitigated")
+    assert (mitigated["action"], mitigated["rank"], mitigated["step"]) == ("replace", 6, step)
+    assert mitigated["measured_gain"] > 0.2
+    assert mitigated["measured_gain"] == pytest.approx(mitigated["predicted_gain"], abs=0.1)
+
+
+def test_detection_only_when_mitigation_is_off():
+    clock = FakeClock()
+    mitigation, events = mitigation_for(clock, mitigate=False)
+    fleet = SimulatedFleet(groups=4, noise=0.05, seed=8)
+    fleet.slow = {2: 1.6}
+    assert fleet.run(mitigation, range(40), spare_slot=True) == []
+    assert [e["rank"] for e in events.of_kind("straggler-detected")] == [2]
+    assert events.of_kind("straggler-mitigated") == []

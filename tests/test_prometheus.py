@@ -1,0 +1,140 @@
+"""A real Prometheus server (the binary on PATH, bound to loopback) scrapes a real run with an
+injected failure; then every query of the Grafana dashboard, sent to Prometheus's HTTP API,
+returns data, and every metric the dashboard uses is one the run exported.
+
+.ci/run installs the Debian package ``prometheus``; without the binary the test is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import yaml
+
+from elastic import ElasticTrainer
+from tests.test_deploy import dashboard_queries, metric_names
+from tests.tiny import tiny_config
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="no prometheus binary on PATH: install the Debian package prometheus (.ci/run does)"
+)
+
+SCRAPE_INTERVAL_S = 1
+FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class PrometheusServer:
+    """One ``prometheus`` process on 127.0.0.1 scraping one target, with its TSDB in tmp."""
+
+    def __init__(self, tmp_path, target: str):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
+            "scrape_configs": [{"job_name": "elastic", "static_configs": [{"targets": [target]}]}],
+        }
+        config_path = tmp_path / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp_path / "prometheus.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config_path}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(self.ready, 30, f"Prometheus at {self.url} (log: {self.log_path})")
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"prometheus exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def api(self, path: str, **params) -> dict:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        data = self.api("query", query=expr)
+        assert data["resultType"] == "vector", data
+        return data["result"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def prometheus_and_target(tmp_path):
+    """A running Prometheus, and the loopback port it expects the run's metrics on."""
+    metrics_port = free_port()
+    server = PrometheusServer(tmp_path, f"127.0.0.1:{metrics_port}")
+    yield server, metrics_port
+    server.stop()
+
+
+def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, prometheus_and_target):
+    prometheus, metrics_port = prometheus_and_target
+    steps = 40
+    # Long enough for a few scrapes before and after the kill: recoveries and evictions must
+    # be seen at zero first, or increase() cannot see them go up. Four ranks: straggler scores
+    # need at least three.
+    config = tiny_config(
+        tmp_path, groups=2, shard=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=20", checkpoint__every=10,
+        metrics__port=metrics_port, **FAST_DETECTION,
+    )
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert result.summary["steps_discarded"] >= 1
+
+    # The metrics server outlives fit() (a daemon thread); wait for a scrape of the final state.
+    wait_for(
+        lambda: [s for s in prometheus.query("elastic_steps_committed_total") if float(s["value"][1]) == steps],
+        30, f"a scrape with {steps} committed steps",
+    )
+
+    empty = [f"{title}: {expr}" for title, expr in dashboard_queries() if not prometheus.query(expr)]
+    assert not empty, "dashboard queries with no data:\n  " + "\n  ".join(empty)
+
+    [annotation] = [expr for title, expr in dashboard_queries() if title == "annotation: Recoveries"]
+    assert [s["metric"]["cause"] for s in prometheus.query(annotation)] == ["death"]
+    [evicted] = prometheus.query('increase(elastic_evictions_total{cause="death"}[1h])')
+    assert float(evicted["value"][1]) > 0
+
+    scraped = set(prometheus.api("label/__name__/values"))
+    used = set().union(*(metric_names(expr) for _, expr in dashboard_queries()))
+    assert used <= scraped, f"the dashboard uses metrics the run did not export: {sorted(used - scraped)}"
