@@ -6,6 +6,9 @@ group of one (shard, tp) layout loads into any other: DCP reshards on load.
 Saving blocks only while the state is copied to CPU; the upload runs on DCP's thread. That
 thread coordinates the group's ranks over a gloo process group of its own: sharing the
 training collectives' group from a second thread would interleave two streams of collectives.
+The CPU copy goes into buffers kept from one save to the next (one more copy of the rank's
+state in host memory): allocating and faulting in fresh pages each time would double the
+stall. Only one upload is in flight, so a save never overwrites buffers still being read.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpointing.storage import StorageOptions, file_digest
@@ -34,7 +39,7 @@ class UploadResult:
     error: str | None = None
 
 
-def _training_state(model: nn.Module, optimizer) -> dict:
+def training_state(model: nn.Module, optimizer) -> dict:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -47,6 +52,10 @@ class RankCheckpointer:
         self.upload: Future | None = None
         self.upload_url = ""
         self.upload_started = 0.0
+        on_gpu = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False,
+        ))
 
     def attach(self, process_group) -> None:
         """Use this world's checkpoint process group (made by every rank of the world)."""
@@ -57,7 +66,8 @@ class RankCheckpointer:
         started = time.perf_counter()
         writer = FsspecWriter(url, **self.options.for_url(url))
         self.upload = dcp.async_save(
-            _training_state(model, optimizer), storage_writer=writer, process_group=self.process_group
+            training_state(model, optimizer), storage_writer=writer, process_group=self.process_group,
+            async_stager=self.stager,
         )
         self.upload_url = url
         self.upload_started = time.perf_counter()
@@ -100,7 +110,7 @@ class RankCheckpointer:
 
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
-        state = _training_state(model, optimizer)
+        state = training_state(model, optimizer)
         dcp.load(state, storage_reader=FsspecReader(url, **self.options.for_url(url)), process_group=self.process_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return time.perf_counter() - started

@@ -1,0 +1,164 @@
+"""Checkpoint cost for a model of >= 50 M parameters (CPU is fine), in one run, against local
+disk and against a loopback S3 server (moto):
+
+- sync:     a synchronous DCP save of the full training state (parameters + AdamW);
+- stall:    the training stall per async checkpoint (the copy to CPU), through the same
+            ``RankCheckpointer`` the rank actors use;
+- slowdown: median step time while an upload is in flight over the median step time with
+            none.
+
+Targets: stall / sync <= 0.05 and slowdown <= 5 %.
+
+    python bench/checkpoint.py [--dim 768] [--layers 8] [--checkpoints 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpointing.rank_checkpoint import RankCheckpointer, training_state  # noqa: E402
+from checkpointing.storage import StorageOptions  # noqa: E402
+from elastic.config import build_config  # noqa: E402
+from elastic.data_plan import DataCursor, take_global_batch  # noqa: E402
+from elastic.hooks import resolve_hooks  # noqa: E402
+from tests.s3 import MotoServer, set_test_credentials  # noqa: E402
+from workers.train_step import accumulate_gradients, collate  # noqa: E402
+
+
+class Trainer:
+    """One rank, one group: the reference model under the product's FSDP2 wrapping."""
+
+    def __init__(self, args):
+        config = build_config({
+            "global_batch": args.batch, "micro_batch": args.batch, "seed": 0,
+            "scaling": {"shard": 1, "tp": 1},
+            "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 12, "ffn_hidden": args.dim * 8 // 3},
+            "data": {"seq_len": args.seq_len, "corpus_tokens": 200_000},
+        })
+        self.config = config
+        self.hooks = resolve_hooks(config)
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "tp"))
+        torch.manual_seed(0)
+        self.model = self.hooks.parallelize_fn(self.hooks.model_fn(), mesh)
+        self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
+        self.cursor = DataCursor()
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        indices, self.cursor = take_global_batch(
+            self.cursor, len(self.hooks.dataset), self.config.global_batch, self.config.seed
+        )
+        batch = collate(self.hooks.dataset, indices.tolist(), torch.device("cpu"))
+        accumulate_gradients(self.model, self.hooks.loss_fn, [batch], len(indices) * self.config.data.seq_len)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return time.perf_counter() - started
+
+
+def measure(trainer: Trainer, url: str, options: StorageOptions, checkpoints: int, baseline_steps: int) -> dict:
+    started = time.perf_counter()
+    dcp.save(training_state(trainer.model, trainer.optimizer),
+             storage_writer=FsspecWriter(f"{url}/sync", **options.for_url(url)))
+    sync_s = time.perf_counter() - started
+
+    idle = [trainer.step() for _ in range(baseline_steps)]
+    checkpointer = RankCheckpointer(options, global_rank=0)
+    checkpointer.attach(dist.new_group(backend="gloo"))
+    stalls, during, uploads = [], [], []
+    for index in range(checkpoints):
+        stalls.append(checkpointer.save(trainer.model, trainer.optimizer, f"{url}/async-{index}"))
+        while not checkpointer.upload.done():
+            during.append(trainer.step())
+        result = checkpointer.wait()
+        if not result.ok:
+            raise RuntimeError(result.error)
+        uploads.append(result.upload_s)
+        idle.append(trainer.step())
+    stall_s = statistics.median(stalls)
+    return {
+        "sync_s": sync_s,
+        "stall_s": stall_s,
+        "upload_s": statistics.median(uploads),
+        "idle_step_s": statistics.median(idle),
+        "upload_step_s": statistics.median(during) if during else float("nan"),
+        "steps_during_upload": len(during),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--checkpoints", type=int, default=3)
+    parser.add_argument("--baseline-steps", type=int, default=4)
+    args = parser.parse_args()
+
+    # As on a rank actor: one compute thread per CPU slot; the upload runs beside it.
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    trainer = Trainer(args)
+    trainer.step()  # AdamW state exists from here on
+    state_bytes = sum(
+        t.numel() * t.element_size() for t in _flatten(training_state(trainer.model, trainer.optimizer))
+    )
+    print(f"model: {trainer.parameters / 1e6:.1f} M parameters; training state {state_bytes / 2**20:.0f} MiB")
+
+    set_test_credentials()
+    s3 = MotoServer(bucket="bench-checkpoints").start()
+    try:
+        with tempfile.TemporaryDirectory() as local:
+            targets = {
+                "local disk": (local, StorageOptions()),
+                "loopback S3": (s3.url("bench"), StorageOptions(endpoint_url=s3.endpoint_url)),
+            }
+            rows = {name: measure(trainer, url, options, args.checkpoints, args.baseline_steps)
+                    for name, (url, options) in targets.items()}
+    finally:
+        s3.stop()
+        dist.destroy_process_group()
+
+    print(f"{'target':<12} {'sync save':>10} {'stall':>8} {'upload':>8} {'step idle':>10} {'step upload':>12} "
+          f"{'n':>3} {'stall/sync':>11} {'slowdown':>9}")
+    verdicts = []
+    for name, row in rows.items():
+        ratio = row["stall_s"] / row["sync_s"]
+        slowdown = row["upload_step_s"] / row["idle_step_s"] - 1.0
+        verdicts += [ratio <= 0.05, slowdown <= 0.05]
+        print(f"{name:<12} {row['sync_s']:>9.3f}s {row['stall_s']:>7.3f}s {row['upload_s']:>7.3f}s "
+              f"{row['idle_step_s']:>9.3f}s {row['upload_step_s']:>11.3f}s {row['steps_during_upload']:>3} "
+              f"{ratio:>11.3f} {slowdown:>8.1%}")
+    print(f"targets: stall/sync <= 0.05, slowdown <= 5%: {'PASS' if all(verdicts) else 'FAIL'}")
+
+
+def _flatten(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _flatten(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _flatten(value)
+    elif isinstance(tree, torch.Tensor):
+        yield tree.to_local() if hasattr(tree, "to_local") else tree
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main()
