@@ -2,7 +2,8 @@
 
 Goodput is the share of wall time spent in steps that were committed. Every other second is
 charged to one of the named overheads, and whatever no charge covered is ``idle``, so the
-parts always add up to the wall time.
+parts always add up to the wall time. Timings nest (a checkpoint saved while recovering):
+the inner one's seconds go to its own category and are not charged to the outer one too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class TimeLedger:
         self.clock = clock
         self.started_at = clock()
         self.seconds = {category: 0.0 for category in CATEGORIES if category != "idle"}
+        self._open: list[tuple[str, float]] = []  # (category, charged up to)
 
     def charge(self, category: str, seconds: float) -> None:
         if category not in self.seconds:
@@ -26,11 +28,24 @@ class TimeLedger:
 
     @contextmanager
     def timing(self, category: str) -> Iterator[None]:
-        started = self.clock()
+        now = self.clock()
+        self._settle_open(now)
+        self._open.append((category, now))
         try:
             yield
         finally:
-            self.charge(category, self.clock() - started)
+            now = self.clock()
+            self._settle_open(now)
+            self._open.pop()
+            if self._open:
+                self._open[-1] = (self._open[-1][0], now)
+
+    def _settle_open(self, now: float) -> None:
+        """Charge the innermost open timing up to ``now``."""
+        if self._open:
+            category, since = self._open[-1]
+            self.charge(category, now - since)
+            self._open[-1] = (category, now)
 
     def wall(self) -> float:
         return self.clock() - self.started_at
