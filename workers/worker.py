@@ -251,7 +251,8 @@ class RankWorker:
             compute_s = self._own_compute_clock() - compute_started
             extra = (self.slow_factor - 1.0) * compute_s
             if request.noise:
-                extra += compute_s * request.noise * (1.0 + 2.0 * torch.rand((), generator=self.noise_rng).item() - 1.0)
+                # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.
+                extra += compute_s * request.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
             burn_cpu(extra)
             compute_s += extra
 
