@@ -148,6 +148,7 @@ class StragglerConfig(Section):
     mad_gate: PositiveFloat = 5.0
     patience: PositiveInt = 4
     noise: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    regrow_cooldown_s: NonNegativeFloat = 600.0
 
 
 class MetricsConfig(Section):

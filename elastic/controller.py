@@ -247,7 +247,7 @@ class Controller:
 
     def settle_membership(self) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum."""
-        if self.scaling.wants_more(len(self.membership.groups)):
+        if self.scaling.wants_more(len(self.membership.groups), self.clock()):
             self.reserve_group()
         waited_from = self.clock()
         while True:
@@ -298,7 +298,9 @@ class Controller:
             self.membership.remove_group(group)
             for rank in self.membership.global_ranks(group):
                 self.stragglers.forget(rank)
-            self.events.emit("group-evicted", group=group, cause="straggler")
+            cooldown_s = self.config.stragglers.regrow_cooldown_s
+            self.scaling.hold_back_one(self.clock() + cooldown_s)
+            self.events.emit("group-evicted", group=group, cause="straggler", regrow_after_s=cooldown_s)
             changed = True
         if changed and self.membership.live_groups():
             self.rebuild_replicas()

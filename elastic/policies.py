@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class StepDeadline:
@@ -35,15 +35,26 @@ class FailurePolicy:
         return self.recoveries <= self.max_recoveries
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScalingPolicy:
-    """How many replica groups to want, between min and max."""
+    """How many replica groups to want, between min and max.
+
+    A group evicted for being slow is not regrown at once: the cluster would most likely
+    place its replacement on the same slow node. The ceiling drops by one per such eviction
+    until its cool-down ends.
+    """
 
     min_groups: int
     max_groups: int
+    held_back_until: list[float] = field(default_factory=list)
 
-    def wants_more(self, groups_held: int) -> bool:
-        return groups_held < self.max_groups
+    def hold_back_one(self, until: float) -> None:
+        self.held_back_until.append(until)
+
+    def wants_more(self, groups_held: int, now: float) -> bool:
+        self.held_back_until = [until for until in self.held_back_until if until > now]
+        ceiling = max(self.min_groups, self.max_groups - len(self.held_back_until))
+        return groups_held < ceiling
 
     def below_minimum(self, live_or_healing: int) -> bool:
         return live_or_healing < self.min_groups
