@@ -60,6 +60,7 @@ class OpenRecovery:
     detected_at: float
     detect_s: float
     rebuild_s: float = 0.0
+    heal_s: float = 0.0
 
 
 class Controller:
@@ -194,6 +195,8 @@ class Controller:
                 imports.append(self.fleet.actors[target].import_state.remote(state))
         ray.get(imports)
         seconds = self.clock() - started
+        if self.recovery is not None:
+            self.recovery.heal_s += seconds
         for group in groups:
             self.events.emit("group-healed", group=group, source_group=source_group, seconds=round(seconds, 4))
             self.metrics.heal_seconds.observe(seconds)
@@ -209,6 +212,8 @@ class Controller:
             )
         ranks = [r for g in groups for r in self.membership.global_ranks(g)]
         seconds = self.checkpointer.restore(checkpoint, ranks)
+        if self.recovery is not None:
+            self.recovery.heal_s += seconds
         rolled_back = self.step - checkpoint.step
         self.rewind(checkpoint)
         self.steps_rolled_back += rolled_back
@@ -451,6 +456,7 @@ class Controller:
             step=self.step,
             detect_s=round(self.recovery.detect_s, 4),
             rebuild_s=round(self.recovery.rebuild_s, 4),
+            heal_s=round(self.recovery.heal_s, 4),
             total_s=round(total, 4),
         )
         self.metrics.recoveries.labels(cause=self.recovery.cause).inc()

@@ -78,6 +78,8 @@ def test_single_group_recovers_from_the_latest_checkpoint(ray_cluster, tmp_path)
     assert result.ok, result.exit
     [restored] = kinds(result.summary, "restored-from-checkpoint")
     assert restored["step"] == 10 and restored["rolled_back_steps"] == 2
+    [recovered] = kinds(result.summary, "recovered")
+    assert recovered["heal_s"] >= restored["seconds"] > 0
     assert result.summary["steps_rolled_back"] == 2
     assert [r["step"] for r in result.summary["steps"]] == list(range(20))
     assert continues_reference(result, config, 0)

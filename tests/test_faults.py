@@ -34,6 +34,7 @@ def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path, inject, cu
     assert max_relative_difference(result.losses, reference) <= 1e-5
     [recovered] = [e for e in summary["events"] if e["kind"] == "recovered"]
     assert recovered["cause"] == cause and recovered["total_s"] > 0
+    assert {"detect_s", "rebuild_s", "heal_s"} <= set(recovered)
 
 
 def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
