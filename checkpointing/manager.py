@@ -110,12 +110,12 @@ class CheckpointManager:
         """Delete committed checkpoints beyond the newest ``keep`` and every partial one
         except the directory a save is ``writing`` into. Returns the steps deleted."""
         fs, _ = self._filesystem()
+        dirs = self._step_dirs()
         committed, partial = [], []
-        for step, path in self._step_dirs().items():
+        for step, path in dirs.items():
             has_manifest = fs.exists(f"{path}/{MANIFEST_NAME}")
             (committed if has_manifest else partial).append(step)
-        doomed = sorted(committed)[: max(0, len(committed) - self.keep)] + [s for s in partial if s != writing]
-        dirs = self._step_dirs()
-        for step in sorted(doomed):
+        doomed = sorted(sorted(committed)[: max(0, len(committed) - self.keep)] + [s for s in partial if s != writing])
+        for step in doomed:
             fs.rm(dirs[step], recursive=True)
-        return sorted(doomed)
+        return doomed

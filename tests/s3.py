@@ -63,11 +63,10 @@ class MotoServer:
         self.process.send_signal(signal.SIGCONT)
 
     def filesystem(self) -> s3fs.S3FileSystem:
-        fs = s3fs.S3FileSystem(
+        return s3fs.S3FileSystem(
             client_kwargs={"endpoint_url": self.endpoint_url}, skip_instance_cache=True,
             key=TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         )
-        return fs
 
     def url(self, *parts: str) -> str:
         return "/".join([f"s3://{self.bucket}", *parts])
