@@ -139,7 +139,7 @@ class ElasticTrainer:
             checkpointer = self._checkpointer(fleet, events, ledger, metrics, clock)
             resume = checkpointer.latest()
             checkpointer.prune()
-            with ProgressBar(self.config.steps, enabled=self.progress) as bar, stop_on_signals(stop, events):
+            with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
                 controller = Controller(
                     self.config, fleet, membership, self.faults, self.dataset_len, events, ledger, metrics,
                     clock=clock, on_step=bar.update, checkpointer=checkpointer, resume=resume, stop_requested=stop,
@@ -212,7 +212,7 @@ class ElasticTrainer:
         return join_url(self.run_dir, "summary.json")
 
 
-class stop_on_signals:
+class StopOnSignals:
     """SIGTERM (preemption, ``ray job stop``, pod eviction) and Ctrl-C ask the controller to
     stop at the next step boundary with a checkpoint, instead of killing the driver mid-step."""
 
@@ -227,7 +227,7 @@ class stop_on_signals:
         self.stop.set()
         self.events.emit("stop-requested", signal=signal.Signals(signum).name)
 
-    def __enter__(self) -> stop_on_signals:
+    def __enter__(self) -> StopOnSignals:
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
