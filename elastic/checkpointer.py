@@ -55,6 +55,10 @@ class Checkpointer:
         self.deferred_counted = False
         self.last_committed_step: int | None = None
 
+    @property
+    def last_committed_url(self) -> str | None:
+        return None if self.last_committed_step is None else self.manager.url(self.last_committed_step)
+
     # resume
 
     def latest(self) -> Restorable | None:
@@ -173,12 +177,14 @@ class Checkpointer:
     def finish(self, step: int, cursor: DataCursor, group: int, ranks: list[int], deadline: float) -> bool:
         """Final or preemption checkpoint: wait out the upload in flight, save ``step`` and
         commit it, all before ``deadline`` (clock time). Returns whether ``step`` is committed."""
-        while self.in_flight is not None and self.clock() < deadline:
-            self.poll(timeout=min(0.5, max(0.0, deadline - self.clock())))
+        self._wait_in_flight(deadline)
         if self.last_committed_step == step:
             return True
         if self.in_flight is not None or not self.start(step, cursor, group, ranks):
             return False
+        self._wait_in_flight(deadline)
+        return self.last_committed_step == step
+
+    def _wait_in_flight(self, deadline: float) -> None:
         while self.in_flight is not None and self.clock() < deadline:
             self.poll(timeout=min(0.5, max(0.0, deadline - self.clock())))
-        return self.last_committed_step == step

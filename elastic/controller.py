@@ -179,7 +179,7 @@ class Controller:
 
     def commit_live(self) -> None:
         if self.pending_commit:
-            ranks = [r for g in self.membership.live_groups() for r in self.membership.global_ranks(g)]
+            ranks = self.membership.ranks_of(self.membership.live_groups())
             ray.get(list(self.fleet.call(ranks, "commit").values()))
             self.pending_commit = False
 
@@ -210,8 +210,7 @@ class Controller:
                 "and there is no committed checkpoint to recover from; "
                 "run with at least two replica groups (--groups 2) or checkpoint more often (--checkpoint-every N)"
             )
-        ranks = [r for g in groups for r in self.membership.global_ranks(g)]
-        seconds = self.checkpointer.restore(checkpoint, ranks)
+        seconds = self.checkpointer.restore(checkpoint, self.membership.ranks_of(groups))
         if self.recovery is not None:
             self.recovery.heal_s += seconds
         rolled_back = self.step - checkpoint.step
@@ -328,7 +327,7 @@ class Controller:
         return {rank: tuple(faults) for rank, faults in firing.items()}
 
     def dispatch(self, plan: StepPlan) -> dict[ray.ObjectRef, int]:
-        quorum_ranks = {r for g in plan.groups for r in self.membership.global_ranks(g)}
+        quorum_ranks = set(self.membership.ranks_of(plan.groups))
         faults = self.due_faults(quorum_ranks)
         refs = {}
         for group, group_plan in plan.groups.items():
@@ -553,8 +552,7 @@ class Controller:
         self.training_started_at = self.clock()
 
     def resume_from(self, checkpoint: Restorable) -> None:
-        ranks = [r for g in self.membership.live_groups() for r in self.membership.global_ranks(g)]
-        seconds = self.checkpointer.restore(checkpoint, ranks)
+        seconds = self.checkpointer.restore(checkpoint, self.membership.ranks_of(self.membership.live_groups()))
         self.first_step = checkpoint.step
         self.rewind(checkpoint)
         self.events.emit("resumed", step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
@@ -578,7 +576,7 @@ class Controller:
 
     def _saving_group(self) -> tuple[int, list[int]]:
         group = self.membership.live_groups()[0]
-        return group, list(self.membership.global_ranks(group))
+        return group, self.membership.ranks_of([group])
 
     def maybe_checkpoint(self) -> None:
         if self.checkpointer is None or not self.checkpointer.wants_save(self.step):

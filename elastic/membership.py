@@ -46,6 +46,9 @@ class Membership:
     def global_ranks(self, group: int) -> range:
         return range(group * self.ranks_per_group, (group + 1) * self.ranks_per_group)
 
+    def ranks_of(self, groups) -> list[int]:
+        return [rank for group in groups for rank in self.global_ranks(group)]
+
     def group_of(self, global_rank: int) -> int:
         return global_rank // self.ranks_per_group
 

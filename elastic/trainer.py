@@ -179,9 +179,7 @@ class ElasticTrainer:
         losses = controller.losses if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
-        last_checkpoint = None
-        if controller and controller.checkpointer and controller.checkpointer.last_committed_step is not None:
-            last_checkpoint = controller.checkpointer.manager.url(controller.checkpointer.last_committed_step)
+        last_checkpoint = controller.checkpointer.last_committed_url if controller and controller.checkpointer else None
         return {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),

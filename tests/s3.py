@@ -11,15 +11,11 @@ import time
 
 import s3fs
 
+from tests.loopback import free_port
+
 # Dummy credentials for the loopback server; set before the session's Ray starts, so the
 # rank actors inherit them the way they would inherit a node's real AWS environment.
 TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MotoServer:

@@ -13,6 +13,7 @@ import yaml
 
 from elastic import ElasticTrainer
 from tests.reference import max_relative_difference, reference_run
+from tests.loopback import wait_for
 from tests.tiny import tiny_config
 
 TOLERANCE = 1e-5
@@ -129,20 +130,12 @@ def driver(tmp_path, ray_cluster, config):
     )
 
 
-def wait_for(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.05)
-
-
 def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_commit(ray_cluster, tmp_path, s3_server):
     fs = s3_server.filesystem()
     root = f"{s3_server.bucket}/runs/job/checkpoints"
     s3 = {"run_name": "job", "storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
     job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5, **s3))
-    wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), timeout=300)
+    wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), 300, "the first commit", interval=0.05)
     s3_server.pause()  # the next upload hangs mid-flight
     time.sleep(2)
     job.kill()
@@ -165,7 +158,8 @@ def test_sigterm_checkpoints_within_the_grace_period_and_the_rerun_resumes(ray_c
     job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=2000, checkpoint__every=50, run_name="job"))
     summary_path = Path(storage, "job", "summary.json")
     checkpoints = Path(storage, "job", "checkpoints")
-    wait_for(lambda: (checkpoints / "step-00000050" / "manifest.json").exists(), timeout=300)
+    wait_for(lambda: (checkpoints / "step-00000050" / "manifest.json").exists(), 300, "the step-50 commit",
+             interval=0.05)
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 143, output[-3000:]

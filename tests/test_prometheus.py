@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 
@@ -20,6 +18,7 @@ import yaml
 
 from elastic import ElasticTrainer
 from tests.test_deploy import dashboard_queries, metric_names
+from tests.loopback import free_port, wait_for
 from tests.tiny import tiny_config
 
 PROMETHEUS = shutil.which("prometheus")
@@ -29,22 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 SCRAPE_INTERVAL_S = 1
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class PrometheusServer:

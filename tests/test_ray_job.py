@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,16 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 # Keep the upload small: the CI virtualenv lives in the repository.
 RUNTIME_ENV = {"excludes": [".git", ".venv", "runs", ".pytest_cache", "**/__pycache__", "*.egg-info"]}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def processes_mentioning(*markers: str) -> list[int]:

@@ -1,0 +1,23 @@
+"""Helpers for the tests' own servers, all on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    """Poll until ``predicate()`` is truthy and return its value; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
