@@ -43,7 +43,8 @@ class MotoServer:
                 if time.monotonic() > deadline:
                     raise RuntimeError("moto server did not start") from None
                 time.sleep(0.1)
-        self.filesystem().mkdir(self.bucket)
+        # exist_ok: on a restart, a rank's checkpoint write may recreate the bucket first.
+        self.filesystem().makedirs(self.bucket, exist_ok=True)
         return self
 
     def stop(self) -> None:
