@@ -35,7 +35,8 @@ class ScalingConfig(Section):
     shard: PositiveInt = 2
     tp: PositiveInt = 2
     cpus_per_rank: PositiveFloat = 0.25
-    gpus_per_rank: NonNegativeFloat = 0.0
+    # None: one GPU per rank when training on GPUs, none on CPU.
+    gpus_per_rank: NonNegativeFloat | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @model_validator(mode="after")
@@ -46,12 +47,24 @@ class ScalingConfig(Section):
                 "set min_groups <= max_groups (e.g. --groups MIN:MAX)"
             )
         if self.device == "cuda" and self.gpus_per_rank == 0:
-            raise ValueError("device='cuda' needs gpus_per_rank > 0; set gpus_per_rank = 1")
+            raise ValueError("device='cuda' needs gpus_per_rank > 0; set gpus_per_rank = 1 or leave it unset")
+        if self.device == "cpu" and self.gpus_per_rank:
+            raise ValueError(f"device='cpu' with gpus_per_rank={self.gpus_per_rank:g}; set gpus_per_rank = 0 or device = 'cuda'")
         return self
+
+    def on_cluster(self, cluster_gpus: float) -> ScalingConfig:
+        """``device = auto`` trains on GPUs when the cluster has them; gpus_per_rank follows the device."""
+        device, gpus = self.device, self.gpus_per_rank
+        if device == "auto":
+            wants_gpus = gpus > 0 if gpus is not None else cluster_gpus > 0
+            device = "cuda" if wants_gpus else "cpu"
+        if gpus is None:
+            gpus = 1.0 if device == "cuda" else 0.0
+        return self.model_copy(update={"device": device, "gpus_per_rank": gpus})
 
     @property
     def uses_gpu(self) -> bool:
-        return self.device == "cuda" or (self.device == "auto" and self.gpus_per_rank > 0)
+        return self.device == "cuda" or (self.device == "auto" and bool(self.gpus_per_rank))
 
     @property
     def ranks_per_group(self) -> int:
@@ -107,6 +120,18 @@ class OptimizerConfig(Section):
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
     eps: PositiveFloat = 1e-8
+
+
+class ComputeConfig(Section):
+    """Speed settings, applied from outside the model (TorchTitan-style)."""
+
+    # bf16: FSDP2 all-gathers and computes in bf16, keeps fp32 master weights and reduces
+    # gradients in fp32. auto: bf16 on CUDA, fp32 on CPU.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # dtype of the cross-group gradient all-reduce
+    replicate_precision: Literal["fp32", "bf16"] = "fp32"
+    compile: bool = False
+    activation_checkpointing: Literal["none", "full"] = "none"
 
 
 class CheckpointConfig(Section):
@@ -167,6 +192,7 @@ class TrainConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    compute: ComputeConfig = ComputeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     stragglers: StragglerConfig = StragglerConfig()
@@ -256,11 +282,17 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return build_config(merge(base, overrides or {}))
 
 
+def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> TrainConfig:
+    """The config with its device resolved against the cluster it runs on."""
+    scaling = config.scaling.on_cluster(cluster_resources.get("GPU", 0.0))
+    return config.model_copy(update={"scaling": scaling})
+
+
 def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> None:
     """Fail before any actor starts if the minimum layout cannot be placed."""
     scaling = config.scaling
     needed_ranks = scaling.min_groups * scaling.ranks_per_group
-    for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank)]:
+    for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank or 0.0)]:
         if per_rank == 0:
             continue
         available = cluster_resources.get(resource, 0.0)

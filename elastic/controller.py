@@ -34,8 +34,9 @@ from workers.protocol import InjectedFault, StepReport, StepRequest
 
 log = logging.getLogger("elastic.controller")
 
+# How long a rank of a group that lost a member gets to report its error after the abort,
+# before it counts as blocked in its group's collectives.
 ABORT_SETTLE_S = 0.25
-STUCK_GRACE_S = 2.0
 
 
 class TrainingStopped(RuntimeError):
@@ -93,6 +94,7 @@ class Controller:
         self.pending_commit = False
         self.has_state = False
         self.weights: dict[int, float] = {}
+        self.attempts = 0
         self.joining: dict[int, Joining] = {}
         self.world_generation = 0
         self.recovery: OpenRecovery | None = None
@@ -323,12 +325,14 @@ class Controller:
             self.faults.remove(fault)
             self.events.emit("fault-injected", fault=fault.kind, ranks=targets, step=self.step)
             for rank in targets:
-                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor))
+                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
         return {rank: tuple(faults) for rank, faults in firing.items()}
 
     def dispatch(self, plan: StepPlan) -> dict[ray.ObjectRef, int]:
         quorum_ranks = set(self.membership.ranks_of(plan.groups))
         faults = self.due_faults(quorum_ranks)
+        self.attempts += 1
+        deadline_s = self.deadline.seconds()
         refs = {}
         for group, group_plan in plan.groups.items():
             for rank in self.membership.global_ranks(group):
@@ -339,6 +343,8 @@ class Controller:
                     micro_batches=group_plan.micro_batches(shard_index, self.config.scaling.shard, self.config.micro_batch),
                     global_tokens=plan.global_samples * self.config.data.seq_len,
                     commit_previous=self.pending_commit,
+                    attempt=self.attempts,
+                    deadline_s=deadline_s,
                     faults=faults.get(rank, ()),
                     noise=self.config.stragglers.noise,
                 )
@@ -369,12 +375,11 @@ class Controller:
             return reports, None
         for rank in hung:
             self.fleet.kill(rank)
-        self.fleet.abort_collectives([r for r in pending.values() if r not in hung])
-        stuck = self._drain({ref: r for ref, r in pending.items() if r not in hung}, reports, dead)
-        diagnosis = diagnose(
-            dead=dead, reports=reports, hung=hung, stuck=stuck,
-            group_of={r: self.membership.group_of(r) for r in refs.values()},
-        )
+        still_running = {ref: rank for ref, rank in pending.items() if rank not in hung}
+        self.fleet.abort_step(still_running.values(), self.attempts)
+        group_of = {r: self.membership.group_of(r) for r in refs.values()}
+        stuck = self._drain(still_running, reports, dead, hung, group_of, started + deadline_s)
+        diagnosis = diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of)
         return reports, diagnosis
 
     def _receive(self, ref, rank: int, reports: dict, dead: set) -> bool:
@@ -386,24 +391,34 @@ class Controller:
         reports[rank] = report
         return not report.ok
 
-    def _drain(self, pending: dict, reports: dict, dead: set) -> list[int]:
-        """Collect the rest of a failed step; returns the ranks still blocked in their group.
+    def _drain(self, pending: dict, reports: dict, dead: set, hung: list[int], group_of: dict[int, int],
+               step_deadline: float) -> list[int]:
+        """Collect the rest of a failed step; returns the ranks blocked in their own group.
 
-        Ranks waiting on other groups are released by the abort. A rank blocked inside its
-        own group's collectives stays blocked until that collective errors out; its group
-        sits out and rebuilds then, while the other groups go on without waiting for it.
+        A group that lost a member (or whose world failed) is broken: its other ranks block
+        in its collectives, get ``ABORT_SETTLE_S`` to report, and are then counted as stuck.
+        A rank of a healthy group is computing its own share, not stuck: the abort stops its
+        group at the next micro-batch boundary (or at the cross-group all-reduce), so it
+        returns within a micro-batch, and at the latest by the step's deadline.
         """
-        ready, waiting = ray.wait(list(pending), num_returns=len(pending), timeout=ABORT_SETTLE_S)
-        for ref in ready:
-            self._receive(ref, pending[ref], reports, dead)
-        progress = self.fleet.probe([pending[ref] for ref in waiting], timeout=2)
-        in_replicate = [ref for ref in waiting if getattr(progress.get(pending[ref]), "phase", "") == "replicate"]
-        if in_replicate:
-            ready, _ = ray.wait(in_replicate, num_returns=len(in_replicate), timeout=STUCK_GRACE_S)
+        def broken_groups() -> frozenset[int]:
+            return diagnose(dead=dead, reports=reports, hung=hung, group_of=group_of).broken_groups
+
+        settle_until = self.clock() + ABORT_SETTLE_S
+        finish_until = max(step_deadline, settle_until)
+        pending = dict(pending)
+        while pending:
+            broken = broken_groups()
+            now = self.clock()
+            waiting = [ref for ref, rank in pending.items()
+                       if now < (settle_until if group_of[rank] in broken else finish_until)]
+            if not waiting:
+                break
+            until = settle_until if any(group_of[pending[ref]] in broken for ref in waiting) else finish_until
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=max(0.0, until - now))
             for ref in ready:
-                self._receive(ref, pending[ref], reports, dead)
-        received = set(reports) | dead
-        return [pending[ref] for ref in waiting if pending[ref] not in received]
+                self._receive(ref, pending.pop(ref), reports, dead)
+        return sorted(pending.values())
 
     def recover(self, diagnosis: Diagnosis, step_started: float) -> None:
         detected = self.clock()

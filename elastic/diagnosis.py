@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from workers.protocol import Progress, StepReport
+from workers.protocol import Progress, StepReport, describe_error
 
 DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
 
@@ -60,6 +60,6 @@ def diagnose(
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
     broken |= {group_of[rank] for rank in stuck}
     stuck = list(stuck)
-    errors = {rank: report.error[:200] for rank, report in reports.items() if not report.ok}
+    errors = {rank: describe_error(report.error, 300) for rank, report in reports.items() if not report.ok}
     stuck = tuple(sorted(rank for rank in stuck if rank not in culprits))
     return Diagnosis(culprits, frozenset(broken), errors, stuck)

@@ -3,8 +3,10 @@
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
 ``kill-group``, ``hang``, ``slow`` and ``fail-collective``; keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
-or ``at`` (seconds since training started) and ``factor`` (for ``slow``). A fault fires
-once, on the first step at or after its trigger, in the rank(s) it names.
+or ``at`` (seconds since training started), ``factor`` (for ``slow``) and ``after``
+(for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
+its peers compute). A fault fires once, on the first step at or after its trigger, in the
+rank(s) it names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Fault:
     step: int | None = None
     at: float | None = None
     factor: float = 1.0
+    after: float = 0.0
     random_target: bool = False
 
     def targets(self, rank: int, group: int) -> bool:
@@ -57,11 +60,11 @@ def _parse_one(text: str) -> Fault:
                     fields[key] = int(value)
             elif key == "step":
                 fields["step"] = int(value)
-            elif key in ("at", "factor"):
+            elif key in ("at", "factor", "after"):
                 fields[key] = float(value)
             else:
                 raise FaultSpecError(
-                    f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at or factor"
+                    f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor or after"
                 )
         except ValueError as error:
             if isinstance(error, FaultSpecError):
@@ -74,6 +77,8 @@ def _parse_one(text: str) -> Fault:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs exactly one of step=N or at=SECONDS")
     if kind == "slow" and fields.get("factor", 1.0) <= 1.0:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs factor > 1")
+    if "after" in fields and (kind not in ("kill", "kill-group") or not 0 < fields["after"] < 3600):
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r}: after=SECONDS (0 to 3600) applies to kill and kill-group")
     return Fault(**fields)
 
 

@@ -52,6 +52,9 @@ class Fleet:
         self.hooks_ref = ray.put(hooks)
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.placements: dict[int, PlacementGroup] = {}
+        # One readiness reference per placement group: each ready() call submits a new task,
+        # and a fresh one on every poll floods a busy node until none is ever scheduled.
+        self.readiness: dict[int, ray.ObjectRef] = {}
 
     # placement
 
@@ -62,10 +65,11 @@ class Fleet:
         strategy = "STRICT_PACK" if self.scaling.uses_gpu else "PACK"
         placement = placement_group([dict(bundle) for _ in range(self.scaling.ranks_per_group)], strategy=strategy)
         self.placements[group] = placement
+        self.readiness[group] = placement.ready()
         return placement
 
     def placed(self, group: int, timeout: float = 0.0) -> bool:
-        ready, _ = ray.wait([self.placements[group].ready()], timeout=timeout)
+        ready, _ = ray.wait([self.readiness[group]], timeout=timeout)
         return bool(ready)
 
     def has_spare_slot(self) -> bool:
@@ -76,6 +80,7 @@ class Fleet:
 
     def release(self, group: int) -> None:
         placement = self.placements.pop(group, None)
+        self.readiness.pop(group, None)
         if placement is not None:
             remove_placement_group(placement)
 
@@ -96,6 +101,7 @@ class Fleet:
             store_port=self.rendezvous.port,
             collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
             storage=self.config.checkpoint.storage_options(),
+            replicate_dtype=self.config.compute.replicate_precision,
         )
 
     def start_rank(self, global_rank: int) -> ray.ObjectRef:
@@ -104,7 +110,7 @@ class Fleet:
         bundle_index = global_rank % self.scaling.ranks_per_group
         actor = RankActor.options(
             num_cpus=self.scaling.cpus_per_rank,
-            num_gpus=self.scaling.gpus_per_rank,
+            num_gpus=self.scaling.gpus_per_rank or 0,
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -127,10 +133,10 @@ class Fleet:
     def call(self, ranks, method: str, *args) -> dict[int, ray.ObjectRef]:
         return {rank: getattr(self.actors[rank], method).remote(*args) for rank in ranks}
 
-    def abort_collectives(self, ranks) -> None:
+    def abort_step(self, ranks, attempt: int) -> None:
         for rank in ranks:
             if rank in self.actors:
-                self.actors[rank].abort_collectives.remote()
+                self.actors[rank].abort_step.remote(attempt)
 
     def probe(self, ranks, timeout: float) -> dict:
         refs = {rank: self.actors[rank].probe.remote() for rank in ranks if rank in self.actors}

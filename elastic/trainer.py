@@ -19,7 +19,7 @@ import ray
 from checkpointing.manager import CheckpointManager
 from checkpointing.storage import join_url
 from elastic.checkpointer import Checkpointer
-from elastic.config import ConfigError, TrainConfig, check_capacity
+from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
 from elastic.events import EventLog
 from elastic.faults import check_targets, parse_faults, resolve_random_targets
@@ -130,6 +130,7 @@ class ElasticTrainer:
         exit_reason = "completed"
         final_state = None
         try:
+            self.config = on_cluster(self.config, ray.cluster_resources())
             check_capacity(self.config, ray.cluster_resources())
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)

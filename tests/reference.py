@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from elastic.config import TrainConfig
@@ -10,7 +11,9 @@ from elastic.hooks import resolve_hooks
 from workers.train_step import accumulate_gradients, collate
 
 
-def reference_run(config: TrainConfig, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+def reference_run(config: TrainConfig, steps: int, chunks: int = 1) -> tuple[list[float], list[torch.Tensor]]:
+    """``chunks`` > 1 accumulates the gradient over that many slices of each global batch:
+    the same math summed in another order, as replica groups do."""
     hooks = resolve_hooks(config)
     torch.manual_seed(config.seed)
     model = hooks.model_fn()
@@ -19,11 +22,15 @@ def reference_run(config: TrainConfig, steps: int) -> tuple[list[float], list[to
     cursor, losses = DataCursor(), []
     for _ in range(steps):
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
-        batch = collate(dataset, indices.tolist(), torch.device("cpu"))
-        losses.append(accumulate_gradients(model, hooks.loss_fn, [batch], len(indices) * config.data.seq_len))
+        batches = [collate(dataset, part.tolist(), torch.device("cpu")) for part in np.array_split(indices, chunks)]
+        losses.append(accumulate_gradients(model, hooks.loss_fn, batches, len(indices) * config.data.seq_len))
         optimizer.step()
         optimizer.zero_grad()
     return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def max_parameter_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:

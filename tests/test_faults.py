@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from elastic import ElasticTrainer
-from tests.reference import max_relative_difference, reference_run
+from tests.reference import max_parameter_difference, max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
@@ -53,9 +53,14 @@ def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     assert summary["steps_discarded"] == len([e for e in summary["events"] if e["kind"] == "step-discarded"])
     assert [e for e in summary["events"] if e["kind"] == "group-healed"]
     shards = result.final_state
-    for index, expected in enumerate(reference_params):
-        full = torch.cat([shards[(0, 0)][index], shards[(1, 0)][index]])
-        torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6)
+    final_params = [torch.cat([shards[(0, 0)][i], shards[(1, 0)][i]]) for i in range(len(reference_params))]
+    # Summing the same gradients in another order (as groups do) moves fp32 parameters by a
+    # few ulps a step, and AdamW carries that through 150 steps. The bound is that measured
+    # drift between two fault-free orders (~7e-6 here), with room for faults reordering sums;
+    # a step lost or applied twice moves parameters by ~lr = 3e-3, far beyond it.
+    _, reordered_params = reference_run(config, steps, chunks=4)
+    reorder_drift = max_parameter_difference(reordered_params, reference_params)
+    assert max_parameter_difference(final_params, reference_params) <= 10 * reorder_drift, reorder_drift
 
 
 def test_single_group_without_peer_stops_clearly(ray_cluster, tmp_path):

@@ -1,4 +1,5 @@
-"""Applies tensor parallelism, then FSDP2, to a model on a replica group's 2-D mesh.
+"""Applies tensor parallelism, activation checkpointing, compile and FSDP2, in that order
+(TorchTitan's), to a model on a replica group's 2-D mesh.
 
 The mesh has dimensions ``("shard", "tp")``. Tensor parallelism follows Megatron: q/k/v
 and the SwiGLU gate/up projections are split column-wise, the attention output and down
@@ -7,19 +8,29 @@ embedding is split by vocabulary rows and the output projection by vocabulary co
 with replicated logits, so every TP rank computes the same loss. FSDP2 then shards each
 block and the root over the ``shard`` dimension.
 
-Gradients are summed, never averaged: the loss is already divided by the global token
-count (see ``workers.train_step``), which also keeps clear of gloo's AVG reduction.
+Mixed precision goes through FSDP2's ``MixedPrecisionPolicy``: parameters are all-gathered
+and computed in bf16 while the sharded master copy, the optimizer state and the gradient
+reduction stay fp32. Gradients are summed, never averaged: the loss is already divided by
+the global token count (see ``workers.train_step``), which also keeps clear of gloo's AVG
+reduction.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from workers.model import Transformer
+
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -47,25 +58,71 @@ def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> N
         model.output.weight = model.tok_embeddings.weight
 
 
-def fully_shard_model(model: nn.Module, shard_mesh: DeviceMesh, blocks: list[nn.Module]) -> None:
+def compute_dtype(precision: Precision, mesh: DeviceMesh) -> torch.dtype:
+    """``auto`` is bf16 on CUDA and fp32 on CPU, where the parity tests stay exact."""
+    if precision == "auto":
+        return torch.bfloat16 if mesh.device_type == "cuda" else torch.float32
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def mixed_precision_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def fully_shard_model(
+    model: nn.Module, shard_mesh: DeviceMesh, blocks: list[nn.Module],
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+) -> None:
     """FSDP2 per block, then at the root, with gradients summed across the shard dimension."""
     for block in blocks:
-        fully_shard(block, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy)
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and AVG is where gloo goes wrong.
         module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """The default ``parallelize_fn``: TP (reference model only) then FSDP2."""
-    if mesh["tp"].size() > 1:
-        if not isinstance(model, Transformer):
-            raise ValueError(
-                "scaling.tp > 1 needs a tensor-parallel plan: pass parallelize_fn for a custom model"
-            )
-        tensor_parallelize_transformer(model, mesh["tp"])
-    blocks = list(model.layers) if isinstance(model, Transformer) else []
-    fully_shard_model(model, mesh["shard"], blocks)
-    return model
+def wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_blocks: bool) -> list[nn.Module]:
+    """Activation checkpointing, then ``torch.compile``, per transformer block.
+
+    One compiled block serves every layer (same code, same shapes), so compile time does not
+    grow with depth. FSDP2's hooks stay outside the compiled region. Checkpoint FQNs are
+    unchanged: DCP's state dict drops the wrappers' prefixes.
+    """
+    for name, block in list(model.layers.named_children()):
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block)
+        if compile_blocks:
+            block = torch.compile(block, fullgraph=True)
+        model.layers.register_module(name, block)
+    return list(model.layers)
+
+
+@dataclass(frozen=True)
+class Parallelize:
+    """The default ``parallelize_fn``: TP (reference model only), per-block activation
+    checkpointing and compile, then FSDP2 with the configured precision."""
+
+    precision: Precision = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if mesh["tp"].size() > 1:
+            if not isinstance(model, Transformer):
+                raise ValueError(
+                    "scaling.tp > 1 needs a tensor-parallel plan: pass parallelize_fn for a custom model"
+                )
+            tensor_parallelize_transformer(model, mesh["tp"])
+        blocks = []
+        if isinstance(model, Transformer):
+            blocks = wrap_blocks(model, self.activation_checkpointing, self.compile)
+        policy = mixed_precision_policy(compute_dtype(self.precision, mesh))
+        fully_shard_model(model, mesh["shard"], blocks, policy)
+        return model
+
+
+parallelize = Parallelize()

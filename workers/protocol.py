@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from checkpointing.storage import StorageOptions
 
 
+ERROR_CHARS = 2000
+
+
+def describe_error(error: BaseException | str, limit: int = ERROR_CHARS) -> str:
+    """An error's type and message, cut from the front when too long: a remote error's text
+    is a traceback followed by the exception line, and that last line names the cause."""
+    text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}").strip()
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
 @dataclass(frozen=True)
 class RankSpec:
     global_rank: int
@@ -21,6 +31,7 @@ class RankSpec:
     store_port: int
     collective_timeout_s: float
     storage: StorageOptions = StorageOptions()
+    replicate_dtype: str = "fp32"
 
     @property
     def group_rank(self) -> int:
@@ -37,6 +48,7 @@ class InjectedFault:
 
     kind: str
     factor: float = 1.0
+    after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class StepRequest:
     micro_batches: tuple[tuple[int, ...], ...]
     global_tokens: int
     commit_previous: bool
+    attempt: int = 0  # unique per dispatch: a rerun of a step is a new attempt
+    deadline_s: float = float("inf")  # from the step's start: no wait on peers outlasts it
     faults: tuple[InjectedFault, ...] = ()
     noise: float = 0.0
 

@@ -46,15 +46,19 @@ def accumulate_gradients(
     global_tokens: int,
     on_micro_batch: Callable[[int], None] = lambda index: None,
 ) -> float:
-    """Forward and backward over each micro-batch; returns this rank's share of the loss."""
-    loss_share = torch.zeros(())
+    """Forward and backward over each micro-batch; returns this rank's share of the loss.
+
+    The share is summed on the device and read once, so the host never waits for the device
+    between micro-batches.
+    """
+    loss_share = torch.zeros((), device=batches[0][0].device)
     for index, (tokens, mask) in enumerate(batches):
         on_micro_batch(index)
         logits = model(tokens[:, :-1])
         token_losses = loss_fn(logits, tokens[:, 1:])
-        loss = (token_losses * mask[:, None]).sum() / global_tokens
+        loss = (token_losses.float() * mask[:, None]).sum() / global_tokens
         loss.backward()
-        loss_share += loss.detach().float().cpu()
+        loss_share += loss.detach()
     return loss_share.item()
 
 
@@ -69,14 +73,14 @@ def local_gradients(model: nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def sum_across_groups(model: nn.Module, replicate_group, wait: Callable) -> None:
-    """Sum gradient shards over the replicate group in one flat all-reduce.
+def sum_across_groups(model: nn.Module, replicate_group, wait: Callable, dtype: torch.dtype = torch.float32) -> None:
+    """Sum gradient shards over the replicate group in one flat all-reduce, in ``dtype``.
 
     ``wait(work)`` blocks until the all-reduce is done; the worker's version can be cut
-    short by the driver, because a gloo collective cannot be aborted from outside.
+    short by the driver or by the step's deadline.
     """
     grads = local_gradients(model)
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
     wait(replicate_group.allreduce([flat]))
     offset = 0
     for grad in grads:

@@ -30,7 +30,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_checkpoint import RankCheckpointer, UploadResult
-from workers.protocol import BuildReport, InjectedFault, Progress, RankSpec, StepReport, StepRequest
+from workers.protocol import (
+    BuildReport,
+    InjectedFault,
+    Progress,
+    RankSpec,
+    StepReport,
+    StepRequest,
+    describe_error,
+)
 from workers.train_step import accumulate_gradients, collate, sum_across_groups
 
 PEER_ERROR_MARKERS = (
@@ -44,6 +52,8 @@ PEER_ERROR_MARKERS = (
     "NCCL",
 )
 
+REPLICATE_POLL_S = 0.001
+
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
@@ -55,10 +65,20 @@ class CollectiveAborted(RuntimeError):
     """The driver gave up on this step while this rank waited for a peer."""
 
 
+class CollectiveTimedOut(RuntimeError):
+    """A peer did not join the cross-group all-reduce before the step's deadline."""
+
+
+class StepInterrupted(RuntimeError):
+    """The driver gave up on this step; the group stopped together between micro-batches."""
+
+
 def is_peer_error(error: BaseException) -> bool:
     """Whether the error says a *remote* rank failed, rather than this one."""
     if isinstance(error, InjectedCollectiveFailure):
         return False
+    if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted)):
+        return True
     return any(marker in str(error) for marker in PEER_ERROR_MARKERS)
 
 
@@ -69,6 +89,38 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
+class ComputeTimer:
+    """This rank's own compute time, without the time it waits on peers.
+
+    On CUDA, events on the compute stream (no device-wide synchronisation). On CPU, the
+    training thread's CPU time, which excludes time blocked in gloo collectives.
+    """
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+
+    def start(self) -> None:
+        if self.on_gpu:
+            self.started = torch.cuda.Event(enable_timing=True)
+            self.started.record()
+        else:
+            self.started = time.thread_time()
+
+    def seconds(self) -> float:
+        if not self.on_gpu:
+            return time.thread_time() - self.started
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        ended.synchronize()
+        return self.started.elapsed_time(ended) / 1000.0
+
+
+def abort_process_groups_on_gpu(group=None) -> None:
+    """Abort NCCL communicators instead of destroying them: a destroy waits for the work in
+    flight, which never ends when a peer is gone, and keeps its GPU buffers meanwhile."""
+    dist.distributed_c10d._abort_process_group(group)
+
+
 class RankWorker:
     def __init__(self, spec: RankSpec, hooks):
         self.spec = spec
@@ -76,8 +128,14 @@ class RankWorker:
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if spec.use_gpu:
             torch.cuda.set_device(self.device)
+            # A timed-out NCCL collective aborts its communicator and raises here, instead of
+            # the watchdog killing the process (mode 1): the driver, not NCCL, decides who is
+            # evicted, and a rank that timed out waiting on a dead peer is not the culprit.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
             torch.set_num_threads(1)
+        self.compute_timer = ComputeTimer(spec.use_gpu)
+        self.replicate_dtype = torch.bfloat16 if spec.replicate_dtype == "bf16" else torch.float32
         self.timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
         self.store = dist.TCPStore(
             spec.store_host, spec.store_port, is_master=False, timeout=self.timeout, wait_for_workers=False
@@ -85,15 +143,18 @@ class RankWorker:
         self.model = None
         self.optimizer = None
         self.replicate_group = None
+        self.control_group = None
         self.pending = False
         self.slow_factor = 1.0
         self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
         self._progress_lock = threading.Lock()
         self._module_entries = 0
-        self._wake = threading.Event()
-        self._aborted = False
-        # Process groups given up with work in flight: destroying one would block until
-        # its collective times out, so they are kept until the process ends.
+        self._abort = threading.Event()
+        self._abort_attempt = -1
+        self._attempt = -1
+        # Gloo process groups given up with work in flight: gloo cannot abort a collective
+        # and destroying one would block until it times out, so they are kept until the
+        # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
         self.checkpointer = RankCheckpointer(spec.storage, spec.global_rank)
         self._set_progress(-1, "idle")
@@ -123,25 +184,51 @@ class RankWorker:
             )
 
     @ray.method(concurrency_group="control")
-    def abort_collectives(self) -> None:
-        """Release this rank's thread if it waits on the replicate group.
+    def abort_step(self, attempt: int) -> None:
+        """Give up on the step dispatched as ``attempt``: stop at the next micro-batch boundary the group agrees on, or
+        at the cross-group all-reduce, whichever comes first.
 
-        A rank stuck inside its group's FSDP or TP collectives cannot be released (gloo has
-        no abort for in-flight work); its group is rebuilt once the collective errors out.
+        A rank computing its own share is healthy: it ends its micro-batch, so its group keeps
+        its committed state and stays a source to heal from. A rank stuck inside its group's
+        FSDP or TP collectives cannot be released; the driver replaces it.
         """
-        self._aborted = True
-        self._wake.set()
+        self._abort_attempt = attempt
+        self._abort.set()
 
-    def _wait_replicate(self, work) -> None:
-        done = threading.Event()
-        self._wake = done
-        future = work.get_future()
-        future.add_done_callback(lambda _: done.set())
-        if self._aborted:
-            done.set()
-        done.wait()
-        if not future.done():
-            raise CollectiveAborted(f"rank {self.spec.global_rank}: replicate all-reduce aborted by the driver")
+    def _abort_requested(self) -> bool:
+        if self._abort.is_set() and self._abort_attempt != self._attempt:
+            self._abort.clear()  # a late abort of an attempt already over
+        return self._abort.is_set()
+
+    def _at_micro_batch(self, step: int, index: int) -> None:
+        """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
+        the abort flag: every rank of the group is at this same boundary (FSDP keeps them in
+        step), so they all stop here or all go on, and none waits in a collective its peers
+        left. Nothing here waits for the device."""
+        self._set_progress(step, "compute", index)
+        if index == 0:
+            return
+        stop = torch.tensor([int(self._abort_requested())])
+        if self.control_group is not None:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=self.control_group)
+        if stop.item():
+            raise StepInterrupted(f"rank {self.spec.global_rank}: step {step} interrupted before micro-batch {index}")
+
+    def _wait_replicate(self, work, deadline: float) -> None:
+        """Wait until the all-reduce has finished on the device, the driver aborts the step,
+        or the step's deadline passes.
+
+        ``is_completed`` asks NCCL's CUDA events whether the device is done; the future of
+        an NCCL work is already complete once the kernel is enqueued, so waiting on it would
+        release nothing.
+        """
+        rank = self.spec.global_rank
+        while not work.is_completed():
+            if self._abort_requested():
+                raise CollectiveAborted(f"rank {rank}: replicate all-reduce aborted by the driver")
+            if time.perf_counter() > deadline:
+                raise CollectiveTimedOut(f"rank {rank}: replicate all-reduce still open at the step's deadline")
+            self._abort.wait(REPLICATE_POLL_S)
         work.wait()
 
     # membership
@@ -156,7 +243,10 @@ class RankWorker:
         self._leave_replicas()
         if dist.is_initialized():
             self.checkpointer.settle(spec.collective_timeout_s)
-            dist.destroy_process_group()
+            if spec.use_gpu:
+                abort_process_groups_on_gpu()
+            else:
+                dist.destroy_process_group()
         backend = "cpu:gloo,cuda:nccl" if spec.use_gpu else "gloo"
         dist.init_process_group(
             backend,
@@ -167,6 +257,8 @@ class RankWorker:
         )
         mesh = init_device_mesh(self.device.type, (spec.shard, spec.tp), mesh_dim_names=("shard", "tp"))
         self.checkpointer.attach(dist.new_group(backend="gloo", timeout=self.timeout))
+        # Its own group: the checkpoint upload thread must not interleave with these.
+        self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if spec.shard * spec.tp > 1 else None
         torch.manual_seed(spec.seed)
         with self.device:
             model = self.hooks.model_fn()
@@ -183,7 +275,10 @@ class RankWorker:
 
     def _leave_replicas(self) -> None:
         if self.replicate_group is not None:
-            self._abandoned.append(self.replicate_group)
+            if self.spec.use_gpu:
+                self.replicate_group.abort()
+            else:
+                self._abandoned.append(self.replicate_group)
         self.replicate_group = None
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
@@ -193,7 +288,9 @@ class RankWorker:
             shard_index, tp_index = self.spec.position
             store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
             if self.spec.use_gpu:
-                self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size)
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout  # the default is 10 minutes
+                self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
             else:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
         return time.perf_counter() - started
@@ -211,7 +308,10 @@ class RankWorker:
 
     def _fire(self, fault: InjectedFault) -> None:
         if fault.kind in ("kill", "kill-group"):
-            os._exit(1)
+            if fault.after_s:
+                threading.Timer(fault.after_s, os._exit, (1,)).start()  # dies mid-step
+            else:
+                os._exit(1)
         if fault.kind == "slow":
             self.slow_factor = fault.factor
         if fault.kind == "hang":
@@ -220,18 +320,11 @@ class RankWorker:
             )
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
 
-    def _own_compute_clock(self) -> float:
-        if self.spec.use_gpu:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        # CPU time of this thread: excludes time blocked on peers in gloo collectives.
-        return time.thread_time()
-
     def train_step(self, request: StepRequest) -> StepReport:
         started = time.perf_counter()
         rank = self.spec.global_rank
+        self._attempt = request.attempt
         try:
-            self._aborted = False
             self._set_progress(request.step, "data")
             self._settle_pending(commit=request.commit_previous)
             for fault in request.faults:
@@ -240,15 +333,15 @@ class RankWorker:
             data_s = time.perf_counter() - started
 
             self._set_progress(request.step, "compute")
-            compute_started = self._own_compute_clock()
+            self.compute_timer.start()
             loss_share = accumulate_gradients(
                 self.model,
                 self.hooks.loss_fn,
                 batches,
                 request.global_tokens,
-                on_micro_batch=lambda index: self._set_progress(request.step, "compute", index),
+                on_micro_batch=lambda index: self._at_micro_batch(request.step, index),
             )
-            compute_s = self._own_compute_clock() - compute_started
+            compute_s = self.compute_timer.seconds()
             extra = (self.slow_factor - 1.0) * compute_s
             if request.noise:
                 # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.
@@ -262,7 +355,11 @@ class RankWorker:
                 self._leave_replicas()
                 raise InjectedCollectiveFailure(f"injected collective failure on rank {rank}")
             if self.replicate_group is not None:
-                sum_across_groups(self.model, self.replicate_group, self._wait_replicate)
+                deadline = started + request.deadline_s
+                sum_across_groups(
+                    self.model, self.replicate_group, lambda work: self._wait_replicate(work, deadline),
+                    self.replicate_dtype,
+                )
             comm_s = time.perf_counter() - comm_started
             self.pending = True
             self._set_progress(request.step, "done")
@@ -276,7 +373,7 @@ class RankWorker:
                 wall_s=time.perf_counter() - started,
             )
         except Exception as error:  # any failure discards the step; the driver decides who is evicted
-            group_broken = self._phase in ("data", "compute")
+            group_broken = self._phase in ("data", "compute") and not isinstance(error, StepInterrupted)
             self._leave_replicas()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending = False
@@ -284,7 +381,7 @@ class RankWorker:
             return StepReport(
                 rank,
                 request.step,
-                error=f"{type(error).__name__}: {error}"[:2000],
+                error=describe_error(error),
                 peer_error=is_peer_error(error),
                 group_broken=group_broken,
                 wall_s=time.perf_counter() - started,
