@@ -5,8 +5,9 @@ ranks copy the state to CPU; their uploads then run in the background while step
 each step boundary the driver polls the uploads; once every rank of the saving group
 finished, it writes the commit manifest and prunes old and partial checkpoints. One save is
 in flight at a time: a save that falls due meanwhile is deferred (and counted) until the
-boundary after the upload ends. A failed upload, or a saving group that breaks, is never
-committed; the next due save tries again.
+boundary after the upload ends. A failed save (staging, upload or manifest), or a saving
+group that breaks, is never committed: it is counted, and the next due boundary tries again
+(never the very next step). ``max_consecutive_failures`` failures in a row stop the run.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from elastic.events import EventLog
 from elastic.fleet import Fleet
 from elastic.goodput import TimeLedger
 from elastic.metrics import Metrics
+from workers.protocol import describe_error
 
 log = logging.getLogger("elastic.checkpointer")
+
+
+class CheckpointsFailing(RuntimeError):
+    """Saves keep failing: the run stops rather than train on with nothing to fall back to."""
 
 
 @dataclass
@@ -41,7 +47,8 @@ class SaveInFlight:
 
 class Checkpointer:
     def __init__(self, manager: CheckpointManager, fleet: Fleet, events: EventLog, ledger: TimeLedger,
-                 metrics: Metrics, topology: dict, config_hash: str, clock=time.monotonic):
+                 metrics: Metrics, topology: dict, config_hash: str, max_consecutive_failures: int,
+                 clock=time.monotonic):
         self.manager = manager
         self.fleet = fleet
         self.events = events
@@ -54,6 +61,8 @@ class Checkpointer:
         self.due = False
         self.deferred_counted = False
         self.last_committed_step: int | None = None
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
 
     @property
     def last_committed_url(self) -> str | None:
@@ -100,7 +109,7 @@ class Checkpointer:
             with self.ledger.timing("checkpoint_stall"):
                 ray.get(list(self.fleet.call(ranks, "save_checkpoint", url).values()))
         except RayError as error:
-            self._failed(step, f"staging failed: {error}")
+            self._failed(step, f"staging failed: {describe_error(error)}")
             return False
         stall_s = self.clock() - started
         self.metrics.checkpoint_blocking_seconds.observe(stall_s)
@@ -120,7 +129,7 @@ class Checkpointer:
         try:
             results = ray.get(save.finish_refs)
         except RayError as error:
-            self._failed(save.step, f"a rank of group {save.group} died during the upload: {error}")
+            self._failed(save.step, f"a rank of group {save.group} failed during the upload: {describe_error(error)}")
             return
         failures = [f"rank {r.global_rank}: {r.error}" for r in results if not r.ok]
         if failures:
@@ -139,12 +148,13 @@ class Checkpointer:
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries
-            self._failed(save.step, f"manifest write failed: {type(error).__name__}: {error}")
+            self._failed(save.step, f"manifest write failed: {describe_error(error)}")
             return
         commit_s = self.clock() - started
         self.metrics.checkpoint_commit_seconds.observe(commit_s)
         self.metrics.checkpoints_committed.inc()
         self.last_committed_step = save.step
+        self.consecutive_failures = 0
         self.events.emit(
             "checkpoint-committed", step=save.step, url=self.manager.url(save.step), group=save.group,
             files=len(manifest.files), bytes=manifest.total_bytes, stall_s=round(save.stall_s, 4),
@@ -163,9 +173,19 @@ class Checkpointer:
             self.events.emit("checkpoints-deleted", steps=deleted)
 
     def _failed(self, step: int, error: str) -> None:
-        self.due = True
+        """Count the failure and wait for the next due boundary: retrying at every step would
+        stall training on storage that is down."""
+        self.due = False
+        self.consecutive_failures += 1
         self.metrics.checkpoint_failures.inc()
-        self.events.emit("checkpoint-failed", step=step, error=error[:1000])
+        self.events.emit("checkpoint-failed", step=step, error=describe_error(error, 1000),
+                         consecutive=self.consecutive_failures)
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            raise CheckpointsFailing(
+                f"{self.consecutive_failures} checkpoint saves failed in a row, the last at step {step}: "
+                f"{describe_error(error, 500)}; fix the storage (or raise checkpoint.max_consecutive_failures) "
+                "and run again: the run resumes from its last committed checkpoint"
+            )
 
     def abandon_if_lost(self, lost_groups: set[int]) -> None:
         """A save whose group broke can never complete; forget it so the next one can start."""

@@ -76,7 +76,12 @@ def train_overrides(args: argparse.Namespace) -> dict:
 
 # A preempted run exits like a process killed by SIGTERM, so a retry policy (a RayJob's
 # backoffLimit, a scheduler) runs it again, and the rerun resumes from its checkpoint.
-EXIT_CODES = {"completed": 0, "preempted": 143}
+# Anything else that is not a completed run with its final checkpoint is a failure.
+def exit_code(exit_reason: str) -> int:
+    if exit_reason == "completed":
+        return 0
+    return 143 if exit_reason.startswith("preempted") else 1
+
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -92,7 +97,7 @@ def run_train(args: argparse.Namespace) -> int:
         f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
         f"summary at {result.summary_path}"
     )
-    return EXIT_CODES.get(result.exit, 1)
+    return exit_code(result.exit)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,6 +138,9 @@ class CheckpointConfig(Section):
     every: NonNegativeInt = 20
     keep: PositiveInt = 3
     grace_s: PositiveFloat = 30.0
+    # Saves that fail in a row before the run stops: past this, storage is not coming back
+    # soon, and every step trained is a step that a failure would lose.
+    max_consecutive_failures: PositiveInt = 5
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_max_attempts: PositiveInt = 4

@@ -60,6 +60,7 @@ class OpenRecovery:
     culprits: dict[int, str]
     detected_at: float
     detect_s: float
+    drain_s: float = 0.0
     rebuild_s: float = 0.0
     heal_s: float = 0.0
 
@@ -95,6 +96,7 @@ class Controller:
         self.has_state = False
         self.weights: dict[int, float] = {}
         self.attempts = 0
+        self.failure_seen_at = 0.0  # when the driver saw the failed step's first failure
         self.joining: dict[int, Joining] = {}
         self.world_generation = 0
         self.recovery: OpenRecovery | None = None
@@ -373,6 +375,7 @@ class Controller:
                 failed |= self._receive(ref, rank, reports, dead)
         if not failed:
             return reports, None
+        self.failure_seen_at = self.clock()
         for rank in hung:
             self.fleet.kill(rank)
         still_running = {ref: rank for ref, rank in pending.items() if rank not in hung}
@@ -421,7 +424,7 @@ class Controller:
         return sorted(pending.values())
 
     def recover(self, diagnosis: Diagnosis, step_started: float) -> None:
-        detected = self.clock()
+        drained = self.clock()
         if not self.failures.allow_recovery():
             raise TrainingStopped(
                 f"step {self.step} failed ({diagnosis.cause}: {diagnosis.culprits}) after "
@@ -449,7 +452,10 @@ class Controller:
                 set(diagnosis.broken_groups) | {self.membership.group_of(rank) for rank in failed_ranks}
             )
         if self.recovery is None:
-            self.recovery = OpenRecovery(diagnosis.cause, dict(diagnosis.culprits), step_started, detected - step_started)
+            self.recovery = OpenRecovery(
+                diagnosis.cause, dict(diagnosis.culprits), step_started,
+                detect_s=self.failure_seen_at - step_started, drain_s=drained - self.failure_seen_at,
+            )
         self.events.emit(
             "step-discarded", step=self.step, cause=diagnosis.cause, culprits=diagnosis.culprits,
             broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
@@ -469,6 +475,7 @@ class Controller:
             culprits=self.recovery.culprits,
             step=self.step,
             detect_s=round(self.recovery.detect_s, 4),
+            drain_s=round(self.recovery.drain_s, 4),
             rebuild_s=round(self.recovery.rebuild_s, 4),
             heal_s=round(self.recovery.heal_s, 4),
             total_s=round(total, 4),
@@ -573,21 +580,24 @@ class Controller:
         self.events.emit("resumed", step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
 
     def train(self) -> str:
-        """Run to the configured step count, or until a stop is requested; returns the exit."""
+        """Run to the configured step count, or until a stop is requested; returns the exit:
+        ``completed`` or ``preempted`` only with the final checkpoint committed."""
         while self.step < self.config.steps:
             if self.stop_requested.is_set():
-                self.report_open_mitigations()
-                self.save_final("preempted")
-                return "preempted"
+                return self.finish("preempted")
             # Growing, healing and joining groups at the boundary is elasticity overhead.
             with self.ledger.timing("recovery"):
                 self.mitigate_stragglers()
                 self.settle_membership()
             if self.run_step():
                 self.maybe_checkpoint()
+        return self.finish("completed")
+
+    def finish(self, reason: str) -> str:
         self.report_open_mitigations()
-        self.save_final("completed")
-        return "completed"
+        if self.save_final(reason):
+            return reason
+        return f"{reason}, final checkpoint missed (step {self.step}): see the checkpoint-failed events"
 
     def _saving_group(self) -> tuple[int, list[int]]:
         group = self.membership.live_groups()[0]
@@ -599,16 +609,20 @@ class Controller:
         self.commit_live()
         self.checkpointer.start(self.step, self.cursor, *self._saving_group())
 
-    def save_final(self, reason: str) -> None:
-        """Commit the last step's gradients and checkpoint it within the grace period."""
+    def save_final(self, reason: str) -> bool:
+        """Commit the last step's gradients and checkpoint it within the grace period; returns
+        whether the final checkpoint is committed (always, when checkpoints are off)."""
         self.commit_live()
-        if self.checkpointer is None or not self.membership.live_groups():
-            return
+        if self.checkpointer is None:
+            return True
         grace_s = self.config.checkpoint.grace_s
-        with self.ledger.timing("checkpoint_stall"):
-            committed = self.checkpointer.finish(self.step, self.cursor, *self._saving_group(), self.clock() + grace_s)
+        committed = False
+        if self.membership.live_groups():
+            with self.ledger.timing("checkpoint_stall"):
+                committed = self.checkpointer.finish(self.step, self.cursor, *self._saving_group(), self.clock() + grace_s)
         if not committed:
             self.events.emit("final-checkpoint-missed", step=self.step, reason=reason, grace_s=grace_s)
+        return committed
 
     def final_state(self) -> dict[int, list]:
         """Committed local parameter shards of the first live group, by position."""

@@ -18,7 +18,7 @@ import ray
 
 from checkpointing.manager import CheckpointManager
 from checkpointing.storage import join_url
-from elastic.checkpointer import Checkpointer
+from elastic.checkpointer import Checkpointer, CheckpointsFailing
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
 from elastic.events import EventLog
@@ -60,6 +60,7 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
+        """Completed, with its final checkpoint committed."""
         return self.exit == "completed"
 
     @property
@@ -153,7 +154,7 @@ class ElasticTrainer:
                 exit_reason = controller.train()
             if self.keep_final_state:
                 final_state = controller.final_state()
-        except TrainingStopped as error:
+        except (TrainingStopped, CheckpointsFailing) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", error)
         finally:
@@ -171,7 +172,8 @@ class ElasticTrainer:
         manager = CheckpointManager(self.run_dir, settings.storage_options(), settings.every, settings.keep)
         scaling = self.config.scaling
         topology = {"shard": scaling.shard, "tp": scaling.tp, "max_groups": scaling.max_groups}
-        return Checkpointer(manager, fleet, events, ledger, metrics, topology, config_hash(self.config), clock)
+        return Checkpointer(manager, fleet, events, ledger, metrics, topology, config_hash(self.config),
+                            settings.max_consecutive_failures, clock)
 
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling

@@ -3,7 +3,7 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.config import ConfigError, build_config, check_capacity, load_config
+from elastic.config import ConfigError, build_config, check_capacity, load_config, on_cluster
 
 
 def fails(values, *fragments):
@@ -72,3 +72,42 @@ def test_file_and_flags_merge(tmp_path):
 def test_unreadable_config_file(tmp_path):
     with pytest.raises(ConfigError, match="--config: cannot read"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_device_follows_the_cluster():
+    auto = build_config({})
+    assert on_cluster(auto, {"CPU": 16, "GPU": 8}).scaling.device == "cuda"
+    assert on_cluster(auto, {"CPU": 16, "GPU": 8}).scaling.gpus_per_rank == 1
+    assert on_cluster(auto, {"CPU": 16}).scaling.device == "cpu"
+    assert on_cluster(auto, {"CPU": 16}).scaling.gpus_per_rank == 0
+    cuda = build_config({"scaling": {"device": "cuda"}})
+    assert on_cluster(cuda, {"CPU": 16, "GPU": 8}).scaling.gpus_per_rank == 1  # --device cuda: one GPU per rank
+    half = build_config({"scaling": {"device": "cuda", "gpus_per_rank": 0.5}})
+    assert on_cluster(half, {"GPU": 8}).scaling.gpus_per_rank == 0.5
+    cpu_only = build_config({"scaling": {"gpus_per_rank": 0}})
+    assert on_cluster(cpu_only, {"GPU": 8}).scaling.device == "cpu"
+    fails({"scaling": {"device": "cuda", "gpus_per_rank": 0}}, "scaling", "device='cuda' needs gpus_per_rank > 0")
+    fails({"scaling": {"device": "cpu", "gpus_per_rank": 1}}, "scaling", "set gpus_per_rank = 0")
+
+
+def test_gpu_layout_larger_than_cluster():
+    config = on_cluster(build_config({"scaling": {"device": "cuda", "cpus_per_rank": 1}}), {"CPU": 64, "GPU": 2})
+    with pytest.raises(ConfigError, match=r"= 4 ranks need 4 GPU .* but the cluster has 2"):
+        check_capacity(config, {"CPU": 64, "GPU": 2})
+
+
+def test_compute_settings():
+    config = build_config({"compute": {"precision": "bf16", "compile": True, "activation_checkpointing": "full",
+                                       "replicate_precision": "bf16"}})
+    assert config.compute.precision == "bf16" and config.compute.compile
+    fails({"compute": {"precision": "fp16"}}, "compute.precision")
+    fails({"compute": {"activation_checkpointing": "selective"}}, "compute.activation_checkpointing")
+
+
+def test_checkpoint_failure_limit_is_positive():
+    fails({"checkpoint": {"max_consecutive_failures": 0}}, "checkpoint.max_consecutive_failures")
+
+
+def test_kill_after_applies_to_kills_only():
+    assert build_config({"fault_tolerance": {"inject": "kill:rank=1,step=2,after=0.5"}})
+    fails({"fault_tolerance": {"inject": "hang:rank=1,step=2,after=0.5"}}, "applies to kill and kill-group")

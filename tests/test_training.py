@@ -35,3 +35,14 @@ def test_loss_does_not_depend_on_the_number_of_groups(ray_cluster, tmp_path):
         runs[groups] = result.losses
     assert max_relative_difference(runs[2], runs[1]) <= 1e-5
     assert max_relative_difference(runs[4], runs[1]) <= 1e-5
+
+
+def test_bf16_trains_on_two_groups_of_shard_2_by_tp_2(ray_cluster, tmp_path, reference):
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, tp=2, steps=STEPS, compute__precision="bf16",
+                         compute__activation_checkpointing="full")
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert result.summary["topology"]["ranks"] == 8
+    assert result.losses[-1] < result.losses[0] - 0.5
+    # bf16 is in effect (not the fp32 losses), and tracks them closely
+    assert 1e-4 < max_relative_difference(result.losses, reference) < 0.05

@@ -1,0 +1,65 @@
+"""Saves that fail: each failure is counted and retried at the next due boundary, never at
+every step; too many in a row stop the run; a missed final checkpoint is a failed run.
+
+A save fails for real here: once the first checkpoint committed (and retention ran), the
+directories of the later due steps are taken by plain files, so DCP cannot write into them.
+Steps take 0.5 s, so the first commit is seen well before the next save is due."""
+
+import threading
+import time
+from pathlib import Path
+
+from elastic import ElasticTrainer
+from elastic.cli import exit_code
+from tests.loopback import wait_for
+from tests.paced import paced_model
+from tests.tiny import tiny_config
+
+EVERY = 5
+
+
+def block_saves_after_the_first_commit(run_dir: Path, steps: int) -> threading.Thread:
+    checkpoints = run_dir / "checkpoints"
+
+    def block() -> None:
+        wait_for(lambda: (checkpoints / f"step-{EVERY:08d}" / "manifest.json").exists(), 120, "the first commit",
+                 interval=0.02)
+        time.sleep(0.1)  # past the retention pass that follows the commit
+        for step in range(2 * EVERY, steps + 1, EVERY):
+            (checkpoints / f"step-{step:08d}").write_text("not a directory")
+
+    thread = threading.Thread(target=block, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_with_blocked_saves(tmp_path, steps: int, max_failures: int):
+    config = tiny_config(tmp_path, steps=steps, checkpoint__every=EVERY,
+                         checkpoint__max_consecutive_failures=max_failures)
+    blocker = block_saves_after_the_first_commit(tmp_path / "runs" / "test", steps)
+    result = ElasticTrainer(config, model_fn=paced_model(config, 0.5)).fit()
+    blocker.join(timeout=5)
+    return result, [e for e in result.summary["events"] if e["kind"] == "checkpoint-failed"]
+
+
+def test_failed_saves_back_off_to_due_boundaries_and_stop_the_run_after_n(ray_cluster, tmp_path):
+    result, failed = run_with_blocked_saves(tmp_path, steps=40, max_failures=3)
+    assert [(e["step"], e["consecutive"]) for e in failed] == [(10, 1), (15, 2), (20, 3)]
+    assert "NotADirectoryError" in failed[0]["error"] or "FileExistsError" in failed[0]["error"], failed[0]["error"]
+    assert not result.ok
+    assert result.exit.startswith("stopped: 3 checkpoint saves failed in a row, the last at step 20"), result.exit
+    assert exit_code(result.exit) == 1
+    # stopped at the third failure (seen once its upload failed), not trained on to step 40
+    assert 20 <= result.summary["steps_committed"] < 25
+    assert result.last_checkpoint.endswith("step-00000005")
+
+
+def test_a_missed_final_checkpoint_fails_the_run(ray_cluster, tmp_path):
+    result, failed = run_with_blocked_saves(tmp_path, steps=20, max_failures=5)
+    # step 20: the due save, then the final checkpoint's own try
+    assert [e["step"] for e in failed] == [10, 15, 20, 20]
+    assert result.summary["steps_committed"] == 20
+    assert [e["step"] for e in result.summary["events"] if e["kind"] == "final-checkpoint-missed"] == [20]
+    assert not result.ok
+    assert result.exit.startswith("completed, final checkpoint missed (step 20)"), result.exit
+    assert exit_code(result.exit) == 1

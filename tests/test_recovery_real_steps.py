@@ -1,0 +1,47 @@
+"""Recovery at real step times: a rank dies while the other groups are seconds into their own
+compute. Those ranks are healthy, not stuck: their groups stay live and heal the
+replacement, and the run commits the fault-free losses."""
+
+import pytest
+
+from elastic import ElasticTrainer
+from tests.paced import paced_model
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+
+STEP_S = 2.2
+KILL_STEP = 3
+
+
+@pytest.mark.parametrize("shard", [1, 2])
+def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path, shard):
+    steps = 6
+    killed = shard  # the first rank of group 1
+    config = tiny_config(
+        tmp_path, groups=2, shard=shard, steps=steps, global_batch=16, micro_batch=1,
+        fault_tolerance__inject=f"kill:rank={killed},step={KILL_STEP},after=0.8",
+        checkpoint__every=0,
+    )
+    result = ElasticTrainer(config, model_fn=paced_model(config, STEP_S)).fit()
+    summary = result.summary
+    assert result.ok, result.exit
+    step_times = [record["step_s"] for record in summary["steps"][:KILL_STEP]]
+    assert min(step_times) >= 2.0, step_times
+
+    events = summary["events"]
+    evicted = [(e["rank"], e["cause"]) for e in events if e["kind"] == "rank-evicted"]
+    group_1 = set(range(shard, 2 * shard))
+    assert (killed, "death") in evicted
+    assert {rank for rank, _ in evicted} <= group_1, evicted  # nobody of group 0 was evicted
+    [discarded] = [e for e in events if e["kind"] == "step-discarded"]
+    assert discarded["broken_groups"] == [1], discarded
+    assert not [e for e in events if e["kind"] == "restored-from-checkpoint"]
+    healed = [e for e in events if e["kind"] == "group-healed"]
+    assert [(e["group"], e["source_group"]) for e in healed] == [(1, 0)]
+    [recovered] = [e for e in events if e["kind"] == "recovered"]
+    # Group 0 stops at its next micro-batch boundary (STEP_S / 8 or / 4 away), not at the
+    # end of its step, and is not given up on after a fixed settle time.
+    assert recovered["drain_s"] < STEP_S / 2, recovered
+
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
