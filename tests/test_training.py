@@ -46,3 +46,11 @@ def test_bf16_trains_on_two_groups_of_shard_2_by_tp_2(ray_cluster, tmp_path, ref
     assert result.losses[-1] < result.losses[0] - 0.5
     # bf16 is in effect (not the fp32 losses), and tracks them closely
     assert 1e-4 < max_relative_difference(result.losses, reference) < 0.05
+
+
+def test_compiled_blocks_train_the_same_model(ray_cluster, tmp_path, reference):
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=STEPS, compute__compile=True)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    # Inductor's fused kernels sum in another order than eager ones.
+    assert max_relative_difference(result.losses, reference) <= 1e-4

@@ -33,17 +33,23 @@ class ModelArgs:
 
 
 def rope_frequencies(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
-    """Complex rotations of shape (seq_len, head_dim // 2)."""
+    """(cos, sin) of each position's angles, shape (seq_len, head_dim // 2, 2).
+
+    Real arithmetic rather than complex numbers: torch.compile generates no code for
+    complex operators and would fall back to eager kernels for every rotation.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate (batch, seq, heads, head_dim) pairs by the position's angle."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = pairs * freqs[: x.shape[1]].view(1, x.shape[1], 1, -1)
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    real, imag = pairs.unbind(-1)
+    cos, sin = freqs[: x.shape[1]].view(1, x.shape[1], 1, -1, 2).unbind(-1)
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):
