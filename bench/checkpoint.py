@@ -1,13 +1,16 @@
 """Checkpoint cost for a model of >= 50 M parameters (CPU is fine), in one run, against local
 disk and against a loopback S3 server (moto):
 
-- sync:     a synchronous DCP save of the full training state (parameters + AdamW);
-- stall:    the training stall per async checkpoint (the copy to CPU), through the same
-            ``RankCheckpointer`` the rank actors use;
+- sync:     a synchronous DCP save of the full training state (parameters + AdamW), the
+            median of two;
+- stall:    the training stall per async checkpoint (the copy into the staging buffers),
+            through the same ``RankCheckpointer`` the rank actors use; the first save of a
+            run also allocates the buffers and is shown apart;
+- upload:   how long an async upload takes while training runs beside it;
 - slowdown: median step time while an upload is in flight over the median step time with
             none.
 
-Targets: stall / sync <= 0.05 and slowdown <= 5 %.
+Targets: stall / sync <= 0.05, upload / sync <= 1.5 and slowdown <= 5 %.
 
     python bench/checkpoint.py [--dim 768] [--layers 8] [--checkpoints 3]
 """
@@ -71,33 +74,49 @@ class Trainer:
 
 
 def measure(trainer: Trainer, url: str, options: StorageOptions, checkpoints: int, baseline_steps: int) -> dict:
-    started = time.perf_counter()
-    dcp.save(training_state(trainer.model, trainer.optimizer),
-             storage_writer=FsspecWriter(f"{url}/sync", **options.for_url(url)))
-    sync_s = time.perf_counter() - started
+    syncs = []
+    for index in range(2):
+        target = f"{url}/sync-{index}"
+        started = time.perf_counter()
+        dcp.save(training_state(trainer.model, trainer.optimizer),
+                 storage_writer=FsspecWriter(target, **options.writer_options(target)))
+        syncs.append(time.perf_counter() - started)
 
     idle = [trainer.step() for _ in range(baseline_steps)]
     checkpointer = RankCheckpointer(options, global_rank=0)
     checkpointer.attach(dist.new_group(backend="gloo"))
-    stalls, during, uploads = [], [], []
-    for index in range(checkpoints):
-        stalls.append(checkpointer.save(trainer.model, trainer.optimizer, f"{url}/async-{index}"))
-        while not checkpointer.upload.done():
-            during.append(trainer.step())
-        result = checkpointer.wait()
-        if not result.ok:
-            raise RuntimeError(result.error)
-        uploads.append(result.upload_s)
-        idle.append(trainer.step())
-    stall_s = statistics.median(stalls)
+    try:
+        first_stall, _, _ = checkpoint(checkpointer, trainer, f"{url}/async-first")
+        stalls, during, uploads = [], [], []
+        for index in range(checkpoints):
+            stall, upload_s, steps = checkpoint(checkpointer, trainer, f"{url}/async-{index}")
+            stalls.append(stall)
+            uploads.append(upload_s)
+            during += steps
+            idle.append(trainer.step())
+    finally:
+        checkpointer.settle(timeout_s=60)
     return {
-        "sync_s": sync_s,
-        "stall_s": stall_s,
+        "sync_s": statistics.median(syncs),
+        "first_stall_s": first_stall,
+        "stall_s": statistics.median(stalls),
         "upload_s": statistics.median(uploads),
         "idle_step_s": statistics.median(idle),
         "upload_step_s": statistics.median(during) if during else float("nan"),
         "steps_during_upload": len(during),
     }
+
+
+def checkpoint(checkpointer: RankCheckpointer, trainer: Trainer, url: str) -> tuple[float, float, list[float]]:
+    """One async checkpoint, training while it uploads: (stall, upload seconds, step times)."""
+    stall = checkpointer.save(trainer.model, trainer.optimizer, url)
+    steps = []
+    while checkpointer.uploading:
+        steps.append(trainer.step())
+    result = checkpointer.wait()
+    if not result.ok:
+        raise RuntimeError(result.error)
+    return stall, result.upload_s, steps
 
 
 def main() -> None:
@@ -135,17 +154,19 @@ def main() -> None:
         s3.stop()
         dist.destroy_process_group()
 
-    print(f"{'target':<12} {'sync save':>10} {'stall':>8} {'upload':>8} {'step idle':>10} {'step upload':>12} "
-          f"{'n':>3} {'stall/sync':>11} {'slowdown':>9}")
+    print(f"{'target':<12} {'sync save':>10} {'1st stall':>10} {'stall':>8} {'stall/sync':>11} {'upload':>8} "
+          f"{'upload/sync':>12} {'step idle':>10} {'step upload':>12} {'n':>3} {'slowdown':>9}")
     verdicts = []
     for name, row in rows.items():
-        ratio = row["stall_s"] / row["sync_s"]
+        stall_ratio = row["stall_s"] / row["sync_s"]
+        upload_ratio = row["upload_s"] / row["sync_s"]
         slowdown = row["upload_step_s"] / row["idle_step_s"] - 1.0
-        verdicts += [ratio <= 0.05, slowdown <= 0.05]
-        print(f"{name:<12} {row['sync_s']:>9.3f}s {row['stall_s']:>7.3f}s {row['upload_s']:>7.3f}s "
-              f"{row['idle_step_s']:>9.3f}s {row['upload_step_s']:>11.3f}s {row['steps_during_upload']:>3} "
-              f"{ratio:>11.3f} {slowdown:>8.1%}")
-    print(f"targets: stall/sync <= 0.05, slowdown <= 5%: {'PASS' if all(verdicts) else 'FAIL'}")
+        verdicts += [stall_ratio <= 0.05, upload_ratio <= 1.5, slowdown <= 0.05]
+        print(f"{name:<12} {row['sync_s']:>9.3f}s {row['first_stall_s']:>9.3f}s {row['stall_s']:>7.3f}s "
+              f"{stall_ratio:>11.3f} {row['upload_s']:>7.3f}s {upload_ratio:>12.2f} {row['idle_step_s']:>9.3f}s "
+              f"{row['upload_step_s']:>11.3f}s {row['steps_during_upload']:>3} {slowdown:>8.1%}")
+    print("targets: stall/sync <= 0.05, upload/sync <= 1.5, slowdown <= 5%: "
+          f"{'PASS' if all(verdicts) else 'FAIL'}")
 
 
 def _flatten(tree):

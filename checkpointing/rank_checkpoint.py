@@ -1,31 +1,42 @@
-"""One rank's side of a distributed checkpoint: DCP ``async_save`` and ``load`` through fsspec.
+"""One rank's side of a distributed checkpoint: DCP ``save`` and ``load`` through fsspec.
 
 The state dict is DCP's (fully-qualified names, DTensor shards), so a checkpoint saved by a
 group of one (shard, tp) layout loads into any other: DCP reshards on load.
 
-Saving blocks only while the state is copied to CPU; the upload runs on DCP's thread. That
-thread coordinates the group's ranks over a gloo process group of its own: sharing the
-training collectives' group from a second thread would interleave two streams of collectives.
-The CPU copy goes into buffers kept from one save to the next (one more copy of the rank's
-state in host memory): allocating and faulting in fresh pages each time would double the
-stall. Only one upload is in flight, so a save never overwrites buffers still being read.
+A save blocks only while the state is copied into the rank's staging buffers (host memory
+kept from one save to the next, pinned on CUDA). The upload then runs on a thread, as DCP's
+``save`` with two of its extension points filled in:
+
+- a planner that plans from the live state (only shapes and placements are read, so
+  training may change the values meanwhile) and takes the data from the staged copy;
+- a storage writer that hashes each file's bytes on their way out, so the manifest's
+  digests cost no second read of what was just written (on S3, no second download).
+
+DCP's collectives run over a gloo process group of their own: sharing the training
+collectives' group from a second thread would interleave two streams of collectives. Only
+one upload is in flight, so a save never refills buffers still being written out.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
-from checkpointing.storage import StorageOptions, file_digest
+from checkpointing.digests import DigestingFileSystem
+from checkpointing.staging_buffers import StagingBuffers
+from checkpointing.storage import StorageOptions
 
 
 @dataclass
@@ -49,64 +60,65 @@ class RankCheckpointer:
         self.options = options
         self.global_rank = global_rank
         self.process_group = None
+        self.staging: StagingBuffers | None = None
         self.upload: Future | None = None
-        self.upload_url = ""
-        self.upload_started = 0.0
-        on_gpu = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False,
-        ))
 
     def attach(self, process_group) -> None:
         """Use this world's checkpoint process group (made by every rank of the world)."""
         self.process_group = process_group
 
+    @property
+    def uploading(self) -> bool:
+        return self.upload is not None and not self.upload.done()
+
     def save(self, model: nn.Module, optimizer, url: str) -> float:
-        """Stage the committed state to CPU and start its upload; returns the stall in seconds."""
+        """Stage the committed state to host memory and start its upload; returns the stall
+        in seconds. Raises if staging fails: the next save stages into fresh buffers."""
         started = time.perf_counter()
-        writer = FsspecWriter(url, **self.options.for_url(url))
-        self.upload = dcp.async_save(
-            training_state(model, optimizer), storage_writer=writer, process_group=self.process_group,
-            async_stager=self.stager,
-        )
-        self.upload_url = url
-        self.upload_started = time.perf_counter()
-        return self.upload_started - started
+        if self.uploading:
+            raise RuntimeError("a checkpoint upload is still in flight")
+        state = training_state(model, optimizer)
+        leaves = _flat_state(state)
+        with torch.no_grad():  # a parameter's local shard, not an autograd view of it
+            tensors = {fqn: _local(leaf) for fqn, leaf in leaves.items() if isinstance(leaf, torch.Tensor)}
+        try:
+            if self.staging is None or not self.staging.fits(tensors):
+                self.staging = None
+                self.staging = StagingBuffers(tensors)
+            staged = self.staging.stage(tensors)
+        except BaseException:
+            self.staging = None
+            raise
+        snapshot = {fqn: staged[fqn] if fqn in staged else copy.deepcopy(leaf) for fqn, leaf in leaves.items()}
+        writer = _DigestingWriter(url, self.options)
+        self.upload = _in_thread(_upload, state, _StagedPlanner(snapshot), writer, self.process_group)
+        return time.perf_counter() - started
 
     def wait(self) -> UploadResult:
-        """Block until this rank's upload is done; then size and checksum the files it wrote."""
+        """Block until this rank's upload is done; report the files it wrote, with digests."""
         if self.upload is None:
             return UploadResult(self.global_rank, ok=False, error="no upload in flight")
         try:
-            self.upload.result()
-            upload_s = time.perf_counter() - self.upload_started
-            files = self._written_files()
-        except Exception as error:  # the driver decides; a failed upload is just not committed
-            return UploadResult(self.global_rank, ok=False, error=f"{type(error).__name__}: {error}"[:1000])
+            files, upload_s = self.upload.result()
+        except (Exception, CheckpointException) as error:  # the driver decides: a failed upload is not committed
+            return UploadResult(self.global_rank, ok=False, error=_describe(error)[:1000])
         finally:
             self.upload = None
         return UploadResult(self.global_rank, ok=True, upload_s=upload_s, files=files)
 
-    def _written_files(self) -> dict[str, tuple[int, str]]:
-        """The files this rank wrote: DCP names them ``__<rank>_<n>``; rank 0 adds ``.metadata``."""
-        fs, path = self.options.filesystem(self.upload_url)
-        rank = dist.get_rank(self.process_group)
-        mine = f"__{rank}_"
-        digests = {}
-        for entry in fs.ls(path, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith(mine) or (rank == 0 and name == ".metadata"):
-                digests[name] = file_digest(fs, f"{path}/{name}")
-        return digests
-
     def settle(self, timeout_s: float) -> None:
-        """Let an upload in flight end before the world it uses is torn down."""
-        if self.upload is not None:
-            try:
-                self.upload.result(timeout=timeout_s)
-            except Exception:  # abandoned: the driver never commits it
-                pass
-            self.upload = None
+        """Let an upload in flight end before the world it uses is torn down; one still
+        running after ``timeout_s`` is abandoned (its collectives fail with that world), and
+        the next save stages into fresh buffers rather than the ones it may still read."""
+        if self.upload is None:
+            return
+        try:
+            self.upload.result(timeout=timeout_s)
+        except TimeoutError:
+            self.staging = None
+        except (Exception, CheckpointException):  # failed: the driver never commits it
+            pass
+        self.upload = None
 
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
@@ -114,3 +126,69 @@ class RankCheckpointer:
         dcp.load(state, storage_reader=FsspecReader(url, **self.options.for_url(url)), process_group=self.process_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return time.perf_counter() - started
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, CheckpointException):
+        # DCP gathers every rank's failure with its traceback; the causes would be cut off.
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items())
+    return f"{type(error).__name__}: {error}"
+
+
+def _flat_state(state: dict) -> dict:
+    """The state as DCP flattens it, ``{fqn: leaf}``, so staged leaves line up with its plan."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict=state, is_coordinator=False)
+    return planner.state_dict
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's part of a tensor: a DTensor's local shard (DCP writes exactly that)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _StagedPlanner(DefaultSavePlanner):
+    """DCP's default plan, over the live state; the data comes from ``snapshot``, the copy
+    taken at save time (``{fqn: staged tensor or copied non-tensor leaf}``)."""
+
+    def __init__(self, snapshot: dict):
+        super().__init__()
+        self.snapshot = snapshot
+
+    def lookup_object(self, index):
+        return self.snapshot[index.fqn]
+
+
+class _DigestingWriter(FsspecWriter):
+    """DCP's fsspec writer, recording each written file's size and sha256."""
+
+    def __init__(self, url: str, options: StorageOptions):
+        # The data is in host memory already: no device copy-ahead.
+        super().__init__(url, per_thread_copy_ahead=0, **options.writer_options(url))
+        self.fs = DigestingFileSystem(self.fs)
+
+    @property
+    def files(self) -> dict[str, tuple[int, str]]:
+        return dict(self.fs.files)
+
+
+def _upload(state: dict, planner: _StagedPlanner, writer: _DigestingWriter, process_group) -> tuple[dict, float]:
+    started = time.perf_counter()
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    return writer.files, time.perf_counter() - started
+
+
+def _in_thread(function, *args) -> Future:
+    # A thread per upload rather than a pool: an abandoned upload stuck in a collective of a
+    # dead world would hold a pool's worker, and the next upload would queue behind it.
+    future: Future = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="rank-checkpoint-upload", daemon=True).start()
+    return future

@@ -10,6 +10,7 @@ Transient S3 errors are retried with exponential backoff by s3fs and botocore's
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import fsspec
@@ -19,6 +20,12 @@ HASH_CHUNK = 8 << 20
 
 def join_url(*parts: str) -> str:
     return "/".join([parts[0].rstrip("/"), *(p.strip("/") for p in parts[1:])])
+
+
+def absolute_url(url: str) -> str:
+    """A local path made absolute where it is given: the driver and the rank processes run
+    in different working directories, and must all name the same files."""
+    return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
 def is_s3(url: str) -> bool:
@@ -46,6 +53,12 @@ class StorageOptions:
             "client_kwargs": client_kwargs,
             "config_kwargs": {"retries": retries, "connect_timeout": 5, "read_timeout": 60},
         }
+
+    def writer_options(self, url: str) -> dict:
+        """DCP ``FsspecWriter`` arguments for ``url``."""
+        # fsync makes a local checkpoint durable before it is committed. S3 has no file to
+        # sync, and DCP would fall back to os.sync(): flushing every disk of the node, per file.
+        return {"sync_files": not is_s3(url), **self.for_url(url)}
 
     def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         fs, path = fsspec.core.url_to_fs(url, **self.for_url(url))

@@ -36,6 +36,9 @@ TRAIN_FLAGS = {
     "inject": "fault_tolerance.inject",
     "data": "data.path",
     "device": "scaling.device",
+    "precision": "compute.precision",
+    "compile": "compute.compile",
+    "activation_checkpointing": "compute.activation_checkpointing",
 }
 
 
@@ -54,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")
     train.add_argument("--seed", type=int)
     train.add_argument("--data", help="text data: a path, glob or fsspec URL (default: a generated corpus)")
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                       help="auto: GPUs when the cluster has them; cuda: one GPU per rank unless gpus_per_rank says otherwise")
+    train.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.compile each transformer block")
+    train.add_argument("--activation-checkpointing", choices=["none", "full"], help="recompute each block in backward")
     train.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off)")
     train.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     train.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0: only at the end)")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from checkpointing.storage import StorageOptions
+from checkpointing.storage import StorageOptions, absolute_url
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -111,7 +111,7 @@ class DataConfig(Section):
             resolve_text_files(path)
         except OSError as error:
             raise ValueError(f"{error}; give a readable file, glob or fsspec URL") from None
-        return path
+        return absolute_url(path)
 
 
 class OptimizerConfig(Section):
@@ -186,7 +186,7 @@ class MetricsConfig(Section):
 
 class TrainConfig(Section):
     run_name: str | None = None
-    storage: str = "./runs"
+    storage: str = Field(default="./runs", validate_default=True)
     steps: PositiveInt = 60
     global_batch: PositiveInt = 32
     micro_batch: PositiveInt = 4
@@ -200,6 +200,11 @@ class TrainConfig(Section):
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     stragglers: StragglerConfig = StragglerConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_absolute(cls, storage: str) -> str:
+        return absolute_url(storage)
 
     @model_validator(mode="after")
     def _layout_fits_model(self) -> TrainConfig:

@@ -37,6 +37,10 @@ log = logging.getLogger("elastic.controller")
 # How long a rank of a group that lost a member gets to report its error after the abort,
 # before it counts as blocked in its group's collectives.
 ABORT_SETTLE_S = 0.25
+# How long a rank of a healthy group gets to return after the abort, at the least: it is
+# computing its share or waiting in the cross-group all-reduce, and must not be mistaken for
+# a stuck rank because the driver's call took a moment to reach it on a loaded node.
+ABORT_GRACE_S = 2.0
 
 
 class TrainingStopped(RuntimeError):
@@ -402,13 +406,14 @@ class Controller:
         in its collectives, get ``ABORT_SETTLE_S`` to report, and are then counted as stuck.
         A rank of a healthy group is computing its own share, not stuck: the abort stops its
         group at the next micro-batch boundary (or at the cross-group all-reduce), so it
-        returns within a micro-batch, and at the latest by the step's deadline.
+        returns within a micro-batch. It gets until the step's deadline, and at least a
+        typical step time (never less than ``ABORT_GRACE_S``) from now.
         """
         def broken_groups() -> frozenset[int]:
             return diagnose(dead=dead, reports=reports, hung=hung, group_of=group_of).broken_groups
 
         settle_until = self.clock() + ABORT_SETTLE_S
-        finish_until = max(step_deadline, settle_until)
+        finish_until = max(step_deadline, self.clock() + max(ABORT_GRACE_S, self.deadline.typical_s()))
         pending = dict(pending)
         while pending:
             broken = broken_groups()

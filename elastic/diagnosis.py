@@ -36,7 +36,7 @@ class Diagnosis:
 
 def least_progressed(progress: Iterable[Progress]) -> list[int]:
     """The unfinished ranks furthest behind (the hang's culprits)."""
-    progress = [p for p in progress if p.phase != "done"]
+    progress = [p for p in progress if not p.finished]
     if not progress:
         return []
     lowest = min(p.order() for p in progress)

@@ -22,6 +22,10 @@ class StepDeadline:
             return self.first_s
         return max(self.min_s, self.factor * statistics.median(self.recent))
 
+    def typical_s(self) -> float:
+        """The median recent step time (0 before any step is timed)."""
+        return statistics.median(self.recent) if self.recent else 0.0
+
 
 @dataclass
 class FailurePolicy:

@@ -14,7 +14,7 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
         [sys.executable, "-m", "elastic", "train", "--quiet"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
     [summary_path] = list(Path(tmp_path, "runs").glob("*/summary.json"))
     summary = json.loads(summary_path.read_text())
     assert summary["exit"] == "completed"
@@ -26,3 +26,8 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     for key in ("run", "config", "steps_discarded", "final_loss", "wall_s", "tokens_per_s", "goodput", "events"):
         assert key in summary
     assert summary["wall_s"] < 120
+    # The ranks run in Ray's working directory, not the driver's: the default storage must
+    # still put their checkpoint files next to the driver's manifest.
+    final = Path(summary["last_checkpoint"])
+    assert final.is_relative_to(tmp_path / "runs")
+    assert (final / "manifest.json").exists() and (final / ".metadata").exists()

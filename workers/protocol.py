@@ -82,7 +82,9 @@ class StepReport:
         return self.error is None
 
 
-PHASES = ("idle", "data", "compute", "replicate", "done")
+PHASES = ("idle", "data", "compute", "replicate", "done", "failed")
+# The rank is through with its step: its report is on the way, whatever a probe says.
+FINISHED_PHASES = ("done", "failed")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ class Progress:
     micro_batch: int
     module_entries: int
     phase_age_s: float
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED_PHASES
 
     def order(self) -> tuple[int, int, int]:
         return (PHASES.index(self.phase), self.micro_batch, self.module_entries)

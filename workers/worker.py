@@ -377,7 +377,7 @@ class RankWorker:
             self._leave_replicas()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending = False
-            self._set_progress(request.step, "idle")
+            self._set_progress(request.step, "failed")
             return StepReport(
                 rank,
                 request.step,
