@@ -3,10 +3,12 @@ disk and against a loopback S3 server (moto):
 
 - sync:     a synchronous DCP save of the full training state (parameters + AdamW), the
             median of two;
-- stall:    the training stall per async checkpoint (the copy into the staging buffers),
+- stall:    the training stall per async checkpoint (the copy into the staging arena),
             through the same ``RankCheckpointer`` the rank actors use; the first save of a
-            run also allocates the buffers and is shown apart;
-- upload:   how long an async upload takes while training runs beside it;
+            run also allocates the arena and is shown apart;
+- upload:   how long an async upload takes while training runs beside it, with the files
+            written by the rank's upload process and, side by side, by a thread of the
+            training process (``checkpoint.upload``);
 - slowdown: median step time while an upload is in flight over the median step time with
             none.
 
@@ -73,7 +75,8 @@ class Trainer:
         return time.perf_counter() - started
 
 
-def measure(trainer: Trainer, url: str, options: StorageOptions, checkpoints: int, baseline_steps: int) -> dict:
+def measure(trainer: Trainer, url: str, options: StorageOptions, upload_in_process: bool, checkpoints: int,
+            baseline_steps: int) -> dict:
     syncs = []
     for index in range(2):
         target = f"{url}/sync-{index}"
@@ -83,7 +86,7 @@ def measure(trainer: Trainer, url: str, options: StorageOptions, checkpoints: in
         syncs.append(time.perf_counter() - started)
 
     idle = [trainer.step() for _ in range(baseline_steps)]
-    checkpointer = RankCheckpointer(options, global_rank=0)
+    checkpointer = RankCheckpointer(options, global_rank=0, upload_in_process=upload_in_process)
     checkpointer.attach(dist.new_group(backend="gloo"))
     try:
         first_stall, _, _ = checkpoint(checkpointer, trainer, f"{url}/async-first")
@@ -95,7 +98,7 @@ def measure(trainer: Trainer, url: str, options: StorageOptions, checkpoints: in
             during += steps
             idle.append(trainer.step())
     finally:
-        checkpointer.settle(timeout_s=60)
+        checkpointer.close()
     return {
         "sync_s": statistics.median(syncs),
         "first_stall_s": first_stall,
@@ -148,24 +151,28 @@ def main() -> None:
                 "local disk": (local, StorageOptions()),
                 "loopback S3": (s3.url("bench"), StorageOptions(endpoint_url=s3.endpoint_url)),
             }
-            rows = {name: measure(trainer, url, options, args.checkpoints, args.baseline_steps)
-                    for name, (url, options) in targets.items()}
+            rows = {
+                f"{name}, {mode}": measure(trainer, f"{url}/{mode}", options, mode == "process", args.checkpoints,
+                                           args.baseline_steps)
+                for name, (url, options) in targets.items() for mode in ("process", "thread")
+            }
     finally:
         s3.stop()
         dist.destroy_process_group()
 
-    print(f"{'target':<12} {'sync save':>10} {'1st stall':>10} {'stall':>8} {'stall/sync':>11} {'upload':>8} "
+    print(f"{'target, upload':<22} {'sync save':>10} {'1st stall':>10} {'stall':>8} {'stall/sync':>11} {'upload':>8} "
           f"{'upload/sync':>12} {'step idle':>10} {'step upload':>12} {'n':>3} {'slowdown':>9}")
     verdicts = []
     for name, row in rows.items():
         stall_ratio = row["stall_s"] / row["sync_s"]
         upload_ratio = row["upload_s"] / row["sync_s"]
         slowdown = row["upload_step_s"] / row["idle_step_s"] - 1.0
-        verdicts += [stall_ratio <= 0.05, upload_ratio <= 1.5, slowdown <= 0.05]
-        print(f"{name:<12} {row['sync_s']:>9.3f}s {row['first_stall_s']:>9.3f}s {row['stall_s']:>7.3f}s "
+        if name.endswith("process"):  # the upload the targets are for (the default on CUDA)
+            verdicts += [stall_ratio <= 0.05, upload_ratio <= 1.5, slowdown <= 0.05]
+        print(f"{name:<22} {row['sync_s']:>9.3f}s {row['first_stall_s']:>9.3f}s {row['stall_s']:>7.3f}s "
               f"{stall_ratio:>11.3f} {row['upload_s']:>7.3f}s {upload_ratio:>12.2f} {row['idle_step_s']:>9.3f}s "
               f"{row['upload_step_s']:>11.3f}s {row['steps_during_upload']:>3} {slowdown:>8.1%}")
-    print("targets: stall/sync <= 0.05, upload/sync <= 1.5, slowdown <= 5%: "
+    print("targets, process upload: stall/sync <= 0.05, upload/sync <= 1.5, slowdown <= 5%: "
           f"{'PASS' if all(verdicts) else 'FAIL'}")
 
 

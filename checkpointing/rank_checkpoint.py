@@ -3,23 +3,27 @@
 The state dict is DCP's (fully-qualified names, DTensor shards), so a checkpoint saved by a
 group of one (shard, tp) layout loads into any other: DCP reshards on load.
 
-A save blocks only while the state is copied into the rank's staging buffers (host memory
-kept from one save to the next, pinned on CUDA). The upload then runs on a thread, as DCP's
-``save`` with two of its extension points filled in:
+A save blocks only while the state is copied into the rank's staging arena (host memory
+kept from one save to the next, pinned on CUDA). The upload then runs beside training, as
+DCP's ``save`` on a thread with two of its extension points filled in:
 
 - a planner that plans from the live state (only shapes and placements are read, so
   training may change the values meanwhile) and takes the data from the staged copy;
 - a storage writer that hashes each file's bytes on their way out, so the manifest's
   digests cost no second read of what was just written (on S3, no second download).
 
+With ``upload_in_process`` the data files are serialised, hashed and written by the rank's
+upload process, from the arena it shares, so the upload does not compete with training for
+the GIL; the thread keeps only the plan, DCP's collectives and rank 0's ``.metadata``.
 DCP's collectives run over a gloo process group of their own: sharing the training
 collectives' group from a second thread would interleave two streams of collectives. Only
-one upload is in flight, so a save never refills buffers still being written out.
+one upload is in flight, so a save never refills slots still being written out.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import threading
 import time
 from concurrent.futures import Future
@@ -33,10 +37,12 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
 
 from checkpointing.digests import DigestingFileSystem
-from checkpointing.staging_buffers import StagingBuffers
+from checkpointing.staging_arena import StagingArena
 from checkpointing.storage import StorageOptions
+from checkpointing.upload_process import UploadProcess, WriteRequest
 
 
 @dataclass
@@ -56,16 +62,21 @@ def training_state(model: nn.Module, optimizer) -> dict:
 
 
 class RankCheckpointer:
-    def __init__(self, options: StorageOptions, global_rank: int):
+    def __init__(self, options: StorageOptions, global_rank: int, upload_in_process: bool = False):
         self.options = options
         self.global_rank = global_rank
+        self.upload_in_process = upload_in_process
         self.process_group = None
-        self.staging: StagingBuffers | None = None
+        self.arena: StagingArena | None = None
+        self.uploader: UploadProcess | None = None
         self.upload: Future | None = None
 
     def attach(self, process_group) -> None:
         """Use this world's checkpoint process group (made by every rank of the world)."""
         self.process_group = process_group
+        if self.upload_in_process:
+            # Started now, its start-up (importing torch) overlaps the build, not an upload.
+            self._uploader()
 
     @property
     def uploading(self) -> bool:
@@ -82,15 +93,18 @@ class RankCheckpointer:
         with torch.no_grad():  # a parameter's local shard, not an autograd view of it
             tensors = {fqn: _local(leaf) for fqn, leaf in leaves.items() if isinstance(leaf, torch.Tensor)}
         try:
-            if self.staging is None or not self.staging.fits(tensors):
-                self.staging = None
-                self.staging = StagingBuffers(tensors)
-            staged = self.staging.stage(tensors)
+            if self.arena is None or not self.arena.fits(tensors):
+                self._drop_arena()
+                self.arena = StagingArena(tensors)
+            staged = self.arena.stage(tensors)
         except BaseException:
-            self.staging = None
+            self._drop_arena()
             raise
         snapshot = {fqn: staged[fqn] if fqn in staged else copy.deepcopy(leaf) for fqn, leaf in leaves.items()}
-        writer = _DigestingWriter(url, self.options)
+        if self.upload_in_process:
+            writer = _ProcessWriter(url, self.options, self._uploader(), self.arena)
+        else:
+            writer = _DigestingWriter(url, self.options)
         self.upload = _in_thread(_upload, state, _StagedPlanner(snapshot), writer, self.process_group)
         return time.perf_counter() - started
 
@@ -107,18 +121,25 @@ class RankCheckpointer:
         return UploadResult(self.global_rank, ok=True, upload_s=upload_s, files=files)
 
     def settle(self, timeout_s: float) -> None:
-        """Let an upload in flight end before the world it uses is torn down; one still
-        running after ``timeout_s`` is abandoned (its collectives fail with that world), and
-        the next save stages into fresh buffers rather than the ones it may still read."""
+        """Let an upload in flight end before the world it uses is torn down. One still
+        running after ``timeout_s`` is abandoned (its collectives fail with that world), with
+        its upload process; the next save stages into a fresh arena, not one it may read."""
         if self.upload is None:
             return
         try:
             self.upload.result(timeout=timeout_s)
         except TimeoutError:
-            self.staging = None
+            self._stop_uploader(timeout_s=0.0)
+            self.arena = None
         except (Exception, CheckpointException):  # failed: the driver never commits it
             pass
         self.upload = None
+
+    def close(self) -> None:
+        """Stop the upload process (abandoning an upload in flight) and free the staging memory."""
+        self._stop_uploader()
+        self.upload = None
+        self._drop_arena()
 
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
@@ -126,6 +147,24 @@ class RankCheckpointer:
         dcp.load(state, storage_reader=FsspecReader(url, **self.options.for_url(url)), process_group=self.process_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return time.perf_counter() - started
+
+    def _uploader(self) -> UploadProcess:
+        if self.uploader is None or not self.uploader.alive:
+            self._stop_uploader()
+            self.uploader = UploadProcess()
+        return self.uploader
+
+    def _stop_uploader(self, timeout_s: float = 10.0) -> None:
+        if self.uploader is not None:
+            self.uploader.close(timeout_s)
+            self.uploader = None
+
+    def _drop_arena(self) -> None:
+        if self.arena is not None:
+            self.arena.release()
+            self.arena = None
+            if self.uploader is not None:
+                self.uploader.unmap()
 
 
 def _describe(error: BaseException) -> str:
@@ -170,6 +209,34 @@ class _DigestingWriter(FsspecWriter):
     @property
     def files(self) -> dict[str, tuple[int, str]]:
         return dict(self.fs.files)
+
+
+class _ProcessWriter(_DigestingWriter):
+    """The data files are written by the rank's upload process; ``.metadata`` (rank 0)
+    here, through the digesting file system."""
+
+    def __init__(self, url: str, options: StorageOptions, uploader: UploadProcess, arena: StagingArena):
+        super().__init__(url, options)
+        self.url = url
+        self.storage_options = options
+        self.uploader = uploader
+        self.arena = arena
+        self.data_files: dict[str, tuple[int, str]] = {}
+
+    @property
+    def files(self) -> dict[str, tuple[int, str]]:
+        return {**self.data_files, **self.fs.files}
+
+    def write_data(self, plan, planner) -> TorchFuture:
+        items = {item.index: self._payload(planner.resolve_data(item)) for item in plan.items}
+        reply = self.uploader.write(self.arena, WriteRequest(self.url, self.storage_options, plan, items))
+        self.data_files = reply.files
+        written: TorchFuture = TorchFuture()
+        written.set_result(reply.results)
+        return written
+
+    def _payload(self, data):
+        return data.getvalue() if isinstance(data, io.BytesIO) else self.arena.ref(data)
 
 
 def _upload(state: dict, planner: _StagedPlanner, writer: _DigestingWriter, process_group) -> tuple[dict, float]:

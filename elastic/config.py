@@ -141,9 +141,16 @@ class CheckpointConfig(Section):
     # Saves that fail in a row before the run stops: past this, storage is not coming back
     # soon, and every step trained is a step that a failure would lose.
     max_consecutive_failures: PositiveInt = 5
+    # Where each rank writes its files: a process of its own (no GIL shared with training),
+    # or a thread of the rank (no process to start: small models, CPU ranks). auto: process
+    # on CUDA, thread on CPU.
+    upload: Literal["auto", "process", "thread"] = "auto"
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_max_attempts: PositiveInt = 4
+
+    def upload_in_process(self, uses_gpu: bool) -> bool:
+        return self.upload == "process" or (self.upload == "auto" and uses_gpu)
 
     def storage_options(self) -> StorageOptions:
         """Config fields win; otherwise boto reads AWS_ENDPOINT_URL, AWS_REGION and credentials."""

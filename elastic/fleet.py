@@ -101,6 +101,7 @@ class Fleet:
             store_port=self.rendezvous.port,
             collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
             storage=self.config.checkpoint.storage_options(),
+            upload_in_process=self.config.checkpoint.upload_in_process(self.scaling.uses_gpu),
             replicate_dtype=self.config.compute.replicate_precision,
         )
 

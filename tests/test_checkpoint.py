@@ -59,6 +59,17 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     assert continues_reference(third, config, 15)
 
 
+def test_ranks_can_upload_through_processes_of_their_own(ray_cluster, tmp_path):
+    # The default on CUDA; CPU ranks upload on a thread unless told otherwise.
+    first = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=6, checkpoint__every=3, checkpoint__upload="process")).fit()
+    assert first.ok, first.exit
+    assert committed_steps(first.summary)[-1] == 6
+    config = tiny_config(tmp_path, shard=2, steps=9, checkpoint__every=3, checkpoint__upload="process")
+    resumed = ElasticTrainer(config).fit()
+    assert resumed.ok and resumed.summary["resumed_from_step"] == 6
+    assert continues_reference(resumed, config, 6)
+
+
 def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_server):
     storage = {"storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
     saved = ElasticTrainer(tiny_config(tmp_path, groups=2, shard=2, steps=10, checkpoint__every=5, **storage)).fit()

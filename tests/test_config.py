@@ -3,7 +3,7 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.config import ConfigError, build_config, check_capacity, load_config, on_cluster
+from elastic.config import CheckpointConfig, ConfigError, build_config, check_capacity, load_config, on_cluster
 
 
 def fails(values, *fragments):
@@ -111,3 +111,10 @@ def test_checkpoint_failure_limit_is_positive():
 def test_kill_after_applies_to_kills_only():
     assert build_config({"fault_tolerance": {"inject": "kill:rank=1,step=2,after=0.5"}})
     fails({"fault_tolerance": {"inject": "hang:rank=1,step=2,after=0.5"}}, "applies to kill and kill-group")
+
+
+def test_checkpoints_upload_from_a_process_of_each_rank_on_gpus_by_default():
+    assert CheckpointConfig().upload_in_process(uses_gpu=True)
+    assert not CheckpointConfig().upload_in_process(uses_gpu=False)
+    assert CheckpointConfig(upload="process").upload_in_process(uses_gpu=False)
+    assert not CheckpointConfig(upload="thread").upload_in_process(uses_gpu=True)

@@ -1,11 +1,15 @@
 """A rank's async checkpoints in a real single-rank gloo world, with the tiny FSDP2 model:
-staging into reused buffers, the upload thread, digests, and loading back."""
+staging into a reused arena, the upload (on a thread, or in the rank's upload process),
+digests, and loading back."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing import rank_checkpoint, staging_buffers
+from checkpointing import rank_checkpoint, staging_arena
 from checkpointing.rank_checkpoint import RankCheckpointer, training_state
 from checkpointing.storage import StorageOptions
 from elastic.config import build_config
@@ -87,6 +91,18 @@ def loaded(checkpointer: RankCheckpointer, url: str) -> dict:
     return fresh.snapshot()
 
 
+def staging_mappings(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum("rank-checkpoint-staging" in line for line in maps)
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def stored_digests(fs, directory: str) -> dict:
     digests = {}
     for path in fs.ls(directory, detail=False):
@@ -112,12 +128,22 @@ def rank(world):
     return rank
 
 
-@pytest.fixture
-def checkpointer(world):
-    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0)
+@pytest.fixture(params=["thread", "process"])
+def checkpointer(world, request):
+    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0, upload_in_process=request.param == "process")
     checkpointer.attach(dist.new_group(backend="gloo"))
     yield checkpointer
-    checkpointer.settle(timeout_s=10)
+    checkpointer.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.fixture
+def in_process(world):
+    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0, upload_in_process=True)
+    checkpointer.attach(dist.new_group(backend="gloo"))
+    yield checkpointer
+    checkpointer.close()
+    assert multiprocessing.active_children() == []
 
 
 def test_consecutive_saves_load_back_the_state_at_save_time(rank, checkpointer, tmp_path):
@@ -149,7 +175,7 @@ def test_buffers_are_reused_across_saves(rank, checkpointer, tmp_path):
     for index in range(2):
         checkpointer.save(rank.model, rank.optimizer, str(tmp_path / f"step-{index}"))
         assert checkpointer.wait().ok
-        pointers.append({name: buffer.data_ptr() for name, buffer in checkpointer.staging.buffers.items()})
+        pointers.append({name: buffer.data_ptr() for name, buffer in checkpointer.arena.buffers.items()})
         rank.step()
     assert pointers[0] == pointers[1] and len(pointers[0]) > 10
 
@@ -157,24 +183,26 @@ def test_buffers_are_reused_across_saves(rank, checkpointer, tmp_path):
 def test_a_failed_staging_does_not_break_the_next_save(rank, checkpointer, tmp_path, monkeypatch):
     checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "first"))
     assert checkpointer.wait().ok
-    first_buffers = checkpointer.staging
+    first_arena = checkpointer.arena
 
     def broken(self, tensors):
         raise RuntimeError("injected staging failure")
 
     with monkeypatch.context() as patch:
-        patch.setattr(staging_buffers.StagingBuffers, "stage", broken)
+        patch.setattr(staging_arena.StagingArena, "stage", broken)
         with pytest.raises(RuntimeError, match="injected"):
             checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "broken"))
-    assert checkpointer.staging is None  # dropped: the next save stages into fresh buffers
+    assert checkpointer.arena is None  # dropped: the next save stages into a fresh arena
     assert not checkpointer.wait().ok
+    if checkpointer.uploader is not None:
+        wait_until(lambda: staging_mappings(checkpointer.uploader.process.pid) == 0)  # freed there too
 
     rank.step()
     expected = rank.snapshot()
     url = str(tmp_path / "after")
     checkpointer.save(rank.model, rank.optimizer, url)
     assert checkpointer.wait().ok
-    assert checkpointer.staging is not first_buffers
+    assert checkpointer.arena is not first_arena
     assert_same(loaded(checkpointer, url), expected)
 
 
@@ -187,19 +215,50 @@ def test_settle_abandons_an_upload_that_does_not_end(rank, checkpointer, tmp_pat
 
     monkeypatch.setattr(rank_checkpoint, "_upload", stuck)
     checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "stuck"))
-    abandoned = checkpointer.staging
+    abandoned = checkpointer.arena
     checkpointer.settle(timeout_s=0.5)
     assert checkpointer.upload is None and not checkpointer.uploading
-    # The stuck upload may still read those buffers: the next save must not refill them.
-    assert checkpointer.staging is None and abandoned is not None
+    # The stuck upload may still read that arena: the next save must not refill it.
+    assert checkpointer.arena is None and abandoned is not None
     release.set()
 
 
-def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch):
+def test_the_upload_process_shares_the_arena_instead_of_a_copy(rank, in_process, tmp_path):
+    in_process.save(rank.model, rank.optimizer, str(tmp_path / "ckpt"))
+    assert in_process.wait().ok
+    assert staging_mappings(in_process.uploader.process.pid) == 1
+
+
+def test_a_lost_upload_process_fails_its_upload_and_the_next_save_restarts_it(rank, in_process, tmp_path):
+    process = in_process.uploader.process
+    os.kill(process.pid, signal.SIGSTOP)  # frozen, then killed mid-upload
+    in_process.save(rank.model, rank.optimizer, str(tmp_path / "lost"))
+    os.kill(process.pid, signal.SIGKILL)
+    result = in_process.wait()
+    assert not result.ok and "upload process lost" in result.error
+
+    expected = rank.snapshot()
+    url = str(tmp_path / "next")
+    in_process.save(rank.model, rank.optimizer, url)
+    assert in_process.wait().ok
+    assert in_process.uploader.process is not process
+    assert_same(loaded(in_process, url), expected)
+
+
+def test_settle_stops_an_upload_process_that_does_not_answer(rank, in_process, tmp_path):
+    process = in_process.uploader.process
+    os.kill(process.pid, signal.SIGSTOP)
+    in_process.save(rank.model, rank.optimizer, str(tmp_path / "stuck"))
+    in_process.settle(timeout_s=0.5)
+    assert not process.is_alive() and in_process.uploader is None and in_process.upload is None
+
+
+@pytest.mark.parametrize("upload_in_process", [False, True])
+def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch, upload_in_process):
     for key, value in TEST_CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
+        monkeypatch.setenv(key, value)  # before the upload process starts: it inherits them
     options = StorageOptions(endpoint_url=s3_server.endpoint_url)
-    checkpointer = RankCheckpointer(options, global_rank=0)
+    checkpointer = RankCheckpointer(options, global_rank=0, upload_in_process=upload_in_process)
     checkpointer.attach(dist.new_group(backend="gloo"))
     try:
         expected = rank.snapshot()
@@ -211,7 +270,8 @@ def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch):
         assert result.files == stored_digests(fs, directory)
         assert_same(loaded(checkpointer, url), expected)
     finally:
-        checkpointer.settle(timeout_s=10)
+        checkpointer.close()
+    assert multiprocessing.active_children() == []
 
 
 def save_as_rank(rank: int, store: str, url: str, out: str) -> None:
@@ -220,13 +280,13 @@ def save_as_rank(rank: int, store: str, url: str, out: str) -> None:
     try:
         trainer = Rank(seed=0, shard=2)
         trainer.step()
-        checkpointer = RankCheckpointer(StorageOptions(), global_rank=rank)
+        checkpointer = RankCheckpointer(StorageOptions(), global_rank=rank, upload_in_process=True)
         checkpointer.attach(dist.new_group(backend="gloo"))
         try:
             checkpointer.save(trainer.model, trainer.optimizer, url)
             result = checkpointer.wait()
         finally:
-            checkpointer.settle(timeout_s=10)
+            checkpointer.close()
         full = _detached(training_state(trainer.model, trainer.optimizer), full=True)
         torch.save({"result": result, "full": full}, f"{out}/rank-{rank}.pt")
     finally:

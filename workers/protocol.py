@@ -31,6 +31,7 @@ class RankSpec:
     store_port: int
     collective_timeout_s: float
     storage: StorageOptions = StorageOptions()
+    upload_in_process: bool = False
     replicate_dtype: str = "fp32"
 
     @property

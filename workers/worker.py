@@ -156,7 +156,7 @@ class RankWorker:
         # and destroying one would block until it times out, so they are kept until the
         # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
-        self.checkpointer = RankCheckpointer(spec.storage, spec.global_rank)
+        self.checkpointer = RankCheckpointer(spec.storage, spec.global_rank, spec.upload_in_process)
         self._set_progress(-1, "idle")
 
     # progress, read by the control thread

@@ -1,0 +1,173 @@
+"""A rank's upload process: writes the rank's checkpoint data files from the staging arena.
+
+Serialising, hashing and uploading gigabytes in the training process would compete with
+training for the GIL; in a process of its own the upload costs training only a CPU core.
+The process is spawned, not forked: the training process runs threads (NCCL, gloo, Ray)
+that a fork would copy in unknown states. It joins no process group: the training process
+plans each save and runs DCP's collectives, so the upload process outlives world rebuilds
+and needs no rendezvous of its own. It maps the staging arena (a memfd passed over its
+pipe), so the staged state is not copied again to hand it over.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.reduction import recv_handle, send_handle
+
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from checkpointing.digests import DigestingFileSystem
+from checkpointing.staging_arena import StagingArena
+from checkpointing.storage import StorageOptions
+
+
+@dataclass
+class MapArena:
+    """Map this arena from now on (none: nbytes 0); its memfd follows over the pipe."""
+
+    nbytes: int
+
+
+@dataclass
+class WriteRequest:
+    """Write this rank's data files of a save: DCP's final local plan, and each item's data
+    as serialised bytes or as the place of its tensor in the arena (a ``TensorRef``)."""
+
+    url: str
+    options: StorageOptions
+    plan: SavePlan
+    items: dict
+
+
+@dataclass
+class WriteReply:
+    results: list[WriteResult]
+    files: dict[str, tuple[int, str]]
+
+
+class UploadProcess:
+    """The training process's handle on its upload process."""
+
+    def __init__(self):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child_end = context.Pipe()
+        self.process = context.Process(
+            target=serve, args=(child_end, os.getpid()), name="rank-checkpoint-upload", daemon=True
+        )
+        self.process.start()
+        child_end.close()
+        self.mapped_arena: int | None = None
+        # One exchange at a time; close() also tells a busy process from an idle one by it.
+        self.lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def write(self, arena: StagingArena, request: WriteRequest) -> WriteReply:
+        with self.lock:
+            try:
+                if self.mapped_arena != arena.id:
+                    self.connection.send(MapArena(arena.nbytes))
+                    send_handle(self.connection, arena.fd, self.process.pid)
+                    self.mapped_arena = arena.id
+                self.connection.send(request)
+                reply = self.connection.recv()
+            except BaseException as error:
+                # The pipe is in an unknown state: this process is not used again.
+                self.process.kill()
+                raise RuntimeError(f"upload process lost: {type(error).__name__}: {error}") from error
+        if isinstance(reply, str):
+            raise RuntimeError(reply)
+        return reply
+
+    def unmap(self) -> None:
+        """Drop the process's mapping of the arena, so that its memory goes with the training
+        process's: a new arena must not sit beside the old one until the next write."""
+        with self.lock:
+            if self.mapped_arena is None:
+                return
+            self.mapped_arena = None
+            try:
+                self.connection.send(MapArena(0))
+            except OSError:
+                self.process.kill()  # gone or broken: the next save starts another
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the process: asked to when idle, killed when busy (its write is abandoned)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.connection.send(None)
+                self.process.join(timeout_s)
+            except OSError:
+                pass
+            finally:
+                self.lock.release()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+
+
+def serve(connection, parent_pid: int) -> None:
+    """The upload process: serves write requests until told to stop or its parent is gone."""
+    # Nothing here touches a GPU; a CUDA context would cost device memory.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # An interrupt is the training process's to handle; it stops this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    memory = None
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        if isinstance(message, MapArena):
+            memory = None
+            if message.nbytes:
+                fd = recv_handle(connection)
+                memory = mmap.mmap(fd, message.nbytes)
+                os.close(fd)
+        else:
+            connection.send(_write(memory, message))
+
+
+def _write(memory: mmap.mmap, request: WriteRequest) -> WriteReply | str:
+    try:
+        # The data is in host memory already: no device copy-ahead.
+        writer = FsspecWriter(request.url, per_thread_copy_ahead=0, **request.options.writer_options(request.url))
+        writer.fs = DigestingFileSystem(writer.fs)
+        results = writer.write_data(request.plan, _ArenaItems(memory, request.items)).wait()
+        return WriteReply(results, writer.fs.files)
+    except Exception as error:  # reported to the rank, which reports a failed upload
+        return f"{type(error).__name__}: {error}"[:2000]
+
+
+class _ArenaItems:
+    """The one planner call DCP's writer makes (``resolve_data``), answered from the arena."""
+
+    def __init__(self, memory: mmap.mmap, items: dict):
+        self.memory = memory
+        self.items = items
+
+    def resolve_data(self, item):
+        data = self.items[item.index]
+        return io.BytesIO(data) if isinstance(data, bytes) else data.view(self.memory)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # A parent killed outright (SIGKILL, os._exit) cannot stop this process, which would go
+    # on uploading a checkpoint that nobody will commit.
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
