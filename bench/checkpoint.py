@@ -4,7 +4,7 @@ disk and against a loopback S3 server (moto):
 - sync:     a synchronous DCP save of the full training state (parameters + AdamW), the
             median of two;
 - stall:    the training stall per async checkpoint (the copy into the staging arena),
-            through the same ``RankCheckpointer`` the rank actors use; the first save of a
+            through the same ``RankCheckpointIO`` the rank actors use; the first save of a
             run also allocates the arena and is shown apart;
 - upload:   how long an async upload takes while training runs beside it, with the files
             written by the rank's upload process and, side by side, by a thread of the
@@ -35,10 +35,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpointing.rank_checkpoint import RankCheckpointer, training_state  # noqa: E402
+from checkpointing.rank_io import RankCheckpointIO, training_state  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
 from elastic.config import build_config  # noqa: E402
-from elastic.data_plan import DataCursor, take_global_batch  # noqa: E402
+from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.hooks import resolve_hooks  # noqa: E402
 from tests.s3 import MotoServer, set_test_credentials  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
@@ -86,19 +86,19 @@ def measure(trainer: Trainer, url: str, options: StorageOptions, upload_in_proce
         syncs.append(time.perf_counter() - started)
 
     idle = [trainer.step() for _ in range(baseline_steps)]
-    checkpointer = RankCheckpointer(options, global_rank=0, upload_in_process=upload_in_process)
-    checkpointer.attach(dist.new_group(backend="gloo"))
+    checkpoint_io = RankCheckpointIO(options, global_rank=0, upload_in_process=upload_in_process)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
     try:
-        first_stall, _, _ = checkpoint(checkpointer, trainer, f"{url}/async-first")
+        first_stall, _, _ = checkpoint(checkpoint_io, trainer, f"{url}/async-first")
         stalls, during, uploads = [], [], []
         for index in range(checkpoints):
-            stall, upload_s, steps = checkpoint(checkpointer, trainer, f"{url}/async-{index}")
+            stall, upload_s, steps = checkpoint(checkpoint_io, trainer, f"{url}/async-{index}")
             stalls.append(stall)
             uploads.append(upload_s)
             during += steps
             idle.append(trainer.step())
     finally:
-        checkpointer.close()
+        checkpoint_io.close()
     return {
         "sync_s": statistics.median(syncs),
         "first_stall_s": first_stall,
@@ -110,13 +110,13 @@ def measure(trainer: Trainer, url: str, options: StorageOptions, upload_in_proce
     }
 
 
-def checkpoint(checkpointer: RankCheckpointer, trainer: Trainer, url: str) -> tuple[float, float, list[float]]:
+def checkpoint(checkpoint_io: RankCheckpointIO, trainer: Trainer, url: str) -> tuple[float, float, list[float]]:
     """One async checkpoint, training while it uploads: (stall, upload seconds, step times)."""
-    stall = checkpointer.save(trainer.model, trainer.optimizer, url)
+    stall = checkpoint_io.save(trainer.model, trainer.optimizer, url)
     steps = []
-    while checkpointer.uploading:
+    while checkpoint_io.uploading:
         steps.append(trainer.step())
-    result = checkpointer.wait()
+    result = checkpoint_io.wait()
     if not result.ok:
         raise RuntimeError(result.error)
     return stall, result.upload_s, steps

@@ -1,9 +1,10 @@
 """Benchmark: the driver's per-step decision cost at 16,384 simulated ranks, no Ray.
 
-Per simulated step, as the controller does it: the membership quorum (and aligning the
-data-plan weights with it), the data plan for the step, and straggler handling
+Per simulated step, with the controller's own decision code: the membership quorum and the
+data-plan weights (``group_weights``), the data plan for the step, and straggler handling
 (``StragglerMitigation``: the detector over every present rank's compute seconds per
-sample, the policy's per-group inputs and decision, applying it to the membership).
+sample, the policy's per-group inputs and decision, applied to the membership through the
+group lifecycle).
 Per-rank timings are synthetic (±10 % noise, one
 rank 1.6x slow from step 20) and generated outside the timed region, as are the results a
 real driver would receive from its workers. Every 50 steps a random rank is evicted (its
@@ -30,11 +31,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic.data_plan import DataCursor, epoch_order, plan_step  # noqa: E402
-from elastic.membership import Membership  # noqa: E402
 from elastic.config import StragglerConfig  # noqa: E402
-from elastic.events import EventLog  # noqa: E402
-from elastic.straggler_mitigation import StragglerMitigation  # noqa: E402
+from elastic.core.data_plan import DataCursor, epoch_order, group_weights, plan_step  # noqa: E402
+from elastic.core.events import EventKind, EventLog  # noqa: E402
+from elastic.core.membership import Built, Membership, Placed, Started  # noqa: E402
+from elastic.core.straggler_mitigation import StragglerMitigation  # noqa: E402
+from elastic.core.topology import Topology  # noqa: E402
 
 COMPONENTS = ("quorum", "data_plan", "stragglers")
 
@@ -42,6 +44,14 @@ COMPONENTS = ("quorum", "data_plan", "stragglers")
 def summarize(samples: list[float]) -> tuple[float, float, float, float]:
     ms = np.asarray(samples) * 1e3
     return float(ms.mean()), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), float(ms.max())
+
+
+def rejoin(membership: Membership, groups: list[int]) -> None:
+    """The cluster's side of a group's way back: placed, started, built, then joined."""
+    for group in groups:
+        for change in (Placed(), Started(), Built()):
+            membership.apply(group, change)
+    membership.join(groups)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- one-off setup
     t0 = time.perf_counter()
-    membership = Membership(shard, tp)
-    membership.join([membership.add_group() for _ in range(n_groups)])
+    membership = Membership(Topology(shard, tp, n_groups))
+    rejoin(membership, [membership.add_group() for _ in range(n_groups)])
     membership_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     epoch_order(args.dataset_len, args.seed, 0)
@@ -90,13 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.monotonic
     events = EventLog(clock)
     stragglers = StragglerMitigation(StragglerConfig(), args.global_batch, events, clock=clock)
-    weights = {g: 1.0 for g in membership.live_groups()}
     cursor = DataCursor()
     base = rng.uniform(0.009, 0.011, n_ranks)  # each rank's own speed, seconds per sample
     fixed_by_group = rng.uniform(0.02, 0.03, n_groups)  # per-step overhead per group (data, update)
     slow_rank = int(rng.integers(n_ranks))
     slow_factor = 1.6
-    pending_rejoin: list[tuple[int, int]] = []  # (rank, group) replaced, rejoining next step
+    pending_rejoin: list[int] = []  # groups whose replaced rank rejoins next step
 
     times = {name: [] for name in COMPONENTS}
     totals, cpu_totals = [], []
@@ -105,16 +114,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for step in range(args.steps):
         # ---- untimed: the cluster's side (replacements finish healing, faults happen, workers report)
-        for rank, group in pending_rejoin:
-            membership.replaced(rank)
-            membership.join([group])
+        rejoin(membership, sorted(set(pending_rejoin)))
         pending_rejoin = []
         if args.churn_every and step and step % args.churn_every == 0:
             victim = int(rng.integers(n_ranks))
-            if membership.group_of(victim) in membership.groups:
-                group = membership.evict_rank(victim)
+            if membership.topology.group_of(victim) in membership.live_groups():
+                pending_rejoin.append(membership.lose_rank(victim))
                 stragglers.forget(victim)
-                pending_rejoin.append((victim, group))
                 churns += 1
         live_now = np.array(membership.live_groups(), dtype=np.int64)
         present = (live_now[:, None] * rpg + np.arange(rpg)[None, :]).ravel()
@@ -126,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         c0 = time.process_time()
         t0 = time.perf_counter()
         quorum = membership.quorum()
-        if quorum.groups != tuple(weights):
-            mean_w = float(np.mean(list(weights.values()))) if weights else 1.0
-            weights = {g: weights.get(g, mean_w) for g in quorum.groups}
+        weights = group_weights(quorum.groups, stragglers.weights)
         t1 = time.perf_counter()
         plan = plan_step(
             step, cursor, dataset_len=args.dataset_len, global_batch=args.global_batch, seed=args.seed,
@@ -152,16 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             fixed_s=fixed_by_group[present // rpg], step_s=step_s, spare_slot=args.spare_slots > 0,
             min_groups=args.min_groups,
         )
-        if actions.weights is not None:
-            weights = actions.weights
         for rank in actions.replace:
-            pending_rejoin.append((rank, membership.evict_rank(rank)))
+            pending_rejoin.append(membership.lose_rank(rank))
             stragglers.forget(rank)
             if rank == slow_rank:
                 slow_factor = 1.0  # the replacement runs at normal speed
         for group in actions.evict_groups:
             membership.remove_group(group)
-            for rank in membership.global_ranks(group):
+            for rank in membership.topology.global_ranks(group):
                 stragglers.forget(rank)
         t4 = time.perf_counter()
         cpu_totals.append(cpu_plan + time.process_time() - c0)
@@ -186,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'total':<12}" + "".join(f"{v:>10.3f}" for v in summarize(totals)))
     print(f"{'total (cpu)':<12}" + "".join(f"{v:>10.3f}" for v in summarize(cpu_totals)))
     stragglers.close()
-    decisions = Counter(event["action"] for event in events.of_kind("straggler-mitigated"))
+    decisions = Counter(event["action"] for event in events.of_kind(EventKind.STRAGGLER_MITIGATED))
     print(
-        f"events: flags {len(events.of_kind('straggler-detected'))}, "
-        f"recoveries {len(events.of_kind('straggler-recovered'))}, churn evictions {churns}, "
+        f"events: flags {len(events.of_kind(EventKind.STRAGGLER_DETECTED))}, "
+        f"recoveries {len(events.of_kind(EventKind.STRAGGLER_RECOVERED))}, churn evictions {churns}, "
         f"decisions {dict(decisions) or '{}'}, generations seen {len(generations)} "
         f"(final {membership.generation})"
     )

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.config import build_config  # noqa: E402
-from elastic.data_plan import DataCursor, take_global_batch  # noqa: E402
+from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
+from elastic.core.events import EventKind  # noqa: E402
 from elastic.hooks import resolve_hooks  # noqa: E402
 from workers.parallelize import wrap_blocks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
@@ -81,8 +82,8 @@ def run_elastic(config) -> dict:
     summary = ElasticTrainer(config).fit().summary
     assert summary["exit"] == "completed", summary["exit"]
     events = summary["events"]
-    [built] = [e for e in events if e["kind"] == "group-built"]
-    mid_run = [e for e in events if e["kind"] == "checkpoint-committed" and e["step"] < config.steps]
+    [built] = [e for e in events if e["kind"] == EventKind.GROUP_BUILT]
+    mid_run = [e for e in events if e["kind"] == EventKind.CHECKPOINT_COMMITTED and e["step"] < config.steps]
     assert mid_run, "the mid-run checkpoint did not commit"
     return {
         "step_s": [r["step_s"] for r in summary["steps"]],

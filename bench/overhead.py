@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.config import build_config  # noqa: E402
-from elastic.data_plan import DataCursor, plan_step  # noqa: E402
+from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
 from elastic.hooks import resolve_hooks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 

@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.config import build_config  # noqa: E402
-from elastic.data_plan import DataCursor, plan_step  # noqa: E402
+from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
+from elastic.core.events import EventKind  # noqa: E402
 
 KILLED_RANK = 1
 
@@ -83,8 +84,8 @@ def run_elastic(job: Job, storage: str) -> dict:
     assert [r["step"] for r in steps] == list(range(job.steps)), "a committed step was lost or doubled"
     # Both times are on the run's event clock; the event is emitted as the fatal step is
     # dispatched, just before the rank's step starts, so this slightly overstates A.
-    [fault] = [e for e in summary["events"] if e["kind"] == "fault-injected"]
-    [recovered] = [e for e in summary["events"] if e["kind"] == "recovered"]
+    [fault] = [e for e in summary["events"] if e["kind"] == EventKind.FAULT_INJECTED]
+    [recovered] = [e for e in summary["events"] if e["kind"] == EventKind.RECOVERED]
     return {
         "recovery_s": steps[job.kill_step]["t"] - fault["t"] - job.kill_after_s,
         "step_s": statistics.median(r["step_s"] for r in steps[: job.kill_step]),

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elastic import ElasticTrainer  # noqa: E402
 from elastic.config import StragglerConfig, build_config  # noqa: E402
-from elastic.events import EventLog  # noqa: E402
-from elastic.straggler_mitigation import StragglerMitigation  # noqa: E402
+from elastic.core.events import EventKind, EventLog  # noqa: E402
+from elastic.core.straggler_mitigation import StragglerMitigation  # noqa: E402
 from elastic.trainer import start_local_ray  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def simulated_noise(steps: int, noise: float, groups: int, ranks_per_group: int,
         )
         weights = actions.weights if actions.weights is not None else weights
     mitigation.close()
-    return len(events.of_kind("straggler-detected")), len(events.of_kind("straggler-mitigated"))
+    return len(events.of_kind(EventKind.STRAGGLER_DETECTED)), len(events.of_kind(EventKind.STRAGGLER_MITIGATED))
 
 
 def real_run(root: str, name: str, steps: int, **overrides):

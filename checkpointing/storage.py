@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import fsspec
+if TYPE_CHECKING:
+    import fsspec
 
 HASH_CHUNK = 8 << 20
 
@@ -61,6 +63,8 @@ class StorageOptions:
         return {"sync_files": not is_s3(url), **self.for_url(url)}
 
     def filesystem(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        import fsspec  # here, so the options stay plain data the driver's pure core can carry
+
         fs, path = fsspec.core.url_to_fs(url, **self.for_url(url))
         # s3fs caches listings; checkpoints appear and vanish under our feet.
         fs.invalidate_cache()

@@ -1,6 +1,23 @@
-"""Fault-tolerant, elastic FSDP2 + TP training on Ray."""
+"""Fault-tolerant, elastic FSDP2 + TP training on Ray.
 
-from elastic.config import ConfigError, TrainConfig, load_config
-from elastic.trainer import ElasticTrainer, RunResult
+The public names load on first use, so importing the pure core (``elastic.core``) does not
+load Ray, torch or pydantic.
+"""
 
-__all__ = ["ConfigError", "ElasticTrainer", "RunResult", "TrainConfig", "load_config"]
+from importlib import import_module
+
+_EXPORTS = {
+    "ConfigError": "elastic.config",
+    "TrainConfig": "elastic.config",
+    "load_config": "elastic.config",
+    "ElasticTrainer": "elastic.trainer",
+    "RunResult": "elastic.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from checkpointing.storage import StorageOptions, absolute_url
+from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -169,7 +170,7 @@ class FaultToleranceConfig(Section):
     @field_validator("inject")
     @classmethod
     def _faults_parse(cls, inject: str) -> str:
-        from elastic.faults import parse_faults
+        from elastic.core.faults import parse_faults
 
         parse_faults(inject)
         return inject
@@ -178,10 +179,10 @@ class FaultToleranceConfig(Section):
 class StragglerConfig(Section):
     enabled: bool = True
     mitigate: bool = True
-    window: PositiveInt = 8
-    threshold: PositiveFloat = 1.3
-    mad_gate: PositiveFloat = 5.0
-    patience: PositiveInt = 4
+    window: PositiveInt = DEFAULT_WINDOW
+    threshold: PositiveFloat = DEFAULT_THRESHOLD
+    mad_gate: PositiveFloat = DEFAULT_MAD_GATE
+    patience: PositiveInt = DEFAULT_PATIENCE
     noise: Annotated[float, Field(ge=0, lt=1)] = 0.0
     regrow_cooldown_s: NonNegativeFloat = 600.0
 

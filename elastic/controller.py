@@ -1,10 +1,17 @@
-"""The driver's controller: the step protocol of DESIGN.md in lockstep with the rank actors.
+"""The driver's controller: one state machine running the step protocol with the rank actors.
 
-One loop iteration is one step transaction: settle membership at the step boundary (grow,
-heal and join groups), plan the data, dispatch ``(generation, step, micro-batches,
-commit_previous)`` to every live rank, collect with a deadline, then commit or discard. A
-failed step evicts its culprits, rebuilds the replicate process groups among the survivors
-and runs again; groups that lost a rank sit out while their replacement starts and heals.
+The run moves through explicit states, and ``advance(state)`` returns the next one::
+
+    Starting -> AtBoundary -> Stepping -> AtBoundary -> ... -> Stopping -> Finished
+                                 |
+                                 +-> Recovering -> AtBoundary
+
+``AtBoundary`` settles membership between steps: straggler actions, growing, placing,
+starting, building, healing and joining groups. ``Stepping`` is one transaction: plan the
+data, dispatch ``(generation, step, micro-batches, commit_previous)`` to every live rank,
+collect with a deadline (``step_collection``), then commit or discard. ``Recovering`` carries out the plan that
+``plan_recovery`` makes from the step's diagnosis. The decisions live in ``elastic.core``
+(pure), the Ray calls in the fleet; this module is the order in which they happen.
 """
 
 from __future__ import annotations
@@ -12,50 +19,70 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-import ray
-from ray.exceptions import GetTimeoutError
-
-from checkpointing.manager import Restorable
-from elastic.checkpointer import Checkpointer
+from checkpointing.catalog import Restorable
+from elastic.checkpoint_coordinator import CheckpointCoordinator
 from elastic.config import TrainConfig
-from elastic.data_plan import DataCursor, StepPlan, plan_step
-from elastic.diagnosis import Diagnosis, diagnose, least_progressed
-from elastic.events import EventLog
-from elastic.faults import Fault
-from elastic.fleet import ACTOR_ERRORS, Fleet
-from elastic.goodput import TimeLedger
-from elastic.membership import Membership
-from elastic.metrics import Metrics
-from elastic.policies import FailurePolicy, ScalingPolicy, StepDeadline
-from elastic.straggler_mitigation import NO_ACTIONS, StragglerMitigation
-from workers.protocol import InjectedFault, StepReport, StepRequest
+from elastic.core.data_plan import DataCursor, StepPlan, group_weights, plan_step
+from elastic.core.diagnosis import Diagnosis
+from elastic.core.events import EventKind, EventLog
+from elastic.core.goodput import TimeLedger
+from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
+from elastic.core.policies import FailurePolicy, ScalingPolicy, StepDeadline
+from elastic.core.recovery import plan_recovery
+from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
+from elastic.fleet import Fleet, FleetError, Pending, RanksLost
+from elastic.step_collection import StepCollection
+from workers.protocol import StepReport, StepRequest
 
 log = logging.getLogger("elastic.controller")
 
-# How long a rank of a group that lost a member gets to report its error after the abort,
-# before it counts as blocked in its group's collectives.
-ABORT_SETTLE_S = 0.25
-# How long a rank of a healthy group gets to return after the abort, at the least: it is
-# computing its share or waiting in the cross-group all-reduce, and must not be mistaken for
-# a stuck rank because the driver's call took a moment to reach it on a loaded node.
-ABORT_GRACE_S = 2.0
+# How often the boundary polls groups on their way into the quorum.
+JOIN_POLL_S = 0.05
 
 
 class TrainingStopped(RuntimeError):
     """The job cannot go on (below minimum, no live peer, recoveries exhausted)."""
 
 
-@dataclass
-class Joining:
-    """A group on its way into the quorum: placed, actors started, world built."""
+# run states
 
-    group: int
-    ranks_to_start: list[int]
-    stage: str = "placing"
-    refs: list = field(default_factory=list)
-    started_at: float = 0.0
+
+@dataclass(frozen=True)
+class Starting:
+    pass
+
+
+@dataclass(frozen=True)
+class AtBoundary:
+    pass
+
+
+@dataclass(frozen=True)
+class Stepping:
+    pass
+
+
+@dataclass(frozen=True)
+class Recovering:
+    diagnosis: Diagnosis
+    step_started: float
+    failure_seen_at: float
+
+
+@dataclass(frozen=True)
+class Stopping:
+    reason: str  # completed | preempted
+
+
+@dataclass(frozen=True)
+class Finished:
+    exit: str
+
+
+RunState = Starting | AtBoundary | Stepping | Recovering | Stopping | Finished
 
 
 @dataclass
@@ -69,106 +96,164 @@ class OpenRecovery:
     heal_s: float = 0.0
 
 
+StepListener = Callable[[dict], None]
+RequestDecorator = Callable[[int, dict[int, StepRequest]], dict[int, StepRequest]]
+
+
 class Controller:
-    def __init__(self, config: TrainConfig, fleet: Fleet, membership: Membership, faults: list[Fault],
-                 dataset_len: int, events: EventLog, ledger: TimeLedger, metrics: Metrics,
-                 clock=time.monotonic, on_step=None, checkpointer: Checkpointer | None = None,
-                 resume: Restorable | None = None, stop_requested: threading.Event | None = None):
+    def __init__(self, config: TrainConfig, fleet: Fleet, dataset_len: int, events: EventLog, ledger: TimeLedger, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 on_step: Iterable[StepListener] = (), checkpoints: CheckpointCoordinator | None = None,
+                 resume: Restorable | None = None, stop_requested: threading.Event | None = None,
+                 decorate_requests: RequestDecorator | None = None):
         self.config = config
         self.fleet = fleet
-        self.membership = membership
-        self.faults = list(faults)
+        self.topology = fleet.topology
+        self.membership = Membership(self.topology)
         self.dataset_len = dataset_len
         self.events = events
         self.ledger = ledger
-        self.metrics = metrics
         self.clock = clock
-        self.on_step = on_step or (lambda record: None)
-        self.checkpointer = checkpointer
+        self.sleep = sleep
+        self.step_listeners = list(on_step)
+        self.checkpoints = checkpoints
         self.resume = resume
         self.stop_requested = stop_requested or threading.Event()
+        self.decorate_requests = decorate_requests or (lambda step, requests: requests)
         ft = config.fault_tolerance
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
+        self.collection = StepCollection(fleet, self.topology, self.deadline, events, clock)
         self.scaling = ScalingPolicy(config.scaling.min_groups, config.scaling.max_groups)
-        self.cursor = DataCursor()
-        self.step = 0
-        self.losses: list[float] = []
-        self.step_records: list[dict] = []
-        self.steps_discarded = 0
-        self.pending_commit = False
-        self.has_state = False
-        self.weights: dict[int, float] = {}
-        self.attempts = 0
-        self.failure_seen_at = 0.0  # when the driver saw the failed step's first failure
-        self.joining: dict[int, Joining] = {}
-        self.world_generation = 0
-        self.recovery: OpenRecovery | None = None
-        self.training_started_at: float | None = None
-        self.tokens_committed = 0
-        self.first_step = 0
-        self.steps_rolled_back = 0
         self.stragglers = (
-            StragglerMitigation(config.stragglers, config.global_batch, events, metrics, clock)
+            StragglerMitigation(config.stragglers, config.global_batch, events, clock)
             if config.stragglers.enabled else None
         )
         self.straggler_actions = NO_ACTIONS  # decided at the last commit, applied at the next boundary
+        self.cursor = DataCursor()
+        self.step = 0
+        self.first_step = 0
+        self.losses: list[float] = []
+        self.step_records: list[dict] = []
+        self.steps_discarded = 0
+        self.steps_rolled_back = 0
+        self.tokens_committed = 0
+        self.pending_commit = False
+        self.has_state = False
+        self.attempts = 0
+        self.world_generation = 0
+        self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
+        self.joining_since: dict[int, float] = {}
+        self.recovery: OpenRecovery | None = None
+
+    # the state machine
+
+    def run(self) -> str:
+        """Run to the configured step count, or until a stop is requested; returns the exit:
+        ``completed`` or ``preempted`` only with the final checkpoint committed."""
+        state: RunState = Starting()
+        while not isinstance(state, Finished):
+            state = self.advance(state)
+        return state.exit
+
+    def advance(self, state: RunState) -> RunState:
+        match state:
+            case Starting():
+                with self.ledger.timing("startup"):
+                    self.start()
+                return AtBoundary()
+            case AtBoundary():
+                if self.step >= self.config.steps:
+                    return Stopping("completed")
+                if self.stop_requested.is_set():
+                    return Stopping("preempted")
+                # Growing, healing and joining groups at the boundary is elasticity overhead.
+                with self.ledger.timing("recovery"):
+                    self.mitigate_stragglers()
+                    self.settle_membership()
+                return Stepping()
+            case Stepping():
+                return self.run_step()
+            case Recovering():
+                with self.ledger.timing("recovery"):
+                    self.recover(state)
+                return AtBoundary()
+            case Stopping(reason):
+                return Finished(self.finish(reason))
+        raise ValueError(f"no transition from {state!r}")
+
+    # start
+
+    def start(self) -> None:
+        for _ in range(self.config.scaling.max_groups):
+            self.reserve_group()
+        self.settle_membership()
+        # Start with every group the cluster could place, not just the minimum.
+        give_up = self.clock() + self.config.fault_tolerance.first_step_deadline_s
+        while self._groups_in_flight() and self.clock() < give_up:
+            self.advance_groups()
+            self.sleep(JOIN_POLL_S)
+        self.join_ready_groups()
+        if self.resume is not None:
+            self.resume_from(self.resume)
+
+    def _groups_in_flight(self) -> bool:
+        return bool(self.membership.groups_in(GroupStage.STARTING) + self.membership.groups_in(GroupStage.BUILDING))
+
+    def resume_from(self, checkpoint: Restorable) -> None:
+        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(self.membership.live_groups()))
+        self.first_step = checkpoint.step
+        self.rewind(checkpoint)
+        self.events.emit(EventKind.RESUMED, step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
 
     # membership at step boundaries
 
     def reserve_group(self) -> int:
         group = self.membership.add_group()
         self.fleet.reserve(group)
-        self.joining[group] = Joining(group, list(self.membership.global_ranks(group)), started_at=self.clock())
-        self.events.emit("group-reserved", group=group)
+        self.events.emit(EventKind.GROUP_RESERVED, group=group)
         return group
 
-    def heal_group(self, group: int) -> None:
-        """Start replacements for the group's dead ranks; all its members then rebuild and heal."""
-        record = self.membership.groups[group]
-        self.joining[group] = Joining(group, sorted(record.dead_ranks), started_at=self.clock())
-
-    def _all_ready(self, refs) -> bool:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(ready) == len(refs)
-
-    def advance_joining(self) -> None:
-        for group, task in list(self.joining.items()):
+    def advance_groups(self) -> None:
+        """Move every group on its way into the quorum one stage on, where it can go."""
+        for group, record in list(self.membership.groups.items()):
+            if record.stage in (GroupStage.LIVE, GroupStage.READY):
+                continue
             try:
-                self._advance(task)
-            except ACTOR_ERRORS as error:
-                self.events.emit("group-start-failed", group=group, error=str(error)[:300])
-                for rank in self.membership.global_ranks(group):
-                    if rank not in self.fleet.actors:
-                        continue
-                    try:
-                        ray.get(self.fleet.actors[rank].node.remote(), timeout=5)
-                    except (*ACTOR_ERRORS, GetTimeoutError):
-                        self.fleet.kill(rank)
-                        self.membership.groups[group].dead_ranks.add(rank)
-                self.heal_group(group)
+                self._advance(group)
+            except FleetError as error:
+                self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=str(error)[:300])
+                self.joining_calls.pop(group, None)
+                lost = error.ranks if isinstance(error, RanksLost) else [
+                    rank for rank in self.topology.global_ranks(group) if not self.fleet.alive(rank)
+                ]
+                for rank in lost:
+                    self.fleet.kill(rank)
+                    self.membership.lose_rank(rank)
+                if not lost:
+                    self.membership.apply(group, Broken())
 
-    def _advance(self, task: Joining) -> None:
-        if task.stage == "placing" and self.fleet.placed(task.group):
-            task.refs = [self.fleet.start_rank(rank) for rank in task.ranks_to_start]
-            task.stage = "starting"
-        if task.stage == "starting" and self._all_ready(task.refs):
-            ray.get(task.refs)
-            for rank in task.ranks_to_start:
-                self.membership.replaced(rank)
-                if self.stragglers is not None:
+    def _advance(self, group: int) -> None:
+        self.joining_since.setdefault(group, self.clock())
+        if self.membership.stage_of(group) is GroupStage.PLACING and self.fleet.placed(group):
+            record = self.membership.apply(group, Placed())
+            self.joining_calls[group] = self.fleet.start(sorted(record.to_start))
+        if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
+            started = self.fleet.results(self.joining_calls[group])
+            if self.stragglers is not None:
+                for rank in started:
                     self.stragglers.forget(rank)  # a fresh process: its speed is not the old one's
+            self.membership.apply(group, Started())
             self.world_generation += 1
-            ranks = self.membership.global_ranks(task.group)
-            task.refs = list(self.fleet.call(ranks, "build", self.world_generation).values())
-            task.stage = "building"
-        if task.stage == "building" and self._all_ready(task.refs):
-            ray.get(task.refs)
-            task.stage = "ready"
-            self.events.emit("group-built", group=task.group, seconds=round(self.clock() - task.started_at, 3))
+            self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_generation)
+        if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
+            self.fleet.results(self.joining_calls.pop(group))
+            self.membership.apply(group, Built())
+            seconds = self.clock() - self.joining_since[group]
+            self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3))
 
     def join_ready_groups(self) -> bool:
-        ready = sorted(g for g, task in self.joining.items() if task.stage == "ready")
+        ready = list(self.membership.groups_in(GroupStage.READY))
         if not ready:
             return False
         live = self.membership.live_groups()
@@ -178,55 +263,48 @@ class Controller:
             else:
                 self._restore_from_checkpoint(ready)
         for group in ready:
-            del self.joining[group]
+            self.joining_since.pop(group, None)
         self.membership.join(ready)
         for group in ready:
-            self.events.emit("group-joined", group=group, generation=self.membership.generation)
+            self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
         self.rebuild_replicas()
         return True
 
     def commit_live(self) -> None:
         if self.pending_commit:
-            ranks = self.membership.ranks_of(self.membership.live_groups())
-            ray.get(list(self.fleet.call(ranks, "commit").values()))
+            self.fleet.commit(self.topology.ranks_of(self.membership.live_groups()))
             self.pending_commit = False
 
     def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
         started = self.clock()
         self.commit_live()
-        imports = []
-        for group in groups:
-            for source, target in zip(
-                self.membership.global_ranks(source_group), self.membership.global_ranks(group)
-            ):
-                state = self.fleet.actors[source].export_state.remote()
-                imports.append(self.fleet.actors[target].import_state.remote(state))
-        ray.get(imports)
+        sources = self.topology.global_ranks(source_group)
+        self.fleet.copy_state([
+            pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
+        ])
         seconds = self.clock() - started
         if self.recovery is not None:
             self.recovery.heal_s += seconds
         for group in groups:
-            self.events.emit("group-healed", group=group, source_group=source_group, seconds=round(seconds, 4))
-            self.metrics.heal_seconds.observe(seconds)
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
 
     def _restore_from_checkpoint(self, groups: list[int]) -> None:
         """No live peer holds the state: roll back to the latest committed checkpoint."""
-        checkpoint = self.checkpointer.latest() if self.checkpointer else None
+        checkpoint = self.checkpoints.latest() if self.checkpoints else None
         if checkpoint is None:
             raise TrainingStopped(
                 f"group(s) {groups} rebuilt but no live group holds the state to heal from, "
                 "and there is no committed checkpoint to recover from; "
                 "run with at least two replica groups (--groups 2) or checkpoint more often (--checkpoint-every N)"
             )
-        seconds = self.checkpointer.restore(checkpoint, self.membership.ranks_of(groups))
+        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
         if self.recovery is not None:
             self.recovery.heal_s += seconds
         rolled_back = self.step - checkpoint.step
         self.rewind(checkpoint)
         self.steps_rolled_back += rolled_back
-        self.metrics.steps_rolled_back.inc(rolled_back)
         self.events.emit(
-            "restored-from-checkpoint", step=checkpoint.step, groups=groups, rolled_back_steps=rolled_back,
+            EventKind.RESTORED_FROM_CHECKPOINT, step=checkpoint.step, groups=groups, rolled_back_steps=rolled_back,
             seconds=round(seconds, 4),
         )
 
@@ -243,19 +321,17 @@ class Controller:
     def rebuild_replicas(self) -> None:
         started = self.clock()
         quorum = self.membership.quorum()
-        refs = [
-            self.fleet.actors[rank].join_replicas.remote(quorum.generation, quorum.replica_rank(group), len(quorum.groups))
+        assignments = {
+            rank: (quorum.generation, quorum.replica_rank(group), len(quorum.groups))
             for group in quorum.groups
-            for rank in self.membership.global_ranks(group)
-        ]
-        ray.get(refs, timeout=self.config.fault_tolerance.collective_timeout_s + 30)
+            for rank in self.topology.global_ranks(group)
+        }
+        self.fleet.join_replicas(assignments, timeout=self.config.fault_tolerance.collective_timeout_s + 30)
         seconds = self.clock() - started
         if self.recovery is not None:
             self.recovery.rebuild_s += seconds
-        self.events.emit("groups-rebuilt", generation=quorum.generation, groups=list(quorum.groups), seconds=round(seconds, 4))
-        self.metrics.generation.set(quorum.generation)
-        self.metrics.live_groups.set(len(quorum.groups))
-        self.metrics.live_ranks.set(len(quorum.groups) * self.membership.ranks_per_group)
+        self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, groups=list(quorum.groups),
+                         ranks=len(assignments), seconds=round(seconds, 4))
 
     def settle_membership(self) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum."""
@@ -263,7 +339,7 @@ class Controller:
             self.reserve_group()
         waited_from = self.clock()
         while True:
-            self.advance_joining()
+            self.advance_groups()
             self.join_ready_groups()
             live = len(self.membership.live_groups())
             if live and not self.scaling.below_minimum(live):
@@ -273,209 +349,130 @@ class Controller:
                 0 if self.has_state else self.config.fault_tolerance.first_step_deadline_s
             )
             if waited > limit:
-                stuck = {g: t.stage for g, t in self.joining.items()}
                 raise TrainingStopped(
                     f"below the minimum of {self.scaling.min_groups} live replica group(s) "
-                    f"({live} live) for {waited:.0f}s; groups waiting: {stuck} "
+                    f"({live} live) for {waited:.0f}s; groups waiting: {self.membership.waiting_groups()} "
                     "('placing' means the cluster cannot place shard x tp ranks); "
                     "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
-            time.sleep(0.05)
+            self.sleep(JOIN_POLL_S)
 
-    def report_open_mitigations(self) -> None:
-        """Emit the straggler decisions still being measured, with what was measured so far."""
-        if self.stragglers is not None:
-            self.stragglers.close()
+    def evict(self, rank: int, cause: str) -> int:
+        """Kill the rank's process; its group leaves the quorum to replace it. Returns the group."""
+        self.fleet.kill(rank)
+        self.joining_calls.pop(self.topology.group_of(rank), None)
+        group = self.membership.lose_rank(rank)
+        self.events.emit(EventKind.RANK_EVICTED, rank=rank, group=group, cause=cause)
+        return group
 
     def mitigate_stragglers(self) -> None:
         """Apply the straggler decisions of the last committed step at this boundary."""
         actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
-        if actions.weights is not None:
-            self.weights = dict(actions.weights)
         live = set(self.membership.live_groups())
         changed = False
         for rank in actions.replace:
-            if self.membership.group_of(rank) not in live:
-                continue  # its group already left the quorum (a failure since the decision)
-            self.fleet.kill(rank)
-            group = self.membership.evict_rank(rank)
-            self.events.emit("rank-evicted", rank=rank, group=group, cause="straggler")
-            self.metrics.evictions.labels(cause="straggler").inc()
-            self.heal_group(group)
-            changed = True
+            if self.topology.group_of(rank) in live:  # else its group left since the decision
+                self.evict(rank, "straggler")
+                changed = True
         for group in actions.evict_groups:
             if group not in live:
                 continue
             self.fleet.kill_group(group)
             self.membership.remove_group(group)
-            for rank in self.membership.global_ranks(group):
+            for rank in self.topology.global_ranks(group):
                 self.stragglers.forget(rank)
             cooldown_s = self.config.stragglers.regrow_cooldown_s
             self.scaling.hold_back_one(self.clock() + cooldown_s)
-            self.events.emit("group-evicted", group=group, cause="straggler", regrow_after_s=cooldown_s)
+            self.events.emit(EventKind.GROUP_EVICTED, group=group, cause="straggler", regrow_after_s=cooldown_s)
             changed = True
         if changed and self.membership.live_groups():
             self.rebuild_replicas()
 
     # the step transaction
 
-    def due_faults(self, live_ranks: set[int]) -> dict[int, tuple[InjectedFault, ...]]:
-        elapsed = self.clock() - (self.training_started_at or self.clock())
-        firing: dict[int, list[InjectedFault]] = {}
-        for fault in list(self.faults):
-            if not fault.due(self.step, elapsed):
-                continue
-            targets = [r for r in live_ranks if fault.targets(r, self.membership.group_of(r))]
-            if not targets:
-                continue
-            self.faults.remove(fault)
-            self.events.emit("fault-injected", fault=fault.kind, ranks=targets, step=self.step)
-            for rank in targets:
-                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
-        return {rank: tuple(faults) for rank, faults in firing.items()}
+    def run_step(self) -> RunState:
+        decided = self.stragglers.weights if self.stragglers is not None else {}
+        plan = plan_step(
+            self.step,
+            self.cursor,
+            dataset_len=self.dataset_len,
+            global_batch=self.config.global_batch,
+            seed=self.config.seed,
+            group_weights=group_weights(self.membership.live_groups(), decided),
+        )
+        started = self.clock()
+        pending = self.dispatch(plan)
+        reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started)
+        elapsed = self.clock() - started
+        if diagnosis is not None:
+            self.ledger.charge("discarded", elapsed)
+            return Recovering(diagnosis, started, self.collection.failure_seen_at)
+        self.ledger.charge("committed", elapsed)
+        self.commit(plan, reports, elapsed)
+        self.maybe_checkpoint()
+        return AtBoundary()
 
-    def dispatch(self, plan: StepPlan) -> dict[ray.ObjectRef, int]:
-        quorum_ranks = set(self.membership.ranks_of(plan.groups))
-        faults = self.due_faults(quorum_ranks)
+    def requests(self, plan: StepPlan) -> dict[int, StepRequest]:
+        deadline_s = self.deadline.seconds()
+        return {
+            rank: StepRequest(
+                generation=self.membership.generation,
+                step=self.step,
+                micro_batches=group_plan.micro_batches(
+                    self.topology.shard_index(rank), self.topology.shard, self.config.micro_batch
+                ),
+                global_tokens=plan.global_samples * self.config.data.seq_len,
+                commit_previous=self.pending_commit,
+                attempt=self.attempts,
+                deadline_s=deadline_s,
+            )
+            for group, group_plan in plan.groups.items()
+            for rank in self.topology.global_ranks(group)
+        }
+
+    def dispatch(self, plan: StepPlan) -> Pending:
         self.attempts += 1
-        deadline_s = self.deadline.seconds()
-        refs = {}
-        for group, group_plan in plan.groups.items():
-            for rank in self.membership.global_ranks(group):
-                shard_index, _ = self.membership.position_of(rank)
-                request = StepRequest(
-                    generation=self.membership.generation,
-                    step=self.step,
-                    micro_batches=group_plan.micro_batches(shard_index, self.config.scaling.shard, self.config.micro_batch),
-                    global_tokens=plan.global_samples * self.config.data.seq_len,
-                    commit_previous=self.pending_commit,
-                    attempt=self.attempts,
-                    deadline_s=deadline_s,
-                    faults=faults.get(rank, ()),
-                    noise=self.config.stragglers.noise,
-                )
-                refs[self.fleet.actors[rank].train_step.remote(request)] = rank
+        pending = self.fleet.dispatch(self.decorate_requests(self.step, self.requests(plan)))
         self.pending_commit = False
-        return refs
+        return pending
 
-    def collect(self, refs: dict[ray.ObjectRef, int], started: float) -> tuple[dict[int, StepReport], Diagnosis | None]:
-        pending = dict(refs)
-        reports: dict[int, StepReport] = {}
-        dead: set[int] = set()
-        hung: list[int] = []
-        deadline_s = self.deadline.seconds()
-        failed = False
-        while pending and not failed:
-            remaining = deadline_s - (self.clock() - started)
-            if remaining <= 0:
-                progress = self.fleet.probe(pending.values(), timeout=5)
-                hung = least_progressed(progress.values()) or sorted(set(pending.values()) - set(progress))
-                self.events.emit("step-deadline", step=self.step, deadline_s=round(deadline_s, 3), hung=hung)
-                failed = True
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
-            for ref in ready:
-                rank = pending.pop(ref)
-                failed |= self._receive(ref, rank, reports, dead)
-        if not failed:
-            return reports, None
-        self.failure_seen_at = self.clock()
-        for rank in hung:
-            self.fleet.kill(rank)
-        still_running = {ref: rank for ref, rank in pending.items() if rank not in hung}
-        self.fleet.abort_step(still_running.values(), self.attempts)
-        group_of = {r: self.membership.group_of(r) for r in refs.values()}
-        stuck = self._drain(still_running, reports, dead, hung, group_of, started + deadline_s)
-        diagnosis = diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of)
-        return reports, diagnosis
-
-    def _receive(self, ref, rank: int, reports: dict, dead: set) -> bool:
-        try:
-            report = ray.get(ref)
-        except ACTOR_ERRORS:
-            dead.add(rank)
-            return True
-        reports[rank] = report
-        return not report.ok
-
-    def _drain(self, pending: dict, reports: dict, dead: set, hung: list[int], group_of: dict[int, int],
-               step_deadline: float) -> list[int]:
-        """Collect the rest of a failed step; returns the ranks blocked in their own group.
-
-        A group that lost a member (or whose world failed) is broken: its other ranks block
-        in its collectives, get ``ABORT_SETTLE_S`` to report, and are then counted as stuck.
-        A rank of a healthy group is computing its own share, not stuck: the abort stops its
-        group at the next micro-batch boundary (or at the cross-group all-reduce), so it
-        returns within a micro-batch. It gets until the step's deadline, and at least a
-        typical step time (never less than ``ABORT_GRACE_S``) from now.
-        """
-        def broken_groups() -> frozenset[int]:
-            return diagnose(dead=dead, reports=reports, hung=hung, group_of=group_of).broken_groups
-
-        settle_until = self.clock() + ABORT_SETTLE_S
-        finish_until = max(step_deadline, self.clock() + max(ABORT_GRACE_S, self.deadline.typical_s()))
-        pending = dict(pending)
-        while pending:
-            broken = broken_groups()
-            now = self.clock()
-            waiting = [ref for ref, rank in pending.items()
-                       if now < (settle_until if group_of[rank] in broken else finish_until)]
-            if not waiting:
-                break
-            until = settle_until if any(group_of[pending[ref]] in broken for ref in waiting) else finish_until
-            ready, _ = ray.wait(waiting, num_returns=1, timeout=max(0.0, until - now))
-            for ref in ready:
-                self._receive(ref, pending.pop(ref), reports, dead)
-        return sorted(pending.values())
-
-    def recover(self, diagnosis: Diagnosis, step_started: float) -> None:
+    def recover(self, failure: Recovering) -> None:
+        diagnosis = failure.diagnosis
         drained = self.clock()
         if not self.failures.allow_recovery():
             raise TrainingStopped(
                 f"step {self.step} failed ({diagnosis.cause}: {diagnosis.culprits}) after "
                 f"{self.config.fault_tolerance.max_recoveries} recoveries; raise fault_tolerance.max_recoveries"
             )
-        for rank, cause in sorted(diagnosis.culprits.items()):
-            self.fleet.kill(rank)
-            group = self.membership.evict_rank(rank)
-            self.events.emit("rank-failed", rank=rank, group=group, cause=cause, step=self.step)
-            self.events.emit("rank-evicted", rank=rank, group=group, cause=cause)
-            self.metrics.evictions.labels(cause=cause).inc()
-        for rank in diagnosis.stuck:
-            # Blocked in its own group's collective with no way to abort it: its group heals
-            # from a live peer anyway, so a fresh process costs nothing a wait would not.
-            self.fleet.kill(rank)
-            group = self.membership.evict_rank(rank)
-            self.events.emit("rank-evicted", rank=rank, group=group, cause="stuck-in-collective")
-            self.metrics.evictions.labels(cause="stuck-in-collective").inc()
-        for group in sorted(diagnosis.broken_groups):
-            self.membership.mark_broken(group)
-            self.heal_group(group)
-        if self.checkpointer is not None:
-            failed_ranks = [*diagnosis.culprits, *diagnosis.stuck]
-            self.checkpointer.abandon_if_lost(
-                set(diagnosis.broken_groups) | {self.membership.group_of(rank) for rank in failed_ranks}
-            )
+        plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
+        for eviction in plan.evictions:
+            if eviction.failed_the_step:
+                self.events.emit(EventKind.RANK_FAILED, rank=eviction.rank, group=eviction.group,
+                                 cause=eviction.cause, step=self.step)
+            self.evict(eviction.rank, eviction.cause)
+        for group in plan.rebuilding:
+            self.joining_calls.pop(group, None)
+            self.membership.apply(group, Broken())
+        if self.checkpoints is not None:
+            self.checkpoints.abandon_if_lost(plan.affected_groups)
         if self.recovery is None:
             self.recovery = OpenRecovery(
-                diagnosis.cause, dict(diagnosis.culprits), step_started,
-                detect_s=self.failure_seen_at - step_started, drain_s=drained - self.failure_seen_at,
+                diagnosis.cause, dict(diagnosis.culprits), failure.step_started,
+                detect_s=failure.failure_seen_at - failure.step_started, drain_s=drained - failure.failure_seen_at,
             )
         self.events.emit(
-            "step-discarded", step=self.step, cause=diagnosis.cause, culprits=diagnosis.culprits,
+            EventKind.STEP_DISCARDED, step=self.step, cause=diagnosis.cause, culprits=diagnosis.culprits,
             broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
         )
         self.steps_discarded += 1
-        self.metrics.steps_discarded.inc()
-        if self.membership.live_groups():
+        if plan.survivors:
             self.rebuild_replicas()
 
     def close_recovery(self) -> None:
         if self.recovery is None:
             return
-        total = self.clock() - self.recovery.detected_at
         self.events.emit(
-            "recovered",
+            EventKind.RECOVERED,
             cause=self.recovery.cause,
             culprits=self.recovery.culprits,
             step=self.step,
@@ -483,45 +480,20 @@ class Controller:
             drain_s=round(self.recovery.drain_s, 4),
             rebuild_s=round(self.recovery.rebuild_s, 4),
             heal_s=round(self.recovery.heal_s, 4),
-            total_s=round(total, 4),
+            total_s=round(self.clock() - self.recovery.detected_at, 4),
         )
-        self.metrics.recoveries.labels(cause=self.recovery.cause).inc()
-        self.metrics.recovery_seconds.labels(cause=self.recovery.cause).observe(total)
         self.recovery = None
-
-    def run_step(self) -> bool:
-        quorum = self.membership.quorum()
-        weights = {g: self.weights.get(g, 1.0) for g in quorum.groups}
-        plan = plan_step(
-            self.step,
-            self.cursor,
-            dataset_len=self.dataset_len,
-            global_batch=self.config.global_batch,
-            seed=self.config.seed,
-            group_weights=weights,
-        )
-        started = self.clock()
-        refs = self.dispatch(plan)
-        reports, diagnosis = self.collect(refs, started)
-        elapsed = self.clock() - started
-        if diagnosis is not None:
-            self.ledger.charge("discarded", elapsed)
-            with self.ledger.timing("recovery"):
-                self.recover(diagnosis, started)
-            return False
-        self.ledger.charge("committed", elapsed)
-        self.commit(plan, reports, elapsed)
-        return True
 
     def commit(self, plan: StepPlan, reports: dict[int, StepReport], elapsed: float) -> None:
         self.pending_commit = True
         self.has_state = True
         self.deadline.record(elapsed)
-        loss = sum(r.loss_share for rank, r in reports.items() if self.membership.position_of(rank)[1] == 0)
+        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
         self.losses.append(loss)
         self.cursor = plan.next_cursor
         tokens = plan.global_samples * self.config.data.seq_len
         self.tokens_committed += tokens
+        ordered = sorted(reports.items())
         record = {
             "step": self.step,
             "t": round(self.clock() - self.events.started_at, 4),
@@ -531,107 +503,59 @@ class Controller:
             "live_ranks": len(reports),
             "generation": self.membership.generation,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "rank_step_s": {str(rank): round(r.wall_s, 5) for rank, r in sorted(reports.items())},
-            "rank_compute_s": {str(rank): round(r.compute_s, 5) for rank, r in sorted(reports.items())},
+            "rank_step_s": {str(rank): round(r.wall_s, 5) for rank, r in ordered},
+            "rank_compute_s": {str(rank): round(r.compute_s, 5) for rank, r in ordered},
+            "rank_comm_s": {str(rank): round(r.comm_s, 5) for rank, r in ordered},
             "group_samples": {str(g): gp.samples for g, gp in plan.groups.items()},
         }
-        self.step_records.append(record)
         if self.stragglers is not None:
             self.straggler_actions = self.stragglers.on_step(
-                self.step, reports, {rank: self.membership.group_of(rank) for rank in reports},
+                self.step, reports, {rank: self.topology.group_of(rank) for rank in reports},
                 plan.groups.samples(), self.fleet.has_spare_slot(), self.config.scaling.min_groups,
             )
+            record["rank_straggler_score"] = {str(rank): round(s, 4) for rank, s in self.stragglers.scores().items()}
+        self.step_records.append(record)
         self.step += 1
         self.close_recovery()
-        self._export_step_metrics(record, reports)
-        self.on_step(record)
+        for listener in self.step_listeners:
+            listener(record)
 
-    def _export_step_metrics(self, record: dict, reports: dict[int, StepReport]) -> None:
-        m = self.metrics
-        for rank, report in reports.items():
-            m.rank_step_seconds.labels(rank=str(rank)).set(report.wall_s)
-            m.rank_compute_seconds.labels(rank=str(rank)).set(report.compute_s)
-            m.rank_communication_seconds.labels(rank=str(rank)).set(report.comm_s)
-        m.steps_committed.inc()
-        m.step.set(record["step"])
-        m.loss.set(record["loss"])
-        m.tokens_per_second.set(record["tokens_per_s"])
-        m.goodput_ratio.set(self.ledger.goodput())
-        for category, seconds in self.ledger.breakdown().items():
-            if category != "wall_s":
-                m.time_seconds.labels(category=category).set(seconds)
-
-    # the run
-
-    def start(self) -> None:
-        with self.ledger.timing("startup"):
-            for _ in range(self.config.scaling.max_groups):
-                self.reserve_group()
-            self.settle_membership()
-            # Start with every group the cluster could place, not just the minimum.
-            give_up = self.clock() + self.config.fault_tolerance.first_step_deadline_s
-            while any(t.stage in ("starting", "building") for t in self.joining.values()) and self.clock() < give_up:
-                self.advance_joining()
-                time.sleep(0.02)
-            self.join_ready_groups()
-            if self.resume is not None:
-                self.resume_from(self.resume)
-        self.training_started_at = self.clock()
-
-    def resume_from(self, checkpoint: Restorable) -> None:
-        seconds = self.checkpointer.restore(checkpoint, self.membership.ranks_of(self.membership.live_groups()))
-        self.first_step = checkpoint.step
-        self.rewind(checkpoint)
-        self.events.emit("resumed", step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
-
-    def train(self) -> str:
-        """Run to the configured step count, or until a stop is requested; returns the exit:
-        ``completed`` or ``preempted`` only with the final checkpoint committed."""
-        while self.step < self.config.steps:
-            if self.stop_requested.is_set():
-                return self.finish("preempted")
-            # Growing, healing and joining groups at the boundary is elasticity overhead.
-            with self.ledger.timing("recovery"):
-                self.mitigate_stragglers()
-                self.settle_membership()
-            if self.run_step():
-                self.maybe_checkpoint()
-        return self.finish("completed")
-
-    def finish(self, reason: str) -> str:
-        self.report_open_mitigations()
-        if self.save_final(reason):
-            return reason
-        return f"{reason}, final checkpoint missed (step {self.step}): see the checkpoint-failed events"
+    # checkpoints and the end of the run
 
     def _saving_group(self) -> tuple[int, list[int]]:
         group = self.membership.live_groups()[0]
-        return group, self.membership.ranks_of([group])
+        return group, self.topology.ranks_of([group])
 
     def maybe_checkpoint(self) -> None:
-        if self.checkpointer is None or not self.checkpointer.wants_save(self.step):
+        if self.checkpoints is None or not self.checkpoints.wants_save(self.step):
             return
         self.commit_live()
-        self.checkpointer.start(self.step, self.cursor, *self._saving_group())
+        self.checkpoints.start(self.step, self.cursor, *self._saving_group())
+
+    def finish(self, reason: str) -> str:
+        if self.stragglers is not None:
+            self.stragglers.close()  # report the decisions still being measured
+        if self.save_final(reason):
+            return reason
+        return f"{reason}, final checkpoint missed (step {self.step}): see the checkpoint-failed events"
 
     def save_final(self, reason: str) -> bool:
         """Commit the last step's gradients and checkpoint it within the grace period; returns
         whether the final checkpoint is committed (always, when checkpoints are off)."""
         self.commit_live()
-        if self.checkpointer is None:
+        if self.checkpoints is None:
             return True
         grace_s = self.config.checkpoint.grace_s
         committed = False
         if self.membership.live_groups():
             with self.ledger.timing("checkpoint_stall"):
-                committed = self.checkpointer.finish(self.step, self.cursor, *self._saving_group(), self.clock() + grace_s)
+                committed = self.checkpoints.finish(self.step, self.cursor, *self._saving_group(), self.clock() + grace_s)
         if not committed:
-            self.events.emit("final-checkpoint-missed", step=self.step, reason=reason, grace_s=grace_s)
+            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.step, reason=reason, grace_s=grace_s)
         return committed
 
-    def final_state(self) -> dict[int, list]:
+    def final_state(self) -> dict[tuple[int, int], list]:
         """Committed local parameter shards of the first live group, by position."""
-        group = self.membership.live_groups()[0]
-        ranks = list(self.membership.global_ranks(group))
-        shards = ray.get([self.fleet.actors[r].local_parameters.remote() for r in ranks])
-        return {self.membership.position_of(r): s for r, s in zip(ranks, shards)}
+        _, ranks = self._saving_group()
+        shards = self.fleet.local_parameters(ranks)
+        return {self.topology.position_of(rank): shards[rank] for rank in ranks}

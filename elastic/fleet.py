@@ -1,7 +1,11 @@
 """The Ray edge of the driver: placement groups, rank actors and the rendezvous store.
 
-Everything that touches Ray's API for actors lives here, so the controller reads as the
-step protocol and its decisions stay testable without Ray.
+Every Ray call of the driver lives here: placement, starting and killing ranks, dispatching
+a step and collecting its reports, probing and aborting, copying state, checkpoint calls.
+The controller and the checkpoint coordinator speak to ranks only through these methods, in
+plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
+Failures come back as two exceptions: ``RanksLost`` (the processes are gone) and
+``CallFailed`` (a rank raised).
 """
 
 from __future__ import annotations
@@ -11,18 +15,43 @@ from dataclasses import dataclass
 
 import ray
 import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic.config import TrainConfig
-from elastic.membership import Membership
-from workers.protocol import RankSpec
+from elastic.core.topology import Topology
+from workers.protocol import Progress, RankSpec, StepReport, StepRequest, describe_error
 from workers.worker import RankActor
 
 log = logging.getLogger("elastic.fleet")
 
-ACTOR_ERRORS = (RayActorError,)
+
+class FleetError(RuntimeError):
+    pass
+
+
+class RanksLost(FleetError):
+    """The processes of these ranks are gone (killed, crashed, out of memory, node lost)."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+
+
+class CallFailed(FleetError):
+    """A rank raised; its process lives."""
+
+
+@dataclass
+class Pending:
+    """Calls in flight, one per rank."""
+
+    refs: dict[int, ray.ObjectRef]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.refs)
 
 
 @dataclass
@@ -44,11 +73,13 @@ class Rendezvous:
 
 
 class Fleet:
-    def __init__(self, config: TrainConfig, hooks, membership: Membership, rendezvous: Rendezvous):
+    def __init__(self, config: TrainConfig, hooks, topology: Topology, rendezvous: Rendezvous,
+                 actor_class=RankActor):
         self.config = config
         self.scaling = config.scaling
-        self.membership = membership
+        self.topology = topology
         self.rendezvous = rendezvous
+        self.actor_class = actor_class
         self.hooks_ref = ray.put(hooks)
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.placements: dict[int, PlacementGroup] = {}
@@ -58,18 +89,17 @@ class Fleet:
 
     # placement
 
-    def reserve(self, group: int) -> PlacementGroup:
+    def reserve(self, group: int) -> None:
         bundle = {"CPU": self.scaling.cpus_per_rank}
         if self.scaling.gpus_per_rank:
             bundle["GPU"] = self.scaling.gpus_per_rank
         strategy = "STRICT_PACK" if self.scaling.uses_gpu else "PACK"
-        placement = placement_group([dict(bundle) for _ in range(self.scaling.ranks_per_group)], strategy=strategy)
+        placement = placement_group([dict(bundle) for _ in range(self.topology.ranks_per_group)], strategy=strategy)
         self.placements[group] = placement
         self.readiness[group] = placement.ready()
-        return placement
 
-    def placed(self, group: int, timeout: float = 0.0) -> bool:
-        ready, _ = ray.wait([self.readiness[group]], timeout=timeout)
+    def placed(self, group: int) -> bool:
+        ready, _ = ray.wait([self.readiness[group]], timeout=0)
         return bool(ready)
 
     def has_spare_slot(self) -> bool:
@@ -84,17 +114,18 @@ class Fleet:
         if placement is not None:
             remove_placement_group(placement)
 
-    # actors
+    # rank processes
 
     def spec(self, global_rank: int) -> RankSpec:
-        shard_index, tp_index = self.membership.position_of(global_rank)
+        shard_index, tp_index = self.topology.position_of(global_rank)
         return RankSpec(
             global_rank=global_rank,
-            group=self.membership.group_of(global_rank),
+            group=self.topology.group_of(global_rank),
+            group_rank=self.topology.group_rank(global_rank),
             shard_index=shard_index,
             tp_index=tp_index,
-            shard=self.scaling.shard,
-            tp=self.scaling.tp,
+            shard=self.topology.shard,
+            tp=self.topology.tp,
             seed=self.config.seed,
             use_gpu=self.scaling.uses_gpu,
             store_host=self.rendezvous.host,
@@ -105,21 +136,36 @@ class Fleet:
             replicate_dtype=self.config.compute.replicate_precision,
         )
 
-    def start_rank(self, global_rank: int) -> ray.ObjectRef:
-        """Start (or replace) a rank's actor in its group's bundle; returns a readiness ref."""
-        group = self.membership.group_of(global_rank)
-        bundle_index = global_rank % self.scaling.ranks_per_group
-        actor = RankActor.options(
-            num_cpus=self.scaling.cpus_per_rank,
-            num_gpus=self.scaling.gpus_per_rank or 0,
-            max_restarts=0,
-            max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placements[group], placement_group_bundle_index=bundle_index
-            ),
-        ).remote(self.spec(global_rank), self.hooks_ref)
-        self.actors[global_rank] = actor
-        return actor.node.remote()
+    def start(self, ranks) -> Pending:
+        """Start (or replace) the ranks' processes in their groups' bundles."""
+        refs = {}
+        for rank in ranks:
+            self.kill(rank)
+            actor = self.actor_class.options(
+                num_cpus=self.scaling.cpus_per_rank,
+                num_gpus=self.scaling.gpus_per_rank or 0,
+                max_restarts=0,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placements[self.topology.group_of(rank)],
+                    placement_group_bundle_index=self.topology.group_rank(rank),
+                ),
+            ).remote(self.spec(rank), self.hooks_ref)
+            self.actors[rank] = actor
+            refs[rank] = actor.node.remote()
+        return Pending(refs)
+
+    def build(self, ranks, generation: int) -> Pending:
+        return self._call(ranks, "build", generation)
+
+    def alive(self, rank: int, timeout: float = 5.0) -> bool:
+        if rank not in self.actors:
+            return False
+        try:
+            ray.get(self.actors[rank].node.remote(), timeout=timeout)
+            return True
+        except (GetTimeoutError, RayError):
+            return False
 
     def kill(self, global_rank: int) -> None:
         actor = self.actors.pop(global_rank, None)
@@ -127,27 +173,106 @@ class Fleet:
             ray.kill(actor, no_restart=True)
 
     def kill_group(self, group: int) -> None:
-        for rank in self.membership.global_ranks(group):
+        for rank in self.topology.global_ranks(group):
             self.kill(rank)
         self.release(group)
 
-    def call(self, ranks, method: str, *args) -> dict[int, ray.ObjectRef]:
-        return {rank: getattr(self.actors[rank], method).remote(*args) for rank in ranks}
+    # calls in flight
+
+    def _call(self, ranks, method: str, *args) -> Pending:
+        return Pending({rank: getattr(self.actors[rank], method).remote(*args) for rank in ranks})
+
+    def done(self, pending: Pending, timeout: float = 0.0) -> bool:
+        refs = list(pending.refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        return len(ready) == len(refs)
+
+    def results(self, pending: Pending, timeout: float | None = None) -> dict[int, object]:
+        """Every rank's result; ``RanksLost`` names every rank whose process is gone, and
+        ``CallFailed`` says why a living rank raised."""
+        results, lost, failed = {}, {}, {}
+        for rank, ref in pending.refs.items():
+            try:
+                results[rank] = ray.get(ref, timeout=timeout)
+            except RayActorError as error:
+                lost[rank] = describe_error(error, 300)
+            except GetTimeoutError:
+                failed[rank] = f"no answer within {timeout:.0f}s"
+            except RayError as error:
+                failed[rank] = describe_error(error, 500)
+        if lost:
+            raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())))
+        if failed:
+            raise CallFailed("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+        return results
+
+    # the step
+
+    def dispatch(self, requests: dict[int, StepRequest]) -> Pending:
+        return Pending({rank: self.actors[rank].train_step.remote(request) for rank, request in requests.items()})
+
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]:
+        """Reports that arrive within ``timeout`` (at least one unless it passes), taken out
+        of ``pending``; ``None`` for a rank whose process is gone."""
+        rank_of = {ref: rank for rank, ref in pending.refs.items()}
+        ready, _ = ray.wait(list(rank_of), num_returns=1, timeout=max(0.0, timeout))
+        arrived = []
+        for ref in ready:
+            rank = rank_of[ref]
+            del pending.refs[rank]
+            try:
+                arrived.append((rank, ray.get(ref)))
+            except RayError:
+                arrived.append((rank, None))
+        return arrived
 
     def abort_step(self, ranks, attempt: int) -> None:
         for rank in ranks:
             if rank in self.actors:
                 self.actors[rank].abort_step.remote(attempt)
 
-    def probe(self, ranks, timeout: float) -> dict:
+    def probe(self, ranks, timeout: float) -> dict[int, Progress]:
         refs = {rank: self.actors[rank].probe.remote() for rank in ranks if rank in self.actors}
         progress = {}
         for rank, ref in refs.items():
             try:
                 progress[rank] = ray.get(ref, timeout=timeout)
-            except (GetTimeoutError, *ACTOR_ERRORS):
+            except (GetTimeoutError, RayError):
                 continue
         return progress
+
+    # state
+
+    def commit(self, ranks) -> None:
+        self.results(self._call(ranks, "commit"))
+
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each source rank's committed state into its target rank."""
+        self.results(Pending({
+            target: self.actors[target].import_state.remote(self.actors[source].export_state.remote())
+            for source, target in pairs
+        }))
+
+    def join_replicas(self, assignments: dict[int, tuple[int, int, int]], timeout: float) -> None:
+        """``rank -> (generation, replica rank, replica count)``: rebuild the cross-group groups."""
+        self.results(Pending({
+            rank: self.actors[rank].join_replicas.remote(*assignment) for rank, assignment in assignments.items()
+        }), timeout)
+
+    def local_parameters(self, ranks) -> dict[int, list]:
+        return self.results(self._call(ranks, "local_parameters"))
+
+    # checkpoints
+
+    def save(self, ranks, url: str) -> None:
+        """Stage the ranks' committed state for an upload to ``url`` (the training stall)."""
+        self.results(self._call(ranks, "save_checkpoint", url))
+
+    def finish_saves(self, ranks) -> Pending:
+        return self._call(ranks, "finish_checkpoint")
+
+    def restore(self, ranks, url: str) -> None:
+        self.results(self._call(ranks, "load_checkpoint", url))
 
     def shutdown(self) -> None:
         for rank in list(self.actors):

@@ -1,19 +1,25 @@
 """Prometheus metrics exported by the driver. Names are prefixed ``elastic_`` and carry their
-unit; labels are bounded (rank ids, a fixed set of causes and phases)."""
+unit; labels are bounded (rank ids, a fixed set of causes and phases).
+
+The metrics follow the run from outside it: ``on_event`` listens to the event log, and
+``on_step`` to the committed step records, so no decision code updates a metric itself.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from elastic.diagnosis import COLLECTIVE_ERROR, DEATH, HANG
-from elastic.goodput import CATEGORIES
-from elastic.straggler_policy import ACTIONS
+from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG
+from elastic.core.events import Event, EventKind
+from elastic.core.goodput import CATEGORIES, TimeLedger
+from elastic.core.recovery import STUCK_IN_COLLECTIVE
+from elastic.core.straggler_policy import ACTIONS
 
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
 # series misses the first failure, and panels would show "no data" instead of 0.
 RECOVERY_CAUSES = (DEATH, HANG, COLLECTIVE_ERROR)
-EVICTION_CAUSES = (*RECOVERY_CAUSES, "stuck-in-collective", "straggler")
+EVICTION_CAUSES = (*RECOVERY_CAUSES, STUCK_IN_COLLECTIVE, "straggler")
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -87,6 +93,64 @@ class Metrics:
             self.straggler_mitigations.labels(action=action)
         for category in CATEGORIES:
             self.time_seconds.labels(category=category)
+
+        self._scored_ranks: set[str] = set()
+
+    def on_event(self, event: Event) -> None:
+        kind = event["kind"]
+        if kind == EventKind.RANK_EVICTED:
+            self.evictions.labels(cause=event["cause"]).inc()
+        elif kind == EventKind.STEP_DISCARDED:
+            self.steps_discarded.inc()
+        elif kind == EventKind.GROUP_HEALED:
+            self.heal_seconds.observe(event["seconds"])
+        elif kind == EventKind.RESTORED_FROM_CHECKPOINT:
+            self.steps_rolled_back.inc(event["rolled_back_steps"])
+        elif kind == EventKind.GROUPS_REBUILT:
+            self.generation.set(event["generation"])
+            self.live_groups.set(len(event["groups"]))
+            self.live_ranks.set(event["ranks"])
+        elif kind == EventKind.RECOVERED:
+            self.recoveries.labels(cause=event["cause"]).inc()
+            self.recovery_seconds.labels(cause=event["cause"]).observe(event["total_s"])
+        elif kind == EventKind.STRAGGLER_DECIDED:
+            self.straggler_mitigations.labels(action=event["action"]).inc()
+        elif kind == EventKind.CHECKPOINT_STARTED:
+            self.checkpoint_blocking_seconds.observe(event["stall_s"])
+        elif kind == EventKind.CHECKPOINT_DEFERRED:
+            self.checkpoints_deferred.inc()
+        elif kind == EventKind.CHECKPOINT_FAILED:
+            self.checkpoint_failures.inc()
+        elif kind == EventKind.CHECKPOINT_COMMITTED:
+            self.checkpoint_upload_seconds.observe(event["upload_s"])
+            self.checkpoint_commit_seconds.observe(event["commit_s"])
+            self.checkpoints_committed.inc()
+
+    def on_step(self, record: dict, ledger: TimeLedger) -> None:
+        """A committed step's record (see ``Controller.commit``) and the time ledger after it."""
+        for rank, seconds in record["rank_step_s"].items():
+            self.rank_step_seconds.labels(rank=rank).set(seconds)
+        for rank, seconds in record["rank_compute_s"].items():
+            self.rank_compute_seconds.labels(rank=rank).set(seconds)
+        for rank, seconds in record["rank_comm_s"].items():
+            self.rank_communication_seconds.labels(rank=rank).set(seconds)
+        self.straggler_scores(record.get("rank_straggler_score", {}))
+        self.steps_committed.inc()
+        self.step.set(record["step"])
+        self.loss.set(record["loss"])
+        self.tokens_per_second.set(record["tokens_per_s"])
+        self.goodput_ratio.set(ledger.goodput())
+        for category, seconds in ledger.breakdown().items():
+            if category != "wall_s":
+                self.time_seconds.labels(category=category).set(seconds)
+
+    def straggler_scores(self, scores: dict[str, float]) -> None:
+        """The scored ranks' latest straggler scores; ranks no longer scored lose their series."""
+        for rank in self._scored_ranks - scores.keys():  # replaced or evicted since
+            self.rank_straggler_score.remove(rank)
+        for rank, score in scores.items():
+            self.rank_straggler_score.labels(rank=rank).set(score)
+        self._scored_ranks = set(scores)
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics``; port 0 picks a free port. Returns the bound port."""

@@ -19,27 +19,28 @@ from typing import Any
 
 import fsspec
 
+from elastic.core.events import EventKind as K
+from elastic.core.goodput import CATEGORIES
+
 SUMMARY_NAME = "summary.json"
 DEFAULT_PNG_NAME = "timeline.png"
 
-# Display order of the breakdown; ``wall_s`` is appended last.
-BREAKDOWN_ORDER = ("committed", "recovery", "discarded", "checkpoint_stall", "startup", "idle")
 
 # Above this many ranks the per-rank step times are drawn as a ranks x steps heatmap.
 MAX_RANK_LINES = 16
 
 # Event category -> (label, colour, line style, event kinds).
 EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "failure": ("failure (rank-failed / rank-evicted)", "#d62728", "-", ("rank-failed", "rank-evicted")),
+    "failure": ("failure (rank-failed / rank-evicted)", "#d62728", "-", (K.RANK_FAILED, K.RANK_EVICTED)),
     "recovery": ("recovery (recovered / group-joined / group-healed)", "#2ca02c", "--",
-                 ("recovered", "group-joined", "group-healed")),
+                 (K.RECOVERED, K.GROUP_JOINED, K.GROUP_HEALED)),
     "straggler": ("straggler (detected / mitigated)", "#ff7f0e", ":",
-                  ("straggler-detected", "straggler-mitigated")),
-    "checkpoint": ("checkpoint committed", "#1f77b4", "-", ("checkpoint-committed",)),
-    "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", ("checkpoint-failed",)),
-    "discarded": ("step discarded", "#7f7f7f", ":", ("step-discarded",)),
+                  (K.STRAGGLER_DETECTED, K.STRAGGLER_MITIGATED)),
+    "checkpoint": ("checkpoint committed", "#1f77b4", "-", (K.CHECKPOINT_COMMITTED,)),
+    "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", (K.CHECKPOINT_FAILED,)),
+    "discarded": ("step discarded", "#7f7f7f", ":", (K.STEP_DISCARDED,)),
 }
-_CATEGORY_OF_KIND = {kind: cat for cat, (_, _, _, kinds) in EVENT_CATEGORIES.items() for kind in kinds}
+_CATEGORY_OF_KIND = {kind.value: cat for cat, (_, _, _, kinds) in EVENT_CATEGORIES.items() for kind in kinds}
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -96,7 +97,7 @@ def goodput_breakdown(summary: dict[str, Any]) -> dict[str, float]:
     if wall is None:
         raise ValueError("summary has no wall time (time_breakdown.wall_s / wall_s)")
     wall = float(wall)
-    parts = {name: float(tb.get(name) or 0.0) for name in BREAKDOWN_ORDER if name != "idle"}
+    parts = {name: float(tb.get(name) or 0.0) for name in CATEGORIES if name != "idle"}
     tol = 1e-6 * max(abs(wall), 1e-9)
     if tb.get("idle") is None:
         idle = wall - sum(parts.values())
@@ -116,7 +117,7 @@ def goodput_breakdown(summary: dict[str, Any]) -> dict[str, float]:
         raise ValueError(
             f"time breakdown does not add up: parts sum to {total:.6f}s but wall_s is {wall:.6f}s"
         )
-    breakdown = {name: parts[name] for name in BREAKDOWN_ORDER}
+    breakdown = {name: parts[name] for name in CATEGORIES}
     breakdown["wall_s"] = wall
     return breakdown
 
@@ -191,14 +192,14 @@ def _step_columns(steps: list[dict[str, Any]]) -> tuple[list[float], list[int | 
 
 def _event_label(event: dict[str, Any]) -> str | None:
     kind = event.get("kind")
-    if kind in ("rank-failed", "rank-evicted"):
+    if kind in (K.RANK_FAILED, K.RANK_EVICTED):
         cause = event.get("cause")
         rank = event.get("rank", "?")
-        return f"rank {rank}" + (f" {cause}" if cause else "") + (" evicted" if kind == "rank-evicted" else "")
-    if kind == "straggler-mitigated":
+        return f"rank {rank}" + (f" {cause}" if cause else "") + (" evicted" if kind == K.RANK_EVICTED else "")
+    if kind == K.STRAGGLER_MITIGATED:
         target = event.get("rank", event.get("group"))
         return f"{event.get('action', 'mitigate')} {target}" if target is not None else event.get("action")
-    if kind == "checkpoint-failed":
+    if kind == K.CHECKPOINT_FAILED:
         return "ckpt failed"
     return None
 
@@ -216,7 +217,7 @@ def _live_series(steps: list[dict[str, Any]], events: list[dict[str, Any]], key:
         return [], []
     if lose_on_failure:
         for event in events:
-            if event.get("kind") in ("rank-failed", "rank-evicted"):
+            if event.get("kind") in (K.RANK_FAILED, K.RANK_EVICTED):
                 points.append((float(event["t"]), 0, event.get("rank")))
     points.sort(key=lambda p: (p[0], p[1]))
     xs: list[float] = []
@@ -376,7 +377,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         width = 1.4 if category in ("failure", "checkpoint-failed") else 1.0
         for ax in axes:
             ax.axvline(t, color=colour, linestyle=style, linewidth=width, alpha=0.8, zorder=3)
-        if event.get("kind") == "recovered" and event.get("total_s"):
+        if event.get("kind") == K.RECOVERED and event.get("total_s"):
             for ax in axes:
                 ax.axvspan(t - float(event["total_s"]), t, color=colour, alpha=0.08, zorder=0)
         label = _event_label(event)
@@ -390,7 +391,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     if present:
         handles = [Line2D([], [], color=EVENT_CATEGORIES[c][1], linestyle=EVENT_CATEGORIES[c][2],
                           linewidth=1.6, label=EVENT_CATEGORIES[c][0]) for c in present]
-        if any(e.get("kind") == "recovered" and e.get("total_s") for e in events):
+        if any(e.get("kind") == K.RECOVERED and e.get("total_s") for e in events):
             handles.append(Patch(color=EVENT_CATEGORIES["recovery"][1], alpha=0.2, label="recovery window"))
         side_mid.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="events",
                         title_fontsize=9, borderaxespad=0.0)

@@ -16,18 +16,20 @@ from typing import Any
 
 import ray
 
-from checkpointing.manager import CheckpointManager
+from checkpointing.catalog import CheckpointCatalog
 from checkpointing.storage import join_url
-from elastic.checkpointer import Checkpointer, CheckpointsFailing
+from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
-from elastic.events import EventLog
-from elastic.faults import check_targets, parse_faults, resolve_random_targets
+from elastic.core.events import EventKind, EventLog
+from elastic.core.faults import FaultSchedule, check_targets, parse_faults, resolve_random_targets
+from elastic.core.goodput import TimeLedger
+from elastic.core.topology import Topology
 from elastic.fleet import Fleet, Rendezvous
-from elastic.goodput import TimeLedger
 from elastic.hooks import resolve_hooks
-from elastic.membership import Membership
 from elastic.metrics import Metrics
+from workers.fault_injection import FaultInjectingRankActor
+from workers.worker import RankActor
 
 log = logging.getLogger("elastic")
 
@@ -135,30 +137,36 @@ class ElasticTrainer:
             check_capacity(self.config, ray.cluster_resources())
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)
-                events.emit("metrics-serving", address=f"{self.config.metrics.host}:{port}")
-            membership = Membership(self.config.scaling.shard, self.config.scaling.tp)
-            fleet = Fleet(self.config, self.hooks, membership, Rendezvous.start())
-            checkpointer = self._checkpointer(fleet, events, ledger, metrics, clock)
-            resume = checkpointer.latest()
-            checkpointer.prune()
+                events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
+            events.listeners.append(metrics.on_event)
+            scaling = self.config.scaling
+            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups)
+            injects = bool(self.faults) or self.config.stragglers.noise > 0
+            fleet = Fleet(self.config, self.hooks, topology, Rendezvous.start(),
+                          actor_class=FaultInjectingRankActor if injects else RankActor)
+            checkpoints = self._checkpoints(fleet, events, ledger, topology, clock)
+            resume = checkpoints.latest()
+            checkpoints.prune()
+            schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
                 controller = Controller(
-                    self.config, fleet, membership, self.faults, self.dataset_len, events, ledger, metrics,
-                    clock=clock, on_step=bar.update, checkpointer=checkpointer, resume=resume, stop_requested=stop,
+                    self.config, fleet, self.dataset_len, events, ledger, clock=clock,
+                    on_step=[bar.update, lambda record: metrics.on_step(record, ledger)],
+                    checkpoints=checkpoints, resume=resume, stop_requested=stop,
+                    decorate_requests=schedule.decorate if injects else None,
                 )
-                events.emit("run-started", run=self.run_name, steps=self.config.steps,
+                events.emit(EventKind.RUN_STARTED, run=self.run_name, steps=self.config.steps,
                             resume_from=resume.step if resume else None)
                 if resume is not None:
                     bar.skip_to(resume.step)
-                controller.start()
-                exit_reason = controller.train()
+                exit_reason = controller.run()
             if self.keep_final_state:
                 final_state = controller.final_state()
         except (TrainingStopped, CheckpointsFailing) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", error)
         finally:
-            events.emit("run-finished", exit=exit_reason)
+            events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
             summary = self._summary(controller, events, ledger, exit_reason)
             summary_path = self._write_summary(summary)
             if fleet is not None:
@@ -167,13 +175,11 @@ class ElasticTrainer:
                 ray.shutdown()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
 
-    def _checkpointer(self, fleet, events, ledger, metrics, clock) -> Checkpointer:
+    def _checkpoints(self, fleet, events, ledger, topology, clock) -> CheckpointCoordinator:
         settings = self.config.checkpoint
-        manager = CheckpointManager(self.run_dir, settings.storage_options(), settings.every, settings.keep)
-        scaling = self.config.scaling
-        topology = {"shard": scaling.shard, "tp": scaling.tp, "max_groups": scaling.max_groups}
-        return Checkpointer(manager, fleet, events, ledger, metrics, topology, config_hash(self.config),
-                            settings.max_consecutive_failures, clock)
+        catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep)
+        return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
+                                     settings.max_consecutive_failures, clock)
 
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling
@@ -182,7 +188,7 @@ class ElasticTrainer:
         losses = controller.losses if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
-        last_checkpoint = controller.checkpointer.last_committed_url if controller and controller.checkpointer else None
+        last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
         return {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),
@@ -226,7 +232,7 @@ class StopOnSignals:
         if self.stop.is_set():
             raise KeyboardInterrupt  # a second signal: the user insists
         self.stop.set()
-        self.events.emit("stop-requested", signal=signal.Signals(signum).name)
+        self.events.emit(EventKind.STOP_REQUESTED, signal=signal.Signals(signum).name)
 
     def __enter__(self) -> StopOnSignals:
         if threading.current_thread() is threading.main_thread():

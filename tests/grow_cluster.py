@@ -27,6 +27,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from elastic import ElasticTrainer  # noqa: E402
+from elastic.core.events import EventKind  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
 # A group is shard 2 x 0.5 CPU: one fits on each 1-CPU node.
@@ -42,7 +43,7 @@ class FirstJoin(logging.Handler):
         self.joined = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if json.loads(record.getMessage())["kind"] == "group-joined":
+        if json.loads(record.getMessage())["kind"] == EventKind.GROUP_JOINED:
             self.joined.set()
 
 

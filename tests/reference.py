@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from elastic.config import TrainConfig
-from elastic.data_plan import DataCursor, take_global_batch
+from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.hooks import resolve_hooks
 from workers.train_step import accumulate_gradients, collate
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from elastic import ElasticTrainer
 from elastic.cli import exit_code
+from elastic.core.events import EventKind
 from tests.loopback import wait_for
 from tests.paced import paced_model
 from tests.tiny import tiny_config
@@ -39,7 +40,7 @@ def run_with_blocked_saves(tmp_path, steps: int, max_failures: int):
     blocker = block_saves_after_the_first_commit(tmp_path / "runs" / "test", steps)
     result = ElasticTrainer(config, model_fn=paced_model(config, 0.5)).fit()
     blocker.join(timeout=5)
-    return result, [e for e in result.summary["events"] if e["kind"] == "checkpoint-failed"]
+    return result, [e for e in result.summary["events"] if e["kind"] == EventKind.CHECKPOINT_FAILED]
 
 
 def test_failed_saves_back_off_to_due_boundaries_and_stop_the_run_after_n(ray_cluster, tmp_path):
@@ -59,7 +60,7 @@ def test_a_missed_final_checkpoint_fails_the_run(ray_cluster, tmp_path):
     # step 20: the due save, then the final checkpoint's own try
     assert [e["step"] for e in failed] == [10, 15, 20, 20]
     assert result.summary["steps_committed"] == 20
-    assert [e["step"] for e in result.summary["events"] if e["kind"] == "final-checkpoint-missed"] == [20]
+    assert [e["step"] for e in result.summary["events"] if e["kind"] == EventKind.FINAL_CHECKPOINT_MISSED] == [20]
     assert not result.ok
     assert result.exit.startswith("completed, final checkpoint missed (step 20)"), result.exit
     assert exit_code(result.exit) == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -194,27 +193,14 @@ def _format_checker() -> jsonschema.FormatChecker:
     return checker
 
 
-def shared_dir() -> Path | None:
-    """The shared directory holding kuberay/crds: next to the repository, else $ELASTIC_SHARED_DIR."""
-    candidates = [Path(__file__).resolve().parents[2] / "shared"]
-    if os.environ.get("ELASTIC_SHARED_DIR"):
-        candidates.append(Path(os.environ["ELASTIC_SHARED_DIR"]))
-    for candidate in candidates:
-        if all((candidate / "kuberay" / "crds" / name).is_file() for name in CRD_FILES.values()):
-            return candidate
-    return None
+# The KubeRay CRDs, vendored (see kuberay_crds/README.md for their source and licence).
+CRD_DIR = Path(__file__).resolve().parent / "kuberay_crds"
 
 
 @functools.lru_cache(maxsize=None)
 def validator(kind: str, api_version: str) -> jsonschema.Draft7Validator:
     """A validator for ``kind`` at ``api_version`` (group/version) from the KubeRay CRD."""
-    shared = shared_dir()
-    if shared is None:
-        pytest.skip(
-            "KubeRay CRDs not found: expected ../shared/kuberay/crds/{ray.io_rayjobs,ray.io_rayclusters}.yaml "
-            "next to the repository, or set ELASTIC_SHARED_DIR to a directory holding kuberay/crds/"
-        )
-    crd = load_yaml(shared / "kuberay" / "crds" / CRD_FILES[kind])
+    crd = load_yaml(CRD_DIR / CRD_FILES[kind])
     group, _, version = api_version.partition("/")
     assert crd["spec"]["group"] == group, f"{kind}: CRD group {crd['spec']['group']} != {group}"
     assert crd["spec"]["names"]["kind"] == kind

@@ -1,6 +1,6 @@
 """Failure attribution over plain reports, without a cluster."""
 
-from elastic.diagnosis import HANG, diagnose, least_progressed
+from elastic.core.diagnosis import HANG, diagnose, least_progressed
 from workers.protocol import Progress, StepReport
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from elastic.config import build_config
+from elastic.core.events import EventKind
 from tests.reference import max_relative_difference, reference_run
 
 SCRIPT = Path(__file__).with_name("grow_cluster.py")
@@ -26,9 +27,9 @@ def test_second_group_joins_when_a_node_is_added(tmp_path):
     assert [r["step"] for r in records] == list(range(steps)) and summary["steps_committed"] == steps
     assert summary["steps_discarded"] == 0
 
-    [joined] = [e for e in summary["events"] if e["kind"] == "group-joined" and e["group"] == 1]
+    [joined] = [e for e in summary["events"] if e["kind"] == EventKind.GROUP_JOINED and e["group"] == 1]
     assert joined["t"] > records[0]["t"], "the second group joined before training started"
-    [healed] = [e for e in summary["events"] if e["kind"] == "group-healed"]
+    [healed] = [e for e in summary["events"] if e["kind"] == EventKind.GROUP_HEALED]
     assert (healed["group"], healed["source_group"]) == (1, 0)
     live = [r["live_groups"] for r in records]
     grown_at = live.index(2)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from elastic import ElasticTrainer
+from elastic.core.events import EventKind
 from tests.reference import max_parameter_difference, max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
@@ -11,7 +12,7 @@ FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__dead
 
 
 def failed(summary):
-    return [(e["rank"], e["cause"]) for e in summary["events"] if e["kind"] == "rank-failed"]
+    return [(e["rank"], e["cause"]) for e in summary["events"] if e["kind"] == EventKind.RANK_FAILED]
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path, inject, cu
     assert summary["steps_discarded"] >= 1
     reference, _ = reference_run(config, steps)
     assert max_relative_difference(result.losses, reference) <= 1e-5
-    [recovered] = [e for e in summary["events"] if e["kind"] == "recovered"]
+    [recovered] = [e for e in summary["events"] if e["kind"] == EventKind.RECOVERED]
     assert recovered["cause"] == cause and recovered["total_s"] > 0
     assert {"detect_s", "rebuild_s", "heal_s"} <= set(recovered)
 
@@ -50,8 +51,8 @@ def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     assert max_relative_difference(result.losses, reference_losses) <= 1e-5
     causes = {cause for _, cause in failed(summary)}
     assert {"death", "hang"} <= causes
-    assert summary["steps_discarded"] == len([e for e in summary["events"] if e["kind"] == "step-discarded"])
-    assert [e for e in summary["events"] if e["kind"] == "group-healed"]
+    assert summary["steps_discarded"] == len([e for e in summary["events"] if e["kind"] == EventKind.STEP_DISCARDED])
+    assert [e for e in summary["events"] if e["kind"] == EventKind.GROUP_HEALED]
     shards = result.final_state
     final_params = [torch.cat([shards[(0, 0)][i], shards[(1, 0)][i]]) for i in range(len(reference_params))]
     # Summing the same gradients in another order (as groups do) moves fp32 parameters by a

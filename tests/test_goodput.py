@@ -1,6 +1,6 @@
 """The time ledger on a fake clock: parts always add up to the wall time."""
 
-from elastic.goodput import TimeLedger
+from elastic.core.goodput import TimeLedger
 
 
 def test_nested_timings_charge_each_second_once():

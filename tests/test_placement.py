@@ -8,8 +8,9 @@ import time
 from ray.util.placement_group import PlacementGroup
 
 from elastic.config import on_cluster
+from elastic.core.membership import Membership
+from elastic.core.topology import Topology
 from elastic.fleet import Fleet
-from elastic.membership import Membership
 from tests.tiny import tiny_config
 
 
@@ -23,8 +24,8 @@ def test_readiness_is_requested_once_per_group(ray_cluster, tmp_path, monkeypatc
 
     monkeypatch.setattr(PlacementGroup, "ready", counted_ready)
     config = on_cluster(tiny_config(tmp_path, groups=2, shard=2), ray_cluster.cluster_resources())
-    membership = Membership(config.scaling.shard, config.scaling.tp)
-    fleet = Fleet(config, hooks=None, membership=membership, rendezvous=None)
+    membership = Membership(Topology(config.scaling.shard, config.scaling.tp))
+    fleet = Fleet(config, hooks=None, topology=membership.topology, rendezvous=None)
     groups = [membership.add_group(), membership.add_group()]
     try:
         for group in groups:

@@ -1,6 +1,6 @@
 """Control-plane policies on plain data and a fake clock."""
 
-from elastic.policies import ScalingPolicy
+from elastic.core.policies import ScalingPolicy
 
 
 def test_a_group_evicted_as_a_straggler_is_not_regrown_until_its_cooldown_ends():

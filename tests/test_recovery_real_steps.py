@@ -5,6 +5,7 @@ replacement, and the run commits the fault-free losses."""
 import pytest
 
 from elastic import ElasticTrainer
+from elastic.core.events import EventKind
 from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
@@ -29,16 +30,16 @@ def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path
     assert min(step_times) >= 2.0, step_times
 
     events = summary["events"]
-    evicted = [(e["rank"], e["cause"]) for e in events if e["kind"] == "rank-evicted"]
+    evicted = [(e["rank"], e["cause"]) for e in events if e["kind"] == EventKind.RANK_EVICTED]
     group_1 = set(range(shard, 2 * shard))
     assert (killed, "death") in evicted
     assert {rank for rank, _ in evicted} <= group_1, evicted  # nobody of group 0 was evicted
-    [discarded] = [e for e in events if e["kind"] == "step-discarded"]
+    [discarded] = [e for e in events if e["kind"] == EventKind.STEP_DISCARDED]
     assert discarded["broken_groups"] == [1], discarded
-    assert not [e for e in events if e["kind"] == "restored-from-checkpoint"]
-    healed = [e for e in events if e["kind"] == "group-healed"]
+    assert not [e for e in events if e["kind"] == EventKind.RESTORED_FROM_CHECKPOINT]
+    healed = [e for e in events if e["kind"] == EventKind.GROUP_HEALED]
     assert [(e["group"], e["source_group"]) for e in healed] == [(1, 0)]
-    [recovered] = [e for e in events if e["kind"] == "recovered"]
+    [recovered] = [e for e in events if e["kind"] == EventKind.RECOVERED]
     # Group 0 stops at its next micro-batch boundary (STEP_S / 8 or / 4 away), not at the
     # end of its step, and is not given up on after a fixed settle time.
     assert recovered["drain_s"] < STEP_S / 2, recovered

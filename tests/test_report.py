@@ -10,7 +10,7 @@ import random
 import pytest
 
 from elastic.report import (
-    BREAKDOWN_ORDER,
+    CATEGORIES,
     format_breakdown,
     goodput_breakdown,
     load_summary,
@@ -129,7 +129,7 @@ def test_report_writes_png_and_breakdown(tmp_path):
 
     assert png == str(run_dir / "timeline.png")
     assert_valid_png(png)
-    assert list(breakdown) == [*BREAKDOWN_ORDER, "wall_s"]
+    assert list(breakdown) == [*CATEGORIES, "wall_s"]
     parts = sum(v for k, v in breakdown.items() if k != "wall_s")
     assert math.isclose(parts, breakdown["wall_s"], rel_tol=1e-9)
     assert math.isclose(breakdown["wall_s"], summary["wall_s"])
@@ -160,7 +160,7 @@ def test_main_prints_every_category(tmp_path, capsys):
     out = tmp_path / "cli.png"
     assert main([str(run_dir), "--output", str(out)]) == 0
     printed = capsys.readouterr().out
-    for category in (*BREAKDOWN_ORDER, "total", "goodput"):
+    for category in (*CATEGORIES, "total", "goodput"):
         assert category in printed
     assert str(out) in printed
     assert_valid_png(out)
@@ -240,7 +240,7 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
     assert elastic_main(["report", result.run_dir, "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert_valid_png(out)
-    for category in (*BREAKDOWN_ORDER, "total", "goodput"):
+    for category in (*CATEGORIES, "total", "goodput"):
         assert category in printed
 
     breakdown = goodput_breakdown(load_summary(result.run_dir))

@@ -1,6 +1,7 @@
 """A slow rank on real Ray actors: named, mitigated, and the committed losses unchanged."""
 
 from elastic import ElasticTrainer
+from elastic.core.events import EventKind
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
@@ -16,10 +17,10 @@ def test_slow_rank_is_named_and_mitigated_without_changing_the_losses(ray_cluste
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     events = result.summary["events"]
-    detected = [e for e in events if e["kind"] == "straggler-detected"]
+    detected = [e for e in events if e["kind"] == EventKind.STRAGGLER_DETECTED]
     assert {e["rank"] for e in detected} == {1}, detected
     assert detected[0]["step"] - ONSET < 10
-    mitigated = [e for e in events if e["kind"] == "straggler-mitigated"]
+    mitigated = [e for e in events if e["kind"] == EventKind.STRAGGLER_MITIGATED]
     assert mitigated, events
     mitigated = mitigated[0]
     assert mitigated["step"] >= detected[0]["step"]

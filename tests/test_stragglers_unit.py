@@ -7,17 +7,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.config import StragglerConfig
-from elastic.data_plan import apportion
-from elastic.events import EventLog
-from elastic.metrics import Metrics
-from elastic.straggler_detector import StragglerDetector, StragglerFlag
-from elastic.straggler_policy import (
+from elastic.core.data_plan import apportion
+from elastic.core.events import EventKind, EventLog
+from elastic.core.straggler_detector import StragglerDetector, StragglerFlag
+from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
+from elastic.core.straggler_policy import (
     Mitigation,
     StragglerPolicy,
     predicted_step_seconds,
     water_fill,
 )
-from elastic.straggler_mitigation import NO_ACTIONS, StragglerMitigation
+from elastic.metrics import Metrics
 from workers.protocol import StepReport
 
 
@@ -55,7 +55,7 @@ def run(detector: StragglerDetector, clock: FakeClock, steps, make, events=None)
 
 def test_healthy_noise_never_flags():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(1234)
     events = run(detector, clock, range(1000), lambda step: timings(rng, 16, 0.15))
     assert events == []
@@ -95,7 +95,7 @@ def test_persistent_slowdown_flagged_at_derived_bound(window, patience):
 
 def test_flag_timestamp_comes_from_injected_clock():
     clock = FakeClock(5.0)
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     flags = []
     for step in range(10):
         clock.tick(2.5)
@@ -108,7 +108,7 @@ def test_flag_timestamp_comes_from_injected_clock():
 @pytest.mark.parametrize("spike_steps", [1, 2])
 def test_transient_spike_does_not_flag(spike_steps):
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(3)
     start = 30
     events = run(
@@ -140,7 +140,7 @@ def test_spike_tolerance_is_max_of_half_window_and_patience_minus_one(window, pa
 
 def test_spike_longer_than_tolerance_flags_then_recovers():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(4)
     start, length = 30, 5
     events = run(
@@ -155,7 +155,7 @@ def test_spike_longer_than_tolerance_flags_then_recovers():
 
 def test_flagged_rank_recovers_after_returning_to_normal():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(5)
     onset, healed = 20, 50
     events = run(
@@ -176,7 +176,7 @@ def test_flagged_rank_recovers_after_returning_to_normal():
 def test_hysteresis_band_keeps_flag():
     """A flagged rank between (1 + threshold) / 2 and threshold neither recovers nor re-flags."""
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(6)
     events = run(
         detector, clock, range(80),
@@ -188,7 +188,7 @@ def test_hysteresis_band_keeps_flag():
 
 def test_forget_drops_history_and_flag():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(8)
     run(detector, clock, range(20), lambda step: timings(rng, 16, 0.05, {4: 2.0}))
     assert list(detector.flagged()) == [4]
@@ -209,7 +209,7 @@ def test_forget_drops_history_and_flag():
 
 def test_fewer_than_three_ranks_never_flags():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     for step in range(50):
         assert detector.observe(step, {0: 0.01, 1: 0.1}) == ([], [])
         assert detector.observe(step, {7: 0.5}) == ([], [])
@@ -220,7 +220,7 @@ def test_fewer_than_three_ranks_never_flags():
 def test_only_present_ranks_are_scored():
     """A group sitting out neither resets nor advances its ranks' windows and counters."""
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(9)
 
     def make(step):
@@ -240,7 +240,7 @@ def test_only_present_ranks_are_scored():
 
 def test_invalid_values_are_ignored_and_zero_median_skips():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     for step in range(10):
         obs = {0: 0.01, 1: 0.01, 2: 0.01, 3: float("nan"), 4: -1.0, 5: float("inf")}
         assert detector.observe(step, obs) == ([], [])
@@ -251,7 +251,7 @@ def test_invalid_values_are_ignored_and_zero_median_skips():
 
 def test_scale_growth_and_sparse_huge_ranks():
     clock = FakeClock()
-    detector = StragglerDetector(clock=clock)
+    detector = StragglerDetector(window=5, patience=3, clock=clock)
     rng = np.random.default_rng(10)
     n = 16_384
     events = run(detector, clock, range(8), lambda step: timings(rng, n, 0.15))
@@ -527,7 +527,9 @@ class SimulatedFleet:
 
 def mitigation_for(clock, mitigate=True, metrics=None):
     events = EventLog(clock)
-    return StragglerMitigation(StragglerConfig(mitigate=mitigate), 1024, events, metrics, clock), events
+    if metrics is not None:
+        events.listeners.append(metrics.on_event)
+    return StragglerMitigation(StragglerConfig(mitigate=mitigate), 1024, events, clock), events
 
 
 def test_mitigation_never_acts_on_healthy_noise():
@@ -542,35 +544,37 @@ def test_mitigation_never_acts_on_healthy_noise():
 def test_slow_rank_rebalanced_measured_then_restored():
     clock = FakeClock()
     registry = CollectorRegistry()
-    mitigation, events = mitigation_for(clock, metrics=Metrics("t", registry))
+    metrics = Metrics("t", registry)
+    mitigation, events = mitigation_for(clock, metrics=metrics)
     fleet = SimulatedFleet(groups=4, noise=0.05, seed=3)
     config = StragglerConfig()
     onset = 20
     fleet.run(mitigation, range(onset))
     fleet.slow = {5: 1.5}  # rank 5 of group 1
     decisions = fleet.run(mitigation, range(onset, onset + 40))
-    [detected] = events.of_kind("straggler-detected")
+    [detected] = events.of_kind(EventKind.STRAGGLER_DETECTED)
     assert (detected["rank"], detected["group"]) == (5, 1)
     assert detected["step"] - onset + 1 == config.window // 2 + config.patience
     step, actions = decisions[0]
     assert step == detected["step"]
     assert actions.replace == () and actions.evict_groups == ()
     assert actions.weights[1] < min(actions.weights[g] for g in (0, 2, 3))
-    [mitigated] = events.of_kind("straggler-mitigated")
+    [mitigated] = events.of_kind(EventKind.STRAGGLER_MITIGATED)
     assert (mitigated["action"], mitigated["group"], mitigated["step"]) == ("rebalance", 1, step)
     assert mitigated["predicted_gain"] > 0.05 and mitigated["measured_gain"] > 0.05
     assert mitigated["measured_steps"] == config.window
+    metrics.straggler_scores({str(rank): score for rank, score in mitigation.scores().items()})
     assert registry.get_sample_value("elastic_rank_straggler_score", {"rank": "5"}) > config.threshold
     assert registry.get_sample_value("elastic_straggler_mitigations_total", {"action": "rebalance"}) == 1
 
     fleet.slow = {}  # the rank recovers its speed: its group gets its share back
     decisions = fleet.run(mitigation, range(onset + 40, onset + 80))
-    assert events.of_kind("straggler-recovered")[0]["rank"] == 5
+    assert events.of_kind(EventKind.STRAGGLER_RECOVERED)[0]["rank"] == 5
     [(_, restore)] = decisions
     assert restore.weights == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
     mitigation.close()
-    assert [e["action"] for e in events.of_kind("straggler-mitigated")] == ["rebalance", "restore"]
-    assert events.of_kind("straggler-mitigated")[1]["group"] == 1
+    assert [e["action"] for e in events.of_kind(EventKind.STRAGGLER_MITIGATED)] == ["rebalance", "restore"]
+    assert events.of_kind(EventKind.STRAGGLER_MITIGATED)[1]["group"] == 1
 
 
 def test_slow_rank_replaced_when_a_slot_is_spare_and_measured_after_it_returns():
@@ -586,11 +590,11 @@ def test_slow_rank_replaced_when_a_slot_is_spare_and_measured_after_it_returns()
     fleet.live = [0, 2, 3]
     fleet.slow = {}
     assert fleet.run(mitigation, range(30, 45), spare_slot=True) == []
-    assert events.of_kind("straggler-mitigated") == []  # not measured while the rank is away
+    assert events.of_kind(EventKind.STRAGGLER_MITIGATED) == []  # not measured while the rank is away
     mitigation.forget(6)
     fleet.live = [0, 1, 2, 3]
     assert fleet.run(mitigation, range(45, 45 + StragglerConfig().window), spare_slot=True) == []
-    [mitigated] = events.of_kind("straggler-mitigated")
+    [mitigated] = events.of_kind(EventKind.STRAGGLER_MITIGATED)
     assert (mitigated["action"], mitigated["rank"], mitigated["step"]) == ("replace", 6, step)
     assert mitigated["measured_gain"] > 0.2
     assert mitigated["measured_gain"] == pytest.approx(mitigated["predicted_gain"], abs=0.1)
@@ -602,5 +606,5 @@ def test_detection_only_when_mitigation_is_off():
     fleet = SimulatedFleet(groups=4, noise=0.05, seed=8)
     fleet.slow = {2: 1.6}
     assert fleet.run(mitigation, range(40), spare_slot=True) == []
-    assert [e["rank"] for e in events.of_kind("straggler-detected")] == [2]
-    assert events.of_kind("straggler-mitigated") == []
+    assert [e["rank"] for e in events.of_kind(EventKind.STRAGGLER_DETECTED)] == [2]
+    assert events.of_kind(EventKind.STRAGGLER_MITIGATED) == []

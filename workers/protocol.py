@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from checkpointing.storage import StorageOptions
 
-
 ERROR_CHARS = 2000
 
 
@@ -21,6 +20,7 @@ def describe_error(error: BaseException | str, limit: int = ERROR_CHARS) -> str:
 class RankSpec:
     global_rank: int
     group: int
+    group_rank: int  # its rank in the group's world (see elastic.core.topology)
     shard_index: int
     tp_index: int
     shard: int
@@ -35,21 +35,8 @@ class RankSpec:
     replicate_dtype: str = "fp32"
 
     @property
-    def group_rank(self) -> int:
-        return self.shard_index * self.tp + self.tp_index
-
-    @property
     def position(self) -> tuple[int, int]:
         return (self.shard_index, self.tp_index)
-
-
-@dataclass(frozen=True)
-class InjectedFault:
-    """A fault the driver tells one rank to carry out now (see ``elastic.faults``)."""
-
-    kind: str
-    factor: float = 1.0
-    after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,8 +48,6 @@ class StepRequest:
     commit_previous: bool
     attempt: int = 0  # unique per dispatch: a rerun of a step is a new attempt
     deadline_s: float = float("inf")  # from the step's start: no wait on peers outlasts it
-    faults: tuple[InjectedFault, ...] = ()
-    noise: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-PADDING_INDEX = -1
+from elastic.core.data_plan import PADDING_INDEX
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

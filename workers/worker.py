@@ -29,10 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
-from checkpointing.rank_checkpoint import RankCheckpointer, UploadResult
+from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers.protocol import (
     BuildReport,
-    InjectedFault,
     Progress,
     RankSpec,
     StepReport,
@@ -57,10 +56,6 @@ REPLICATE_POLL_S = 0.001
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-class InjectedCollectiveFailure(RuntimeError):
-    pass
-
-
 class CollectiveAborted(RuntimeError):
     """The driver gave up on this step while this rank waited for a peer."""
 
@@ -75,18 +70,9 @@ class StepInterrupted(RuntimeError):
 
 def is_peer_error(error: BaseException) -> bool:
     """Whether the error says a *remote* rank failed, rather than this one."""
-    if isinstance(error, InjectedCollectiveFailure):
-        return False
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted)):
         return True
     return any(marker in str(error) for marker in PEER_ERROR_MARKERS)
-
-
-def burn_cpu(seconds: float) -> None:
-    """Busy work, so an injected slowdown shows in CPU time the way a slow device would."""
-    until = time.thread_time() + seconds
-    while time.thread_time() < until:
-        pass
 
 
 class ComputeTimer:
@@ -145,8 +131,6 @@ class RankWorker:
         self.replicate_group = None
         self.control_group = None
         self.pending = False
-        self.slow_factor = 1.0
-        self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
         self._progress_lock = threading.Lock()
         self._module_entries = 0
         self._abort = threading.Event()
@@ -156,7 +140,7 @@ class RankWorker:
         # and destroying one would block until it times out, so they are kept until the
         # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
-        self.checkpointer = RankCheckpointer(spec.storage, spec.global_rank, spec.upload_in_process)
+        self.checkpoint_io = RankCheckpointIO(spec.storage, spec.global_rank, spec.upload_in_process)
         self._set_progress(-1, "idle")
 
     # progress, read by the control thread
@@ -242,7 +226,7 @@ class RankWorker:
         spec = self.spec
         self._leave_replicas()
         if dist.is_initialized():
-            self.checkpointer.settle(spec.collective_timeout_s)
+            self.checkpoint_io.settle(spec.collective_timeout_s)
             if spec.use_gpu:
                 abort_process_groups_on_gpu()
             else:
@@ -256,7 +240,7 @@ class RankWorker:
             timeout=self.timeout,
         )
         mesh = init_device_mesh(self.device.type, (spec.shard, spec.tp), mesh_dim_names=("shard", "tp"))
-        self.checkpointer.attach(dist.new_group(backend="gloo", timeout=self.timeout))
+        self.checkpoint_io.attach(dist.new_group(backend="gloo", timeout=self.timeout))
         # Its own group: the checkpoint upload thread must not interleave with these.
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if spec.shard * spec.tp > 1 else None
         torch.manual_seed(spec.seed)
@@ -306,20 +290,6 @@ class RankWorker:
     def commit(self) -> None:
         self._settle_pending(commit=True)
 
-    def _fire(self, fault: InjectedFault) -> None:
-        if fault.kind in ("kill", "kill-group"):
-            if fault.after_s:
-                threading.Timer(fault.after_s, os._exit, (1,)).start()  # dies mid-step
-            else:
-                os._exit(1)
-        if fault.kind == "slow":
-            self.slow_factor = fault.factor
-        if fault.kind == "hang":
-            hang_in = next(
-                (m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model), self.model
-            )
-            hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
-
     def train_step(self, request: StepRequest) -> StepReport:
         started = time.perf_counter()
         rank = self.spec.global_rank
@@ -327,39 +297,15 @@ class RankWorker:
         try:
             self._set_progress(request.step, "data")
             self._settle_pending(commit=request.commit_previous)
-            for fault in request.faults:
-                self._fire(fault)
             batches = [collate(self.hooks.dataset, mb, self.device) for mb in request.micro_batches]
             data_s = time.perf_counter() - started
 
             self._set_progress(request.step, "compute")
-            self.compute_timer.start()
-            loss_share = accumulate_gradients(
-                self.model,
-                self.hooks.loss_fn,
-                batches,
-                request.global_tokens,
-                on_micro_batch=lambda index: self._at_micro_batch(request.step, index),
-            )
-            compute_s = self.compute_timer.seconds()
-            extra = (self.slow_factor - 1.0) * compute_s
-            if request.noise:
-                # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.
-                extra += compute_s * request.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
-            burn_cpu(extra)
-            compute_s += extra
+            loss_share, compute_s = self._compute(request, batches)
 
             self._set_progress(request.step, "replicate")
             comm_started = time.perf_counter()
-            if any(fault.kind == "fail-collective" for fault in request.faults):
-                self._leave_replicas()
-                raise InjectedCollectiveFailure(f"injected collective failure on rank {rank}")
-            if self.replicate_group is not None:
-                deadline = started + request.deadline_s
-                sum_across_groups(
-                    self.model, self.replicate_group, lambda work: self._wait_replicate(work, deadline),
-                    self.replicate_dtype,
-                )
+            self._reduce_across_groups(request, started + request.deadline_s)
             comm_s = time.perf_counter() - comm_started
             self.pending = True
             self._set_progress(request.step, "done")
@@ -387,6 +333,25 @@ class RankWorker:
                 wall_s=time.perf_counter() - started,
             )
 
+    def _compute(self, request: StepRequest, batches) -> tuple[float, float]:
+        """This rank's share of the step: (loss share, its own compute seconds)."""
+        self.compute_timer.start()
+        loss_share = accumulate_gradients(
+            self.model,
+            self.hooks.loss_fn,
+            batches,
+            request.global_tokens,
+            on_micro_batch=lambda index: self._at_micro_batch(request.step, index),
+        )
+        return loss_share, self.compute_timer.seconds()
+
+    def _reduce_across_groups(self, request: StepRequest, deadline: float) -> None:
+        if self.replicate_group is not None:
+            sum_across_groups(
+                self.model, self.replicate_group, lambda work: self._wait_replicate(work, deadline),
+                self.replicate_dtype,
+            )
+
     # healing
 
     def export_state(self) -> dict:
@@ -401,14 +366,14 @@ class RankWorker:
 
     def save_checkpoint(self, url: str) -> float:
         """Stage committed state for an async upload to ``url``; returns the stall in seconds."""
-        return self.checkpointer.save(self.model, self.optimizer, url)
+        return self.checkpoint_io.save(self.model, self.optimizer, url)
 
     @ray.method(concurrency_group="checkpoint")
     def finish_checkpoint(self) -> UploadResult:
-        return self.checkpointer.wait()
+        return self.checkpoint_io.wait()
 
     def load_checkpoint(self, url: str) -> float:
-        seconds = self.checkpointer.load(self.model, self.optimizer, url)
+        seconds = self.checkpoint_io.load(self.model, self.optimizer, url)
         self.pending = False
         return seconds
 

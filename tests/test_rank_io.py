@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing import rank_checkpoint, staging_arena
-from checkpointing.rank_checkpoint import RankCheckpointer, training_state
+from checkpointing import rank_io, staging_arena
+from checkpointing.rank_io import RankCheckpointIO, training_state
 from checkpointing.storage import StorageOptions
 from elastic.config import build_config
-from elastic.data_plan import DataCursor, take_global_batch
+from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.hooks import resolve_hooks
 from tests.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
@@ -84,10 +84,10 @@ def assert_same(actual, expected, path="state"):
         assert actual == expected, path
 
 
-def loaded(checkpointer: RankCheckpointer, url: str) -> dict:
+def loaded(checkpoint_io: RankCheckpointIO, url: str) -> dict:
     fresh = Rank(seed=1)
     fresh.step()  # optimizer state that the load must overwrite
-    checkpointer.load(fresh.model, fresh.optimizer, url)
+    checkpoint_io.load(fresh.model, fresh.optimizer, url)
     return fresh.snapshot()
 
 
@@ -129,61 +129,61 @@ def rank(world):
 
 
 @pytest.fixture(params=["thread", "process"])
-def checkpointer(world, request):
-    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0, upload_in_process=request.param == "process")
-    checkpointer.attach(dist.new_group(backend="gloo"))
-    yield checkpointer
-    checkpointer.close()
+def checkpoint_io(world, request):
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0, upload_in_process=request.param == "process")
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
+    yield checkpoint_io
+    checkpoint_io.close()
     assert multiprocessing.active_children() == []
 
 
 @pytest.fixture
 def in_process(world):
-    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0, upload_in_process=True)
-    checkpointer.attach(dist.new_group(backend="gloo"))
-    yield checkpointer
-    checkpointer.close()
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0, upload_in_process=True)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
+    yield checkpoint_io
+    checkpoint_io.close()
     assert multiprocessing.active_children() == []
 
 
-def test_consecutive_saves_load_back_the_state_at_save_time(rank, checkpointer, tmp_path):
+def test_consecutive_saves_load_back_the_state_at_save_time(rank, checkpoint_io, tmp_path):
     expected = {}
     for index in range(3):
         url = str(tmp_path / f"step-{index}")
         expected[url] = rank.snapshot()
-        checkpointer.save(rank.model, rank.optimizer, url)
+        checkpoint_io.save(rank.model, rank.optimizer, url)
         rank.step()  # training goes on during the upload; the checkpoint keeps the staged state
-        result = checkpointer.wait()
+        result = checkpoint_io.wait()
         assert result.ok, result.error
         assert result.upload_s > 0
     for url, state in expected.items():
-        assert_same(loaded(checkpointer, url), state)
+        assert_same(loaded(checkpoint_io, url), state)
 
 
-def test_reported_files_match_what_storage_holds(rank, checkpointer, tmp_path):
+def test_reported_files_match_what_storage_holds(rank, checkpoint_io, tmp_path):
     url = str(tmp_path / "ckpt")
-    checkpointer.save(rank.model, rank.optimizer, url)
-    result = checkpointer.wait()
+    checkpoint_io.save(rank.model, rank.optimizer, url)
+    result = checkpoint_io.wait()
     assert result.ok, result.error
     fs, directory = StorageOptions().filesystem(url)
     assert result.files == stored_digests(fs, directory)
     assert set(result.files) == {".metadata", "__0_0.distcp"}
 
 
-def test_buffers_are_reused_across_saves(rank, checkpointer, tmp_path):
+def test_buffers_are_reused_across_saves(rank, checkpoint_io, tmp_path):
     pointers = []
     for index in range(2):
-        checkpointer.save(rank.model, rank.optimizer, str(tmp_path / f"step-{index}"))
-        assert checkpointer.wait().ok
-        pointers.append({name: buffer.data_ptr() for name, buffer in checkpointer.arena.buffers.items()})
+        checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / f"step-{index}"))
+        assert checkpoint_io.wait().ok
+        pointers.append({name: buffer.data_ptr() for name, buffer in checkpoint_io.arena.buffers.items()})
         rank.step()
     assert pointers[0] == pointers[1] and len(pointers[0]) > 10
 
 
-def test_a_failed_staging_does_not_break_the_next_save(rank, checkpointer, tmp_path, monkeypatch):
-    checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "first"))
-    assert checkpointer.wait().ok
-    first_arena = checkpointer.arena
+def test_a_failed_staging_does_not_break_the_next_save(rank, checkpoint_io, tmp_path, monkeypatch):
+    checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / "first"))
+    assert checkpoint_io.wait().ok
+    first_arena = checkpoint_io.arena
 
     def broken(self, tensors):
         raise RuntimeError("injected staging failure")
@@ -191,35 +191,35 @@ def test_a_failed_staging_does_not_break_the_next_save(rank, checkpointer, tmp_p
     with monkeypatch.context() as patch:
         patch.setattr(staging_arena.StagingArena, "stage", broken)
         with pytest.raises(RuntimeError, match="injected"):
-            checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "broken"))
-    assert checkpointer.arena is None  # dropped: the next save stages into a fresh arena
-    assert not checkpointer.wait().ok
-    if checkpointer.uploader is not None:
-        wait_until(lambda: staging_mappings(checkpointer.uploader.process.pid) == 0)  # freed there too
+            checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / "broken"))
+    assert checkpoint_io.arena is None  # dropped: the next save stages into a fresh arena
+    assert not checkpoint_io.wait().ok
+    if checkpoint_io.uploader is not None:
+        wait_until(lambda: staging_mappings(checkpoint_io.uploader.process.pid) == 0)  # freed there too
 
     rank.step()
     expected = rank.snapshot()
     url = str(tmp_path / "after")
-    checkpointer.save(rank.model, rank.optimizer, url)
-    assert checkpointer.wait().ok
-    assert checkpointer.arena is not first_arena
-    assert_same(loaded(checkpointer, url), expected)
+    checkpoint_io.save(rank.model, rank.optimizer, url)
+    assert checkpoint_io.wait().ok
+    assert checkpoint_io.arena is not first_arena
+    assert_same(loaded(checkpoint_io, url), expected)
 
 
-def test_settle_abandons_an_upload_that_does_not_end(rank, checkpointer, tmp_path, monkeypatch):
+def test_settle_abandons_an_upload_that_does_not_end(rank, checkpoint_io, tmp_path, monkeypatch):
     release = threading.Event()
 
     def stuck(*args):
         release.wait()
         raise RuntimeError("abandoned")
 
-    monkeypatch.setattr(rank_checkpoint, "_upload", stuck)
-    checkpointer.save(rank.model, rank.optimizer, str(tmp_path / "stuck"))
-    abandoned = checkpointer.arena
-    checkpointer.settle(timeout_s=0.5)
-    assert checkpointer.upload is None and not checkpointer.uploading
+    monkeypatch.setattr(rank_io, "_upload", stuck)
+    checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / "stuck"))
+    abandoned = checkpoint_io.arena
+    checkpoint_io.settle(timeout_s=0.5)
+    assert checkpoint_io.upload is None and not checkpoint_io.uploading
     # The stuck upload may still read that arena: the next save must not refill it.
-    assert checkpointer.arena is None and abandoned is not None
+    assert checkpoint_io.arena is None and abandoned is not None
     release.set()
 
 
@@ -258,19 +258,19 @@ def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch, upload_in_pr
     for key, value in TEST_CREDENTIALS.items():
         monkeypatch.setenv(key, value)  # before the upload process starts: it inherits them
     options = StorageOptions(endpoint_url=s3_server.endpoint_url)
-    checkpointer = RankCheckpointer(options, global_rank=0, upload_in_process=upload_in_process)
-    checkpointer.attach(dist.new_group(backend="gloo"))
+    checkpoint_io = RankCheckpointIO(options, global_rank=0, upload_in_process=upload_in_process)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
     try:
         expected = rank.snapshot()
         url = s3_server.url("run", "step-1")
-        checkpointer.save(rank.model, rank.optimizer, url)
-        result = checkpointer.wait()
+        checkpoint_io.save(rank.model, rank.optimizer, url)
+        result = checkpoint_io.wait()
         assert result.ok, result.error
         fs, directory = options.filesystem(url)
         assert result.files == stored_digests(fs, directory)
-        assert_same(loaded(checkpointer, url), expected)
+        assert_same(loaded(checkpoint_io, url), expected)
     finally:
-        checkpointer.close()
+        checkpoint_io.close()
     assert multiprocessing.active_children() == []
 
 
@@ -280,13 +280,13 @@ def save_as_rank(rank: int, store: str, url: str, out: str) -> None:
     try:
         trainer = Rank(seed=0, shard=2)
         trainer.step()
-        checkpointer = RankCheckpointer(StorageOptions(), global_rank=rank, upload_in_process=True)
-        checkpointer.attach(dist.new_group(backend="gloo"))
+        checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=rank, upload_in_process=True)
+        checkpoint_io.attach(dist.new_group(backend="gloo"))
         try:
-            checkpointer.save(trainer.model, trainer.optimizer, url)
-            result = checkpointer.wait()
+            checkpoint_io.save(trainer.model, trainer.optimizer, url)
+            result = checkpoint_io.wait()
         finally:
-            checkpointer.close()
+            checkpoint_io.close()
         full = _detached(training_state(trainer.model, trainer.optimizer), full=True)
         torch.save({"result": result, "full": full}, f"{out}/rank-{rank}.pt")
     finally:
@@ -313,5 +313,5 @@ def test_a_two_rank_save_loads_into_one_rank(world, tmp_path):
     fs, directory = StorageOptions().filesystem(url)
     assert {**results[0].files, **results[1].files} == stored_digests(fs, directory)
 
-    checkpointer = RankCheckpointer(StorageOptions(), global_rank=0)
-    assert_same(loaded(checkpointer, url), reports[0]["full"])
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0)
+    assert_same(loaded(checkpoint_io, url), reports[0]["full"])

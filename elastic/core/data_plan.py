@@ -13,13 +13,14 @@ group's ``GroupPlan`` is a view made when dispatch asks for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from workers.train_step import PADDING_INDEX
+# A slot of a micro-batch that holds no sample (every shard position runs the same count).
+PADDING_INDEX = -1
 
 MicroBatches = tuple[tuple[int, ...], ...]
 
@@ -145,3 +146,9 @@ def plan_step(
     plans = GroupPlans(np.array(groups, dtype=np.int64), bounds, indices)
     started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
     return StepPlan(step, started_at, next_cursor, len(indices), plans)
+
+
+def group_weights(groups: Iterable[int], decided: Mapping[int, float]) -> dict[int, float]:
+    """The quorum's data-plan weights: as the straggler policy decided them, and 1.0 (a
+    typical group's) for a group it has not weighed yet, such as one that just joined."""
+    return {group: decided.get(group, 1.0) for group in groups}

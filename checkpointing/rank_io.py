@@ -61,7 +61,7 @@ def training_state(model: nn.Module, optimizer) -> dict:
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-class RankCheckpointer:
+class RankCheckpointIO:
     def __init__(self, options: StorageOptions, global_rank: int, upload_in_process: bool = False):
         self.options = options
         self.global_rank = global_rank

@@ -103,13 +103,20 @@ class StragglerFlag:
     at: float = float("nan")  # clock time of the decision
 
 
+# The defaults of the detector, and of the config's ``stragglers`` section, which uses these.
+DEFAULT_WINDOW = 8
+DEFAULT_THRESHOLD = 1.3
+DEFAULT_MAD_GATE = 5.0
+DEFAULT_PATIENCE = 4
+
+
 class StragglerDetector:
     def __init__(
         self,
-        window: int = 5,
-        threshold: float = 1.3,
-        mad_gate: float = 5.0,
-        patience: int = 3,
+        window: int = DEFAULT_WINDOW,
+        threshold: float = DEFAULT_THRESHOLD,
+        mad_gate: float = DEFAULT_MAD_GATE,
+        patience: int = DEFAULT_PATIENCE,
         clock: Callable[[], float] = time.monotonic,
     ):
         if window < 1:

@@ -1,4 +1,10 @@
-"""Fault injection: parsed from ``--inject`` or config, carried out inside the workers.
+"""Fault injection: parsed from ``--inject`` or config, scheduled by the driver, carried out
+inside the workers.
+
+Injection decorates the production path and never branches inside it: the driver's
+``FaultSchedule`` turns the step requests of the ranks a due fault names into
+``InjectedStepRequest``s, and ``workers.fault_injection`` wraps the rank's step to carry
+them out. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
 ``kill-group``, ``hang``, ``slow`` and ``fail-collective``; keys are ``rank`` or ``group``
@@ -12,7 +18,12 @@ rank(s) it names.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from elastic.core.events import EventKind, EventLog
+from elastic.core.topology import Topology
+from workers.protocol import StepRequest
 
 KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective")
 _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank"}
@@ -110,3 +121,52 @@ def check_targets(faults: list[Fault], n_groups: int, ranks_per_group: int) -> N
             raise FaultSpecError(
                 f"fault_tolerance.inject: group={fault.group} is outside the run's {n_groups} groups"
             )
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A fault one rank carries out at the start of its step."""
+
+    kind: str
+    factor: float = 1.0
+    after_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class InjectedStepRequest(StepRequest):
+    faults: tuple[InjectedFault, ...] = ()
+    noise: float = 0.0  # straggler noise: a slowdown of up to 2 x noise of compute, at random
+
+
+class FaultSchedule:
+    """The driver's side: fires each fault once, on the first step at or after its trigger,
+    by decorating the requests of the ranks it names."""
+
+    def __init__(self, faults: list[Fault], topology: Topology, events: EventLog, clock: Callable[[], float],
+                 noise: float = 0.0):
+        self.faults = list(faults)
+        self.topology = topology
+        self.events = events
+        self.clock = clock
+        self.noise = noise
+        self.training_started_at: float | None = None
+
+    def decorate(self, step: int, requests: dict[int, StepRequest]) -> dict[int, StepRequest]:
+        if self.training_started_at is None:
+            self.training_started_at = self.clock()
+        elapsed = self.clock() - self.training_started_at
+        firing: dict[int, list[InjectedFault]] = {}
+        for fault in list(self.faults):
+            if not fault.due(step, elapsed):
+                continue
+            targets = sorted(r for r in requests if fault.targets(r, self.topology.group_of(r)))
+            if not targets:
+                continue
+            self.faults.remove(fault)
+            self.events.emit(EventKind.FAULT_INJECTED, fault=fault.kind, ranks=targets, step=step)
+            for rank in targets:
+                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
+        return {
+            rank: InjectedStepRequest(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
+            for rank, request in requests.items()
+        }

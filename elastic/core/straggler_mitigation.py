@@ -14,9 +14,9 @@ The policy then picks the cheapest action that raises the predicted throughput:
 * ``evict-group``: the controller drops the group from the quorum and frees its placement.
 
 Every flag is a ``straggler-detected`` event (``rank``, ``step``, ``score``). Every decision
-becomes a ``straggler-mitigated`` event (``action``, ``rank`` or ``group``, ``step``,
-``predicted_gain``, ``measured_gain``) once its gain was measured: the median step time of
-the ``window`` steps before the decision against that of the ``window`` steps after it took
+is a ``straggler-decided`` event when it is made, and a ``straggler-mitigated`` event
+(``action``, ``rank`` or ``group``, ``step``, ``predicted_gain``, ``measured_gain``) once
+its gain was measured: the median step time of the ``window`` steps before the decision against that of the ``window`` steps after it took
 effect (for ``replace``, from the replacement's first step, so the group's absence while it
 heals does not count against it).
 """
@@ -27,13 +27,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from elastic.config import StragglerConfig
-from elastic.events import EventLog
-from elastic.straggler_detector import StragglerDetector
-from elastic.straggler_policy import Mitigation, StragglerPolicy
+from elastic.core.data_plan import group_weights
+from elastic.core.events import EventKind, EventLog
+from elastic.core.straggler_detector import StragglerDetector
+from elastic.core.straggler_policy import Mitigation, StragglerPolicy
+
+if TYPE_CHECKING:
+    from elastic.config import StragglerConfig
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,13 @@ class _Followup:
 
 
 class StragglerMitigation:
-    def __init__(self, config: StragglerConfig, global_batch: int, events: EventLog, metrics=None,
+    def __init__(self, config: StragglerConfig, global_batch: int, events: EventLog,
                  clock: Callable[[], float] = time.monotonic, min_gain: float = 0.05):
         self.detector = StragglerDetector(config.window, config.threshold, config.mad_gate, config.patience, clock)
         self.policy = StragglerPolicy(min_gain)
         self.mitigate = config.mitigate
         self.global_batch = global_batch
         self.events = events
-        self.metrics = metrics
         self.measure_steps = config.window
         self.weights: dict[int, float] = {}  # live groups' data-plan weights (absent: 1.0)
         self.uniform_weights = True
@@ -123,11 +126,10 @@ class StragglerMitigation:
         """The rank's process was replaced or its group evicted: a fresh history starts."""
         self.detector.forget(rank)
         self.group_of_flagged.pop(rank, None)
-        if self.metrics is not None:
-            try:
-                self.metrics.rank_straggler_score.remove(str(rank))
-            except KeyError:
-                pass
+
+    def scores(self) -> dict[int, float]:
+        """Each scored rank's compute time over the median rank's (1.0 = typical)."""
+        return self.detector.scores()
 
     def close(self) -> None:
         """The run ended: report the decisions still being measured with what was measured."""
@@ -139,13 +141,10 @@ class StragglerMitigation:
         for flag in flags:
             group = int(groups[np.flatnonzero(ranks == flag.rank)[0]])
             self.group_of_flagged[flag.rank] = group
-            self.events.emit("straggler-detected", rank=flag.rank, group=group, step=step, score=round(flag.score, 3))
+            self.events.emit(EventKind.STRAGGLER_DETECTED, rank=flag.rank, group=group, step=step, score=round(flag.score, 3))
         for rank in recovered:
             self.group_of_flagged.pop(rank, None)
-            self.events.emit("straggler-recovered", rank=rank, step=step)
-        if self.metrics is not None:
-            for rank, score in self.detector.scores().items():
-                self.metrics.rank_straggler_score.labels(rank=str(rank)).set(score)
+            self.events.emit(EventKind.STRAGGLER_RECOVERED, rank=rank, step=step)
 
     def _decide(self, ranks, groups, fixed_s, flagged, spare_slot, min_groups) -> Mitigation | None:
         if len(groups) > 1 and (groups[1:] < groups[:-1]).any():
@@ -159,7 +158,7 @@ class StragglerMitigation:
             return None
         speed = np.where(np.isnan(speed), np.nanmedian(speed), speed)
         fixed = np.fmax.reduceat(fixed_s, starts)
-        self.weights = {g: self.weights.get(g, 1.0) for g in live}
+        self.weights = group_weights(live, self.weights)
         return self.policy.decide(
             slow_ranks={rank: self.group_of_flagged[rank] for rank in flagged if rank in self.group_of_flagged},
             rank_scores=flagged,
@@ -180,8 +179,7 @@ class StragglerMitigation:
                   "predicted_step_s": round(decision.predicted_step_s, 5)}
         baseline = float(np.median(self.recent_step_s))
         self.followups.append(_Followup(fields, baseline, decision.rank if decision.action == "replace" else None))
-        if self.metrics is not None:
-            self.metrics.straggler_mitigations.labels(action=decision.action).inc()
+        self.events.emit(EventKind.STRAGGLER_DECIDED, **fields)
         self.weights = dict(decision.weights)
         self.uniform_weights = len(set(self.weights.values())) <= 1
         return StragglerActions(
@@ -208,7 +206,7 @@ class StragglerMitigation:
         after = float(np.median(followup.step_times)) if followup.step_times else float("nan")
         measured = followup.baseline_step_s / after - 1.0 if after > 0 else None
         self.events.emit(
-            "straggler-mitigated", **followup.fields,
+            EventKind.STRAGGLER_MITIGATED, **followup.fields,
             measured_gain=None if measured is None else round(measured, 4),
             baseline_step_s=round(followup.baseline_step_s, 5),
             measured_step_s=None if measured is None else round(after, 5),

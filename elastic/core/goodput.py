@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-CATEGORIES = ("startup", "committed", "discarded", "recovery", "checkpoint_stall", "idle")
+# In the order reports show them: the useful time first, what remained uncharged last.
+CATEGORIES = ("committed", "recovery", "discarded", "checkpoint_stall", "startup", "idle")
 
 
 class TimeLedger:

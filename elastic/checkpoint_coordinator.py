@@ -16,18 +16,15 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-import ray
-from ray.exceptions import RayError
-
-from checkpointing.manager import CheckpointManager, Restorable
-from elastic.data_plan import DataCursor
-from elastic.events import EventLog
-from elastic.fleet import Fleet
-from elastic.goodput import TimeLedger
-from elastic.metrics import Metrics
+from checkpointing.catalog import CheckpointCatalog, Restorable
+from elastic.core.data_plan import DataCursor
+from elastic.core.events import EventKind, EventLog
+from elastic.core.goodput import TimeLedger
+from elastic.core.topology import Topology
+from elastic.fleet import Fleet, FleetError, Pending
 from workers.protocol import describe_error
 
-log = logging.getLogger("elastic.checkpointer")
+log = logging.getLogger("elastic.checkpoint_coordinator")
 
 
 class CheckpointsFailing(RuntimeError):
@@ -40,20 +37,18 @@ class SaveInFlight:
     cursor: DataCursor
     group: int
     ranks: list[int]
-    finish_refs: list
+    uploads: Pending
     stall_s: float
     started_at: float
 
 
-class Checkpointer:
-    def __init__(self, manager: CheckpointManager, fleet: Fleet, events: EventLog, ledger: TimeLedger,
-                 metrics: Metrics, topology: dict, config_hash: str, max_consecutive_failures: int,
-                 clock=time.monotonic):
-        self.manager = manager
+class CheckpointCoordinator:
+    def __init__(self, catalog: CheckpointCatalog, fleet: Fleet, events: EventLog, ledger: TimeLedger,
+                 topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic):
+        self.catalog = catalog
         self.fleet = fleet
         self.events = events
         self.ledger = ledger
-        self.metrics = metrics
         self.topology = topology
         self.config_hash = config_hash
         self.clock = clock
@@ -66,20 +61,20 @@ class Checkpointer:
 
     @property
     def last_committed_url(self) -> str | None:
-        return None if self.last_committed_step is None else self.manager.url(self.last_committed_step)
+        return None if self.last_committed_step is None else self.catalog.url(self.last_committed_step)
 
     # resume
 
     def latest(self) -> Restorable | None:
         def skipped(step: int, reason: str) -> None:
-            self.events.emit("checkpoint-skipped", step=step, reason=reason)
+            self.events.emit(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
 
-        return self.manager.latest(on_skip=skipped)
+        return self.catalog.latest(on_skip=skipped)
 
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
         """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds."""
         started = self.clock()
-        ray.get(list(self.fleet.call(ranks, "load_checkpoint", checkpoint.url).values()))
+        self.fleet.restore(ranks, checkpoint.url)
         self.last_committed_step = checkpoint.step
         return self.clock() - started
 
@@ -88,14 +83,13 @@ class Checkpointer:
     def wants_save(self, step: int) -> bool:
         """Poll the upload in flight; then whether a save should start at this boundary."""
         self.poll()
-        self.due |= self.manager.is_due(step)
+        self.due |= self.catalog.is_due(step)
         if not self.due:
             return False
         if self.in_flight is not None:
             if not self.deferred_counted:
                 self.deferred_counted = True
-                self.metrics.checkpoints_deferred.inc()
-                self.events.emit("checkpoint-deferred", step=step, in_flight_step=self.in_flight.step)
+                self.events.emit(EventKind.CHECKPOINT_DEFERRED, step=step, in_flight_step=self.in_flight.step)
             return False
         return True
 
@@ -103,32 +97,30 @@ class Checkpointer:
         """Stage the committed state of ``group`` and start its upload (the only stall)."""
         self.due = False
         self.deferred_counted = False
-        url = self.manager.url(step)
+        url = self.catalog.url(step)
         started = self.clock()
         try:
             with self.ledger.timing("checkpoint_stall"):
-                ray.get(list(self.fleet.call(ranks, "save_checkpoint", url).values()))
-        except RayError as error:
+                self.fleet.save(ranks, url)
+        except FleetError as error:
             self._failed(step, f"staging failed: {describe_error(error)}")
             return False
         stall_s = self.clock() - started
-        self.metrics.checkpoint_blocking_seconds.observe(stall_s)
-        finish_refs = list(self.fleet.call(ranks, "finish_checkpoint").values())
-        self.in_flight = SaveInFlight(step, cursor, group, list(ranks), finish_refs, stall_s, self.clock())
-        self.events.emit("checkpoint-started", step=step, group=group, stall_s=round(stall_s, 4))
+        uploads = self.fleet.finish_saves(ranks)
+        self.in_flight = SaveInFlight(step, cursor, group, list(ranks), uploads, stall_s, self.clock())
+        self.events.emit(EventKind.CHECKPOINT_STARTED, step=step, group=group, stall_s=round(stall_s, 4))
         return True
 
     def poll(self, timeout: float = 0.0) -> None:
         save = self.in_flight
         if save is None:
             return
-        ready, _ = ray.wait(save.finish_refs, num_returns=len(save.finish_refs), timeout=timeout)
-        if len(ready) < len(save.finish_refs):
+        if not self.fleet.done(save.uploads, timeout):
             return
         self.in_flight = None
         try:
-            results = ray.get(save.finish_refs)
-        except RayError as error:
+            results = list(self.fleet.results(save.uploads).values())
+        except FleetError as error:
             self._failed(save.step, f"a rank of group {save.group} failed during the upload: {describe_error(error)}")
             return
         failures = [f"rank {r.global_rank}: {r.error}" for r in results if not r.ok]
@@ -139,24 +131,21 @@ class Checkpointer:
 
     def _commit(self, save: SaveInFlight, results) -> None:
         upload_s = max(result.upload_s for result in results)
-        self.metrics.checkpoint_upload_seconds.observe(upload_s)
         files = {name: digest for result in results for name, digest in result.files.items()}
         started = self.clock()
         try:
-            manifest = self.manager.commit(
-                save.step, asdict(save.cursor), self.topology, self.config_hash, files,
+            manifest = self.catalog.commit(
+                save.step, asdict(save.cursor), self.topology.record(), self.config_hash, files,
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries
             self._failed(save.step, f"manifest write failed: {describe_error(error)}")
             return
         commit_s = self.clock() - started
-        self.metrics.checkpoint_commit_seconds.observe(commit_s)
-        self.metrics.checkpoints_committed.inc()
         self.last_committed_step = save.step
         self.consecutive_failures = 0
         self.events.emit(
-            "checkpoint-committed", step=save.step, url=self.manager.url(save.step), group=save.group,
+            EventKind.CHECKPOINT_COMMITTED, step=save.step, url=self.catalog.url(save.step), group=save.group,
             files=len(manifest.files), bytes=manifest.total_bytes, stall_s=round(save.stall_s, 4),
             upload_s=round(upload_s, 4), commit_s=round(commit_s, 4),
         )
@@ -165,20 +154,19 @@ class Checkpointer:
     def prune(self) -> None:
         writing = self.in_flight.step if self.in_flight else None
         try:
-            deleted = self.manager.prune(writing=writing)
+            deleted = self.catalog.prune(writing=writing)
         except Exception as error:  # retention is retried at the next commit
             log.warning("checkpoint retention failed: %s", error)
             return
         if deleted:
-            self.events.emit("checkpoints-deleted", steps=deleted)
+            self.events.emit(EventKind.CHECKPOINTS_DELETED, steps=deleted)
 
     def _failed(self, step: int, error: str) -> None:
         """Count the failure and wait for the next due boundary: retrying at every step would
         stall training on storage that is down."""
         self.due = False
         self.consecutive_failures += 1
-        self.metrics.checkpoint_failures.inc()
-        self.events.emit("checkpoint-failed", step=step, error=describe_error(error, 1000),
+        self.events.emit(EventKind.CHECKPOINT_FAILED, step=step, error=describe_error(error, 1000),
                          consecutive=self.consecutive_failures)
         if self.consecutive_failures >= self.max_consecutive_failures:
             raise CheckpointsFailing(

@@ -1,4 +1,4 @@
-"""The driver's checkpoint manager: where checkpoints live, which are committed, which to keep.
+"""The run's checkpoint catalog: where checkpoints live, which are committed, which to keep.
 
 Layout under the run's storage URL::
 
@@ -49,7 +49,7 @@ class Restorable:
         return self.manifest.step
 
 
-class CheckpointManager:
+class CheckpointCatalog:
     def __init__(self, run_url: str, options: StorageOptions, every: int, keep: int):
         self.root_url = join_url(run_url, "checkpoints")
         self.options = options

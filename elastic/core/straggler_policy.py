@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 

@@ -1,0 +1,9 @@
+"""The driver's pure core: membership and the group lifecycle, the topology, the data plan,
+failure diagnosis and recovery plans, policies, straggler handling, goodput, events and
+fault schedules.
+
+Plain data in, decisions out, time from an injected clock. Nothing here imports Ray, torch,
+fsspec, pydantic or prometheus_client (``tests/test_core_purity.py`` checks), so each
+decision is tested in milliseconds without a cluster, and the controller and the fleet keep
+the side effects at the edge.
+"""

@@ -1,0 +1,78 @@
+"""Structured run events: every detection, eviction, rebuild, heal, join, straggler decision
+and checkpoint is one ``{t, kind, ...}`` record, logged as it happens, kept for the summary,
+and handed to listeners (the Prometheus metrics are one)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+log = logging.getLogger("elastic.events")
+
+
+class EventKind(str, Enum):
+    """Every kind of event; the value is what the summary, the logs and the report carry."""
+
+    RUN_STARTED = "run-started"
+    RUN_FINISHED = "run-finished"
+    RESUMED = "resumed"
+    STOP_REQUESTED = "stop-requested"
+    METRICS_SERVING = "metrics-serving"
+    # membership
+    GROUP_RESERVED = "group-reserved"
+    GROUP_START_FAILED = "group-start-failed"
+    GROUP_BUILT = "group-built"
+    GROUP_HEALED = "group-healed"
+    GROUP_JOINED = "group-joined"
+    GROUP_EVICTED = "group-evicted"
+    GROUPS_REBUILT = "groups-rebuilt"
+    # failures and recovery
+    FAULT_INJECTED = "fault-injected"
+    STEP_DEADLINE = "step-deadline"
+    RANK_FAILED = "rank-failed"
+    RANK_EVICTED = "rank-evicted"
+    STEP_DISCARDED = "step-discarded"
+    RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
+    RECOVERED = "recovered"
+    # stragglers
+    STRAGGLER_DETECTED = "straggler-detected"
+    STRAGGLER_RECOVERED = "straggler-recovered"
+    STRAGGLER_DECIDED = "straggler-decided"
+    STRAGGLER_MITIGATED = "straggler-mitigated"
+    # checkpoints
+    CHECKPOINT_STARTED = "checkpoint-started"
+    CHECKPOINT_DEFERRED = "checkpoint-deferred"
+    CHECKPOINT_COMMITTED = "checkpoint-committed"
+    CHECKPOINT_FAILED = "checkpoint-failed"
+    CHECKPOINT_SKIPPED = "checkpoint-skipped"
+    CHECKPOINTS_DELETED = "checkpoints-deleted"
+    FINAL_CHECKPOINT_MISSED = "final-checkpoint-missed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Event = dict[str, Any]
+
+
+class EventLog:
+    def __init__(self, clock: Callable[[], float], started_at: float | None = None):
+        self.clock = clock
+        self.started_at = clock() if started_at is None else started_at
+        self.events: list[Event] = []
+        self.listeners: list[Callable[[Event], None]] = []
+
+    def emit(self, kind: EventKind, **fields: Any) -> Event:
+        event = {"t": round(self.clock() - self.started_at, 4), "kind": EventKind(kind).value, **fields}
+        self.events.append(event)
+        log.info("%s", json.dumps(event, default=str))
+        for listener in self.listeners:
+            listener(event)
+        return event
+
+    def of_kind(self, kind: EventKind) -> list[Event]:
+        kind = EventKind(kind).value
+        return [event for event in self.events if event["kind"] == kind]

@@ -1,0 +1,261 @@
+"""A fleet without Ray, on a fake clock: ranks are entries in a table, a step's reports arrive
+at the times a scripted fault would make them arrive, and every call is recorded.
+
+It speaks the fleet's interface (``elastic.fleet.Fleet``), so the real controller and
+checkpoint coordinator run against it unchanged, each scenario in milliseconds. Timing model
+of a step: every rank computes for ``step_s`` (times its slowness) and the ranks of all groups
+then meet in the cross-group all-reduce, so healthy ranks report when the slowest finishes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+from elastic.core.topology import Topology
+from elastic.fleet import CallFailed, Pending, RanksLost
+from workers.protocol import Progress, StepReport, StepRequest
+
+NEVER = float("inf")
+NOTICE_S = 0.05  # a peer notices a dead rank's closed connection
+RETURN_S = 0.01  # a waiting rank returns after the driver's abort
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class Kill:
+    rank: int
+    after_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+
+
+@dataclass(frozen=True)
+class CollectiveError:
+    rank: int
+
+
+@dataclass
+class Upload:
+    global_rank: int
+    ok: bool
+    upload_s: float = 0.0
+    files: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Call:
+    """A call in flight: ready at ``at`` (absolute fake time), with its result."""
+
+    at: float
+    result: object = None
+    # For a step: how the rank's report depends on the driver's abort.
+    waits_for_abort: bool = False
+    progress: Progress | None = None
+
+
+class FakeFleet:
+    def __init__(self, topology: Topology, clock: FakeClock, *, step_s: float = 1.0, capacity: int | None = None,
+                 start_s: float = 0.0, spare_slot: bool = False, upload_s: float = 0.2, stall_s: float = 0.05):
+        self.topology = topology
+        self.clock = clock
+        self.step_s = step_s
+        self.capacity = capacity  # groups the cluster can place; None: every group
+        self.start_s = start_s
+        self.spare_slot = spare_slot
+        self.upload_s = upload_s
+        self.stall_s = stall_s
+        self.unplaceable: set[int] = set()
+        self.faults: dict[int, list] = {}  # step -> faults fired at its first dispatch
+        self.slow: dict[int, float] = {}
+        self.fail_uploads = False
+        self.fail_staging = False
+        self.reserved: list[int] = []
+        self.alive_ranks: set[int] = set()
+        self.aborted_at: float | None = None
+        # what the driver did
+        self.starts: list[int] = []
+        self.kills: list[int] = []
+        self.copies: list[tuple[int, int]] = []
+        self.restores: list[tuple[tuple[int, ...], str]] = []
+        self.dispatched: list[dict[int, StepRequest]] = []
+        self.saves: list[str] = []
+
+    # placement
+
+    def reserve(self, group: int) -> None:
+        self.reserved.append(group)
+
+    def placed(self, group: int) -> bool:
+        placeable = [g for g in self.reserved if g not in self.unplaceable]
+        if self.capacity is not None:
+            placeable = placeable[: self.capacity]
+        return group in placeable
+
+    def has_spare_slot(self) -> bool:
+        return self.spare_slot
+
+    def release(self, group: int) -> None:
+        self.reserved.remove(group)
+
+    # rank processes
+
+    def start(self, ranks) -> Pending:
+        for rank in ranks:
+            self.alive_ranks.add(rank)
+            self.starts.append(rank)
+            self.slow.pop(rank, None)  # a fresh process on a healthy slot
+        return Pending({rank: Call(self.clock() + self.start_s) for rank in ranks})
+
+    def build(self, ranks, generation: int) -> Pending:
+        return Pending({rank: Call(self.clock()) for rank in ranks})
+
+    def alive(self, rank: int, timeout: float = 5.0) -> bool:
+        return rank in self.alive_ranks
+
+    def kill(self, rank: int) -> None:
+        if rank in self.alive_ranks:
+            self.kills.append(rank)
+        self.alive_ranks.discard(rank)
+
+    def kill_group(self, group: int) -> None:
+        for rank in self.topology.global_ranks(group):
+            self.kill(rank)
+        self.release(group)
+
+    # calls in flight
+
+    def done(self, pending: Pending, timeout: float = 0.0) -> bool:
+        ready_at = max((call.at for call in pending.refs.values()), default=self.clock())
+        if ready_at > self.clock() + timeout:
+            self.clock.sleep(timeout)
+            return False
+        self.clock.now = max(self.clock.now, ready_at)
+        return True
+
+    def results(self, pending: Pending, timeout: float | None = None) -> dict[int, object]:
+        lost = [rank for rank in pending.refs if rank not in self.alive_ranks]
+        if lost:
+            raise RanksLost(lost, f"ranks {lost} are gone")
+        return {rank: call.result for rank, call in pending.refs.items()}
+
+    # the step
+
+    def dispatch(self, requests: dict[int, StepRequest]) -> Pending:
+        self.dispatched.append(requests)
+        self.aborted_at = None
+        now = self.clock()
+        step = next(iter(requests.values())).step
+        faults = self.faults.pop(step, [])
+        compute = {rank: self.step_s * self.slow.get(rank, 1.0) for rank in requests}
+        finish = now + max(compute.values())
+        calls = {}
+        for rank, request in requests.items():
+            calls[rank] = Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), data_s=0.01,
+                                                  compute_s=compute[rank], wall_s=finish - now),
+                               progress=Progress(rank, step, "replicate", 0, 9, 0.0))
+        for fault in faults:
+            group = self.topology.group_of(fault.rank)
+            peers = [r for r in self.topology.global_ranks(group) if r in requests and r != fault.rank]
+            others = [r for r in requests if self.topology.group_of(r) != group]
+            if isinstance(fault, Kill):
+                self.alive_ranks.discard(fault.rank)
+                calls[fault.rank] = Call(now + fault.after_s, None)
+                for peer in peers:
+                    calls[peer] = Call(now + fault.after_s + NOTICE_S, StepReport(
+                        peer, step, error="Connection closed by peer", peer_error=True, group_broken=True))
+            elif isinstance(fault, Hang):
+                calls[fault.rank] = Call(NEVER, progress=Progress(fault.rank, step, "compute", 0, 1, 0.0))
+                for peer in peers:
+                    calls[peer] = Call(NEVER, progress=Progress(peer, step, "compute", 0, 2, 0.0))
+            elif isinstance(fault, CollectiveError):
+                calls[fault.rank] = Call(finish, StepReport(fault.rank, step, error="RuntimeError: bad collective"))
+                others = [r for r in requests if r != fault.rank]
+            for rank in others:  # waiting in the cross-group all-reduce until the driver aborts
+                calls[rank] = Call(NEVER, StepReport(rank, step, error="CollectiveAborted: aborted by the driver",
+                                                     peer_error=True), waits_for_abort=True,
+                                   progress=calls[rank].progress)
+        self.in_flight = dict(calls)
+        return Pending(calls)
+
+    def _ready_at(self, call: Call) -> float:
+        if call.waits_for_abort and self.aborted_at is not None:
+            return self.aborted_at + RETURN_S
+        return call.at
+
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]:
+        earliest = min(self._ready_at(call) for call in pending.refs.values())
+        if earliest > self.clock() + timeout:
+            self.clock.sleep(max(0.0, timeout))
+            return []
+        self.clock.now = max(self.clock.now, earliest)
+        arrived = [(rank, call.result) for rank, call in pending.refs.items() if self._ready_at(call) <= self.clock()]
+        for rank, _ in arrived:
+            del pending.refs[rank]
+        return arrived
+
+    def abort_step(self, ranks, attempt: int) -> None:
+        self.aborted_at = self.clock()
+
+    def probe(self, ranks, timeout: float) -> dict[int, Progress]:
+        return {rank: self.in_flight[rank].progress for rank in ranks if rank in self.alive_ranks}
+
+    # state
+
+    def commit(self, ranks) -> None:
+        pass
+
+    def copy_state(self, pairs) -> None:
+        self.copies.extend(pairs)
+
+    def join_replicas(self, assignments, timeout: float) -> None:
+        pass
+
+    def local_parameters(self, ranks) -> dict[int, list]:
+        return {rank: [] for rank in ranks}
+
+    # checkpoints
+
+    def save(self, ranks, url: str) -> None:
+        self.clock.sleep(self.stall_s)
+        if self.fail_staging:
+            raise CallFailed("rank 0: RuntimeError: staging failed")
+        self.saves.append(url)
+
+    def finish_saves(self, ranks) -> Pending:
+        """Each rank's upload: one small data file, written at once, reported ``upload_s`` later."""
+        at = self.clock() + self.upload_s
+        results = {}
+        for rank in ranks:
+            if self.fail_uploads:
+                results[rank] = Upload(rank, ok=False, error="OSError: storage unreachable")
+                continue
+            name, data = f"__{rank}_0.distcp", f"state of rank {rank}".encode()
+            os.makedirs(self.saves[-1], exist_ok=True)
+            with open(os.path.join(self.saves[-1], name), "wb") as handle:
+                handle.write(data)
+            results[rank] = Upload(rank, ok=True, upload_s=self.upload_s,
+                                   files={name: (len(data), hashlib.sha256(data).hexdigest())})
+        return Pending({rank: Call(at, results[rank]) for rank in ranks})
+
+    def restore(self, ranks, url: str) -> None:
+        self.restores.append((tuple(ranks), url))
+
+    def shutdown(self) -> None:
+        self.alive_ranks.clear()
+

@@ -1,0 +1,219 @@
+"""The controller's protocol, scenario by scenario, against a fake fleet on a fake clock.
+
+No Ray and no torch work: each scenario runs the real controller (and, where it saves, the
+real checkpoint coordinator and catalog on a temporary directory) in milliseconds. What the
+Ray tests prove end to end (losses equal to a fault-free run), these pin down as decisions:
+who is evicted and why, which groups stay live and are healed from, when checkpoints start,
+defer, fail and commit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from checkpointing.catalog import CheckpointCatalog
+from checkpointing.storage import StorageOptions
+from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
+from elastic.controller import Controller, TrainingStopped
+from elastic.core.events import EventKind, EventLog
+from elastic.core.goodput import TimeLedger
+from elastic.core.topology import Topology
+from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Hang, Kill
+from tests.tiny import tiny_config
+
+DATASET_LEN = 10_000
+
+
+class Scenario:
+    def __init__(self, tmp_path, *, groups=2, shard=1, steps=12, min_groups=1, checkpoint_every=0,
+                 max_consecutive_failures=3, stragglers=False, **fleet_options):
+        overrides = {"stragglers__enabled": stragglers}
+        if checkpoint_every:
+            overrides |= {"checkpoint__every": checkpoint_every,
+                          "checkpoint__max_consecutive_failures": max_consecutive_failures}
+        self.config = tiny_config(tmp_path, groups=groups, shard=shard, steps=steps, min_groups=min_groups,
+                                  capacity_timeout_s=30, **overrides)
+        self.clock = FakeClock()
+        self.topology = Topology(shard, 1, groups)
+        self.fleet = FakeFleet(self.topology, self.clock, **fleet_options)
+        self.events = EventLog(self.clock)
+        self.ledger = TimeLedger(self.clock)
+        self.records: list[dict] = []
+        self.checkpoints = None
+        if checkpoint_every:
+            catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), checkpoint_every, keep=10)
+            self.checkpoints = CheckpointCoordinator(catalog, self.fleet, self.events, self.ledger, self.topology,
+                                                     "hash", max_consecutive_failures, self.clock)
+        self.controller = Controller(self.config, self.fleet, DATASET_LEN, self.events, self.ledger,
+                                     clock=self.clock, sleep=self.clock.sleep, on_step=[self.records.append],
+                                     checkpoints=self.checkpoints)
+
+    def run(self) -> str:
+        return self.controller.run()
+
+    def kinds(self, kind: EventKind) -> list[dict]:
+        return self.events.of_kind(kind)
+
+    def committed_steps(self) -> list[int]:
+        return [record["step"] for record in self.records]
+
+    def live_groups_by_step(self) -> list[int]:
+        return [record["live_groups"] for record in self.records]
+
+
+@pytest.fixture(autouse=True)
+def quick():
+    """Each scenario must run in milliseconds: it sleeps on a fake clock only."""
+    started = time.perf_counter()
+    yield
+    assert time.perf_counter() - started < 0.5
+
+
+def test_fault_free_run_commits_every_step_once(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    assert scenario.run() == "completed"
+    assert scenario.committed_steps() == list(range(12))
+    assert scenario.live_groups_by_step() == [2] * 12
+    assert scenario.fleet.kills == [] and scenario.kinds(EventKind.STEP_DISCARDED) == []
+    # every rank of every live group got every step, with its shard's micro-batches
+    assert all(sorted(requests) == [0, 1, 2, 3] for requests in scenario.fleet.dispatched)
+
+
+def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    assert scenario.run() == "completed"
+
+    [failed] = scenario.kinds(EventKind.RANK_FAILED)
+    assert (failed["rank"], failed["cause"], failed["step"]) == (1, "death", 3)
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(1, "death")]
+    [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
+    assert discarded["broken_groups"] == [0]
+    assert scenario.fleet.starts.count(1) == 2 and scenario.fleet.starts.count(0) == 1  # only the dead rank restarts
+    assert scenario.fleet.copies == [(2, 0), (3, 1)]  # group 0 healed from group 1, position by position
+    [recovered] = scenario.kinds(EventKind.RECOVERED)
+    assert recovered["cause"] == "death" and recovered["step"] == 4
+    assert recovered["detect_s"] == pytest.approx(0.5)
+    assert scenario.committed_steps() == list(range(12))  # step 3 reran once
+    # the replacement started at once, so group 0 was healed before step 3 ran again
+    assert scenario.live_groups_by_step() == [2] * 12
+
+
+def test_a_hang_is_blamed_on_the_least_progressed_rank_and_its_blocked_peer_replaced(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {5: [Hang(rank=2)]}
+    assert scenario.run() == "completed"
+
+    [deadline] = scenario.kinds(EventKind.STEP_DEADLINE)
+    assert deadline["hung"] == [2] and deadline["step"] == 5
+    evicted = [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)]
+    assert evicted == [(2, "hang"), (3, "stuck-in-collective")]
+    assert scenario.kinds(EventKind.STEP_DISCARDED)[0]["broken_groups"] == [1]
+    assert scenario.fleet.copies == [(0, 2), (1, 3)]  # group 0 kept its state and healed group 1
+    assert scenario.kinds(EventKind.RECOVERED)[0]["cause"] == "hang"
+    assert scenario.committed_steps() == list(range(12))
+
+
+def test_a_collective_error_evicts_the_rank_that_raised_it(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1)
+    scenario.fleet.faults = {2: [CollectiveError(rank=1)]}
+    assert scenario.run() == "completed"
+
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_FAILED)] == [(1, "collective-error")]
+    [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
+    assert discarded["culprits"] == {1: "collective-error"} and discarded["broken_groups"] == [1]
+    assert "bad collective" in discarded["errors"][1]
+    assert scenario.fleet.copies == [(0, 1)]
+
+
+def test_overlapping_failures_heal_both_groups_from_live_ones(tmp_path):
+    # The first group is still starting its replacement when the second loses a rank.
+    scenario = Scenario(tmp_path, groups=3, shard=1, steps=16, start_s=3.5)
+    scenario.fleet.faults = {3: [Kill(rank=0)], 4: [Kill(rank=1)]}
+    assert scenario.run() == "completed"
+
+    assert [e["rank"] for e in scenario.kinds(EventKind.RANK_FAILED)] == [0, 1]
+    assert min(scenario.live_groups_by_step()) == 1  # only group 2 trained for a while
+    # group 0 healed from group 2, the only live one; group 1, back later, from group 0
+    assert scenario.fleet.copies == [(2, 0), (0, 1)]
+    assert scenario.live_groups_by_step()[-1] == 3
+    assert scenario.committed_steps() == list(range(16))
+    generations = [record["generation"] for record in scenario.records]
+    assert generations == sorted(generations)  # a new generation for each change, never back
+
+
+def test_a_group_placed_later_grows_the_quorum_healed_from_the_live_one(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, capacity=1)
+    scenario.controller.step_listeners.append(
+        lambda record: setattr(scenario.fleet, "capacity", 2) if record["step"] == 3 else None
+    )
+    assert scenario.run() == "completed"
+
+    assert scenario.live_groups_by_step()[:4] == [1, 1, 1, 1]
+    assert scenario.live_groups_by_step()[-1] == 2
+    joined = scenario.kinds(EventKind.GROUP_JOINED)
+    assert [e["group"] for e in joined] == [0, 1]
+    assert scenario.fleet.copies == [(0, 2), (1, 3)]
+    assert scenario.committed_steps() == list(range(12))
+    assert scenario.kinds(EventKind.STEP_DISCARDED) == []
+
+
+def test_below_the_minimum_the_run_stops_after_the_capacity_timeout(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, min_groups=2)
+    scenario.fleet.faults = {2: [Kill(rank=1)]}
+    scenario.controller.step_listeners.append(lambda record: scenario.fleet.unplaceable.add(1))
+    with pytest.raises(TrainingStopped, match=r"below the minimum of 2 .*groups waiting: \{1: 'placing'\}"):
+        scenario.run()
+    assert scenario.committed_steps() == [0, 1]
+    waited = scenario.clock() - scenario.events.started_at
+    assert 30 < waited < 40  # capacity_timeout_s, on the fake clock
+
+
+def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
+    scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, spare_slot=True)
+    scenario.controller.step_listeners.append(
+        lambda record: scenario.fleet.slow.update({2: 1.6}) if record["step"] == 9 else None
+    )
+    assert scenario.run() == "completed"
+
+    [decided] = scenario.kinds(EventKind.STRAGGLER_DECIDED)
+    assert (decided["action"], decided["rank"]) == ("replace", 2)
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(2, "straggler")]
+    assert scenario.fleet.starts.count(2) == 2 and (0, 2) in scenario.fleet.copies
+    assert scenario.kinds(EventKind.STEP_DISCARDED) == []  # replaced at a boundary: nothing rerun
+    assert scenario.committed_steps() == list(range(40))
+    assert scenario.records[-1]["step_s"] == pytest.approx(1.0)  # the replacement runs at full speed
+
+
+def test_checkpoints_commit_when_due(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=10, checkpoint_every=4, upload_s=0.5)
+    assert scenario.run() == "completed"
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_STARTED)] == [4, 8, 10]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == [4, 8, 10]
+    assert all(e["group"] == 0 for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED))
+    assert scenario.checkpoints.latest().step == 10
+
+
+def test_a_checkpoint_due_while_one_uploads_is_deferred_to_the_next_free_boundary(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, checkpoint_every=2, upload_s=3.5)
+    assert scenario.run() == "completed"
+    started = [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_STARTED)]
+    deferred = scenario.kinds(EventKind.CHECKPOINT_DEFERRED)
+    assert started == [2, 6, 10, 12]  # each upload spans about 3.5 steps
+    # the last one: the final save waits the upload out, then saves step 12
+    assert [(e["step"], e["in_flight_step"]) for e in deferred] == [(4, 2), (8, 6), (12, 10)]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == started
+
+
+def test_failed_saves_back_off_to_the_next_due_boundary_and_stop_the_run_when_they_persist(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=30, checkpoint_every=3, max_consecutive_failures=3)
+    scenario.fleet.fail_uploads = True
+    with pytest.raises(CheckpointsFailing, match="3 checkpoint saves failed in a row"):
+        scenario.run()
+    failed = scenario.kinds(EventKind.CHECKPOINT_FAILED)
+    assert [e["consecutive"] for e in failed] == [1, 2, 3]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_STARTED)] == [3, 6, 9]  # never every step
+    assert "storage unreachable" in failed[0]["error"]
+    assert scenario.kinds(EventKind.CHECKPOINT_COMMITTED) == []

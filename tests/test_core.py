@@ -1,0 +1,170 @@
+"""The driver's pure core, decision by decision: no Ray, no torch, milliseconds each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
+from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, Diagnosis
+from elastic.core.events import EventKind, EventLog
+from elastic.core.faults import Fault, FaultSchedule, InjectedFault, InjectedStepRequest
+from elastic.core.membership import (
+    Broken,
+    Built,
+    GroupStage,
+    IllegalTransition,
+    Joined,
+    Membership,
+    Placed,
+    Started,
+    transition,
+)
+from elastic.core.policies import FailurePolicy, StepDeadline
+from elastic.core.recovery import STUCK_IN_COLLECTIVE, plan_recovery
+from elastic.core.topology import Topology
+from workers.protocol import StepRequest
+
+CORE = ("data_plan", "diagnosis", "events", "faults", "goodput", "membership", "policies", "recovery",
+        "straggler_detector", "straggler_mitigation", "straggler_policy", "topology")
+HEAVY = ("ray", "torch", "fsspec", "pydantic", "prometheus_client")
+
+
+def test_the_core_imports_neither_ray_nor_torch():
+    imports = "; ".join(f"import elastic.core.{module}" for module in CORE)
+    code = f"import sys; {imports}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_topology_numbers_ranks_by_group_then_shard_then_tp():
+    topology = Topology(shard=2, tp=3, max_groups=4)
+    assert topology.ranks_per_group == 6 and topology.max_ranks == 24
+    assert list(topology.global_ranks(2)) == list(range(12, 18))
+    assert topology.ranks_of([0, 3]) == [0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22, 23]
+    rank = 2 * 6 + 1 * 3 + 2  # group 2, shard index 1, tp index 2
+    assert topology.group_of(rank) == 2
+    assert topology.group_rank(rank) == 5
+    assert topology.position_of(rank) == (1, 2) and topology.shard_index(rank) == 1
+    assert [topology.leads_tp(r) for r in topology.global_ranks(0)] == [True, False, False, True, False, False]
+    assert topology.record() == {"shard": 2, "tp": 3, "max_groups": 4}
+
+
+def live_membership(groups: int, shard: int = 2) -> Membership:
+    membership = Membership(Topology(shard, 1, groups))
+    for _ in range(groups):
+        group = membership.add_group()
+        for change in (Placed(), Started(), Built()):
+            membership.apply(group, change)
+    membership.join(list(membership.groups))
+    return membership
+
+
+def test_a_new_group_starts_every_rank_and_joins_in_one_generation():
+    membership = Membership(Topology(2, 1, 2))
+    groups = [membership.add_group(), membership.add_group()]
+    assert membership.groups[1].to_start == {2, 3}
+    for change, stage in ((Placed(), GroupStage.STARTING), (Started(), GroupStage.BUILDING), (Built(), GroupStage.READY)):
+        for group in groups:
+            assert membership.apply(group, change).stage is stage
+    assert membership.groups[1].to_start == frozenset() and membership.generation == 0
+    membership.join(groups)
+    assert membership.quorum().groups == (0, 1) and membership.generation == 1
+    assert membership.quorum().replica_rank(1) == 1
+
+
+def test_a_lost_rank_sends_its_group_back_to_placing_to_start_only_its_replacement():
+    membership = live_membership(2)
+    assert membership.lose_rank(3) == 1
+    assert membership.groups[1].stage is GroupStage.PLACING and membership.groups[1].to_start == {3}
+    assert membership.generation == 2 and membership.live_groups() == (0,)
+    membership.lose_rank(2)  # a second loss while out of the quorum: no new generation
+    assert membership.groups[1].to_start == {2, 3} and membership.generation == 2
+    assert membership.waiting_groups() == {1: "placing"}
+
+
+def test_a_broken_world_rebuilds_without_restarting_a_process():
+    membership = live_membership(2)
+    membership.apply(0, Broken())
+    assert membership.groups[0].stage is GroupStage.PLACING and membership.groups[0].to_start == frozenset()
+    assert membership.generation == 2
+
+
+def test_the_lifecycle_refuses_moves_it_does_not_have():
+    membership = Membership(Topology(1, 1, 1))
+    group = membership.add_group()
+    with pytest.raises(IllegalTransition, match="Built needs stage building, not placing"):
+        membership.apply(group, Built())
+    with pytest.raises(IllegalTransition):
+        transition(membership.groups[group], Joined())
+
+
+def test_removing_a_live_group_changes_the_generation():
+    membership = live_membership(3)
+    membership.remove_group(1)
+    assert membership.live_groups() == (0, 2) and membership.generation == 2
+
+
+def test_recovery_plan_evicts_culprits_then_stuck_ranks_and_keeps_healthy_groups():
+    membership = live_membership(3)
+    diagnosis = Diagnosis(culprits={1: DEATH}, broken_groups=frozenset({0}), errors={}, stuck=(0,))
+    plan = plan_recovery(diagnosis, membership.topology, membership.live_groups())
+    assert [(e.rank, e.group, e.cause, e.failed_the_step) for e in plan.evictions] == [
+        (1, 0, DEATH, True), (0, 0, STUCK_IN_COLLECTIVE, False)
+    ]
+    assert plan.rebuilding == (0,) and plan.survivors == (1, 2) and plan.cause == DEATH
+
+
+def test_recovery_plan_with_every_group_affected_has_no_survivors():
+    membership = live_membership(2, shard=1)
+    diagnosis = Diagnosis(culprits={0: HANG, 1: COLLECTIVE_ERROR}, broken_groups=frozenset({0, 1}), errors={})
+    plan = plan_recovery(diagnosis, membership.topology, membership.live_groups())
+    assert plan.survivors == () and plan.affected_groups == {0, 1} and plan.cause == HANG
+
+
+def test_step_deadline_follows_recent_steps():
+    deadline = StepDeadline(factor=3.0, min_s=2.0, first_s=120.0)
+    assert deadline.seconds() == 120.0 and deadline.typical_s() == 0.0
+    for seconds in (0.1, 0.2, 0.3):
+        deadline.record(seconds)
+    assert deadline.seconds() == 2.0  # 3 x median 0.2 is below the floor
+    for seconds in (5.0, 5.0, 5.0, 5.0):
+        deadline.record(seconds)
+    assert deadline.seconds() == 15.0 and deadline.typical_s() == 5.0
+
+
+def test_failure_policy_allows_its_budget_of_recoveries():
+    policy = FailurePolicy(max_recoveries=2)
+    assert [policy.allow_recovery() for _ in range(3)] == [True, True, False]
+
+
+def test_a_new_group_gets_a_typical_weight():
+    assert group_weights((0, 1, 2), {0: 0.5, 1: 1.5}) == {0: 0.5, 1: 1.5, 2: 1.0}
+
+
+def test_the_data_plan_pads_shard_positions_to_the_same_micro_batch_count():
+    plan = plan_step(0, DataCursor(), dataset_len=100, global_batch=6, seed=1, group_weights={0: 1.0, 1: 1.0})
+    assert plan.global_samples == 6 and plan.next_cursor == DataCursor(0, 6)
+    shares = [plan.groups[g].micro_batches(shard_index, 2, 2) for g in (0, 1) for shard_index in (0, 1)]
+    assert {len(share) for share in shares} == {1}
+    samples = [i for share in shares for mb in share for i in mb if i != PADDING_INDEX]
+    assert len(samples) == len(set(samples)) == 6
+
+
+def test_fault_schedule_decorates_the_named_ranks_once():
+    clock = iter([0.0] + [1.0] * 20).__next__
+    events = EventLog(clock)
+    topology = Topology(2, 1, 2)
+    schedule = FaultSchedule([Fault("kill", rank=1, step=2, after=0.5), Fault("kill-group", group=1, step=3)],
+                             topology, events, clock)
+    requests = {rank: StepRequest(0, 0, ((rank,),), 8, False) for rank in range(4)}
+    decorated = schedule.decorate(1, requests)
+    assert all(isinstance(r, InjectedStepRequest) and r.faults == () for r in decorated.values())
+    assert schedule.decorate(2, requests)[1].faults == (InjectedFault("kill", 1.0, 0.5),)
+    assert schedule.decorate(2, requests)[1].faults == ()  # fired once
+    group_faults = schedule.decorate(5, requests)
+    assert [rank for rank, r in group_faults.items() if r.faults] == [2, 3]
+    assert [e["ranks"] for e in events.of_kind(EventKind.FAULT_INJECTED)] == [[1], [2, 3]]
+    assert group_faults[0].micro_batches == ((0,),)  # the request itself is unchanged
