@@ -6,8 +6,12 @@ Layout under the run's storage URL::
                                        manifest.json  (written last: the commit)
 
 A directory without a manifest is partial (a save that failed or whose driver died) and is
-never loaded; it is deleted once no save is writing into it. The last ``keep`` committed
-checkpoints are kept. Storage calls only, no Ray, no torch.
+never loaded; it is deleted once no save is writing into it. Manifests carry a commit
+sequence number: retention keeps the newest ``keep`` commits in commit order (a resume from
+an older checkpoint makes its later commits the newest, whatever their step numbers), and
+never the checkpoint just committed or the one the run resumed from. A checkpoint that
+fails verification is moved aside to ``corrupt-step-NNNNNNNN`` (kept for inspection, never
+loaded, never counted). Storage calls only, no Ray, no torch.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from checkpointing.storage import StorageOptions, join_url
 log = logging.getLogger("elastic.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist and every one fails verification: starting again from step 0 would
+    silently discard the run."""
 
 
 def step_dir_name(step: int) -> str:
@@ -78,44 +87,102 @@ class CheckpointCatalog:
                 steps[int(match.group(1))] = entry.rstrip("/")
         return steps
 
-    def latest(self, on_skip: Callable[[int, str], None] = lambda step, reason: None) -> Restorable | None:
-        """The newest committed checkpoint whose files all match its manifest."""
+    def _read(self, fs, step: int, path: str) -> Manifest:
+        manifest = read_manifest(fs, path)
+        if manifest.step != step:
+            raise CorruptCheckpoint(f"the manifest says step {manifest.step} inside {step_dir_name(step)}")
+        return manifest
+
+    def latest(self, on_skip: Callable[[int, str], None] = lambda step, reason: None,
+               start_fresh: bool = False) -> Restorable | None:
+        """The newest committed checkpoint (in commit order) whose files all match its manifest.
+
+        Committed checkpoints that fail verification are moved aside. When every one fails,
+        ``NoUsableCheckpoint`` stops the run, unless ``start_fresh`` says to move them all
+        aside and start from step 0."""
         fs, _ = self._filesystem()
-        for step, path in sorted(self._step_dirs().items(), reverse=True):
+        candidates, corrupt, partial = [], [], []
+        for step, path in self._step_dirs().items():
+            if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+                partial.append((step, "no manifest (the checkpoint was never committed)"))
+                continue
             try:
-                manifest = read_manifest(fs, path)
+                candidates.append((self._read(fs, step, path), path))
+            except CorruptCheckpoint as problem:
+                corrupt.append((step, str(problem)))
+        candidates.sort(key=lambda item: (item[0].sequence, item[0].step), reverse=True)
+        found = None
+        for manifest, path in candidates:
+            try:
                 verify(fs, path, manifest)
             except CorruptCheckpoint as problem:
-                log.warning("skipping checkpoint at step %d: %s", step, problem)
-                on_skip(step, str(problem))
+                corrupt.append((manifest.step, str(problem)))
                 continue
-            return Restorable(self.url(step), manifest)
-        return None
+            found = Restorable(self.url(manifest.step), manifest)
+            break
+        if corrupt and found is None and not start_fresh:
+            listed = "; ".join(f"step {step}: {reason}" for step, reason in sorted(corrupt))
+            raise NoUsableCheckpoint(
+                f"all {len(corrupt)} committed checkpoint(s) under {self.root_url} fail verification ({listed}); "
+                "repair or restore them, or run with --start-fresh (checkpoint.start_fresh = true) to move them "
+                "aside and train from step 0"
+            )
+        for step, reason in sorted(partial + corrupt, reverse=True):
+            on_skip(step, reason)
+        for step, reason in corrupt:
+            log.warning("checkpoint at step %d is corrupt, moved aside: %s", step, reason)
+            self._move_aside(fs, step)
+        return found
+
+    def _move_aside(self, fs, step: int) -> None:
+        source = self._step_dirs()[step]
+        fs.mv(source, source.rsplit("/", 1)[0] + "/corrupt-" + step_dir_name(step), recursive=True)
+
+    def _next_sequence(self) -> int:
+        fs, _ = self._filesystem()
+        sequences = [0]
+        for step, path in self._step_dirs().items():
+            try:
+                sequences.append(self._read(fs, step, path).sequence)
+            except CorruptCheckpoint:
+                continue
+        return max(sequences) + 1
 
     def commit(self, step: int, cursor: dict, topology: dict, config_hash: str,
-               files: dict[str, tuple[int, str]], timings: dict) -> Manifest:
+               files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None) -> Manifest:
         manifest = Manifest(
             step=step,
+            sequence=self._next_sequence(),
             cursor=cursor,
             topology=topology,
             config_hash=config_hash,
-            files=tuple(FileRecord(name, size, sha) for name, (size, sha) in sorted(files.items())),
+            config=config or {},
+            files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,
         )
         fs, path = self.options.filesystem(self.url(step))
         write_manifest(fs, path, manifest)
         return manifest
 
-    def prune(self, writing: int | None = None) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep`` and every partial one
-        except the directory a save is ``writing`` into. Returns the steps deleted."""
+    def prune(self, writing: int | None = None, protect: tuple[int | None, ...] = ()) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep`` in commit order, except the
+        ``protect``ed steps (the one just committed, the one resumed from), and every partial
+        one except the directory a save is ``writing`` into. Returns the steps deleted."""
         fs, _ = self._filesystem()
         dirs = self._step_dirs()
         committed, partial = [], []
         for step, path in dirs.items():
-            has_manifest = fs.exists(f"{path}/{MANIFEST_NAME}")
-            (committed if has_manifest else partial).append(step)
-        doomed = sorted(sorted(committed)[: max(0, len(committed) - self.keep)] + [s for s in partial if s != writing])
+            if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+                partial.append(step)
+                continue
+            try:
+                committed.append((self._read(fs, step, path).sequence, step))
+            except CorruptCheckpoint as problem:
+                log.warning("checkpoint at step %d is corrupt, moved aside: %s", step, problem)
+                self._move_aside(fs, step)
+        newest_first = [step for _, step in sorted(committed, reverse=True)]
+        doomed = [step for step in newest_first[self.keep:] if step not in protect]
+        doomed = sorted(doomed + [step for step in partial if step != writing])
         for step in doomed:
             fs.rm(dirs[step], recursive=True)
         return doomed

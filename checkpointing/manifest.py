@@ -8,53 +8,66 @@ than silently wrong.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+import re
+from typing import Annotated, Any, Literal
 
 import fsspec
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, field_validator
 
 from checkpointing.storage import file_digest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+# The files DCP writes: one data file per rank and write bucket, and the metadata.
+DCP_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
 
 
 class CorruptCheckpoint(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class FileRecord:
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileRecord(_Strict):
     name: str
-    size: int
-    sha256: str
+    size: NonNegativeInt
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+    @field_validator("name")
+    @classmethod
+    def _a_dcp_file(cls, name: str) -> str:
+        if not DCP_FILE.match(name):
+            raise ValueError(f"{name!r} is not a file DCP writes (__<rank>_<n>.distcp or .metadata)")
+        return name
 
 
-@dataclass(frozen=True)
-class Manifest:
-    step: int
-    cursor: dict
-    topology: dict
+class Manifest(_Strict):
+    format_version: Literal[1] = FORMAT_VERSION
+    step: NonNegativeInt
+    sequence: NonNegativeInt = 0  # commit order within the run (0: written before it was recorded)
+    cursor: dict[str, NonNegativeInt]
+    topology: dict[str, NonNegativeInt]
     config_hash: str
-    files: tuple[FileRecord, ...]
-    timings: dict = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    config: dict[str, Any] = Field(default_factory=dict)  # the settings the state depends on
+    files: tuple[FileRecord, ...] = Field(min_length=1)
+    timings: dict[str, float] = Field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(record.size for record in self.files)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return self.model_dump_json(indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
+    def from_json(cls, data: bytes | str) -> Manifest:
+        """Any manifest that does not parse, or does not match the schema, is a corrupt checkpoint."""
         try:
-            data = json.loads(text)
-            files = tuple(FileRecord(**record) for record in data.pop("files"))
-            return cls(files=files, **data)
-        except (ValueError, TypeError, KeyError) as error:
-            raise CorruptCheckpoint(f"unreadable manifest: {error}") from None
+            return cls.model_validate_json(data, strict=True)
+        except Exception as error:  # ValidationError, UnicodeDecodeError: all mean "corrupt"
+            raise CorruptCheckpoint(f"unreadable manifest: {' '.join(str(error).split())[:300]}") from None
 
 
 def write_manifest(fs: fsspec.AbstractFileSystem, directory: str, manifest: Manifest) -> None:
@@ -70,16 +83,12 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> Manifest:
     path = f"{directory}/{MANIFEST_NAME}"
     if not fs.exists(path):
         raise CorruptCheckpoint("no manifest (the checkpoint was never committed)")
-    with fs.open(path, "r") as handle:
+    with fs.open(path, "rb") as handle:
         return Manifest.from_json(handle.read())
 
 
 def verify(fs: fsspec.AbstractFileSystem, directory: str, manifest: Manifest) -> None:
     """Raise ``CorruptCheckpoint`` naming the first file that is missing or differs."""
-    if manifest.format_version != FORMAT_VERSION:
-        raise CorruptCheckpoint(f"format version {manifest.format_version}, expected {FORMAT_VERSION}")
-    if not manifest.files:
-        raise CorruptCheckpoint("the manifest lists no files")
     for record in manifest.files:
         path = f"{directory}/{record.name}"
         if not fs.exists(path):

@@ -44,13 +44,17 @@ class SaveInFlight:
 
 class CheckpointCoordinator:
     def __init__(self, catalog: CheckpointCatalog, fleet: Fleet, events: EventLog, ledger: TimeLedger,
-                 topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic):
+                 topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic,
+                 config_record: dict | None = None, start_fresh: bool = False):
         self.catalog = catalog
         self.fleet = fleet
         self.events = events
         self.ledger = ledger
         self.topology = topology
         self.config_hash = config_hash
+        self.config_record = config_record or {}
+        self.start_fresh = start_fresh
+        self.restored_step: int | None = None  # the checkpoint the run resumed or rolled back to
         self.clock = clock
         self.in_flight: SaveInFlight | None = None
         self.due = False
@@ -69,13 +73,13 @@ class CheckpointCoordinator:
         def skipped(step: int, reason: str) -> None:
             self.events.emit(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
 
-        return self.catalog.latest(on_skip=skipped)
+        return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh)
 
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
         """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds."""
         started = self.clock()
         self.fleet.restore(ranks, checkpoint.url)
-        self.last_committed_step = checkpoint.step
+        self.last_committed_step = self.restored_step = checkpoint.step
         return self.clock() - started
 
     # saving
@@ -137,6 +141,7 @@ class CheckpointCoordinator:
             manifest = self.catalog.commit(
                 save.step, asdict(save.cursor), self.topology.record(), self.config_hash, files,
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
+                config=self.config_record,
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries
             self._failed(save.step, f"manifest write failed: {describe_error(error)}")
@@ -154,7 +159,7 @@ class CheckpointCoordinator:
     def prune(self) -> None:
         writing = self.in_flight.step if self.in_flight else None
         try:
-            deleted = self.catalog.prune(writing=writing)
+            deleted = self.catalog.prune(writing=writing, protect=(self.last_committed_step, self.restored_step))
         except Exception as error:  # retention is retried at the next commit
             log.warning("checkpoint retention failed: %s", error)
             return

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from elastic.config import ConfigError, load_config
+from elastic.core.events import redact_credentials
 
 
 def parse_groups(text: str) -> dict[str, int]:
@@ -39,6 +40,7 @@ TRAIN_FLAGS = {
     "precision": "compute.precision",
     "compile": "compute.compile",
     "activation_checkpointing": "compute.activation_checkpointing",
+    "start_fresh": "checkpoint.start_fresh",
 }
 
 
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     train.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0: only at the end)")
     train.add_argument("--keep", type=int, help="committed checkpoints to keep")
+    train.add_argument("--start-fresh", action="store_true", default=None,
+                       help="when every checkpoint of the run fails verification, move them aside and train from step 0")
     train.add_argument("--inject", help='faults, e.g. "kill:rank=3,step=7;hang:rank=2,step=22"')
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run")
@@ -99,12 +103,12 @@ def run_train(args: argparse.Namespace) -> int:
     trainer = ElasticTrainer(config, progress=not args.quiet)
     result = trainer.fit()
     summary = result.summary
-    print(
+    print(redact_credentials(
         f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
         f"{summary['steps_discarded']} discarded; final loss {summary['final_loss']}; "
         f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
         f"summary at {result.summary_path}"
-    )
+    ))
     return exit_code(result.exit)
 
 

@@ -146,6 +146,9 @@ class CheckpointConfig(Section):
     # or a thread of the rank (no process to start: small models, CPU ranks). auto: process
     # on CUDA, thread on CPU.
     upload: Literal["auto", "process", "thread"] = "auto"
+    # When the run has checkpoints and every one fails verification: stop (false), or move
+    # them aside and train from step 0 (true).
+    start_fresh: bool = False
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_max_attempts: PositiveInt = 4

@@ -16,12 +16,12 @@ from typing import Any
 
 import ray
 
-from checkpointing.catalog import CheckpointCatalog
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
 from checkpointing.storage import join_url
 from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
-from elastic.core.events import EventKind, EventLog
+from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, check_targets, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
@@ -29,6 +29,7 @@ from elastic.fleet import Fleet, Rendezvous
 from elastic.hooks import resolve_hooks
 from elastic.metrics import Metrics
 from workers.fault_injection import FaultInjectingRankActor
+from workers.protocol import describe_error
 from workers.worker import RankActor
 
 log = logging.getLogger("elastic")
@@ -38,17 +39,52 @@ def default_run_name() -> str:
     return f"run-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+# The settings a checkpoint's state and data cursor depend on. Layout, steps, checkpoint,
+# compute and metrics settings may change across a resume.
+STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
+
+
+def config_record(config: TrainConfig) -> dict:
+    return config.model_dump(mode="json", include=STATE_FIELDS)
+
+
 def config_hash(config: TrainConfig) -> str:
-    """What a checkpoint's state depends on; scaling and schedule may change across a resume."""
-    relevant = config.model_dump(mode="json", include={"model", "data", "optimizer", "seed", "global_batch"})
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(config_record(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(record: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> None:
+    """Refuse a resume whose settings would change the math the checkpoint was trained with."""
+    manifest = checkpoint.manifest
+    if manifest.config:
+        saved, now = flatten(manifest.config), flatten(config_record(config))
+        changed = sorted(key for key in saved.keys() | now.keys() if saved.get(key) != now.get(key))
+        described = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+    else:  # written before manifests recorded the settings: only the hash can tell
+        changed = [] if manifest.config_hash == config_hash(config) else ["(settings not recorded)"]
+        described = "model, data, optimizer, seed or global_batch"
+    if changed:
+        raise ConfigError(
+            f"run {run!r} resumes from step {checkpoint.step} ({checkpoint.url}), which was trained "
+            f"with other settings: {described}; these change the model or the data order. Use the run's settings, "
+            "or a new run name (--run-name) to start another run"
+        )
 
 
 @dataclass
 class RunResult:
     run: str
     run_dir: str
-    summary_path: str
+    summary_path: str | None  # None: the summary could not be written (see its exit)
     summary: dict[str, Any]
     final_state: dict | None = field(default=None, repr=False)
 
@@ -146,6 +182,8 @@ class ElasticTrainer:
                           actor_class=FaultInjectingRankActor if injects else RankActor)
             checkpoints = self._checkpoints(fleet, events, ledger, topology, clock)
             resume = checkpoints.latest()
+            if resume is not None:
+                check_resumable(self.config, self.run_name, resume)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
@@ -162,24 +200,30 @@ class ElasticTrainer:
                 exit_reason = controller.run()
             if self.keep_final_state:
                 final_state = controller.final_state()
-        except (TrainingStopped, CheckpointsFailing) as error:
+        except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint) as error:
             exit_reason = f"stopped: {error}"
-            log.error("%s", error)
+            log.error("%s", redact_credentials(str(error)))
+        except BaseException as error:  # refused settings, a bug, a second Ctrl-C: never "completed"
+            exit_reason = f"failed: {describe_error(error, 1000)}"
+            raise
         finally:
-            events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
-            summary = self._summary(controller, events, ledger, exit_reason)
-            summary_path = self._write_summary(summary)
-            if fleet is not None:
-                fleet.shutdown()
-            if started_ray:
-                ray.shutdown()
+            try:
+                events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
+                summary = self._summary(controller, events, ledger, exit_reason)
+                summary_path = self._save_summary(summary)
+            finally:
+                if fleet is not None:
+                    fleet.shutdown()
+                if started_ray:
+                    ray.shutdown()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
 
     def _checkpoints(self, fleet, events, ledger, topology, clock) -> CheckpointCoordinator:
         settings = self.config.checkpoint
         catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep)
         return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
-                                     settings.max_consecutive_failures, clock)
+                                     settings.max_consecutive_failures, clock, config_record=config_record(self.config),
+                                     start_fresh=settings.start_fresh)
 
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling
@@ -189,7 +233,7 @@ class ElasticTrainer:
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
-        return {
+        summary = {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),
             "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
@@ -210,6 +254,16 @@ class ElasticTrainer:
             "events": events.events,
             "exit": exit_reason,
         }
+        return json.loads(redact_credentials(json.dumps(summary, default=str)))
+
+    def _save_summary(self, summary: dict) -> str | None:
+        """Write the summary; a failed write fails the run, and never hides why it ended."""
+        try:
+            return self._write_summary(summary)
+        except Exception as error:
+            log.error("the run summary could not be written to %s: %s", self.run_dir, describe_error(error))
+            summary["exit"] = f"failed: summary not written ({describe_error(error, 300)}); the run ended: {summary['exit']}"
+            return None
 
     def _write_summary(self, summary: dict) -> str:
         fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)

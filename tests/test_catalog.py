@@ -1,8 +1,11 @@
 """The driver's checkpoint catalog over a local directory: commit, verify, retention."""
 
 import hashlib
+import json
 
-from checkpointing.catalog import CheckpointCatalog
+import pytest
+
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.storage import StorageOptions
 
 
@@ -52,3 +55,72 @@ def test_due_every_n_steps_and_never_at_zero(tmp_path):
     catalog = CheckpointCatalog(str(tmp_path), StorageOptions(), every=5, keep=1)
     assert [s for s in range(12) if catalog.is_due(s)] == [5, 10]
     assert not CheckpointCatalog(str(tmp_path), StorageOptions(), every=0, keep=1).is_due(5)
+
+
+def committed_dirs(catalog):
+    fs, root = catalog.options.filesystem(catalog.root_url)
+    return sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False))
+
+
+@pytest.mark.parametrize("manifest", [b"null", b'"a string"', b"\xff\xfe not utf-8", b"{}"])
+def test_a_manifest_that_does_not_parse_is_corrupt_and_the_previous_checkpoint_is_used(tmp_path, manifest):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    save(catalog, 5)
+    broken = save(catalog, 10)
+    with open(f"{broken}/manifest.json", "wb") as handle:
+        handle.write(manifest)
+    skipped = []
+    assert catalog.latest(on_skip=lambda step, reason: skipped.append(step)).step == 5
+    assert skipped == [10] and "corrupt-step-00000010" in committed_dirs(catalog)
+
+
+def rewrite_manifest(directory, edit):
+    path = f"{directory}/manifest.json"
+    data = json.loads(open(path).read())
+    edit(data)
+    open(path, "w").write(json.dumps(data))
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda m: m["files"][0].update(name="../../../secret.txt"), "is not a file DCP writes"),
+    (lambda m: m.update(step=7), "the manifest says step 7 inside step-00000010"),
+    (lambda m: m.update(step="10"), "step"),
+    (lambda m: m.update(unexpected=1), "Extra inputs are not permitted"),
+])
+def test_a_manifest_outside_the_schema_is_corrupt(tmp_path, edit, reason):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    save(catalog, 5)
+    rewrite_manifest(save(catalog, 10), edit)
+    skipped = []
+    assert catalog.latest(on_skip=lambda step, why: skipped.append(why)).step == 5
+    assert reason in skipped[0]
+
+
+def test_when_every_checkpoint_is_corrupt_the_run_stops_unless_told_to_start_fresh(tmp_path):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    for step in (5, 10):
+        rewrite_manifest(save(catalog, step), lambda m: m["files"][0].update(sha256="0" * 64))
+    with pytest.raises(NoUsableCheckpoint, match=r"all 2 committed checkpoint\(s\) .* --start-fresh"):
+        catalog.latest()
+    assert committed_dirs(catalog) == ["step-00000005", "step-00000010"]  # nothing moved: the user decides
+    assert catalog.latest(start_fresh=True) is None
+    assert committed_dirs(catalog) == ["corrupt-step-00000005", "corrupt-step-00000010"]
+
+
+def test_retention_follows_commit_order_and_keeps_the_checkpoint_resumed_from(tmp_path):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=2)
+    for step in (5, 10, 15):
+        save(catalog, step)
+    assert catalog.prune() == [5]
+    # The run resumed from step 10 (step 15's data went bad and was moved aside); its next
+    # commits carry lower step numbers than the old newest, and are the newest all the same.
+    catalog._move_aside(catalog.options.filesystem(catalog.root_url)[0], 15)
+    for step in (11, 12):
+        save(catalog, step)
+        catalog.prune(protect=(step, 10))
+    assert [name for name in committed_dirs(catalog) if name.startswith("step-")] == [
+        "step-00000010", "step-00000011", "step-00000012"
+    ]
+    assert catalog.latest().step == 12
+    save(catalog, 13)
+    assert catalog.prune(protect=(13, 12)) == [10, 11]

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 log = logging.getLogger("elastic.events")
+
+# ``scheme://user:password@host``: the credentials part of a URL.
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s\"']+@")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``."""
+    return _URL_CREDENTIALS.sub("***@", text)
 
 
 class EventKind(str, Enum):
@@ -68,7 +77,7 @@ class EventLog:
     def emit(self, kind: EventKind, **fields: Any) -> Event:
         event = {"t": round(self.clock() - self.started_at, 4), "kind": EventKind(kind).value, **fields}
         self.events.append(event)
-        log.info("%s", json.dumps(event, default=str))
+        log.info("%s", redact_credentials(json.dumps(event, default=str)))
         for listener in self.listeners:
             listener(event)
         return event
