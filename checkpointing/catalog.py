@@ -6,7 +6,10 @@ Layout under the run's storage URL::
                                        manifest.json  (written last: the commit)
 
 A directory without a manifest is partial (a save that failed or whose driver died) and is
-never loaded; it is deleted once no save is writing into it. Manifests carry a commit
+never loaded. The driver marks each directory it saves into with its lease generation
+(``lease-generation``), and deletes a partial directory once no save is writing into it,
+unless a newer generation marked it: that one belongs to the driver that took the run over
+(an older generation's partials are fair game, as their driver can no longer commit). Manifests carry a commit
 sequence number: retention keeps the newest ``keep`` commits in commit order (a resume from
 an older checkpoint makes its later commits the newest, whatever their step numbers), and
 never the checkpoint just committed or the one the run resumed from. A checkpoint that
@@ -26,7 +29,9 @@ from checkpointing.manifest import (
     CorruptCheckpoint,
     FileRecord,
     Manifest,
+    check_signature,
     read_manifest,
+    sign,
     verify,
     write_manifest,
 )
@@ -35,6 +40,7 @@ from checkpointing.storage import StorageOptions, join_url
 log = logging.getLogger("elastic.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+GENERATION_MARK = "lease-generation"
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -59,11 +65,28 @@ class Restorable:
 
 
 class CheckpointCatalog:
-    def __init__(self, run_url: str, options: StorageOptions, every: int, keep: int):
+    def __init__(self, run_url: str, options: StorageOptions, every: int, keep: int, generation: int = 0,
+                 signing_key: bytes | None = None):
         self.root_url = join_url(run_url, "checkpoints")
         self.options = options
         self.every = every
         self.keep = keep
+        self.generation = generation  # of the run lease this driver holds
+        self.signing_key = signing_key  # set: only manifests signed with it are committed checkpoints
+
+    def prepare(self, step: int) -> str:
+        """The directory a save of ``step`` writes into, marked with this driver's generation."""
+        url = self.url(step)
+        fs, path = self.options.filesystem(url)
+        fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(f"{path}/{GENERATION_MARK}", str(self.generation).encode())
+        return url
+
+    def _marked_generation(self, fs, path: str) -> int:
+        try:
+            return int(fs.cat_file(f"{path}/{GENERATION_MARK}"))
+        except (FileNotFoundError, ValueError):
+            return 0  # unmarked: written before leases, or by a save that never started
 
     def url(self, step: int) -> str:
         return join_url(self.root_url, step_dir_name(step))
@@ -91,6 +114,8 @@ class CheckpointCatalog:
         manifest = read_manifest(fs, path)
         if manifest.step != step:
             raise CorruptCheckpoint(f"the manifest says step {manifest.step} inside {step_dir_name(step)}")
+        if self.signing_key:
+            check_signature(manifest, self.signing_key)
         return manifest
 
     def latest(self, on_skip: Callable[[int, str], None] = lambda step, reason: None,
@@ -157,9 +182,12 @@ class CheckpointCatalog:
             topology=topology,
             config_hash=config_hash,
             config=config or {},
+            lease_generation=self.generation,
             files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,
         )
+        if self.signing_key:
+            manifest = sign(manifest, self.signing_key)
         fs, path = self.options.filesystem(self.url(step))
         write_manifest(fs, path, manifest)
         return manifest
@@ -167,13 +195,15 @@ class CheckpointCatalog:
     def prune(self, writing: int | None = None, protect: tuple[int | None, ...] = ()) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep`` in commit order, except the
         ``protect``ed steps (the one just committed, the one resumed from), and every partial
-        one except the directory a save is ``writing`` into. Returns the steps deleted."""
+        one except the directory a save is ``writing`` into and those of a newer lease
+        generation. Returns the steps deleted."""
         fs, _ = self._filesystem()
         dirs = self._step_dirs()
         committed, partial = [], []
         for step, path in dirs.items():
             if not fs.exists(f"{path}/{MANIFEST_NAME}"):
-                partial.append(step)
+                if step != writing and self._marked_generation(fs, path) <= self.generation:
+                    partial.append(step)
                 continue
             try:
                 committed.append((self._read(fs, step, path).sequence, step))
@@ -182,7 +212,7 @@ class CheckpointCatalog:
                 self._move_aside(fs, step)
         newest_first = [step for _, step in sorted(committed, reverse=True)]
         doomed = [step for step in newest_first[self.keep:] if step not in protect]
-        doomed = sorted(doomed + [step for step in partial if step != writing])
+        doomed = sorted(doomed + partial)
         for step in doomed:
             fs.rm(dirs[step], recursive=True)
         return doomed

@@ -4,10 +4,19 @@ The driver writes it after every rank of the saving group reported its upload fi
 each file's size and sha256 as read back from storage. Loading checks every file against it,
 so a truncated shard, a flipped byte or a missing file makes the checkpoint unusable rather
 than silently wrong.
+
+Digests beside the files authenticate nothing against someone who can write the bucket, and
+DCP loads ``.metadata`` with pickle. With a signing key in the driver's environment
+(``ELASTIC_CHECKPOINT_KEY``, never stored with the checkpoints), each manifest carries an
+HMAC-SHA256 of its content, and a checkpoint without a valid one is neither verified nor
+loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import re
 from typing import Annotated, Any, Literal
 
@@ -20,6 +29,12 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 # The files DCP writes: one data file per rank and write bucket, and the metadata.
 DCP_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
+SIGNING_KEY_ENV = "ELASTIC_CHECKPOINT_KEY"
+
+
+def signing_key_from_environment() -> bytes | None:
+    key = os.environ.get(SIGNING_KEY_ENV, "")
+    return key.encode() if key else None
 
 
 class CorruptCheckpoint(ValueError):
@@ -51,8 +66,10 @@ class Manifest(_Strict):
     topology: dict[str, NonNegativeInt]
     config_hash: str
     config: dict[str, Any] = Field(default_factory=dict)  # the settings the state depends on
+    lease_generation: NonNegativeInt = 0  # of the driver that committed it (0: before leases)
     files: tuple[FileRecord, ...] = Field(min_length=1)
     timings: dict[str, float] = Field(default_factory=dict)
+    signature: str | None = None  # HMAC-SHA256 of the rest, when the run has a signing key
 
     @property
     def total_bytes(self) -> int:
@@ -68,6 +85,21 @@ class Manifest(_Strict):
             return cls.model_validate_json(data, strict=True)
         except Exception as error:  # ValidationError, UnicodeDecodeError: all mean "corrupt"
             raise CorruptCheckpoint(f"unreadable manifest: {' '.join(str(error).split())[:300]}") from None
+
+
+def _mac(manifest: Manifest, key: bytes) -> str:
+    return hmac.new(key, manifest.model_dump_json(exclude={"signature"}).encode(), hashlib.sha256).hexdigest()
+
+
+def sign(manifest: Manifest, key: bytes) -> Manifest:
+    return manifest.model_copy(update={"signature": _mac(manifest, key)})
+
+
+def check_signature(manifest: Manifest, key: bytes) -> None:
+    if manifest.signature is None:
+        raise CorruptCheckpoint(f"the manifest is not signed, and {SIGNING_KEY_ENV} is set")
+    if not hmac.compare_digest(manifest.signature, _mac(manifest, key)):
+        raise CorruptCheckpoint(f"the manifest's signature does not match {SIGNING_KEY_ENV}")
 
 
 def write_manifest(fs: fsspec.AbstractFileSystem, directory: str, manifest: Manifest) -> None:

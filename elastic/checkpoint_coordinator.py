@@ -8,6 +8,7 @@ in flight at a time: a save that falls due meanwhile is deferred (and counted) u
 boundary after the upload ends. A failed save (staging, upload or manifest), or a saving
 group that breaks, is never committed: it is counted, and the next due boundary tries again
 (never the very next step). ``max_consecutive_failures`` failures in a row stop the run.
+A driver commits and deletes only while it holds the run's lease (``LeaseLost`` otherwise).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from checkpointing.catalog import CheckpointCatalog, Restorable
+from checkpointing.lease import RunLease
 from elastic.core.data_plan import DataCursor
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
@@ -45,8 +47,9 @@ class SaveInFlight:
 class CheckpointCoordinator:
     def __init__(self, catalog: CheckpointCatalog, fleet: Fleet, events: EventLog, ledger: TimeLedger,
                  topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic,
-                 config_record: dict | None = None, start_fresh: bool = False):
+                 config_record: dict | None = None, start_fresh: bool = False, lease: RunLease | None = None):
         self.catalog = catalog
+        self.lease = lease
         self.fleet = fleet
         self.events = events
         self.ledger = ledger
@@ -101,12 +104,11 @@ class CheckpointCoordinator:
         """Stage the committed state of ``group`` and start its upload (the only stall)."""
         self.due = False
         self.deferred_counted = False
-        url = self.catalog.url(step)
         started = self.clock()
         try:
             with self.ledger.timing("checkpoint_stall"):
-                self.fleet.save(ranks, url)
-        except FleetError as error:
+                self.fleet.save(ranks, self.catalog.prepare(step))
+        except (FleetError, OSError) as error:
             self._failed(step, f"staging failed: {describe_error(error)}")
             return False
         stall_s = self.clock() - started
@@ -137,6 +139,7 @@ class CheckpointCoordinator:
         upload_s = max(result.upload_s for result in results)
         files = {name: digest for result in results for name, digest in result.files.items()}
         started = self.clock()
+        self._ensure_held()
         try:
             manifest = self.catalog.commit(
                 save.step, asdict(save.cursor), self.topology.record(), self.config_hash, files,
@@ -158,6 +161,7 @@ class CheckpointCoordinator:
 
     def prune(self) -> None:
         writing = self.in_flight.step if self.in_flight else None
+        self._ensure_held()
         try:
             deleted = self.catalog.prune(writing=writing, protect=(self.last_committed_step, self.restored_step))
         except Exception as error:  # retention is retried at the next commit
@@ -165,6 +169,10 @@ class CheckpointCoordinator:
             return
         if deleted:
             self.events.emit(EventKind.CHECKPOINTS_DELETED, steps=deleted)
+
+    def _ensure_held(self) -> None:
+        if self.lease is not None:
+            self.lease.ensure_held()
 
     def _failed(self, step: int, error: str) -> None:
         """Count the failure and wait for the next due boundary: retrying at every step would

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from checkpointing.lease import LeaseHeld
 from elastic.config import ConfigError, load_config
 from elastic.core.events import redact_credentials
 
@@ -125,3 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"elastic: {error}", file=sys.stderr)
         return 2
+    except LeaseHeld as error:
+        print(f"elastic: {redact_credentials(str(error))}", file=sys.stderr)
+        return 1

@@ -6,6 +6,7 @@ Every field is checked before any actor starts. A problem is reported as
 
 from __future__ import annotations
 
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,23 +22,31 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 
+# Upper bounds: every size and time stays far inside what a worker's int, int32 tensor index,
+# timedelta or sleep can hold. Floats are finite everywhere (Section.model_config).
+DAY_S = 86_400.0
+WEEK_S = 7 * DAY_S
+MAX_TP = 64
+MAX_STEPS = 1_000_000_000
+_RUN_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_.")
+
 
 class ConfigError(ValueError):
     """Bad configuration or input, reported before any actor starts."""
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ScalingConfig(Section):
-    min_groups: PositiveInt = 1
-    max_groups: PositiveInt = 2
-    shard: PositiveInt = 2
-    tp: PositiveInt = 2
-    cpus_per_rank: PositiveFloat = 0.25
+    min_groups: PositiveInt = Field(1, le=4096)
+    max_groups: PositiveInt = Field(2, le=4096)
+    shard: PositiveInt = Field(2, le=4096)
+    tp: PositiveInt = Field(2, le=MAX_TP)
+    cpus_per_rank: PositiveFloat = Field(0.25, le=1024)
     # None: one GPU per rank when training on GPUs, none on CPU.
-    gpus_per_rank: NonNegativeFloat | None = None
+    gpus_per_rank: NonNegativeFloat | None = Field(None, le=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @model_validator(mode="after")
@@ -73,12 +82,12 @@ class ScalingConfig(Section):
 
 
 class ModelConfig(Section):
-    vocab_size: PositiveInt = 256
-    dim: PositiveInt = 64
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
-    n_kv_heads: PositiveInt | None = None
-    ffn_hidden: PositiveInt = 192
+    vocab_size: PositiveInt = Field(256, le=2**20)
+    dim: PositiveInt = Field(64, le=2**16)
+    n_layers: PositiveInt = Field(2, le=1024)
+    n_heads: PositiveInt = Field(4, le=1024)
+    n_kv_heads: PositiveInt | None = Field(None, le=1024)
+    ffn_hidden: PositiveInt = Field(192, le=2**18)
     tie_embeddings: bool = False
 
     @model_validator(mode="after")
@@ -98,8 +107,9 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str | None = None
-    seq_len: PositiveInt = 64
-    corpus_tokens: PositiveInt = 400_000
+    seq_len: PositiveInt = Field(64, le=2**20)
+    # generated in memory: for more, give data.path
+    corpus_tokens: PositiveInt = Field(400_000, le=1_000_000_000)
 
     @field_validator("path")
     @classmethod
@@ -136,12 +146,12 @@ class ComputeConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: NonNegativeInt = 20
-    keep: PositiveInt = 3
-    grace_s: PositiveFloat = 30.0
+    every: NonNegativeInt = Field(20, le=MAX_STEPS)
+    keep: PositiveInt = Field(3, le=1000)
+    grace_s: PositiveFloat = Field(30.0, le=DAY_S)
     # Saves that fail in a row before the run stops: past this, storage is not coming back
     # soon, and every step trained is a step that a failure would lose.
-    max_consecutive_failures: PositiveInt = 5
+    max_consecutive_failures: PositiveInt = Field(5, le=1000)
     # Where each rank writes its files: a process of its own (no GIL shared with training),
     # or a thread of the rank (no process to start: small models, CPU ranks). auto: process
     # on CUDA, thread on CPU.
@@ -149,9 +159,12 @@ class CheckpointConfig(Section):
     # When the run has checkpoints and every one fails verification: stop (false), or move
     # them aside and train from step 0 (true).
     start_fresh: bool = False
+    # One driver per run: a driver renews its lease every third of this; one that dies
+    # leaves the run to the next driver this long after its last renewal.
+    lease_ttl_s: float = Field(60.0, ge=3.0, le=DAY_S)
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
-    s3_max_attempts: PositiveInt = 4
+    s3_max_attempts: PositiveInt = Field(4, le=100)
 
     def upload_in_process(self, uses_gpu: bool) -> bool:
         return self.upload == "process" or (self.upload == "auto" and uses_gpu)
@@ -162,12 +175,15 @@ class CheckpointConfig(Section):
 
 
 class FaultToleranceConfig(Section):
-    collective_timeout_s: PositiveFloat = 30.0
-    deadline_factor: PositiveFloat = 5.0
-    min_deadline_s: PositiveFloat = 10.0
-    first_step_deadline_s: PositiveFloat = 120.0
-    capacity_timeout_s: NonNegativeFloat = 60.0
-    max_recoveries: NonNegativeInt = 100
+    collective_timeout_s: PositiveFloat = Field(30.0, le=DAY_S)
+    # A control call that moves the state (heal, checkpoint staging, restore) that takes
+    # longer fails its ranks, which are then replaced like any failed rank.
+    state_timeout_s: PositiveFloat = Field(600.0, le=DAY_S)
+    deadline_factor: PositiveFloat = Field(5.0, le=1000)
+    min_deadline_s: PositiveFloat = Field(10.0, le=DAY_S)
+    first_step_deadline_s: PositiveFloat = Field(120.0, le=DAY_S)
+    capacity_timeout_s: NonNegativeFloat = Field(60.0, le=WEEK_S)
+    max_recoveries: NonNegativeInt = Field(100, le=1_000_000)
     inject: str = ""
 
     @field_validator("inject")
@@ -182,26 +198,27 @@ class FaultToleranceConfig(Section):
 class StragglerConfig(Section):
     enabled: bool = True
     mitigate: bool = True
-    window: PositiveInt = DEFAULT_WINDOW
+    window: PositiveInt = Field(DEFAULT_WINDOW, le=10_000)
     threshold: PositiveFloat = DEFAULT_THRESHOLD
     mad_gate: PositiveFloat = DEFAULT_MAD_GATE
-    patience: PositiveInt = DEFAULT_PATIENCE
+    patience: PositiveInt = Field(DEFAULT_PATIENCE, le=10_000)
     noise: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    regrow_cooldown_s: NonNegativeFloat = 600.0
+    regrow_cooldown_s: NonNegativeFloat = Field(600.0, le=WEEK_S)
 
 
 class MetricsConfig(Section):
     host: str = "127.0.0.1"
-    port: NonNegativeInt = 0
+    port: NonNegativeInt = Field(0, le=65535)
 
 
 class TrainConfig(Section):
-    run_name: str | None = None
+    run_name: str | None = Field(None, max_length=128)
     storage: str = Field(default="./runs", validate_default=True)
-    steps: PositiveInt = 60
-    global_batch: PositiveInt = 32
-    micro_batch: PositiveInt = 4
-    seed: int = 0
+    steps: PositiveInt = Field(60, le=MAX_STEPS)
+    global_batch: PositiveInt = Field(32, le=2**20)
+    micro_batch: PositiveInt = Field(4, le=2**20)
+    # numpy seeds take no negative numbers; workers scale the seed into a 64-bit torch seed
+    seed: NonNegativeInt = Field(0, lt=2**32)
     scaling: ScalingConfig = ScalingConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -217,29 +234,45 @@ class TrainConfig(Section):
     def _storage_absolute(cls, storage: str) -> str:
         return absolute_url(storage)
 
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_is_a_plain_name(cls, run_name: str | None) -> str | None:
+        # ASCII only: str.isalnum() accepts any script's letters and digits.
+        if run_name is not None and (
+            not run_name or run_name.startswith(".") or not set(run_name) <= _RUN_NAME_CHARACTERS
+        ):
+            raise ValueError(
+                f"{run_name!r} may hold only ASCII letters, digits, '-', '_' and '.', and must not "
+                "start with '.'; rename the run, e.g. 'llama-7b_run.2'"
+            )
+        return run_name
+
     @model_validator(mode="after")
     def _layout_fits_model(self) -> TrainConfig:
         tp, model = self.scaling.tp, self.model
-        for field, size in [
-            ("model.n_heads", model.n_heads),
-            ("model.n_kv_heads", model.kv_heads),
-            ("model.dim", model.dim),
-            ("model.ffn_hidden", model.ffn_hidden),
-            ("model.vocab_size", model.vocab_size),
-        ]:
+        sizes = {
+            "model.n_heads": model.n_heads,
+            "model.n_kv_heads": model.kv_heads,
+            "model.dim": model.dim,
+            "model.ffn_hidden": model.ffn_hidden,
+            "model.vocab_size": model.vocab_size,
+        }
+        for field, size in sizes.items():
             if size % tp:
-                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+                # tp values (at most MAX_TP of them) that divide every size, and the sizes
+                # nearest this one that the chosen tp divides.
+                fitting = [d for d in range(1, MAX_TP + 1) if all(s % d == 0 for s in sizes.values())]
+                below, above = size - size % tp, size - size % tp + tp
+                nearest = f"{below} or {above}" if below else f"{above}"
                 raise ValueError(
-                    f"scaling.tp={tp} does not divide {field}={size}; choose tp in {divisors} "
-                    f"or change {field}"
+                    f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
+                    f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
         if self.micro_batch > self.global_batch:
             raise ValueError(
                 f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}; "
                 "lower micro_batch"
             )
-        if self.run_name is not None and not self.run_name.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"run_name={self.run_name!r} may hold only letters, digits, '-' and '_'")
         return self
 
 
@@ -255,6 +288,12 @@ def describe(error: ValidationError) -> str:
             message = "unknown key; remove it or check its spelling against the config reference"
         elif item["type"] in {"greater_than", "greater_than_equal"}:
             message = f"{message}, got {item['input']!r}; use a positive value"
+        elif item["type"] in {"less_than", "less_than_equal"}:
+            message = f"{message}, got {item['input']!r}; use a smaller value"
+        elif item["type"] == "finite_number":
+            message = f"{message}, got {item['input']!r}; inf and nan are not allowed, give a number"
+        elif item["type"] == "string_too_long":
+            message = f"{message}; use a shorter one"
         lines.append(f"{_field_path(item['loc'])}: {message}")
     return "invalid config:\n  " + "\n  ".join(lines)
 

@@ -26,7 +26,7 @@ from checkpointing.catalog import Restorable
 from elastic.checkpoint_coordinator import CheckpointCoordinator
 from elastic.config import TrainConfig
 from elastic.core.data_plan import DataCursor, StepPlan, group_weights, plan_step
-from elastic.core.diagnosis import Diagnosis
+from elastic.core.diagnosis import CONTROL_ERROR, DEATH, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
@@ -35,7 +35,7 @@ from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.fleet import Fleet, FleetError, Pending, RanksLost
 from elastic.step_collection import StepCollection
-from workers.protocol import StepReport, StepRequest
+from workers.protocol import StepReport, StepRequest, describe_error
 
 log = logging.getLogger("elastic.controller")
 
@@ -142,6 +142,7 @@ class Controller:
         self.has_state = False
         self.attempts = 0
         self.world_generation = 0
+        self.replicas_stale = False  # a cross-group rebuild failed: redo it at the next boundary
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
         self.recovery: OpenRecovery | None = None
@@ -157,6 +158,13 @@ class Controller:
         return state.exit
 
     def advance(self, state: RunState) -> RunState:
+        try:
+            return self._leave(state)
+        except FleetError as error:
+            with self.ledger.timing("recovery"):
+                return self.control_failed(error, during=type(state).__name__.lower())
+
+    def _leave(self, state: RunState) -> RunState:
         match state:
             case Starting():
                 with self.ledger.timing("startup"):
@@ -169,6 +177,8 @@ class Controller:
                     return Stopping("preempted")
                 # Growing, healing and joining groups at the boundary is elasticity overhead.
                 with self.ledger.timing("recovery"):
+                    if self.replicas_stale and self.membership.live_groups():
+                        self.rebuild_replicas()
                     self.mitigate_stragglers()
                     self.settle_membership()
                 return Stepping()
@@ -201,9 +211,11 @@ class Controller:
         return bool(self.membership.groups_in(GroupStage.STARTING) + self.membership.groups_in(GroupStage.BUILDING))
 
     def resume_from(self, checkpoint: Restorable) -> None:
-        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(self.membership.live_groups()))
+        # The run's state is the checkpoint's from here on: if the restore fails, the groups
+        # that lost ranks rebuild and heal, or restore it again.
         self.first_step = checkpoint.step
         self.rewind(checkpoint)
+        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(self.membership.live_groups()))
         self.events.emit(EventKind.RESUMED, step=checkpoint.step, url=checkpoint.url, seconds=round(seconds, 4))
 
     # membership at step boundaries
@@ -258,10 +270,15 @@ class Controller:
             return False
         live = self.membership.live_groups()
         if self.has_state:
-            if live:
-                self._heal_from_peers(ready, live[0])
-            else:
-                self._restore_from_checkpoint(ready)
+            try:
+                if live:
+                    self._heal_from_peers(ready, live[0])
+                else:
+                    self._restore(ready)
+            except FleetError:
+                for group in ready:  # what they hold now is unknown: build them afresh
+                    self.membership.apply(group, Broken())
+                raise
         for group in ready:
             self.joining_since.pop(group, None)
         self.membership.join(ready)
@@ -288,15 +305,29 @@ class Controller:
         for group in groups:
             self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
 
-    def _restore_from_checkpoint(self, groups: list[int]) -> None:
-        """No live peer holds the state: roll back to the latest committed checkpoint."""
+    def _restore(self, groups: list[int]) -> None:
+        """No live peer holds the state: roll back to the latest committed checkpoint or,
+        before the first one, to the initial state the seed determines, which groups that
+        were just built hold already."""
         checkpoint = self.checkpoints.latest() if self.checkpoints else None
-        if checkpoint is None:
+        if checkpoint is not None:
+            self._restore_from_checkpoint(groups, checkpoint)
+        elif self.first_step == 0:
+            rolled_back = self.step
+            self.rewind(None)
+            self.steps_rolled_back += rolled_back
+            self.events.emit(EventKind.RESTORED_INITIAL_STATE, step=0, groups=groups, rolled_back_steps=rolled_back,
+                             seed=self.config.seed)
+        else:
+            positions = [self.topology.position_of(rank) for rank in self.topology.global_ranks(groups[0])]
             raise TrainingStopped(
-                f"group(s) {groups} rebuilt but no live group holds the state to heal from, "
-                "and there is no committed checkpoint to recover from; "
-                "run with at least two replica groups (--groups 2) or checkpoint more often (--checkpoint-every N)"
+                f"every copy of the state is lost (shard, tp positions {positions}): no live group holds it, "
+                f"no committed checkpoint is left, and the run resumed from step {self.first_step}, so the "
+                "initial state is not its state; run with more replica groups (--groups) or checkpoint more often "
+                "(--checkpoint-every N)"
             )
+
+    def _restore_from_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
         seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
         if self.recovery is not None:
             self.recovery.heal_s += seconds
@@ -308,10 +339,11 @@ class Controller:
             seconds=round(seconds, 4),
         )
 
-    def rewind(self, checkpoint: Restorable) -> None:
-        """Continue from a checkpoint's step and data cursor; later committed steps rerun."""
-        self.step = checkpoint.step
-        self.cursor = DataCursor(**checkpoint.manifest.cursor)
+    def rewind(self, checkpoint: Restorable | None) -> None:
+        """Continue from a checkpoint's step and data cursor (``None``: the initial state's,
+        step 0); later committed steps rerun."""
+        self.step = checkpoint.step if checkpoint else 0
+        self.cursor = DataCursor(**checkpoint.manifest.cursor) if checkpoint else DataCursor()
         kept = max(0, self.step - self.first_step)
         del self.losses[kept:]
         del self.step_records[kept:]
@@ -319,6 +351,7 @@ class Controller:
         self.has_state = True
 
     def rebuild_replicas(self) -> None:
+        self.replicas_stale = True
         started = self.clock()
         quorum = self.membership.quorum()
         assignments = {
@@ -326,7 +359,8 @@ class Controller:
             for group in quorum.groups
             for rank in self.topology.global_ranks(group)
         }
-        self.fleet.join_replicas(assignments, timeout=self.config.fault_tolerance.collective_timeout_s + 30)
+        self.fleet.join_replicas(assignments)
+        self.replicas_stale = False
         seconds = self.clock() - started
         if self.recovery is not None:
             self.recovery.rebuild_s += seconds
@@ -467,6 +501,40 @@ class Controller:
         self.steps_discarded += 1
         if plan.survivors:
             self.rebuild_replicas()
+
+    def control_failed(self, error: FleetError, during: str) -> RunState:
+        """A control call (commit, heal, restore, rebuild, checkpoint staging) failed: a new
+        failure, recovered from like a failed step, never a crash. The ranks that no longer
+        answer are replaced, and so are the ranks the call failed on, whose state is now
+        unknown; a failed rebuild of cross-group groups leaves state intact, so there the
+        ranks waiting on a dead peer are kept."""
+        if not self.failures.allow_recovery():
+            raise TrainingStopped(
+                f"a control call failed while {during} ({describe_error(error, 300)}) after "
+                f"{self.config.fault_tolerance.max_recoveries} recoveries; raise fault_tolerance.max_recoveries"
+            )
+        involved = set(error.ranks) | set(self.topology.ranks_of(
+            [*self.membership.live_groups(), *self.membership.groups_in(GroupStage.READY)]))
+        dead = involved - self.fleet.responsive(sorted(involved))
+        failed = set() if dead and error.left_state_intact else set(error.ranks) - dead
+        culprits = {rank: DEATH if rank in dead else CONTROL_ERROR for rank in sorted(dead | failed)}
+        if self.resume is not None and not self.has_state:
+            # Failed before the resume's restore began: every group is rebuilt and restores it.
+            self.first_step = self.resume.step
+            self.rewind(self.resume)
+            for group in self.membership.live_groups():
+                self.membership.apply(group, Broken())
+        for rank, cause in culprits.items():
+            self.events.emit(EventKind.RANK_FAILED, rank=rank, group=self.topology.group_of(rank), cause=cause,
+                             step=self.step, during=during, error=describe_error(error, 300))
+            self.evict(rank, cause)
+        if self.checkpoints is not None:
+            self.checkpoints.abandon_if_lost({self.topology.group_of(rank) for rank in culprits})
+        if self.recovery is None:
+            now = self.clock()
+            self.recovery = OpenRecovery(next(iter(culprits.values())), dict(culprits), now, detect_s=0.0)
+        self.replicas_stale = True
+        return AtBoundary()
 
     def close_recovery(self) -> None:
         if self.recovery is None:

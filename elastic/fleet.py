@@ -4,8 +4,10 @@ Every Ray call of the driver lives here: placement, starting and killing ranks, 
 a step and collecting its reports, probing and aborting, copying state, checkpoint calls.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
 plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
-Failures come back as two exceptions: ``RanksLost`` (the processes are gone) and
-``CallFailed`` (a rank raised).
+Failures come back as two exceptions, each naming its ranks: ``RanksLost`` (the processes
+are gone) and ``CallFailed`` (a rank raised, or did not answer before the call's deadline).
+Every control call has a deadline: ``collective_timeout_s`` plus a margin for the quick ones
+(commit, rebuild), ``state_timeout_s`` for those that move the state (heal, save, restore).
 """
 
 from __future__ import annotations
@@ -28,19 +30,27 @@ log = logging.getLogger("elastic.fleet")
 
 
 class FleetError(RuntimeError):
-    pass
+    def __init__(self, ranks: list[int], message: str, call: str = ""):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.call = call  # the rank method that failed
+
+    @property
+    def left_state_intact(self) -> bool:
+        """Rebuilding cross-group process groups touches no model state."""
+        return self.call == "join_replicas"
 
 
 class RanksLost(FleetError):
     """The processes of these ranks are gone (killed, crashed, out of memory, node lost)."""
 
-    def __init__(self, ranks: list[int], message: str):
-        super().__init__(message)
-        self.ranks = sorted(ranks)
-
 
 class CallFailed(FleetError):
-    """A rank raised; its process lives."""
+    """These ranks raised, or did not answer in time; their processes may live."""
+
+
+# A quick control call (commit, rebuild) gets the collective timeout plus this margin.
+CONTROL_MARGIN_S = 30.0
 
 
 @dataclass
@@ -159,13 +169,20 @@ class Fleet:
         return self._call(ranks, "build", generation)
 
     def alive(self, rank: int, timeout: float = 5.0) -> bool:
-        if rank not in self.actors:
-            return False
-        try:
-            ray.get(self.actors[rank].node.remote(), timeout=timeout)
-            return True
-        except (GetTimeoutError, RayError):
-            return False
+        return rank in self.responsive([rank], timeout)
+
+    def responsive(self, ranks, timeout: float = 5.0) -> set[int]:
+        """The ranks whose processes answer within ``timeout``, asked all at once."""
+        refs = {self.actors[rank].node.remote(): rank for rank in ranks if rank in self.actors}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        answered = set()
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+                answered.add(refs[ref])
+            except RayError:
+                continue
+        return answered
 
     def kill(self, global_rank: int) -> None:
         actor = self.actors.pop(global_rank, None)
@@ -187,23 +204,28 @@ class Fleet:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         return len(ready) == len(refs)
 
-    def results(self, pending: Pending, timeout: float | None = None) -> dict[int, object]:
-        """Every rank's result; ``RanksLost`` names every rank whose process is gone, and
-        ``CallFailed`` says why a living rank raised."""
+    def results(self, pending: Pending, timeout: float | None = None, call: str = "") -> dict[int, object]:
+        """Every rank's result, waited for together until ``timeout``; ``RanksLost`` names
+        every rank whose process is gone, and ``CallFailed`` every living rank that raised or
+        did not answer in time. Any Ray error counts: a task error, out of memory, a timeout."""
+        refs = list(pending.refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready = set(ready)
         results, lost, failed = {}, {}, {}
         for rank, ref in pending.refs.items():
+            if ref not in ready:
+                failed[rank] = f"no answer within {timeout:.0f}s"
+                continue
             try:
-                results[rank] = ray.get(ref, timeout=timeout)
+                results[rank] = ray.get(ref, timeout=0)
             except RayActorError as error:
                 lost[rank] = describe_error(error, 300)
-            except GetTimeoutError:
-                failed[rank] = f"no answer within {timeout:.0f}s"
-            except RayError as error:
+            except (RayError, GetTimeoutError) as error:
                 failed[rank] = describe_error(error, 500)
         if lost:
-            raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())))
+            raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())), call)
         if failed:
-            raise CallFailed("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+            raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call)
         return results
 
     # the step
@@ -243,36 +265,44 @@ class Fleet:
 
     # state
 
+    @property
+    def quick_call_s(self) -> float:
+        return self.config.fault_tolerance.collective_timeout_s + CONTROL_MARGIN_S
+
+    @property
+    def state_call_s(self) -> float:
+        return self.config.fault_tolerance.state_timeout_s
+
     def commit(self, ranks) -> None:
-        self.results(self._call(ranks, "commit"))
+        self.results(self._call(ranks, "commit"), self.quick_call_s, "commit")
 
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each source rank's committed state into its target rank."""
         self.results(Pending({
             target: self.actors[target].import_state.remote(self.actors[source].export_state.remote())
             for source, target in pairs
-        }))
+        }), self.state_call_s, "import_state")
 
-    def join_replicas(self, assignments: dict[int, tuple[int, int, int]], timeout: float) -> None:
+    def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None:
         """``rank -> (generation, replica rank, replica count)``: rebuild the cross-group groups."""
         self.results(Pending({
             rank: self.actors[rank].join_replicas.remote(*assignment) for rank, assignment in assignments.items()
-        }), timeout)
+        }), self.quick_call_s, "join_replicas")
 
     def local_parameters(self, ranks) -> dict[int, list]:
-        return self.results(self._call(ranks, "local_parameters"))
+        return self.results(self._call(ranks, "local_parameters"), self.state_call_s, "local_parameters")
 
     # checkpoints
 
     def save(self, ranks, url: str) -> None:
         """Stage the ranks' committed state for an upload to ``url`` (the training stall)."""
-        self.results(self._call(ranks, "save_checkpoint", url))
+        self.results(self._call(ranks, "save_checkpoint", url), self.state_call_s, "save_checkpoint")
 
     def finish_saves(self, ranks) -> Pending:
         return self._call(ranks, "finish_checkpoint")
 
     def restore(self, ranks, url: str) -> None:
-        self.results(self._call(ranks, "load_checkpoint", url))
+        self.results(self._call(ranks, "load_checkpoint", url), self.state_call_s, "load_checkpoint")
 
     def shutdown(self) -> None:
         for rank in list(self.actors):

@@ -17,6 +17,8 @@ from typing import Any
 import ray
 
 from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
+from checkpointing.lease import LeaseLost, RunLease
+from checkpointing.manifest import signing_key_from_environment
 from checkpointing.storage import join_url
 from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
@@ -158,17 +160,26 @@ class ElasticTrainer:
         self.run_dir = join_url(self.config.storage, self.run_name)
 
     def fit(self) -> RunResult:
-        started_ray = connect_ray()
+        """Train the run to its end. Raises ``LeaseHeld`` at once, before Ray or any actor
+        starts, when another driver holds the run."""
+        settings = self.config.checkpoint
+        lease = RunLease(self.run_dir, settings.storage_options(), settings.lease_ttl_s)
+        lease.acquire()
+        started_ray = False
         clock = time.monotonic
         events = EventLog(clock)
         ledger = TimeLedger(clock)
         metrics = Metrics(self.run_name)
         stop = threading.Event()
+        renewing = threading.Event()
         fleet = None
         controller = None
         exit_reason = "completed"
         final_state = None
+        summary_path = None
         try:
+            started_ray = connect_ray()
+            lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             self.config = on_cluster(self.config, ray.cluster_resources())
             check_capacity(self.config, ray.cluster_resources())
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
@@ -180,7 +191,7 @@ class ElasticTrainer:
             injects = bool(self.faults) or self.config.stragglers.noise > 0
             fleet = Fleet(self.config, self.hooks, topology, Rendezvous.start(),
                           actor_class=FaultInjectingRankActor if injects else RankActor)
-            checkpoints = self._checkpoints(fleet, events, ledger, topology, clock)
+            checkpoints = self._checkpoints(fleet, events, ledger, topology, clock, lease)
             resume = checkpoints.latest()
             if resume is not None:
                 check_resumable(self.config, self.run_name, resume)
@@ -200,30 +211,50 @@ class ElasticTrainer:
                 exit_reason = controller.run()
             if self.keep_final_state:
                 final_state = controller.final_state()
-        except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint) as error:
+        except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", redact_credentials(str(error)))
         except BaseException as error:  # refused settings, a bug, a second Ctrl-C: never "completed"
             exit_reason = f"failed: {describe_error(error, 1000)}"
             raise
         finally:
+            renewing.set()
             try:
                 events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
                 summary = self._summary(controller, events, ledger, exit_reason)
-                summary_path = self._save_summary(summary)
+                if lease.lost:  # the summary is the new holder's to write now
+                    log.error("the run's summary is not written: %s", lease.lost)
+                else:
+                    summary_path = self._save_summary(summary)
             finally:
                 if fleet is not None:
                     fleet.shutdown()
                 if started_ray:
                     ray.shutdown()
+                self._release(lease)
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
 
-    def _checkpoints(self, fleet, events, ledger, topology, clock) -> CheckpointCoordinator:
+    def _checkpoints(self, fleet, events, ledger, topology, clock, lease: RunLease) -> CheckpointCoordinator:
         settings = self.config.checkpoint
-        catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep)
+        catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep,
+                                    generation=lease.generation, signing_key=signing_key_from_environment())
         return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
                                      settings.max_consecutive_failures, clock, config_record=config_record(self.config),
-                                     start_fresh=settings.start_fresh)
+                                     start_fresh=settings.start_fresh, lease=lease)
+
+    @staticmethod
+    def _lease_lost(why: str, events: EventLog, stop: threading.Event) -> None:
+        """Another driver took the run: stop at the next boundary; nothing more is committed."""
+        events.emit(EventKind.LEASE_LOST, error=why)
+        stop.set()
+
+    @staticmethod
+    def _release(lease: RunLease) -> None:
+        try:
+            lease.release()
+        except Exception as error:  # the lease then ends at its expiry instead
+            log.warning("the run lease could not be released (it expires in %.0f s): %s",
+                        lease.ttl_s, describe_error(error))
 
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling

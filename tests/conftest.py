@@ -16,6 +16,7 @@ def ray_cluster():
 
 @pytest.fixture
 def s3_server():
+    set_test_credentials()
     server = MotoServer().start()
     yield server
     server.stop()

@@ -83,6 +83,8 @@ class FakeFleet:
         self.unplaceable: set[int] = set()
         self.faults: dict[int, list] = {}  # step -> faults fired at its first dispatch
         self.slow: dict[int, float] = {}
+        # control call -> [(rank, "die" | "raise")], fired once, the next time the call runs
+        self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.fail_uploads = False
         self.fail_staging = False
         self.reserved: list[int] = []
@@ -128,6 +130,20 @@ class FakeFleet:
     def alive(self, rank: int, timeout: float = 5.0) -> bool:
         return rank in self.alive_ranks
 
+    def responsive(self, ranks, timeout: float = 5.0) -> set[int]:
+        return set(ranks) & self.alive_ranks
+
+    def _control(self, call: str) -> None:
+        """Fire the faults scheduled for ``call``: a rank dies in it, or raises and lives."""
+        faults = self.control_faults.pop(call, [])
+        dead = [rank for rank, how in faults if how == "die"]
+        for rank in dead:
+            self.alive_ranks.discard(rank)
+        if dead:
+            raise RanksLost(dead, f"ranks {dead} died during {call}", call)
+        if faults:
+            raise CallFailed([rank for rank, _ in faults], f"RuntimeError during {call}", call)
+
     def kill(self, rank: int) -> None:
         if rank in self.alive_ranks:
             self.kills.append(rank)
@@ -151,7 +167,7 @@ class FakeFleet:
     def results(self, pending: Pending, timeout: float | None = None) -> dict[int, object]:
         lost = [rank for rank in pending.refs if rank not in self.alive_ranks]
         if lost:
-            raise RanksLost(lost, f"ranks {lost} are gone")
+            raise RanksLost(lost, f"ranks {lost} are gone", "results")
         return {rank: call.result for rank, call in pending.refs.items()}
 
     # the step
@@ -169,6 +185,7 @@ class FakeFleet:
             calls[rank] = Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), data_s=0.01,
                                                   compute_s=compute[rank], wall_s=finish - now),
                                progress=Progress(rank, step, "replicate", 0, 9, 0.0))
+        targets = {fault.rank for fault in faults}
         for fault in faults:
             group = self.topology.group_of(fault.rank)
             peers = [r for r in self.topology.global_ranks(group) if r in requests and r != fault.rank]
@@ -178,7 +195,7 @@ class FakeFleet:
                 calls[fault.rank] = Call(now + fault.after_s, None)
                 for peer in peers:
                     calls[peer] = Call(now + fault.after_s + NOTICE_S, StepReport(
-                        peer, step, error="Connection closed by peer", peer_error=True, group_broken=True))
+                        peer, step, error="Connection closed by peer", failure="collective", group_broken=True))
             elif isinstance(fault, Hang):
                 calls[fault.rank] = Call(NEVER, progress=Progress(fault.rank, step, "compute", 0, 1, 0.0))
                 for peer in peers:
@@ -186,9 +203,9 @@ class FakeFleet:
             elif isinstance(fault, CollectiveError):
                 calls[fault.rank] = Call(finish, StepReport(fault.rank, step, error="RuntimeError: bad collective"))
                 others = [r for r in requests if r != fault.rank]
-            for rank in others:  # waiting in the cross-group all-reduce until the driver aborts
+            for rank in [r for r in others if r not in targets]:  # in the cross-group all-reduce until the abort
                 calls[rank] = Call(NEVER, StepReport(rank, step, error="CollectiveAborted: aborted by the driver",
-                                                     peer_error=True), waits_for_abort=True,
+                                                     failure="released"), waits_for_abort=True,
                                    progress=calls[rank].progress)
         self.in_flight = dict(calls)
         return Pending(calls)
@@ -218,13 +235,14 @@ class FakeFleet:
     # state
 
     def commit(self, ranks) -> None:
-        pass
+        self._control("commit")
 
     def copy_state(self, pairs) -> None:
+        self._control("import_state")
         self.copies.extend(pairs)
 
-    def join_replicas(self, assignments, timeout: float) -> None:
-        pass
+    def join_replicas(self, assignments) -> None:
+        self._control("join_replicas")
 
     def local_parameters(self, ranks) -> dict[int, list]:
         return {rank: [] for rank in ranks}
@@ -234,7 +252,7 @@ class FakeFleet:
     def save(self, ranks, url: str) -> None:
         self.clock.sleep(self.stall_s)
         if self.fail_staging:
-            raise CallFailed("rank 0: RuntimeError: staging failed")
+            raise CallFailed([0], "rank 0: RuntimeError: staging failed", "save_checkpoint")
         self.saves.append(url)
 
     def finish_saves(self, ranks) -> Pending:
@@ -254,6 +272,7 @@ class FakeFleet:
         return Pending({rank: Call(at, results[rank]) for rank in ranks})
 
     def restore(self, ranks, url: str) -> None:
+        self._control("load_checkpoint")
         self.restores.append((tuple(ranks), url))
 
     def shutdown(self) -> None:

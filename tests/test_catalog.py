@@ -124,3 +124,26 @@ def test_retention_follows_commit_order_and_keeps_the_checkpoint_resumed_from(tm
     assert catalog.latest().step == 12
     save(catalog, 13)
     assert catalog.prune(protect=(13, 12)) == [10, 11]
+
+
+def test_with_a_signing_key_only_manifests_signed_with_it_are_loaded(tmp_path):
+    key = b"a key kept outside the bucket"
+    signed = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10, signing_key=key)
+    save(signed, 5)
+    save(signed, 10)
+    forged = f"{save(signed, 15)}/manifest.json"  # a bucket writer swaps a shard and fixes its digest
+    record = json.loads(open(forged).read())
+    record["files"][1]["sha256"] = hashlib.sha256(b"evil").hexdigest()
+    open(forged, "w").write(json.dumps(record))
+    unsigned = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    save(unsigned, 20)  # written without the key (or by someone who lacks it)
+
+    skipped = []
+    assert signed.latest(on_skip=lambda step, reason: skipped.append((step, reason))).step == 10
+    assert skipped == [(20, "the manifest is not signed, and ELASTIC_CHECKPOINT_KEY is set"),
+                       (15, "the manifest's signature does not match ELASTIC_CHECKPOINT_KEY")]
+    other_key = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10, signing_key=b"other")
+    with pytest.raises(NoUsableCheckpoint, match="signature does not match"):
+        other_key.latest()
+    stored = b"".join(p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert key not in stored, "the key is never stored beside the checkpoints"

@@ -145,13 +145,15 @@ def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_co
     fs = s3_server.filesystem()
     root = f"{s3_server.bucket}/runs/job/checkpoints"
     s3 = {"run_name": "job", "storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
-    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5, **s3))
+    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5,
+                                                    checkpoint__lease_ttl_s=4, **s3))
     wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), 300, "the first commit", interval=0.05)
     s3_server.pause()  # the next upload hangs mid-flight
     time.sleep(2)
     job.kill()
     job.wait()
     s3_server.resume()
+    time.sleep(4)  # the dead driver's run lease expires
     fs.invalidate_cache()
     committed = sorted(p for p in fs.ls(root) if fs.exists(f"{p}/manifest.json"))
     last_committed = int(committed[-1].rsplit("-", 1)[-1])

@@ -118,3 +118,105 @@ def test_checkpoints_upload_from_a_process_of_each_rank_on_gpus_by_default():
     assert not CheckpointConfig().upload_in_process(uses_gpu=False)
     assert CheckpointConfig(upload="process").upload_in_process(uses_gpu=False)
     assert not CheckpointConfig(upload="thread").upload_in_process(uses_gpu=True)
+
+
+@pytest.mark.parametrize("section,field", [("fault_tolerance", "collective_timeout_s"), ("checkpoint", "grace_s"),
+                                           ("scaling", "cpus_per_rank"), ("scaling", "gpus_per_rank"),
+                                           ("optimizer", "lr"), ("stragglers", "threshold")])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "nan"])
+def test_every_float_must_be_finite(section, field, value):
+    fails({section: {field: value}}, f"{section}.{field}", "finite number", "inf and nan are not allowed")
+
+
+def test_inf_in_a_config_file_is_refused(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[fault_tolerance]\ncollective_timeout_s = inf\n[checkpoint]\ngrace_s = nan\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert "fault_tolerance.collective_timeout_s: Input should be a finite number" in str(caught.value)
+    assert "checkpoint.grace_s: Input should be a finite number" in str(caught.value)
+
+
+@pytest.mark.parametrize("values,field,limit", [
+    ({"fault_tolerance": {"collective_timeout_s": 10**9}}, "fault_tolerance.collective_timeout_s", "86400"),
+    ({"fault_tolerance": {"min_deadline_s": 10**9}}, "fault_tolerance.min_deadline_s", "86400"),
+    ({"fault_tolerance": {"first_step_deadline_s": 10**9}}, "fault_tolerance.first_step_deadline_s", "86400"),
+    ({"fault_tolerance": {"capacity_timeout_s": 10**9}}, "fault_tolerance.capacity_timeout_s", "604800"),
+    ({"fault_tolerance": {"deadline_factor": 10**6}}, "fault_tolerance.deadline_factor", "1000"),
+    ({"fault_tolerance": {"max_recoveries": 10**9}}, "fault_tolerance.max_recoveries", "1000000"),
+    ({"checkpoint": {"grace_s": 10**9}}, "checkpoint.grace_s", "86400"),
+    ({"checkpoint": {"every": 10**12}}, "checkpoint.every", "1000000000"),
+    ({"checkpoint": {"keep": 10**6}}, "checkpoint.keep", "1000"),
+    ({"checkpoint": {"max_consecutive_failures": 10**6}}, "checkpoint.max_consecutive_failures", "1000"),
+    ({"checkpoint": {"s3_max_attempts": 10**6}}, "checkpoint.s3_max_attempts", "100"),
+    ({"stragglers": {"regrow_cooldown_s": 10**9}}, "stragglers.regrow_cooldown_s", "604800"),
+    ({"stragglers": {"window": 10**6}}, "stragglers.window", "10000"),
+    ({"stragglers": {"patience": 10**6}}, "stragglers.patience", "10000"),
+    ({"scaling": {"max_groups": 10**6}}, "scaling.max_groups", "4096"),
+    ({"scaling": {"shard": 10**6}}, "scaling.shard", "4096"),
+    ({"scaling": {"tp": 128}}, "scaling.tp", "64"),
+    ({"scaling": {"cpus_per_rank": 10**6}}, "scaling.cpus_per_rank", "1024"),
+    ({"scaling": {"gpus_per_rank": 100}}, "scaling.gpus_per_rank", "16"),
+    ({"model": {"vocab_size": 10**12}}, "model.vocab_size", "1048576"),
+    ({"model": {"dim": 2**31}}, "model.dim", "65536"),
+    ({"model": {"n_layers": 10**6}}, "model.n_layers", "1024"),
+    ({"model": {"n_heads": 10**6}}, "model.n_heads", "1024"),
+    ({"model": {"n_kv_heads": 10**6}}, "model.n_kv_heads", "1024"),
+    ({"model": {"ffn_hidden": 2**31}}, "model.ffn_hidden", "262144"),
+    ({"data": {"seq_len": 2**31}}, "data.seq_len", "1048576"),
+    ({"data": {"corpus_tokens": 10**12}}, "data.corpus_tokens", "1000000000"),
+    ({"steps": 10**12}, "steps", "1000000000"),
+    ({"global_batch": 2**31}, "global_batch", "1048576"),
+    ({"micro_batch": 2**31}, "micro_batch", "1048576"),
+    ({"seed": 2**64}, "seed", "4294967296"),
+    ({"metrics": {"port": 70000}}, "metrics.port", "65535"),
+])
+def test_every_size_and_time_has_an_upper_bound(values, field, limit):
+    fails(values, f"{field}: Input should be less than", limit, "use a smaller value")
+
+
+def test_the_largest_sizes_and_times_are_accepted():
+    config = build_config({
+        "steps": 10**9, "global_batch": 2**20, "micro_batch": 2**20, "seed": 2**32 - 1,
+        "scaling": {"min_groups": 4096, "max_groups": 4096, "shard": 4096, "tp": 64},
+        "model": {"vocab_size": 2**20, "dim": 2**16, "n_heads": 64, "ffn_hidden": 2**18, "n_layers": 1024},
+        "data": {"seq_len": 2**20, "corpus_tokens": 10**9},
+        "checkpoint": {"grace_s": 86400, "every": 10**9},
+        "fault_tolerance": {"collective_timeout_s": 86400, "capacity_timeout_s": 604800},
+        "metrics": {"port": 65535},
+    })
+    assert config.fault_tolerance.collective_timeout_s == 86400
+
+
+def test_seed_is_not_negative():
+    fails({"seed": -1}, "seed", "use a positive value")
+
+
+@pytest.mark.parametrize("name", ["héllo", "run٣", "ｒｕｎ", "naïve-run", "run name", "a/b", ".", "..", ".hidden", ""])
+def test_run_names_are_ascii_letters_digits_dash_underscore_dot(name):
+    fails({"run_name": name}, "run_name: ", "only ASCII letters, digits, '-', '_' and '.'")
+
+
+def test_run_names_may_hold_dots_and_are_bounded_in_length():
+    assert build_config({"run_name": "llama-7b_run.2"}).run_name == "llama-7b_run.2"
+    fails({"run_name": "r" * 129}, "run_name: String should have at most 128 characters")
+
+
+def test_tp_divisor_message_is_short_and_names_the_nearest_sizes():
+    with pytest.raises(ConfigError) as caught:
+        build_config({"model": {"vocab_size": 50257}})
+    message = str(caught.value)
+    assert "scaling.tp=2 does not divide model.vocab_size=50257; choose tp in [1]" in message
+    assert "nearest: 50256 or 50258" in message
+    assert len(message) < 300, message
+
+
+def test_tp_suggestions_divide_every_size():
+    # 3, 6 and 12 divide n_heads but not the vocabulary, so they are no choice for tp
+    fails({"scaling": {"tp": 8}, "model": {"vocab_size": 1 << 20, "n_heads": 12, "dim": 96, "ffn_hidden": 384}},
+          "scaling.tp=8 does not divide model.n_heads=12; choose tp in [1, 2, 4] ", "nearest: 8 or 16")
+
+
+def test_inject_nan_is_refused_naming_the_spec():
+    fails({"fault_tolerance": {"inject": "slow:rank=1,factor=nan,step=2"}},
+          "factor='nan' in 'slow:rank=1,factor=nan,step=2' is not a finite number")

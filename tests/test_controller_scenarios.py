@@ -14,12 +14,14 @@ import time
 import pytest
 
 from checkpointing.catalog import CheckpointCatalog
+from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.storage import StorageOptions
 from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.controller import Controller, TrainingStopped
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
+from elastic.fleet import CallFailed
 from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Hang, Kill
 from tests.tiny import tiny_config
 
@@ -28,8 +30,8 @@ DATASET_LEN = 10_000
 
 class Scenario:
     def __init__(self, tmp_path, *, groups=2, shard=1, steps=12, min_groups=1, checkpoint_every=0,
-                 max_consecutive_failures=3, stragglers=False, **fleet_options):
-        overrides = {"stragglers__enabled": stragglers}
+                 max_consecutive_failures=3, stragglers=False, lease_ttl_s=None, max_recoveries=100, **fleet_options):
+        overrides = {"stragglers__enabled": stragglers, "fault_tolerance__max_recoveries": max_recoveries}
         if checkpoint_every:
             overrides |= {"checkpoint__every": checkpoint_every,
                           "checkpoint__max_consecutive_failures": max_consecutive_failures}
@@ -42,10 +44,14 @@ class Scenario:
         self.ledger = TimeLedger(self.clock)
         self.records: list[dict] = []
         self.checkpoints = None
+        self.lease = None
+        if lease_ttl_s:  # never renewed: it runs out lease_ttl_s into the run
+            self.lease = RunLease(str(tmp_path / "run"), StorageOptions(), lease_ttl_s, clock=self.clock)
+            self.lease.acquire()
         if checkpoint_every:
             catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), checkpoint_every, keep=10)
             self.checkpoints = CheckpointCoordinator(catalog, self.fleet, self.events, self.ledger, self.topology,
-                                                     "hash", max_consecutive_failures, self.clock)
+                                                     "hash", max_consecutive_failures, self.clock, lease=self.lease)
         self.controller = Controller(self.config, self.fleet, DATASET_LEN, self.events, self.ledger,
                                      clock=self.clock, sleep=self.clock.sleep, on_step=[self.records.append],
                                      checkpoints=self.checkpoints)
@@ -217,3 +223,75 @@ def test_failed_saves_back_off_to_the_next_due_boundary_and_stop_the_run_when_th
     assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_STARTED)] == [3, 6, 9]  # never every step
     assert "storage unreachable" in failed[0]["error"]
     assert scenario.kinds(EventKind.CHECKPOINT_COMMITTED) == []
+
+
+def test_a_driver_that_lost_its_lease_commits_nothing_more(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=30, checkpoint_every=4, lease_ttl_s=6.5)
+    with pytest.raises(LeaseLost, match="expired"):
+        scenario.run()
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == [4]
+    assert scenario.committed_steps()[-1] < 12  # it stopped at the first commit after the expiry
+    committed = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if (p / "manifest.json").exists()]
+    assert committed == ["step-00000004"]
+
+
+def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from_the_initial_state(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    scenario.fleet.control_faults = {"import_state": [(2, "die")]}  # group 1, the only source, loses rank 2
+    assert scenario.run() == "completed"
+
+    failed = scenario.kinds(EventKind.RANK_FAILED)
+    assert [(e["rank"], e["cause"]) for e in failed] == [(1, "death"), (2, "death")]
+    assert failed[1]["during"] == "atboundary" and "died during import_state" in failed[1]["error"]
+    # no live copy and no checkpoint: the seed's initial state is the restore point, not a stop
+    [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
+    assert restart["rolled_back_steps"] == 3 and sorted(restart["groups"]) == [0, 1]
+    assert scenario.committed_steps() == [0, 1, 2, *range(12)]  # steps 0-2 rerun from the initial state
+    assert [record["step"] for record in scenario.controller.step_records] == list(range(12))
+
+
+def test_both_copies_of_a_shard_lost_before_the_first_checkpoint_rerun_from_step_0(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=5)
+    scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
+    assert scenario.run() == "completed"
+    [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
+    assert restart["rolled_back_steps"] == 3
+    assert scenario.committed_steps() == [0, 1, 2, *range(12)]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == [5, 10, 12]
+
+
+def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_path):
+    scenario = Scenario(tmp_path, groups=3, shard=1)
+    scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.5)]}
+    scenario.controller.step_listeners.append(  # armed for the survivors' rebuild after the kill
+        lambda record: record["step"] == 2 and scenario.fleet.control_faults.update({"join_replicas": [(2, "die")]}))
+    assert scenario.run() == "completed"
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(0, "death"), (2, "death")]
+    assert scenario.kinds(EventKind.RESTORED_INITIAL_STATE) == []  # group 1 stayed live and healed both
+    assert scenario.committed_steps() == list(range(12))
+    assert scenario.live_groups_by_step()[-1] == 3
+
+
+def test_a_rank_raising_in_the_commit_is_replaced_and_its_group_healed(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, checkpoint_every=4)
+    scenario.fleet.control_faults = {"commit": [(1, "raise")]}  # the commit before the step-4 save
+    assert scenario.run() == "completed"
+    [failed] = scenario.kinds(EventKind.RANK_FAILED)
+    assert (failed["rank"], failed["cause"]) == (1, "control-error")
+    assert scenario.fleet.copies == [(0, 1)]
+    assert scenario.committed_steps() == list(range(12))
+    assert scenario.kinds(EventKind.RECOVERED)[0]["cause"] == "control-error"
+
+
+def test_every_control_call_failing_is_bounded_by_the_recovery_budget(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, max_recoveries=3)
+    scenario.fleet.faults = {2: [Kill(rank=0, after_s=0.5)]}
+
+    def every_heal_fails(pairs):
+        raise CallFailed([pairs[0][1]], "RuntimeError: import failed", "import_state")
+
+    scenario.fleet.copy_state = every_heal_fails
+    with pytest.raises(TrainingStopped, match="a control call failed while .* after 3 recoveries"):
+        scenario.run()
+    assert len(scenario.kinds(EventKind.RANK_FAILED)) == 3  # the kill, then two failed heals

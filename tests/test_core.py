@@ -10,7 +10,7 @@ import pytest
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
 from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, Diagnosis
 from elastic.core.events import EventKind, EventLog
-from elastic.core.faults import Fault, FaultSchedule, InjectedFault, InjectedStepRequest
+from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedStepRequest, parse_faults
 from elastic.core.membership import (
     Broken,
     Built,
@@ -168,3 +168,21 @@ def test_fault_schedule_decorates_the_named_ranks_once():
     assert [rank for rank, r in group_faults.items() if r.faults] == [2, 3]
     assert [e["ranks"] for e in events.of_kind(EventKind.FAULT_INJECTED)] == [[1], [2, 3]]
     assert group_faults[0].micro_batches == ((0,),)  # the request itself is unchanged
+
+
+@pytest.mark.parametrize("spec,key", [
+    ("slow:rank=1,factor=nan,step=2", "factor"),
+    ("slow:rank=1,factor=inf,step=2", "factor"),
+    ("kill:rank=1,at=nan", "at"),
+    ("kill:rank=1,at=inf", "at"),
+    ("hang:rank=0,at=-inf", "at"),
+    ("kill:rank=1,step=2,after=nan", "after"),
+    ("kill:rank=1,step=nan", "step"),
+    ("kill:rank=1,step=inf", "step"),
+])
+def test_fault_specs_refuse_nan_and_inf_naming_the_spec(spec, key):
+    with pytest.raises(FaultSpecError) as caught:
+        parse_faults(f"kill:rank=0,step=1;{spec}")
+    message = str(caught.value)
+    assert f"{key}=" in message and repr(spec) in message, message
+    assert "finite number" in message or "is not a number" in message, message

@@ -23,8 +23,8 @@ def test_a_rank_that_already_failed_its_step_is_not_the_hung_one():
 def test_a_hang_breaks_only_the_hung_rank_group():
     group_of = {0: 0, 1: 0, 2: 1, 3: 1}
     reports = {
-        2: StepReport(2, 5, error="CollectiveTimedOut: rank 2", peer_error=True),
-        3: StepReport(3, 5, error="CollectiveAborted: rank 3", peer_error=True),
+        2: StepReport(2, 5, error="CollectiveTimedOut: rank 2", failure="released"),
+        3: StepReport(3, 5, error="CollectiveAborted: rank 3", failure="released"),
     }
     diagnosis = diagnose(dead=[], reports=reports, hung=[1], stuck=[0], group_of=group_of)
     assert diagnosis.culprits == {1: HANG}

@@ -60,12 +60,17 @@ class StepReport:
     comm_s: float = 0.0
     wall_s: float = 0.0
     error: str | None = None
-    peer_error: bool = False
+    failure: str | None = None  # a workers.failures.Failure value: what the error points at
     group_broken: bool = False
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def blames_peers(self) -> bool:
+        """Failed inside a collective, or released from one: a victim, not the culprit."""
+        return self.failure in ("collective", "released")
 
 
 PHASES = ("idle", "data", "compute", "replicate", "done", "failed")

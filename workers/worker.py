@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
+from workers.failures import CollectiveAborted, CollectiveFailed, CollectiveTimedOut, StepInterrupted, classify
 from workers.protocol import (
     BuildReport,
     Progress,
@@ -40,39 +41,9 @@ from workers.protocol import (
 )
 from workers.train_step import accumulate_gradients, collate, sum_across_groups
 
-PEER_ERROR_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset",
-    "Broken pipe",
-    "Read error",
-    "Timed out",
-    "timed out",
-    "abort",
-    "NCCL",
-)
-
 REPLICATE_POLL_S = 0.001
 
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-
-class CollectiveAborted(RuntimeError):
-    """The driver gave up on this step while this rank waited for a peer."""
-
-
-class CollectiveTimedOut(RuntimeError):
-    """A peer did not join the cross-group all-reduce before the step's deadline."""
-
-
-class StepInterrupted(RuntimeError):
-    """The driver gave up on this step; the group stopped together between micro-batches."""
-
-
-def is_peer_error(error: BaseException) -> bool:
-    """Whether the error says a *remote* rank failed, rather than this one."""
-    if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted)):
-        return True
-    return any(marker in str(error) for marker in PEER_ERROR_MARKERS)
 
 
 class ComputeTimer:
@@ -207,13 +178,18 @@ class RankWorker:
         release nothing.
         """
         rank = self.spec.global_rank
-        while not work.is_completed():
-            if self._abort_requested():
-                raise CollectiveAborted(f"rank {rank}: replicate all-reduce aborted by the driver")
-            if time.perf_counter() > deadline:
-                raise CollectiveTimedOut(f"rank {rank}: replicate all-reduce still open at the step's deadline")
-            self._abort.wait(REPLICATE_POLL_S)
-        work.wait()
+        try:
+            while not work.is_completed():
+                if self._abort_requested():
+                    raise CollectiveAborted(f"rank {rank}: replicate all-reduce aborted by the driver")
+                if time.perf_counter() > deadline:
+                    raise CollectiveTimedOut(f"rank {rank}: replicate all-reduce still open at the step's deadline")
+                self._abort.wait(REPLICATE_POLL_S)
+            work.wait()
+        except (CollectiveAborted, CollectiveTimedOut):
+            raise
+        except RuntimeError as error:
+            raise CollectiveFailed(f"rank {rank}: replicate all-reduce failed: {error}") from error
 
     # membership
 
@@ -328,7 +304,7 @@ class RankWorker:
                 rank,
                 request.step,
                 error=describe_error(error),
-                peer_error=is_peer_error(error),
+                failure=classify(error, self._phase).value,
                 group_broken=group_broken,
                 wall_s=time.perf_counter() - started,
             )

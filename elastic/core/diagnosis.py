@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from workers.protocol import Progress, StepReport, describe_error
 
 DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
+# A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
+# still answers: it is replaced like any failed rank.
+CONTROL_ERROR = "control-error"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def diagnose(
     culprits = {rank: DEATH for rank in dead}
     culprits.update({rank: HANG for rank in hung if rank not in culprits})
     for rank, report in reports.items():
-        if not report.ok and not report.peer_error and rank not in culprits:
+        if not report.ok and not report.blames_peers and rank not in culprits:
             culprits[rank] = COLLECTIVE_ERROR
     broken = {group_of[rank] for rank in culprits}
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}

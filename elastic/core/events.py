@@ -29,6 +29,7 @@ class EventKind(str, Enum):
     RUN_FINISHED = "run-finished"
     RESUMED = "resumed"
     STOP_REQUESTED = "stop-requested"
+    LEASE_LOST = "lease-lost"
     METRICS_SERVING = "metrics-serving"
     # membership
     GROUP_RESERVED = "group-reserved"
@@ -45,6 +46,7 @@ class EventKind(str, Enum):
     RANK_EVICTED = "rank-evicted"
     STEP_DISCARDED = "step-discarded"
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
+    RESTORED_INITIAL_STATE = "restored-initial-state"
     RECOVERED = "recovered"
     # stragglers
     STRAGGLER_DETECTED = "straggler-detected"

@@ -17,6 +17,7 @@ rank(s) it names.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -72,7 +73,13 @@ def _parse_one(text: str) -> Fault:
             elif key == "step":
                 fields["step"] = int(value)
             elif key in ("at", "factor", "after"):
-                fields[key] = float(value)
+                number = float(value)
+                if not math.isfinite(number):
+                    raise FaultSpecError(
+                        f"fault_tolerance.inject: {key}={value!r} in {text!r} is not a finite number; "
+                        f"give {'a factor > 1' if key == 'factor' else 'a number of seconds'}"
+                    )
+                fields[key] = number
             else:
                 raise FaultSpecError(
                     f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor or after"

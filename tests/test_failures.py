@@ -1,0 +1,94 @@
+"""A rank's failure is attributed by the error's type and the code it came out of, never by
+its text: real gloo collectives whose peer died, and a rank's own errors that merely say
+"timed out" or "NCCL"."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.loopback import free_port
+from workers.failures import (
+    CollectiveAborted,
+    CollectiveFailed,
+    CollectiveTimedOut,
+    Failure,
+    StepInterrupted,
+    classify,
+)
+
+
+def raised(error: BaseException) -> BaseException:
+    """``error`` with a traceback, as a rank's step would catch it."""
+    try:
+        raise error
+    except BaseException as caught:
+        return caught
+
+
+def test_a_ranks_own_errors_are_its_own_whatever_their_text():
+    assert classify(raised(TimeoutError("S3 read timed out")), "data") is Failure.OWN_IO
+    assert classify(raised(OSError("Connection reset by peer (s3)")), "data") is Failure.OWN_IO
+    assert classify(raised(RuntimeError("NCCL-like text; abort")), "compute") is Failure.OWN_COMPUTE
+    assert classify(raised(torch.OutOfMemoryError("CUDA out of memory")), "replicate") is Failure.OWN_COMPUTE
+    assert classify(raised(ValueError("shape mismatch")), "replicate") is Failure.OWN_COMPUTE
+
+
+def test_released_and_collective_failures_blame_peers():
+    for error in (CollectiveAborted("x"), CollectiveTimedOut("x"), StepInterrupted("x")):
+        assert classify(raised(error), "replicate") is Failure.RELEASED
+    assert classify(raised(CollectiveFailed("x")), "replicate") is Failure.COLLECTIVE
+    assert classify(raised(dist.DistBackendError("x")), "compute") is Failure.COLLECTIVE
+    assert all(kind.blames_peers for kind in (Failure.RELEASED, Failure.COLLECTIVE))
+    assert not any(kind.blames_peers for kind in (Failure.OWN_IO, Failure.OWN_COMPUTE))
+
+
+def _second_step_after_peer_death(rank: int, port: int, layout: str, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    mesh = init_device_mesh("cpu", (2,))
+    if layout == "tp":
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    else:
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    batch = torch.randn(4, 16)
+    model(batch).sum().backward()
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)  # dies between steps, like a lost node
+    try:
+        model(batch).sum().backward()
+        results.put("no error")
+    except Exception as error:
+        results.put(classify(error, "compute").value)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layout):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_second_step_after_peer_death, args=(rank, port, layout, results))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        assert results.get(timeout=60) == Failure.COLLECTIVE.value
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()

@@ -1,0 +1,135 @@
+"""One driver per run: the lease protocol on a fake clock (local storage and a loopback S3
+server), the catalog's generation marks, and a second driver refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpointing.catalog import CheckpointCatalog
+from checkpointing.lease import LeaseHeld, LeaseLost, RunLease
+from checkpointing.storage import StorageOptions
+from elastic.cli import main as cli_main
+from elastic.trainer import ElasticTrainer
+from tests.tiny import tiny_config
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_800_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_url(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "run"), StorageOptions()
+    else:
+        server = request.getfixturevalue("s3_server")
+        yield server.url("runs", "run"), StorageOptions(endpoint_url=server.endpoint_url)
+
+
+def test_a_second_driver_is_refused_naming_the_holder_until_the_lease_ends(run_url):
+    url, options = run_url
+    clock = FakeClock()
+    first = RunLease(url, options, ttl_s=60, holder="head-0 pid 7", clock=clock)
+    assert first.acquire() == 1
+    second = RunLease(url, options, ttl_s=60, holder="head-1 pid 9", clock=clock)
+    with pytest.raises(LeaseHeld, match=r"head-0 pid 7 \(lease generation 1\), until .* UTC \(in 60 s\)"):
+        second.acquire()
+
+    clock.now += 30
+    first.renew()  # a live driver keeps it
+    clock.now += 59
+    with pytest.raises(LeaseHeld, match=r"in 1 s"):
+        second.acquire()
+
+    first.release()  # a driver that ends hands the run over at once
+    assert second.acquire() == 2
+
+
+def test_a_dead_drivers_lease_expires_and_the_next_driver_takes_over(run_url):
+    url, options = run_url
+    clock = FakeClock()
+    RunLease(url, options, ttl_s=60, holder="dead", clock=clock).acquire()  # never renewed, never released
+    clock.now += 61
+    assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 2
+
+
+def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url):
+    url, options = run_url
+    clock = FakeClock()
+    winner = RunLease(url, options, ttl_s=60, holder="winner", clock=clock)
+    loser = RunLease(url, options, ttl_s=60, holder="loser", clock=clock)
+    listings = []
+    listing = loser._generations
+
+    def stale_first(fs, root):  # the loser listed the leases before the winner's create landed
+        listings.append(root)
+        return [] if len(listings) == 1 else listing(fs, root)
+
+    loser._generations = stale_first
+    assert winner.acquire() == 1
+    with pytest.raises(LeaseHeld, match="winner"):
+        loser.acquire()  # its exclusive create of generation 1 fails; it looks again and is refused
+    assert len(listings) == 2
+
+
+def test_a_driver_whose_lease_was_taken_commits_and_deletes_nothing(tmp_path):
+    clock = FakeClock()
+    url, options = str(tmp_path / "run"), StorageOptions()
+    old = RunLease(url, options, ttl_s=60, holder="old", clock=clock)
+    old.acquire()
+    clock.now += 61  # the old driver stalled past its expiry (a partition, a frozen VM)
+    RunLease(url, options, ttl_s=60, holder="new", clock=clock).acquire()
+    with pytest.raises(LeaseLost, match="expired"):
+        old.renew()
+    with pytest.raises(LeaseLost):
+        old.ensure_held()
+    old.release()  # a lost lease is not the old driver's to release
+    record = json.loads((tmp_path / "run" / "lease" / "00000002.json").read_text())
+    assert record["holder"] == "new" and not record["released"]
+
+
+def test_a_renewal_that_finds_a_newer_generation_loses_the_run(tmp_path):
+    clock = FakeClock()
+    url, options = str(tmp_path / "run"), StorageOptions()
+    old = RunLease(url, options, ttl_s=60, holder="old", clock=clock)
+    old.acquire()
+    (tmp_path / "run" / "lease" / "00000002.json").write_text(
+        json.dumps({"generation": 2, "holder": "usurper", "expires_at": clock.now + 60, "released": False}))
+    with pytest.raises(LeaseLost, match="generation 2 was taken by usurper"):
+        old.renew()
+
+
+def test_partials_are_pruned_by_generation_and_commits_carry_it(tmp_path):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10, generation=2)
+    older = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10, generation=1)
+    newer = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10, generation=3)
+    older.prepare(5)  # a partial of the driver this one took over from
+    catalog.prepare(10)  # this driver's own failed save
+    catalog.prepare(15)  # this driver's save in flight
+    newer.prepare(20)  # a save of the driver that took the run from this one
+    catalog.prepare(25)
+    manifest = catalog.commit(25, {"epoch": 0, "position": 0}, {"shard": 1}, "h",
+                              {"__0_0.distcp": (1, "0" * 64)}, timings={})
+    assert manifest.lease_generation == 2
+    assert catalog.prune(writing=15) == [5, 10]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step-00000015", "step-00000020", "step-00000025"]
+
+
+def test_a_second_driver_exits_at_once_before_ray_or_any_actor_starts(tmp_path, capsys):
+    config = tiny_config(tmp_path, run_name="taken")
+    holder = RunLease(str(tmp_path / "runs" / "taken"), StorageOptions(), ttl_s=600, holder="the first driver")
+    holder.acquire()
+    with pytest.raises(LeaseHeld, match="the first driver"):
+        ElasticTrainer(config).fit()
+    assert not (tmp_path / "runs" / "taken" / "summary.json").exists(), "the first driver's summary is its own"
+
+    code = cli_main(["train", "--quiet", "--storage", str(tmp_path / "runs"), "--run-name", "taken"])
+    assert code == 1
+    assert "another driver holds this run: the first driver" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""What a rank's failed step points at: its own work, or its peers.
+
+A rank knows where it failed, and the error's type and the code it came out of say what
+failed; its text is never read. Four kinds, each a value of ``Failure``:
+
+- ``OWN_IO``: reading its own data (the ``data`` phase, outside any collective);
+- ``OWN_COMPUTE``: its own model, optimizer or memory (out-of-memory always counts here);
+- ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
+  ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
+  dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
+  collectives), or ``CollectiveFailed`` from the worker's wait on the cross-group all-reduce;
+- ``RELEASED``: the driver or the step's deadline released it from waiting on peers.
+
+The last two make the rank a victim, not a culprit: the driver looks for the rank that died,
+hung or failed on its own.
+"""
+
+from __future__ import annotations
+
+import traceback
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+
+class Failure(str, Enum):
+    OWN_IO = "own-io"
+    OWN_COMPUTE = "own-compute"
+    COLLECTIVE = "collective"
+    RELEASED = "released"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def blames_peers(self) -> bool:
+        return self in (Failure.COLLECTIVE, Failure.RELEASED)
+
+
+class CollectiveAborted(RuntimeError):
+    """The driver gave up on this step while this rank waited for a peer."""
+
+
+class CollectiveTimedOut(RuntimeError):
+    """A peer did not join the cross-group all-reduce before the step's deadline."""
+
+
+class CollectiveFailed(RuntimeError):
+    """The cross-group all-reduce failed while this rank waited on it (a peer or the transport)."""
+
+
+class StepInterrupted(RuntimeError):
+    """The driver gave up on this step; the group stopped together between micro-batches."""
+
+
+# Every collective torch issues from Python passes through one of these; an error raised
+# while one of them is on the stack came from the collective (a peer, or the transport).
+COLLECTIVE_CODE = (
+    "torch/distributed/distributed_c10d.py",
+    "torch/distributed/_functional_collectives.py",
+    "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py",
+)
+
+
+def raised_in_collective(error: BaseException) -> bool:
+    if isinstance(error, (dist.DistError, CollectiveFailed)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(frame.filename.replace("\\", "/").endswith(COLLECTIVE_CODE) for frame in frames)
+
+
+def classify(error: BaseException, phase: str) -> Failure:
+    """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``Progress``)."""
+    if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted)):
+        return Failure.RELEASED
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return Failure.OWN_COMPUTE
+    if raised_in_collective(error):
+        return Failure.COLLECTIVE
+    return Failure.OWN_IO if phase == "data" else Failure.OWN_COMPUTE
