@@ -13,6 +13,7 @@ Every control call has a deadline: ``collective_timeout_s`` plus a margin for th
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 
 import ray
@@ -66,16 +67,24 @@ class Pending:
 
 @dataclass
 class Rendezvous:
-    """The TCPStore every process group rendezvouses on, hosted by the driver."""
+    """The TCPStore every process group rendezvouses on, hosted by the driver.
+
+    torch's store server has neither authentication nor a bind address (it listens on every
+    interface), so the run's processes keep every key under a secret prefix that reaches
+    them only through Ray (token-authenticated on the KubeRay manifests): a process that
+    connects without it cannot find, join or disturb any of the run's process groups. The
+    NetworkPolicy in ``deploy/kuberay`` keeps other pods from connecting at all.
+    """
 
     host: str
     store: dist.TCPStore
+    prefix: str
 
     @classmethod
     def start(cls) -> Rendezvous:
         host = ray.util.get_node_ip_address()
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-        return cls(host, store)
+        return cls(host, store, f"{secrets.token_hex(16)}/")
 
     @property
     def port(self) -> int:
@@ -140,6 +149,7 @@ class Fleet:
             use_gpu=self.scaling.uses_gpu,
             store_host=self.rendezvous.host,
             store_port=self.rendezvous.port,
+            store_prefix=self.rendezvous.prefix,
             collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
             storage=self.config.checkpoint.storage_options(),
             upload_in_process=self.config.checkpoint.upload_in_process(self.scaling.uses_gpu),

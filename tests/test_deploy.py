@@ -1,7 +1,9 @@
 """Static checks of deploy/: KubeRay manifests against the CRD schemas, the training config they
 point at, the Grafana dashboard against the metrics elastic/metrics.py exports, and the
 PodMonitor against the head pod it scrapes, and the README's metric table against the same
-metrics. Fast: no network, no Ray, no Kubernetes.
+metrics; token authentication on every Ray container, the NetworkPolicy against the pods and
+ports of the manifests, and the shutdown budget against the kill deadlines. Fast: no network,
+no Ray, no Kubernetes.
 
 ``dashboard_queries()`` is also used by tests that evaluate every query on a real Prometheus.
 """
@@ -598,3 +600,305 @@ def test_readme_lists_every_exported_metric():
         family + "_total" if kind == "counter" else family for family, (kind, _) in exported_metrics().items()
     }
     assert listed == exported, f"README metric table: missing {sorted(exported - listed)}, stale {sorted(listed - exported)}"
+
+
+# --------------------------------------------------------------------------- (e) closed doors
+
+NETWORKPOLICY = DEPLOY / "kuberay" / "networkpolicy.yaml"
+
+# Seconds between the end of the final checkpoint and the driver being gone: process exit, the
+# run summary written to S3, Ray tearing the job down, signal delivery. Stated in train.toml too.
+SHUTDOWN_MARGIN_S = 30.0
+POD_DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds when unset
+RAY_DEFAULT_JOB_STOP_WAIT_S = 3  # Ray's JobSupervisor.DEFAULT_RAY_JOB_STOP_WAIT_TIME_S
+
+# Labels KubeRay puts on every Ray pod it creates, whatever the pod template says.
+KUBERAY_POD_LABELS = {"ray.io/is-ray-node": "yes"}
+RAY_AUTH_TOKEN_KEY = "auth_token"  # the Secret key KubeRay's authOptions.secretName reads
+
+
+def cluster_specs() -> dict[str, dict]:
+    return {RAYJOB.name: rayjob()["spec"]["rayClusterSpec"], RAYCLUSTER.name: raycluster()["spec"]}
+
+
+def pod_templates(cluster_spec: dict) -> dict[str, dict]:
+    """Pod template of the head and of every worker group, by group name."""
+    templates = {"head": cluster_spec["headGroupSpec"]["template"]}
+    for group in cluster_spec["workerGroupSpecs"]:
+        templates[group["groupName"]] = group["template"]
+    return templates
+
+
+def ray_containers(cluster_spec: dict) -> dict[str, dict]:
+    """The Ray container (index 0, as KubeRay reads it) of every pod template."""
+    return {group: template["spec"]["containers"][0] for group, template in pod_templates(cluster_spec).items()}
+
+
+def effective_train_config():
+    """train.toml with the RayJob entrypoint's flags applied, through elastic's own CLI."""
+    from elastic.cli import build_parser, train_overrides
+    from elastic.config import load_config
+
+    argv, _ = entrypoint_args(rayjob())
+    return load_config(TRAIN_TOML, train_overrides(build_parser().parse_args(argv[3:])))
+
+
+def kill_deadlines(cluster_spec: dict) -> dict[str, float]:
+    """Every deadline after which a stopping driver (or the ranks saving for it) is SIGKILLed."""
+    deadlines = {
+        f"{group} terminationGracePeriodSeconds": template["spec"].get(
+            "terminationGracePeriodSeconds", POD_DEFAULT_GRACE_S
+        )
+        for group, template in pod_templates(cluster_spec).items()
+    }
+    # `ray job stop` runs in the JobSupervisor, on the head with the driver: the head's env counts.
+    head_env = env_names(head_container(cluster_spec))
+    wait = head_env.get("RAY_JOB_STOP_WAIT_TIME_S", {"value": RAY_DEFAULT_JOB_STOP_WAIT_S})
+    deadlines["head RAY_JOB_STOP_WAIT_TIME_S"] = int(wait["value"])  # Ray parses it with int()
+    return deadlines
+
+
+def shutdown_budget_problems(config, cluster_spec: dict) -> list[str]:
+    grace = config.checkpoint.grace_s
+    longest_step = config.fault_tolerance.min_deadline_s  # the longest expected step, see train.toml
+    budget = grace + longest_step + SHUTDOWN_MARGIN_S
+    return [
+        f"{name} = {deadline} s is not above checkpoint.grace_s {grace:g} + longest step "
+        f"(fault_tolerance.min_deadline_s) {longest_step:g} + margin {SHUTDOWN_MARGIN_S:g} = {budget:g} s"
+        for name, deadline in kill_deadlines(cluster_spec).items()
+        if not budget < deadline
+    ]
+
+
+@pytest.mark.parametrize("manifest", [RAYJOB.name, RAYCLUSTER.name])
+def test_shutdown_budget_fits_the_kill_deadlines(manifest):
+    """A stop (SIGTERM) finishes the step in flight, then the final checkpoint gets grace_s: the
+    driver must be done before the pod is killed and before `ray job stop` SIGKILLs it."""
+    problems = shutdown_budget_problems(effective_train_config(), cluster_specs()[manifest])
+    assert not problems, f"{manifest}:\n  " + "\n  ".join(problems)
+
+
+def test_shutdown_budget_check_is_real():
+    config, cluster = effective_train_config(), cluster_specs()[RAYJOB.name]
+    longer_grace = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"grace_s": 1000.0})})
+    assert shutdown_budget_problems(longer_grace, cluster)
+    for path, value in (
+        (("headGroupSpec", "template", "spec", "terminationGracePeriodSeconds"), 90),
+        (("workerGroupSpecs", 0, "template", "spec", "terminationGracePeriodSeconds"), _DELETE),  # default 30 s
+        (("headGroupSpec", "template", "spec", "containers", 0, "env"), []),  # Ray's default wait, 3 s
+    ):
+        assert shutdown_budget_problems(config, _set(cluster, path, value)), path
+
+
+def auth_problems(cluster_spec: dict) -> list[str]:
+    auth = cluster_spec.get("authOptions") or {}
+    secret = auth.get("secretName")
+    problems = []
+    if auth.get("mode") != "token":
+        problems.append(f"authOptions.mode is {auth.get('mode')!r}, not 'token'")
+    if not secret:
+        problems.append("authOptions.secretName is not set: KubeRay would make a new token per cluster")
+    rv = tuple(int(part) for part in cluster_spec["rayVersion"].split(".")[:2])
+    if rv < (2, 52):
+        problems.append(f"rayVersion {cluster_spec['rayVersion']} has no token authentication (2.52+)")
+    for group, container in ray_containers(cluster_spec).items():
+        env = env_names(container)
+        mode = env.get("RAY_AUTH_MODE", {})
+        if mode.get("value") != "token" or "valueFrom" in mode:
+            problems.append(f"{group}: RAY_AUTH_MODE is {mode!r}, not the literal 'token'")
+        token = env.get("RAY_AUTH_TOKEN", {})
+        ref = token.get("valueFrom", {}).get("secretKeyRef", {})
+        if "value" in token or not ref:
+            problems.append(f"{group}: RAY_AUTH_TOKEN does not come from a Secret: {token!r}")
+        elif (ref.get("name"), ref.get("key")) != (secret, RAY_AUTH_TOKEN_KEY) or ref.get("optional"):
+            problems.append(f"{group}: RAY_AUTH_TOKEN reads {ref!r}, not key {RAY_AUTH_TOKEN_KEY} of {secret}")
+    for group, template in pod_templates(cluster_spec).items():  # no token in clear anywhere else
+        for container in template["spec"].get("containers", []) + template["spec"].get("initContainers", []):
+            for item in container.get("env", []):
+                if item["name"].startswith("RAY_AUTH_TOKEN") and "value" in item:
+                    problems.append(f"{group}/{container['name']}: {item['name']} is a literal")
+    return problems
+
+
+@pytest.mark.parametrize("manifest", [RAYJOB.name, RAYCLUSTER.name])
+def test_every_ray_container_gets_the_auth_token_from_a_secret(manifest):
+    cluster = cluster_specs()[manifest]
+    problems = auth_problems(cluster)
+    assert not problems, f"{manifest}:\n  " + "\n  ".join(problems)
+    # The manifest tells its reader how to make the Secret and how a submitter passes the token.
+    text = (DEPLOY / "kuberay" / manifest).read_text()
+    secret = cluster["authOptions"]["secretName"]
+    assert f"kubectl create secret generic {secret} --from-literal={RAY_AUTH_TOKEN_KEY}=" in text
+    assert "export RAY_AUTH_MODE=token" in text and f"kubectl get secret {secret}" in text
+
+
+_HEAD_ENV = ("headGroupSpec", "template", "spec", "containers", 0, "env")
+_WORKER_SPEC = ("workerGroupSpecs", 0, "template", "spec")
+
+BROKEN_AUTH = {
+    "auth disabled": (("authOptions", "mode"), "disabled"),
+    "generated secret": (("authOptions", "secretName"), _DELETE),
+    "old ray": (("rayVersion",), "2.51.0"),
+    "worker without env": ((*_WORKER_SPEC, "containers", 0, "env"), []),
+    "literal token": ((*_HEAD_ENV,), [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "value": "t0ken"},
+    ]),
+    "wrong secret key": ((*_HEAD_ENV,), [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "elastic-ray-auth", "key": "token"}}},
+    ]),
+    "literal token in an init container": ((*_WORKER_SPEC, "initContainers"), [
+        {"name": "init", "image": "busybox", "env": [{"name": "RAY_AUTH_TOKEN", "value": "t0ken"}]},
+    ]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_AUTH))
+def test_auth_check_is_real(case):
+    path, value = BROKEN_AUTH[case]
+    assert auth_problems(_set(cluster_specs()[RAYJOB.name], path, value)), case
+
+
+def load_networkpolicy() -> dict:
+    (policy,) = [doc for doc in yaml.load_all(NETWORKPOLICY.read_text(), Loader=_Loader) if doc]
+    return policy
+
+
+def _allows_port(rule: dict, number: int, name: str, protocol: str = "TCP") -> bool:
+    if not rule.get("ports"):
+        return True  # no ports: every port
+    for port in rule["ports"]:
+        if port.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in port or port["port"] == name:
+            return True
+        if isinstance(port["port"], int) and port["port"] <= number <= port.get("endPort", port["port"]):
+            return True
+    return False
+
+
+def _peer_kind(peer: dict, ray_selector: dict) -> str:
+    """'ray' for this cluster's Ray pods; 'named' for pods or namespaces picked by explicit labels;
+    'open' for anything wider (an empty selector, an expression, an IP block)."""
+    if peer == {"podSelector": ray_selector}:
+        return "ray"
+    selectors = [peer[key] for key in ("podSelector", "namespaceSelector") if key in peer]
+    if set(peer) - {"podSelector", "namespaceSelector"} or not selectors:
+        return "open"
+    if any(not s.get("matchLabels") or s.get("matchExpressions") for s in selectors):
+        return "open"
+    return "named"
+
+
+def exposed_ports() -> dict[tuple[str, int], set[str]]:
+    """(port name, number) -> the pod groups exposing it, over both manifests."""
+    ports: dict[tuple[str, int], set[str]] = {}
+    for manifest, cluster in cluster_specs().items():
+        for group, container in ray_containers(cluster).items():
+            for port in container.get("ports", []):
+                ports.setdefault((port["name"], port["containerPort"]), set()).add(f"{manifest}:{group}")
+    return ports
+
+
+def networkpolicy_problems(policy: dict) -> list[str]:
+    problems = []
+    if (policy.get("apiVersion"), policy.get("kind")) != ("networking.k8s.io/v1", "NetworkPolicy"):
+        return [f"not a networking.k8s.io/v1 NetworkPolicy: {policy.get('apiVersion')} {policy.get('kind')}"]
+    spec = policy["spec"]
+    selector = spec.get("podSelector", {})
+    labels = selector.get("matchLabels", {})
+    if not labels or selector.get("matchExpressions"):
+        problems.append(f"podSelector {selector!r} must pick the Ray pods by matchLabels only")
+    # Every selected label is on every Ray pod of both manifests (template label or KubeRay's).
+    for manifest, cluster in cluster_specs().items():
+        for group, template in pod_templates(cluster).items():
+            pod_labels = {**template.get("metadata", {}).get("labels", {}), **KUBERAY_POD_LABELS}
+            for key, value in labels.items():
+                if pod_labels.get(key) != value:
+                    problems.append(f"{manifest}:{group} pods lack {key}={value}: the policy misses them")
+    if not labels.keys() & KUBERAY_POD_LABELS.keys():
+        problems.append("podSelector must include a KubeRay Ray-pod label, so it selects Ray pods only")
+    if set(spec.get("policyTypes", [])) != {"Ingress", "Egress"}:
+        problems.append(f"policyTypes {spec.get('policyTypes')!r}: both Ingress and Egress must be closed")
+
+    ingress = spec.get("ingress", [])
+    by_kind: dict[str, list[dict]] = {"ray": [], "named": [], "open": []}
+    for rule in ingress:
+        peers = rule.get("from")
+        if not peers:
+            problems.append(f"ingress rule without `from` admits everyone: {rule!r}")
+            continue
+        for peer in peers:
+            by_kind[_peer_kind(peer, selector)].append(rule)
+        if any(_peer_kind(p, selector) != "ray" for p in peers) and not rule.get("ports"):
+            problems.append(f"ingress rule from outside the cluster opens every port: {rule!r}")
+    for rule in by_kind["open"]:
+        problems.append(f"ingress peer not named by explicit labels: {rule['from']!r}")
+
+    ports = exposed_ports()
+    named = {name: number for name, number in ports}
+    for (name, number), groups in ports.items():  # the cluster's own pods reach every port
+        if not any(_allows_port(rule, number, name) for rule in by_kind["ray"]):
+            problems.append(f"port {name}/{number} ({sorted(groups)}) is closed to the cluster's own Ray pods")
+
+    def outside_rules(port_name: str) -> list[dict]:
+        return [r for r in by_kind["named"] if _allows_port(r, named[port_name], port_name)]
+
+    monitor = load_yaml(PODMONITOR)
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:  # Prometheus reaches what it scrapes
+        rules = outside_rules(endpoint["port"])
+        if not any("namespaceSelector" in peer for rule in rules for peer in rule["from"]):
+            problems.append(f"Prometheus (another namespace) cannot scrape port {endpoint['port']}")
+    submitter = {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": rayjob()["metadata"]["name"]}}}
+    dashboard_peers = [peer for rule in outside_rules("dashboard") for peer in rule["from"]]
+    if submitter not in dashboard_peers:
+        problems.append(f"the RayJob's submitter pod ({submitter}) cannot reach the dashboard port")
+    if not any(
+        "kuberay-operator" in peer.get("podSelector", {}).get("matchLabels", {}).values() for peer in dashboard_peers
+    ):
+        problems.append("the KubeRay operator cannot reach the dashboard port (it polls and stops RayJobs there)")
+    if outside_rules("gcs-server"):
+        problems.append("GCS (gcs-server) is reachable from outside the cluster")
+
+    egress = spec.get("egress", [])
+
+    def egress_allows(number: int, protocol: str) -> bool:
+        return any(not rule.get("to") and _allows_port(rule, number, "", protocol) for rule in egress)
+
+    if not any(rule.get("to") == [{"podSelector": selector}] and not rule.get("ports") for rule in egress):
+        problems.append("egress to the cluster's own Ray pods is not open on every port")
+    for number, protocol, what in ((53, "UDP", "DNS"), (53, "TCP", "DNS"), (443, "TCP", "S3 (HTTPS)")):
+        if not egress_allows(number, protocol):
+            problems.append(f"egress {what} {number}/{protocol} is blocked")
+    if policy["metadata"].get("namespace") != rayjob()["metadata"].get("namespace"):
+        problems.append("the policy must live in the namespace of the Ray pods")
+    return problems
+
+
+def test_networkpolicy_closes_the_ray_pods():
+    problems = networkpolicy_problems(load_networkpolicy())
+    assert not problems, "deploy/kuberay/networkpolicy.yaml:\n  " + "\n  ".join(problems)
+
+
+_INGRESS = ("spec", "ingress")
+
+BROKEN_NETWORKPOLICIES = {
+    "selects other pods": (("spec", "podSelector", "matchLabels", "app.kubernetes.io/part-of"), "other"),
+    "ingress only": (("spec", "policyTypes"), ["Ingress"]),
+    "open ingress": ((*_INGRESS, 0), {}),
+    "cluster limited to gcs": ((*_INGRESS, 0, "ports"), [{"port": 6379}]),
+    "no prometheus": ((*_INGRESS, 1), {"from": [{"podSelector": {"matchLabels": {"a": "b"}}}], "ports": [{"port": 1}]}),
+    "dashboard from any namespace": ((*_INGRESS, 2, "from", 0, "namespaceSelector"), {}),
+    "dashboard from an ip block": ((*_INGRESS, 2, "from"), [{"ipBlock": {"cidr": "0.0.0.0/0"}}]),
+    "every port to clients": ((*_INGRESS, 3, "ports"), _DELETE),
+    "gcs to clients": ((*_INGRESS, 3, "ports"), [{"port": 6379}, {"port": 8265}]),
+    "no dns": (("spec", "egress"), [{"ports": [{"port": 443, "protocol": "TCP"}]}]),
+    "no s3": (("spec", "egress"), [{"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_NETWORKPOLICIES))
+def test_networkpolicy_check_is_real(case):
+    path, value = BROKEN_NETWORKPOLICIES[case]
+    assert networkpolicy_problems(_set(load_networkpolicy(), path, value)), case

@@ -56,3 +56,23 @@ def test_a_summary_that_cannot_be_written_fails_the_run_and_keeps_why_it_ended(t
     assert summary["exit"].startswith("failed: summary not written (PermissionError: read-only bucket)")
     assert summary["exit"].endswith("the run ended: completed")
     assert exit_code(summary["exit"]) == 1
+
+
+def test_the_rendezvous_keys_are_hidden_under_a_secret_per_run_prefix():
+    import datetime
+
+    import torch.distributed as dist
+
+    from elastic.fleet import Rendezvous
+
+    run, other_run = Rendezvous.start(), Rendezvous.start()
+    assert run.prefix != other_run.prefix and len(run.prefix) >= 32
+
+    def client(prefix: str = ""):
+        store = dist.TCPStore(run.host, run.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        return dist.PrefixStore(prefix, store) if prefix else store
+
+    client(run.prefix).set("gen1/group0/rank0", "address of rank 0")  # what a rank's rendezvous writes
+    outsider = client()
+    assert not outsider.check(["gen1/group0/rank0"]), "a process without the prefix sees the run's keys"
+    assert client(run.prefix).get("gen1/group0/rank0") == b"address of rank 0"

@@ -94,9 +94,9 @@ class RankWorker:
         self.compute_timer = ComputeTimer(spec.use_gpu)
         self.replicate_dtype = torch.bfloat16 if spec.replicate_dtype == "bf16" else torch.float32
         self.timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
-        self.store = dist.TCPStore(
+        self.store = dist.PrefixStore(spec.store_prefix, dist.TCPStore(
             spec.store_host, spec.store_port, is_master=False, timeout=self.timeout, wait_for_workers=False
-        )
+        ))
         self.model = None
         self.optimizer = None
         self.replicate_group = None
