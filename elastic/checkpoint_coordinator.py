@@ -104,11 +104,16 @@ class CheckpointCoordinator:
         """Stage the committed state of ``group`` and start its upload (the only stall)."""
         self.due = False
         self.deferred_counted = False
+        try:
+            url = self.catalog.prepare(step)
+        except Exception as error:  # storage unreachable (botocore's errors are not OSErrors)
+            self._failed(step, f"the checkpoint directory could not be prepared: {describe_error(error)}")
+            return False
         started = self.clock()
         try:
             with self.ledger.timing("checkpoint_stall"):
-                self.fleet.save(ranks, self.catalog.prepare(step))
-        except (FleetError, OSError) as error:
+                self.fleet.save(ranks, url)
+        except FleetError as error:
             self._failed(step, f"staging failed: {describe_error(error)}")
             return False
         stall_s = self.clock() - started
