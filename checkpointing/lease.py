@@ -67,7 +67,7 @@ class RunLease:
 
     # storage
 
-    def _path(self, fs, root: str, generation: int) -> str:
+    def _path(self, root: str, generation: int) -> str:
         return f"{root}/{generation:08d}.json"
 
     def _generations(self, fs, root: str) -> list[int]:
@@ -79,10 +79,10 @@ class RunLease:
         return sorted(int(match.group(1)) for match in found if match)
 
     def _read(self, fs, root: str, generation: int) -> dict:
-        return json.loads(fs.cat_file(self._path(fs, root, generation)))
+        return json.loads(fs.cat_file(self._path(root, generation)))
 
     def _write(self, fs, root: str, expires_at: float, released: bool) -> None:
-        with fs.open(self._path(fs, root, self.generation), "wb") as handle:
+        with fs.open(self._path(root, self.generation), "wb") as handle:
             handle.write(self._record(expires_at, released))
 
     def _record(self, expires_at: float, released: bool) -> bytes:
@@ -123,11 +123,11 @@ class RunLease:
                 )
         self.generation = newest + 1
         self.expires_at = self.clock() + self.ttl_s
-        if not self._create(fs, self._path(fs, root, self.generation), self._record(self.expires_at, False)):
+        if not self._create(fs, self._path(root, self.generation), self._record(self.expires_at, False)):
             self.generation = None
             return self.acquire()  # another driver won this generation: its record now refuses us
         for old in generations[:-1]:  # keep the previous holder's record for the history
-            fs.rm(self._path(fs, root, old))
+            fs.rm(self._path(root, old))
         return self.generation
 
     def renew(self) -> None:

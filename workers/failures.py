@@ -18,24 +18,11 @@ hung or failed on its own.
 from __future__ import annotations
 
 import traceback
-from enum import Enum
 
 import torch
 import torch.distributed as dist
 
-
-class Failure(str, Enum):
-    OWN_IO = "own-io"
-    OWN_COMPUTE = "own-compute"
-    COLLECTIVE = "collective"
-    RELEASED = "released"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def blames_peers(self) -> bool:
-        return self in (Failure.COLLECTIVE, Failure.RELEASED)
+from workers.protocol import Failure
 
 
 class CollectiveAborted(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from checkpointing.storage import StorageOptions
 
@@ -51,6 +52,19 @@ class StepRequest:
     deadline_s: float = float("inf")  # from the step's start: no wait on peers outlasts it
 
 
+class Failure(StrEnum):
+    """What a failed step points at (``workers.failures.classify`` decides)."""
+
+    OWN_IO = "own-io"
+    OWN_COMPUTE = "own-compute"
+    COLLECTIVE = "collective"
+    RELEASED = "released"
+
+    @property
+    def blames_peers(self) -> bool:
+        return self in (Failure.COLLECTIVE, Failure.RELEASED)
+
+
 @dataclass(frozen=True)
 class StepReport:
     global_rank: int
@@ -61,7 +75,7 @@ class StepReport:
     comm_s: float = 0.0
     wall_s: float = 0.0
     error: str | None = None
-    failure: str | None = None  # a workers.failures.Failure value: what the error points at
+    failure: str | None = None  # a Failure value: what the error points at
     group_broken: bool = False
 
     @property
@@ -71,7 +85,7 @@ class StepReport:
     @property
     def blames_peers(self) -> bool:
         """Failed inside a collective, or released from one: a victim, not the culprit."""
-        return self.failure in ("collective", "released")
+        return self.failure is not None and Failure(self.failure).blames_peers
 
 
 PHASES = ("idle", "data", "compute", "replicate", "done", "failed")

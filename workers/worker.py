@@ -304,7 +304,7 @@ class RankWorker:
                 rank,
                 request.step,
                 error=describe_error(error),
-                failure=classify(error, self._phase).value,
+                failure=classify(error, self._phase),
                 group_broken=group_broken,
                 wall_s=time.perf_counter() - started,
             )

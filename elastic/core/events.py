@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 log = logging.getLogger("elastic.events")
@@ -22,7 +22,7 @@ def redact_credentials(text: str) -> str:
     return _URL_CREDENTIALS.sub("***@", text)
 
 
-class EventKind(str, Enum):
+class EventKind(StrEnum):
     """Every kind of event; the value is what the summary, the logs and the report carry."""
 
     RUN_STARTED = "run-started"
@@ -61,9 +61,6 @@ class EventKind(str, Enum):
     CHECKPOINT_SKIPPED = "checkpoint-skipped"
     CHECKPOINTS_DELETED = "checkpoints-deleted"
     FINAL_CHECKPOINT_MISSED = "final-checkpoint-missed"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 Event = dict[str, Any]
