@@ -174,7 +174,8 @@ class CheckpointCatalog:
         return max(sequences) + 1
 
     def commit(self, step: int, cursor: dict, topology: dict, config_hash: str,
-               files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None) -> Manifest:
+               files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None,
+               rng: dict[str, dict[str, str]] | None = None) -> Manifest:
         manifest = Manifest(
             step=step,
             sequence=self._next_sequence(),
@@ -185,6 +186,7 @@ class CheckpointCatalog:
             lease_generation=self.generation,
             files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,
+            rng=rng or {},
         )
         if self.signing_key:
             manifest = sign(manifest, self.signing_key)

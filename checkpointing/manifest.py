@@ -69,6 +69,8 @@ class Manifest(_Strict):
     lease_generation: NonNegativeInt = 0  # of the driver that committed it (0: before leases)
     files: tuple[FileRecord, ...] = Field(min_length=1)
     timings: dict[str, float] = Field(default_factory=dict)
+    # the generator states of each shard position's stream, base64, by shard index (see workers.rng)
+    rng: dict[str, dict[str, str]] = Field(default_factory=dict)
     signature: str | None = None  # HMAC-SHA256 of the rest, when the run has a signing key
 
     @property

@@ -54,6 +54,7 @@ class UploadResult:
     upload_s: float = 0.0
     files: dict[str, tuple[int, str]] = field(default_factory=dict)
     error: str | None = None
+    rng: dict[str, bytes] | None = None  # the rank's generator states at the save (see workers.rng)
 
 
 def training_state(model: nn.Module, optimizer) -> dict:
@@ -70,6 +71,7 @@ class RankCheckpointIO:
         self.arena: StagingArena | None = None
         self.uploader: UploadProcess | None = None
         self.upload: Future | None = None
+        self.rng: dict[str, bytes] | None = None
 
     def attach(self, process_group) -> None:
         """Use this world's checkpoint process group (made by every rank of the world)."""
@@ -82,9 +84,10 @@ class RankCheckpointIO:
     def uploading(self) -> bool:
         return self.upload is not None and not self.upload.done()
 
-    def save(self, model: nn.Module, optimizer, url: str) -> float:
+    def save(self, model: nn.Module, optimizer, url: str, rng: dict[str, bytes] | None = None) -> float:
         """Stage the committed state to host memory and start its upload; returns the stall
-        in seconds. Raises if staging fails: the next save stages into fresh buffers."""
+        in seconds. Raises if staging fails: the next save stages into fresh buffers. ``rng``
+        travels back to the driver with the upload's result, for the manifest."""
         started = time.perf_counter()
         if self.uploading:
             raise RuntimeError("a checkpoint upload is still in flight")
@@ -106,6 +109,7 @@ class RankCheckpointIO:
         else:
             writer = _DigestingWriter(url, self.options)
         self.upload = _in_thread(_upload, state, _StagedPlanner(snapshot), writer, self.process_group)
+        self.rng = rng
         return time.perf_counter() - started
 
     def wait(self) -> UploadResult:
@@ -118,7 +122,7 @@ class RankCheckpointIO:
             return UploadResult(self.global_rank, ok=False, error=_describe(error)[:1000])
         finally:
             self.upload = None
-        return UploadResult(self.global_rank, ok=True, upload_s=upload_s, files=files)
+        return UploadResult(self.global_rank, ok=True, upload_s=upload_s, files=files, rng=self.rng)
 
     def settle(self, timeout_s: float) -> None:
         """Let an upload in flight end before the world it uses is torn down. One still

@@ -13,6 +13,7 @@ A driver commits and deletes only while it holds the run's lease (``LeaseLost`` 
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -79,11 +80,25 @@ class CheckpointCoordinator:
         return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh)
 
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
-        """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds."""
+        """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds.
+
+        Each rank gets the generator states saved at its shard position (the TP ranks of a
+        position share one stream). A shard position the saving layout did not have restarts
+        its stream from the seed and the step instead, which is reported: its random draws
+        differ from the run that saved it."""
         started = self.clock()
-        self.fleet.restore(ranks, checkpoint.url)
+        generators = {rank: self._saved_generators(checkpoint, rank) for rank in ranks}
+        self.fleet.restore(ranks, checkpoint.url, checkpoint.step, generators)
+        reseeded = sorted({self.topology.shard_index(rank) for rank, state in generators.items() if state is None})
+        if reseeded:
+            self.events.emit(EventKind.RNG_RESEEDED, step=checkpoint.step, shard_positions=reseeded,
+                             saved_layout=checkpoint.manifest.topology)
         self.last_committed_step = self.restored_step = checkpoint.step
         return self.clock() - started
+
+    def _saved_generators(self, checkpoint: Restorable, rank: int) -> dict[str, bytes] | None:
+        saved = checkpoint.manifest.rng.get(str(self.topology.shard_index(rank)))
+        return None if saved is None else {name: base64.b64decode(state) for name, state in saved.items()}
 
     # saving
 
@@ -150,6 +165,12 @@ class CheckpointCoordinator:
                 save.step, asdict(save.cursor), self.topology.record(), self.config_hash, files,
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
                 config=self.config_record,
+                rng={
+                    str(self.topology.shard_index(result.global_rank)): {
+                        name: base64.b64encode(state).decode() for name, state in result.rng.items()
+                    }
+                    for result in results if result.rng and self.topology.position_of(result.global_rank)[1] == 0
+                },
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries
             self._failed(save.step, f"manifest write failed: {describe_error(error)}")

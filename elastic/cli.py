@@ -9,6 +9,7 @@ import sys
 from checkpointing.lease import LeaseHeld
 from elastic.config import ConfigError, load_config
 from elastic.core.events import redact_credentials
+from elastic.presets import PRESETS
 
 
 def parse_groups(text: str) -> dict[str, int]:
@@ -42,6 +43,12 @@ TRAIN_FLAGS = {
     "compile": "compute.compile",
     "activation_checkpointing": "compute.activation_checkpointing",
     "start_fresh": "checkpoint.start_fresh",
+    "preset": "model.preset",
+    "lr": "optimizer.lr",
+    "lr_schedule": "optimizer.schedule",
+    "warmup_steps": "optimizer.warmup_steps",
+    "clip_grad_norm": "optimizer.clip_grad_norm",
+    "eval_every": "eval.every",
 }
 
 
@@ -50,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model (the embedded default needs no arguments)")
     train.add_argument("--config", help="TOML or YAML config file")
+    train.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}; model fields the config gives override it "
+                                        "(GPU memory per rank: docs/presets.md)")
     train.add_argument("--run-name", help="run name; the same name and storage resume a run")
     train.add_argument("--storage", help="where runs are kept: a local directory or an fsspec URL (s3://bucket/prefix)")
     train.add_argument("--steps", type=int)
@@ -66,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.compile each transformer block")
     train.add_argument("--activation-checkpointing", choices=["none", "full"], help="recompute each block in backward")
+    train.add_argument("--lr", type=float, help="peak learning rate")
+    train.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
+                       help="after the warmup: keep the peak, or decay to optimizer.min_lr_ratio x lr")
+    train.add_argument("--warmup-steps", type=int, help="linear warmup to the peak learning rate")
+    train.add_argument("--clip-grad-norm", type=float, help="clip gradients to this global norm")
+    train.add_argument("--eval-every", type=int, help="held-out loss every N steps and at the end (0: never)")
     train.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off)")
     train.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     train.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0: only at the end)")
@@ -77,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run")
     report.add_argument("run", help="a run directory or storage URL")
     report.add_argument("--output", help="PNG path")
+    prepare = commands.add_parser("prepare", help="write text as a byte-level token file to train on (data.format = tokens)")
+    prepare.add_argument("inputs", nargs="+", metavar="TEXT", help="text files: paths, globs or fsspec URLs, in order")
+    prepare.add_argument("--output", required=True, help="the token file: a path or fsspec URL, e.g. train.bin")
+    prepare.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
+                         help="token width (auto: uint16 when every token fits)")
+    prepare.add_argument("--eos", type=int, help="token id appended after each input file")
+    prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -113,6 +135,20 @@ def run_train(args: argparse.Namespace) -> int:
     return exit_code(result.exit)
 
 
+def run_prepare(args: argparse.Namespace) -> int:
+    from elastic.prepare import BYTE_VOCABULARY, prepare_tokens
+
+    result = prepare_tokens(args.inputs, args.output, dtype=args.dtype, eos=args.eos, progress=not args.quiet)
+    needed = max(BYTE_VOCABULARY, (result.max_token or 0) + 1)
+    vocab_size = -(-needed // 64) * 64  # scaling.tp must divide it: a multiple of 64 suits any tp
+    print(redact_credentials(
+        f"wrote {result.tokens} {result.dtype} tokens to {result.output}; to train on it, in the config file:\n"
+        f'[data]\npath = "{result.output}"\nformat = "tokens"\ntoken_dtype = "{result.dtype}"\n'
+        f"[model]\nvocab_size = {vocab_size}  # at least {needed}: every token id must be below it"
+    ))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic.events").setLevel(logging.WARNING)
@@ -120,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "prepare":
+            return run_prepare(args)
         from elastic.report import main as report_main
 
         return report_main([args.run] + (["--output", args.output] if args.output else []))

@@ -15,7 +15,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from checkpointing.storage import StorageOptions, absolute_url
+from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from elastic.presets import PRESETS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -89,6 +91,29 @@ class ModelConfig(Section):
     n_kv_heads: PositiveInt | None = Field(None, le=1024)
     ffn_hidden: PositiveInt = Field(192, le=2**18)
     tie_embeddings: bool = False
+    # on the embeddings and each block's residual branches; draws from the rank's generators,
+    # which steps, heals and checkpoints carry (workers.rng)
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    # A named shape from elastic.presets under the fields given here. Left out of dumps: the
+    # fields it filled are recorded, so a resume compares the shape however it was spelled.
+    preset: str | None = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_under_given_fields(cls, data: Any) -> Any:
+        preset = data.get("preset") if isinstance(data, dict) else None
+        # An unknown name or a non-string is left to field validation, which reports it under
+        # model.preset.
+        if not isinstance(preset, str) or preset not in PRESETS:
+            return data
+        return {**PRESETS[preset], **data}
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_known(cls, preset: str | None) -> str | None:
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        return preset
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
@@ -107,30 +132,61 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str | None = None
+    # text: bytes are tokens; tokens: a flat binary of token_dtype (elastic prepare writes one);
+    # auto: tokens for a path ending in .bin, else text. Applies to validation_path too.
+    format: Literal["auto", "text", "tokens"] = "auto"
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    # Held out for evaluation, never trained on: data of its own, or the training data's last
+    # fraction. None and 0: the generated default corpus still has one, file data has none.
+    validation_path: str | None = None
+    validation_fraction: float = Field(0.0, ge=0, le=0.5)
     seq_len: PositiveInt = Field(64, le=2**20)
     # generated in memory: for more, give data.path
     corpus_tokens: PositiveInt = Field(400_000, le=1_000_000_000)
 
-    @field_validator("path")
+    @field_validator("path", "validation_path")
     @classmethod
-    def _path_readable(cls, path: str | None) -> str | None:
-        if path is None:
-            return None
-        from elastic.dataset import resolve_text_files
+    def _path_absolute(cls, path: str | None) -> str | None:
+        return None if path is None else absolute_url(path)
 
-        try:
-            resolve_text_files(path)
-        except OSError as error:
-            raise ValueError(f"{error}; give a readable file, glob or fsspec URL") from None
-        return absolute_url(path)
+    @model_validator(mode="after")
+    def _data_fits(self) -> DataConfig:
+        if self.validation_fraction and self.validation_path:
+            raise ValueError(
+                f"validation_fraction={self.validation_fraction:g} and validation_path={self.validation_path!r} "
+                "both choose the validation data; set only one of them"
+            )
+        return self
+
+    def format_of(self, path: str) -> Literal["text", "tokens"]:
+        if self.format != "auto":
+            return self.format
+        return "tokens" if path.endswith(".bin") else "text"
 
 
 class OptimizerConfig(Section):
+    # the peak learning rate: the schedule scales it step by step
     lr: PositiveFloat = 3e-3
     weight_decay: NonNegativeFloat = 0.0
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
     eps: PositiveFloat = 1e-8
+    warmup_steps: NonNegativeInt = Field(0, le=MAX_STEPS)
+    # after the warmup: keep the peak, or decay to min_lr_ratio x lr at decay_steps
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    # None: the run's steps. Set it when a run may be extended: the schedule must not move
+    # under a resume.
+    decay_steps: PositiveInt | None = Field(None, le=MAX_STEPS)
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    # clip gradients to this global norm (over every shard, TP rank and replica group); None: no clipping
+    clip_grad_norm: PositiveFloat | None = None
+
+
+class EvalConfig(Section):
+    # evaluate the held-out set every N committed steps and at the end (0: never)
+    every: NonNegativeInt = Field(0, le=MAX_STEPS)
+    # held-out samples per evaluation: the first ones of the validation set, in order
+    samples: PositiveInt = Field(64, le=2**20)
 
 
 class ComputeConfig(Section):
@@ -224,6 +280,7 @@ class TrainConfig(Section):
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     compute: ComputeConfig = ComputeConfig()
+    eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     stragglers: StragglerConfig = StragglerConfig()
@@ -268,6 +325,12 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
+        schedule = self.lr_schedule
+        if schedule.decay != "constant" and schedule.warmup_steps >= schedule.decay_steps:
+            raise ValueError(
+                f"optimizer.warmup_steps={schedule.warmup_steps} leaves no steps to decay over "
+                f"(decay ends at step {schedule.decay_steps}); lower warmup_steps or raise optimizer.decay_steps"
+            )
         if self.micro_batch > self.global_batch:
             raise ValueError(
                 f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}; "
@@ -275,9 +338,29 @@ class TrainConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _data_readable(self) -> TrainConfig:
+        # Here, not in DataConfig: s3:// data is read with the run's S3 settings (checkpoint.s3_*).
+        from elastic.dataset import check_readable
+
+        check_readable(self)
+        return self
+
+
+    @property
+    def lr_schedule(self) -> LRSchedule:
+        optimizer = self.optimizer
+        return LRSchedule(
+            peak_lr=optimizer.lr,
+            warmup_steps=optimizer.warmup_steps,
+            decay=optimizer.schedule,
+            decay_steps=optimizer.decay_steps or self.steps,
+            min_ratio=optimizer.min_lr_ratio,
+        )
+
 
 def _field_path(location: tuple) -> str:
-    return ".".join(str(part) for part in location) or "config"
+    return ".".join(str(part) for part in location)
 
 
 def describe(error: ValidationError) -> str:
@@ -294,7 +377,8 @@ def describe(error: ValidationError) -> str:
             message = f"{message}, got {item['input']!r}; inf and nan are not allowed, give a number"
         elif item["type"] == "string_too_long":
             message = f"{message}; use a shorter one"
-        lines.append(f"{_field_path(item['loc'])}: {message}")
+        # A check over several sections names its fields itself.
+        lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -3,13 +3,18 @@
 The run moves through explicit states, and ``advance(state)`` returns the next one::
 
     Starting -> AtBoundary -> Stepping -> AtBoundary -> ... -> Stopping -> Finished
-                                 |
-                                 +-> Recovering -> AtBoundary
+                    |            |
+                    |            +-> Recovering -> AtBoundary
+                    +-> Evaluating -> AtBoundary (or Recovering)
 
 ``AtBoundary`` settles membership between steps: straggler actions, growing, placing,
 starting, building, healing and joining groups. ``Stepping`` is one transaction: plan the
 data, dispatch ``(generation, step, micro-batches, commit_previous)`` to every live rank,
-collect with a deadline (``step_collection``), then commit or discard. ``Recovering`` carries out the plan that
+collect with a deadline (``step_collection``), then commit or discard. The commit of a step
+carries its learning rate (``lr_schedule``) and its clipping factor (``gradient_clipping``),
+decided here from the step number and the reported gradient norm. ``Evaluating`` computes
+the held-out loss with the live groups, split like a step's batch, and fails and recovers
+like one. ``Recovering`` carries out the plan that
 ``plan_recovery`` makes from the step's diagnosis. The decisions live in ``elastic.core``
 (pure), the Ray calls in the fleet; this module is the order in which they happen.
 """
@@ -25,17 +30,18 @@ from dataclasses import dataclass
 from checkpointing.catalog import Restorable
 from elastic.checkpoint_coordinator import CheckpointCoordinator
 from elastic.config import TrainConfig
-from elastic.core.data_plan import DataCursor, StepPlan, group_weights, plan_step
+from elastic.core.data_plan import DataCursor, StepPlan, group_weights, plan_eval, plan_step
 from elastic.core.diagnosis import CONTROL_ERROR, DEATH, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
+from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
 from elastic.core.policies import FailurePolicy, ScalingPolicy, StepDeadline
 from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.fleet import Fleet, FleetError, Pending, RanksLost
 from elastic.step_collection import StepCollection
-from workers.protocol import StepReport, StepRequest, describe_error
+from workers.protocol import Commit, StepReport, StepRequest, describe_error
 
 log = logging.getLogger("elastic.controller")
 
@@ -66,10 +72,16 @@ class Stepping:
 
 
 @dataclass(frozen=True)
+class Evaluating:
+    pass
+
+
+@dataclass(frozen=True)
 class Recovering:
     diagnosis: Diagnosis
     step_started: float
     failure_seen_at: float
+    evaluating: bool = False  # the held-out evaluation failed, not a training step
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ class Finished:
     exit: str
 
 
-RunState = Starting | AtBoundary | Stepping | Recovering | Stopping | Finished
+RunState = Starting | AtBoundary | Stepping | Evaluating | Recovering | Stopping | Finished
 
 
 @dataclass
@@ -105,12 +117,14 @@ class Controller:
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  on_step: Iterable[StepListener] = (), checkpoints: CheckpointCoordinator | None = None,
                  resume: Restorable | None = None, stop_requested: threading.Event | None = None,
-                 decorate_requests: RequestDecorator | None = None):
+                 decorate_requests: RequestDecorator | None = None, eval_len: int = 0):
         self.config = config
         self.fleet = fleet
         self.topology = fleet.topology
         self.membership = Membership(self.topology)
         self.dataset_len = dataset_len
+        self.eval_len = eval_len
+        self.schedule = config.lr_schedule
         self.events = events
         self.ledger = ledger
         self.clock = clock
@@ -138,7 +152,8 @@ class Controller:
         self.steps_discarded = 0
         self.steps_rolled_back = 0
         self.tokens_committed = 0
-        self.pending_commit = False
+        self.eval_records: list[dict] = []
+        self.pending_commit: Commit | None = None  # how the live ranks apply their pending step
         self.has_state = False
         self.attempts = 0
         self.world_generation = 0
@@ -171,19 +186,21 @@ class Controller:
                     self.start()
                 return AtBoundary()
             case AtBoundary():
-                if self.step >= self.config.steps:
-                    return Stopping("completed")
                 if self.stop_requested.is_set():
                     return Stopping("preempted")
+                if self.step >= self.config.steps and not self.eval_due():
+                    return Stopping("completed")
                 # Growing, healing and joining groups at the boundary is elasticity overhead.
                 with self.ledger.timing("recovery"):
                     if self.replicas_stale and self.membership.live_groups():
                         self.rebuild_replicas()
                     self.mitigate_stragglers()
                     self.settle_membership()
-                return Stepping()
+                return Evaluating() if self.eval_due() else Stepping()
             case Stepping():
                 return self.run_step()
+            case Evaluating():
+                return self.run_eval()
             case Recovering():
                 with self.ledger.timing("recovery"):
                     self.recover(state)
@@ -288,9 +305,9 @@ class Controller:
         return True
 
     def commit_live(self) -> None:
-        if self.pending_commit:
-            self.fleet.commit(self.topology.ranks_of(self.membership.live_groups()))
-            self.pending_commit = False
+        if self.pending_commit is not None:
+            self.fleet.commit(self.topology.ranks_of(self.membership.live_groups()), self.pending_commit)
+            self.pending_commit = None
 
     def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
         started = self.clock()
@@ -347,7 +364,8 @@ class Controller:
         kept = max(0, self.step - self.first_step)
         del self.losses[kept:]
         del self.step_records[kept:]
-        self.pending_commit = False
+        self.eval_records = [record for record in self.eval_records if record["step"] <= self.step]
+        self.pending_commit = None
         self.has_state = True
 
     def rebuild_replicas(self) -> None:
@@ -435,8 +453,9 @@ class Controller:
             group_weights=group_weights(self.membership.live_groups(), decided),
         )
         started = self.clock()
-        pending = self.dispatch(plan)
-        reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started)
+        deadline_s = self.deadline.seconds()
+        pending = self.dispatch(plan, deadline_s)
+        reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started, deadline_s)
         elapsed = self.clock() - started
         if diagnosis is not None:
             self.ledger.charge("discarded", elapsed)
@@ -446,8 +465,7 @@ class Controller:
         self.maybe_checkpoint()
         return AtBoundary()
 
-    def requests(self, plan: StepPlan) -> dict[int, StepRequest]:
-        deadline_s = self.deadline.seconds()
+    def requests(self, plan: StepPlan, deadline_s: float, evaluate: bool = False) -> dict[int, StepRequest]:
         return {
             rank: StepRequest(
                 generation=self.membership.generation,
@@ -459,16 +477,47 @@ class Controller:
                 commit_previous=self.pending_commit,
                 attempt=self.attempts,
                 deadline_s=deadline_s,
+                evaluate=evaluate,
             )
             for group, group_plan in plan.groups.items()
             for rank in self.topology.global_ranks(group)
         }
 
-    def dispatch(self, plan: StepPlan) -> Pending:
+    def dispatch(self, plan: StepPlan, deadline_s: float, evaluate: bool = False) -> Pending:
         self.attempts += 1
-        pending = self.fleet.dispatch(self.decorate_requests(self.step, self.requests(plan)))
-        self.pending_commit = False
+        pending = self.fleet.dispatch(self.decorate_requests(self.step, self.requests(plan, deadline_s, evaluate)))
+        self.pending_commit = None
         return pending
+
+    # evaluation
+
+    def eval_due(self) -> bool:
+        """Every ``eval.every`` committed steps and after the last one, once per step."""
+        every = self.config.eval.every
+        if not every or self.step == 0 or (self.eval_records and self.eval_records[-1]["step"] == self.step):
+            return False
+        return self.step % every == 0 or self.step >= self.config.steps
+
+    def run_eval(self) -> RunState:
+        """The held-out loss of the committed state: the first ``eval.samples`` samples of the
+        validation set, split across the live groups by the step's rules, so the loss is the
+        same whatever the number of groups."""
+        plan = plan_eval(self.step, dataset_len=self.eval_len, samples=self.config.eval.samples,
+                         group_weights=group_weights(self.membership.live_groups(), {}))
+        # Forward only, over a batch that may be larger than a training step's.
+        deadline_s = self.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
+        started = self.clock()
+        pending = self.dispatch(plan, deadline_s, evaluate=True)
+        reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started, deadline_s)
+        elapsed = self.clock() - started
+        self.ledger.charge("evaluation" if diagnosis is None else "discarded", elapsed)
+        if diagnosis is not None:
+            return Recovering(diagnosis, started, self.collection.failure_seen_at, evaluating=True)
+        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+        record = {"step": self.step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
+        self.eval_records.append(record)
+        self.events.emit(EventKind.EVALUATED, **record)
+        return AtBoundary()
 
     def recover(self, failure: Recovering) -> None:
         diagnosis = failure.diagnosis
@@ -495,10 +544,12 @@ class Controller:
                 detect_s=failure.failure_seen_at - failure.step_started, drain_s=drained - failure.failure_seen_at,
             )
         self.events.emit(
-            EventKind.STEP_DISCARDED, step=self.step, cause=diagnosis.cause, culprits=diagnosis.culprits,
-            broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
+            EventKind.EVAL_DISCARDED if failure.evaluating else EventKind.STEP_DISCARDED, step=self.step,
+            cause=diagnosis.cause, culprits=diagnosis.culprits, broken_groups=sorted(diagnosis.broken_groups),
+            errors=diagnosis.errors,
         )
-        self.steps_discarded += 1
+        if not failure.evaluating:
+            self.steps_discarded += 1
         if plan.survivors:
             self.rebuild_replicas()
 
@@ -553,7 +604,10 @@ class Controller:
         self.recovery = None
 
     def commit(self, plan: StepPlan, reports: dict[int, StepReport], elapsed: float) -> None:
-        self.pending_commit = True
+        # Every group holds the summed gradients: the lowest one's ranks give the global norm.
+        norm = global_norm({rank: reports[rank].grad_sq_norm for rank in self.topology.global_ranks(min(plan.groups))})
+        clip_scale = clip_coefficient(norm, self.config.optimizer.clip_grad_norm)
+        self.pending_commit = Commit(lr_scale=self.schedule.factor(self.step), grad_scale=clip_scale)
         self.has_state = True
         self.deadline.record(elapsed)
         loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
@@ -566,6 +620,9 @@ class Controller:
             "step": self.step,
             "t": round(self.clock() - self.events.started_at, 4),
             "loss": loss,
+            "lr": self.schedule.lr(self.step),
+            "grad_norm": norm,
+            "grad_clip_scale": clip_scale,
             "step_s": round(elapsed, 5),
             "live_groups": len(plan.groups),
             "live_ranks": len(reports),

@@ -1,15 +1,19 @@
-"""Map-style byte-level datasets: a generated default corpus, or text files by path or URL.
+"""Map-style token datasets: a generated default corpus, text files, or a token file, by path or URL.
 
-A sample is ``seq_len + 1`` byte tokens (inputs and shifted targets). The driver owns the
-order; a dataset only answers ``len`` and ``[index]``. Both datasets are small to pickle:
-they hold a recipe and read their bytes lazily on the worker that reads them. Text files are
-never loaded whole: ``len`` takes only their sizes and a sample reads only its own window.
+A sample is ``seq_len + 1`` tokens (inputs and shifted targets). The driver owns the order;
+a dataset only answers ``len`` and ``[index]``. Every dataset is small to pickle: it holds a
+recipe and reads its tokens lazily on the worker that reads them. Files are never loaded
+whole: ``len`` takes only their sizes and a sample reads only its own window.
+
+Text is byte-level (a byte is a token); a token file is a flat binary of uint16 or uint32
+tokens with no header (nanoGPT / Megatron ``.bin``), written by ``elastic prepare``.
 """
 
 from __future__ import annotations
 
 import random
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
@@ -17,12 +21,29 @@ import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic.config import ConfigError
+
+if TYPE_CHECKING:
+    from elastic.config import TrainConfig
+
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher"]
 _VERBS = ["sees", "likes", "builds", "finds", "carries", "paints", "follows"]
 _OBJECTS = ["a red ball", "the green door", "two apples", "the blue river", "a long road", "the tall tree"]
 _PLACES = ["in the park", "at home", "near the sea", "on the hill", "under the bridge"]
 
 _OPEN_FILES = 8  # local file handles a TextFiles keeps open, least recently used closed first
+
+# Little-endian whatever the host: a token file is written on one machine and read on others.
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+# Windows a TokenFile reads through one memory map before it maps the file afresh. Each read
+# maps its window's pages, and the kernel's fault-around maps neighbours (64 KiB a fault by
+# default); unmapping drops them from the process's RSS (they stay in the page cache), so a
+# rank that reads a file far larger than memory stays at about this many times 64 KiB.
+_WINDOWS_PER_MAP = 256
+
+# The held-out corpus made beside the generated default one: another seed, a tenth of the size.
+_VALIDATION_SEED_OFFSET = 1_000_003
 
 
 def generate_corpus(n_bytes: int, seed: int) -> bytes:
@@ -39,36 +60,37 @@ def generate_corpus(n_bytes: int, seed: int) -> bytes:
     return "".join(sentences).encode()[:n_bytes]
 
 
-def _list_text_files(path: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+def list_files(path: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """The files a path, glob or fsspec URL names, in a fixed order; raises OSError naming the path."""
     try:
-        fs, _, paths = fsspec.get_fs_token_paths(path)
+        fs, _, paths = fsspec.get_fs_token_paths(path, storage_options=storage_options)
     except Exception as error:  # fsspec raises many kinds for a bad URL
-        raise OSError(f"data.path={path!r} cannot be opened: {error}") from None
+        raise OSError(f"{path!r} cannot be opened: {error}") from None
     files = [p for p in paths if fs.isfile(p)]
     if not files:
-        raise OSError(f"data.path={path!r} matches no readable file")
+        raise OSError(f"{path!r} matches no readable file")
     return fs, files
 
 
-def resolve_text_files(path: str) -> list[str]:
+def resolve_text_files(path: str, storage_options: dict | None = None) -> list[str]:
     """Expand a path, glob or fsspec URL into readable files; raises OSError naming the path."""
-    fs, files = _list_text_files(path)
+    fs, files = list_files(path, storage_options)
     for file in files:
         try:
             with fs.open(file, "rb") as handle:
                 handle.read(1)
         except OSError as error:
-            raise OSError(f"data.path={path!r}: {file} is unreadable ({error})") from None
+            raise OSError(f"{path!r}: {file} is unreadable ({error})") from None
     return [fs.unstrip_protocol(p) for p in files]
 
 
-class ByteDataset:
-    """Non-overlapping windows of ``seq_len + 1`` bytes over a byte stream.
+class TokenWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
 
-    A subclass gives the stream's size (``nbytes``) and reads a range of it (``read``);
-    sample ``i`` is the bytes ``[i * seq_len, i * seq_len + seq_len + 1)``, widened to int64
-    one window at a time. Attributes named in ``_transient`` are caches, left out of a pickle.
+    A subclass gives the stream's length (``n_tokens``) and reads a range of it (``read``,
+    an integer array of any width); sample ``i`` is the tokens ``[i * seq_len, i * seq_len +
+    seq_len + 1)``, widened to int64 one window at a time. Attributes named in ``_transient``
+    are caches, left out of a pickle.
     """
 
     _transient: tuple[str, ...] = ()
@@ -76,31 +98,31 @@ class ByteDataset:
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
 
-    def nbytes(self) -> int:
+    def n_tokens(self) -> int:
         raise NotImplementedError
 
-    def read(self, start: int, length: int) -> bytes:
+    def read(self, start: int, count: int) -> np.ndarray:
         raise NotImplementedError
 
     def __len__(self) -> int:
-        size = self.nbytes()
+        size = self.n_tokens()
         if size < self.seq_len + 1:
-            raise ValueError(f"the data holds {size} bytes, fewer than one sample of seq_len + 1")
+            raise ValueError(f"the data holds {size} tokens, fewer than one sample of seq_len + 1")
         return (size - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} is outside the dataset's {len(self)} samples")
-        data = self.read(index * self.seq_len, self.seq_len + 1)
-        if len(data) != self.seq_len + 1:
-            raise OSError(f"sample {index} read {len(data)} of {self.seq_len + 1} bytes: did the data change?")
-        return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+        tokens = self.read(index * self.seq_len, self.seq_len + 1)
+        if len(tokens) != self.seq_len + 1:
+            raise OSError(f"sample {index} read {len(tokens)} of {self.seq_len + 1} tokens: did the data change?")
+        return torch.from_numpy(tokens.astype(np.int64))
 
     def __getstate__(self) -> dict:
         return {key: value for key, value in self.__dict__.items() if key not in self._transient}
 
 
-class GeneratedCorpus(ByteDataset):
+class GeneratedCorpus(TokenWindows):
     _transient = ("_data",)
 
     def __init__(self, seq_len: int, n_bytes: int, seed: int):
@@ -108,54 +130,56 @@ class GeneratedCorpus(ByteDataset):
         self.n_bytes, self.seed = n_bytes, seed
 
     @cached_property
-    def _data(self) -> bytes:
-        return generate_corpus(self.n_bytes, self.seed)
+    def _data(self) -> np.ndarray:
+        return np.frombuffer(generate_corpus(self.n_bytes, self.seed), dtype=np.uint8)
 
-    def nbytes(self) -> int:
+    def n_tokens(self) -> int:
         return len(self._data)
 
-    def read(self, start: int, length: int) -> bytes:
-        return self._data[start : start + length]
+    def read(self, start: int, count: int) -> np.ndarray:
+        return self._data[start : start + count]
 
 
-class TextFiles(ByteDataset):
-    """Files joined by ``b"\\n"``, read by byte range: ``len`` needs only the file sizes.
+class TextFiles(TokenWindows):
+    """Files joined by ``b"\\n"``, a byte a token, read by byte range: ``len`` needs only the file sizes.
 
     The layout (files and where each starts in the stream) is taken once, on the driver's
     ``len``, and travels in the pickle, so every rank reads the very stream the driver counted.
     Local files are read by seek and read through a few cached handles; other URLs by one
-    ranged request per file a window touches (``fs.cat_file``).
+    ranged request per file a window touches (``fs.cat_file``), opened with
+    ``storage_options`` (fsspec's keyword arguments: an S3 endpoint, retries).
     """
 
     _transient = ("_fs", "_handles")
 
-    def __init__(self, path: str, seq_len: int):
+    def __init__(self, path: str, seq_len: int, storage_options: dict | None = None):
         super().__init__(seq_len)
         self.path = path
+        self.storage_options = storage_options or {}
 
     @cached_property
     def _layout(self) -> tuple[list[str], np.ndarray]:
         """The files, stripped of protocol, and ``starts``: file ``i`` holds stream bytes
         ``[starts[i], starts[i + 1] - 1)``, followed by its separator; ``starts[-1]`` is the
         stream size + 1 (the last file has no separator)."""
-        fs, files = _list_text_files(self.path)
+        fs, files = list_files(self.path, self.storage_options)
         sizes = fs.sizes(files)
         return files, np.cumsum([0] + [size + 1 for size in sizes], dtype=np.int64)
 
     @cached_property
     def _fs(self) -> fsspec.AbstractFileSystem:
-        return url_to_fs(self.path)[0]
+        return url_to_fs(self.path, **self.storage_options)[0]
 
     @cached_property
     def _handles(self) -> dict:
         return {}
 
-    def nbytes(self) -> int:
+    def n_tokens(self) -> int:
         return int(self._layout[1][-1]) - 1
 
-    def read(self, start: int, length: int) -> bytes:
+    def read(self, start: int, count: int) -> np.ndarray:
         files, starts = self._layout
-        end, chunks = start + length, []
+        end, chunks = start + count, []
         i = int(np.searchsorted(starts, start, side="right")) - 1
         while start < end:
             separator = int(starts[i + 1]) - 1
@@ -166,7 +190,7 @@ class TextFiles(ByteDataset):
             else:
                 chunks.append(b"\n")
                 start, i = start + 1, i + 1
-        return b"".join(chunks)
+        return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
     def _read_file(self, file: str, start: int, end: int) -> bytes:
         if not isinstance(self._fs, LocalFileSystem):
@@ -179,7 +203,139 @@ class TextFiles(ByteDataset):
         return handle.read(end - start)
 
 
-def default_dataset(seq_len: int, corpus_tokens: int, seed: int, path: str | None) -> ByteDataset:
-    if path:
-        return TextFiles(path, seq_len)
-    return GeneratedCorpus(seq_len, corpus_tokens, seed)
+class TokenFile(TokenWindows):
+    """A flat binary of ``dtype`` tokens (``"uint16"`` or ``"uint32"``, little-endian, no header).
+
+    ``len`` needs one ``fs.size``, taken once on the driver and carried in the pickle. A local
+    file is read through ``np.memmap``, mapped lazily on the reading process and mapped afresh
+    every ``_WINDOWS_PER_MAP`` windows; any other URL by one ranged request a window
+    (``fs.cat_file``), opened with ``storage_options``.
+    """
+
+    _transient = ("_filesystem", "_map", "_map_reads")
+    _map_reads = 0  # windows read through the current map
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", storage_options: dict | None = None):
+        super().__init__(seq_len)
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"token dtype {dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+        self.path, self.dtype = path, dtype
+        self.storage_options = storage_options or {}
+
+    @cached_property
+    def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        return url_to_fs(self.path, **self.storage_options)
+
+    @cached_property
+    def _n_tokens(self) -> int:
+        fs, file = self._filesystem
+        size, itemsize = fs.size(file), TOKEN_DTYPES[self.dtype].itemsize
+        if size % itemsize:
+            raise ValueError(
+                f"{self.path!r} holds {size} bytes, not a whole number of {self.dtype} tokens ({itemsize} bytes "
+                "each); set data.token_dtype to the dtype the file was written with"
+            )
+        return size // itemsize
+
+    @cached_property
+    def _map(self) -> np.memmap:
+        return np.memmap(self._filesystem[1], dtype=TOKEN_DTYPES[self.dtype], mode="r", shape=(self._n_tokens,))
+
+    def n_tokens(self) -> int:
+        return self._n_tokens
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        fs, file = self._filesystem
+        dtype = TOKEN_DTYPES[self.dtype]
+        if not isinstance(fs, LocalFileSystem):
+            data = fs.cat_file(file, start=start * dtype.itemsize, end=(start + count) * dtype.itemsize)
+            return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
+        if self._map_reads == _WINDOWS_PER_MAP:
+            self.__dict__.pop("_map")
+            self._map_reads = 0
+        window = np.array(self._map[start : start + count])  # a copy: the window outlives the map
+        self._map_reads += 1
+        return window
+
+
+class SampleRange:
+    """Samples ``[start, stop)`` of a dataset, numbered from 0: a split that reads its base
+    lazily and pickles as the base's recipe and two numbers."""
+
+    def __init__(self, dataset, start: int, stop: int):
+        if not 0 <= start <= stop:
+            raise ValueError(f"sample range [{start}, {stop}) starts below 0 or ends before it starts")
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    @property
+    def seq_len(self) -> int:
+        return self.dataset.seq_len
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} is outside the range's {len(self)} samples")
+        return self.dataset[self.start + index]
+
+
+def held_out_split(dataset, fraction: float) -> tuple[SampleRange, SampleRange]:
+    """(train, validation): the last ``fraction`` of the samples (at least one) held out."""
+    n = len(dataset)
+    held_out = max(1, round(n * fraction))
+    return SampleRange(dataset, 0, n - held_out), SampleRange(dataset, n - held_out, n)
+
+
+def file_dataset(config: TrainConfig, path: str) -> TextFiles | TokenFile:
+    """The dataset at ``path`` in ``data.format``, opened with the run's S3 settings."""
+    data = config.data
+    storage_options = config.checkpoint.storage_options().for_url(path)
+    if data.format_of(path) == "tokens":
+        return TokenFile(path, data.seq_len, data.token_dtype, storage_options)
+    return TextFiles(path, data.seq_len, storage_options)
+
+
+def check_readable(config: TrainConfig) -> None:
+    """Raise ValueError naming the field when ``data.path`` or ``data.validation_path`` cannot
+    be read as its format, with the run's S3 settings."""
+    for field in ("path", "validation_path"):
+        path = getattr(config.data, field)
+        if path is None:
+            continue
+        try:
+            if config.data.format_of(path) == "tokens":
+                file_dataset(config, path).n_tokens()
+            else:
+                resolve_text_files(path, config.checkpoint.storage_options().for_url(path))
+        except OSError as error:
+            raise ValueError(f"data.{field}: {error}; give a readable file, glob or fsspec URL") from None
+        except ValueError as error:
+            raise ValueError(f"data.{field}: {error}") from None
+
+
+def default_datasets(config: TrainConfig) -> tuple[TokenWindows | SampleRange, TokenWindows | SampleRange | None]:
+    """(train, validation) from ``config.data``; validation is None when the config asks for none.
+
+    Validation comes from ``data.validation_path``, or else the training data's last
+    ``data.validation_fraction``; the generated default corpus always has one (a held-out
+    corpus of its own).
+    """
+    data = config.data
+    if data.path:
+        train = file_dataset(config, data.path)
+    else:
+        train = GeneratedCorpus(data.seq_len, data.corpus_tokens, config.seed)
+    if data.validation_path:
+        return train, file_dataset(config, data.validation_path)
+    if data.validation_fraction:
+        try:
+            return held_out_split(train, data.validation_fraction)
+        except (OSError, ValueError) as error:
+            raise ConfigError(
+                f"data.validation_fraction: the training data cannot be split: {error}; check data.path"
+            ) from None
+    if not data.path:
+        n_bytes = max(data.corpus_tokens // 10, 8 * (data.seq_len + 1))
+        return train, GeneratedCorpus(data.seq_len, n_bytes, config.seed + _VALIDATION_SEED_OFFSET)
+    return train, None

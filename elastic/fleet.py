@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic.config import TrainConfig
 from elastic.core.topology import Topology
-from workers.protocol import Progress, RankSpec, StepReport, StepRequest, describe_error
+from workers.protocol import Commit, Progress, RankSpec, StepReport, StepRequest, describe_error
 from workers.worker import RankActor
 
 log = logging.getLogger("elastic.fleet")
@@ -283,8 +283,8 @@ class Fleet:
     def state_call_s(self) -> float:
         return self.config.fault_tolerance.state_timeout_s
 
-    def commit(self, ranks) -> None:
-        self.results(self._call(ranks, "commit"), self.quick_call_s, "commit")
+    def commit(self, ranks, commit: Commit) -> None:
+        self.results(self._call(ranks, "commit", commit), self.quick_call_s, "commit")
 
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each source rank's committed state into its target rank."""
@@ -311,8 +311,12 @@ class Fleet:
     def finish_saves(self, ranks) -> Pending:
         return self._call(ranks, "finish_checkpoint")
 
-    def restore(self, ranks, url: str) -> None:
-        self.results(self._call(ranks, "load_checkpoint", url), self.state_call_s, "load_checkpoint")
+    def restore(self, ranks, url: str, step: int, generators: dict[int, dict[str, bytes] | None]) -> None:
+        """Load the checkpoint at ``url`` (of ``step``) into the ranks, each with its saved
+        generator states (``None``: restart its stream from the seed and ``step``)."""
+        self.results(Pending({
+            rank: self.actors[rank].load_checkpoint.remote(url, step, generators[rank]) for rank in ranks
+        }), self.state_call_s, "load_checkpoint")
 
     def shutdown(self) -> None:
         for rank in list(self.actors):

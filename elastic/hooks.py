@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from elastic.config import TrainConfig
-from elastic.dataset import default_dataset
+from elastic.dataset import default_datasets
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
 from workers.train_step import token_cross_entropy
@@ -47,6 +47,7 @@ class TrainHooks:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     dataset: Any
     optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+    eval_dataset: Any = None  # held out for evaluation; None: the run has none
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -60,6 +61,7 @@ def model_args(config: TrainConfig) -> ModelArgs:
         ffn_hidden=model.ffn_hidden,
         max_seq_len=config.data.seq_len,
         tie_embeddings=model.tie_embeddings,
+        dropout=model.dropout,
     )
 
 
@@ -78,16 +80,22 @@ def resolve_hooks(
     parallelize_fn=None,
     loss_fn=None,
     dataset=None,
+    eval_dataset=None,
     optimizer_fn=None,
 ) -> TrainHooks:
+    """The given hooks, defaults for the rest. A given ``dataset`` comes with its own
+    ``eval_dataset`` (or none); otherwise both are made from ``config.data``, unless an
+    ``eval_dataset`` is given."""
     optimizer = config.optimizer
+    if dataset is None:
+        dataset, default_eval = default_datasets(config)
+        eval_dataset = default_eval if eval_dataset is None else eval_dataset
     return TrainHooks(
         model_fn=model_fn or ReferenceModel(model_args(config)),
         parallelize_fn=parallelize_fn or default_parallelize(config),
         loss_fn=loss_fn or token_cross_entropy,
-        dataset=dataset
-        if dataset is not None
-        else default_dataset(config.data.seq_len, config.data.corpus_tokens, config.seed, config.data.path),
+        dataset=dataset,
         optimizer_fn=optimizer_fn
         or AdamW(optimizer.lr, optimizer.weight_decay, (optimizer.beta1, optimizer.beta2), optimizer.eps),
+        eval_dataset=eval_dataset,
     )

@@ -75,6 +75,11 @@ class Metrics:
         )
         self.tokens_per_second = Gauge("elastic_tokens_per_second", "Training throughput", **labels)
         self.loss = Gauge("elastic_loss", "Loss of the last committed step", **labels)
+        self.eval_loss = Gauge("elastic_eval_loss", "Held-out loss at the last evaluation", **labels)
+        self.learning_rate = Gauge("elastic_learning_rate", "Learning rate of the last committed step", **labels)
+        self.grad_norm = Gauge(
+            "elastic_grad_norm", "Global gradient norm of the last committed step, before clipping", **labels
+        )
         self.goodput_ratio = Gauge("elastic_goodput_ratio", "Committed step time over wall time", **labels)
         self.time_seconds = Gauge(
             "elastic_time_seconds", "Wall time attributed by category", ["category"], **labels
@@ -102,6 +107,8 @@ class Metrics:
             self.evictions.labels(cause=event["cause"]).inc()
         elif kind == EventKind.STEP_DISCARDED:
             self.steps_discarded.inc()
+        elif kind == EventKind.EVALUATED:
+            self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:
             self.heal_seconds.observe(event["seconds"])
         elif kind in (EventKind.RESTORED_FROM_CHECKPOINT, EventKind.RESTORED_INITIAL_STATE):
@@ -138,6 +145,8 @@ class Metrics:
         self.steps_committed.inc()
         self.step.set(record["step"])
         self.loss.set(record["loss"])
+        self.learning_rate.set(record["lr"])
+        self.grad_norm.set(record["grad_norm"])
         self.tokens_per_second.set(record["tokens_per_s"])
         self.goodput_ratio.set(ledger.goodput())
         for category, seconds in ledger.breakdown().items():

@@ -332,13 +332,19 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
 
     # (2) loss per committed step ----------------------------------------------------------------
     loss_points = [(float(s["t"]), float(s["loss"])) for s in steps if s.get("loss") is not None]
+    eval_points = [(float(e["t"]), float(e["loss"])) for e in events if e.get("kind") == K.EVALUATED]
     if loss_points:
         ax_loss.plot([p[0] for p in loss_points], [p[1] for p in loss_points], color="#333333",
-                     marker=".", markersize=3, linewidth=1.0)
-    else:
+                     marker=".", markersize=3, linewidth=1.0, label="training")
+    if eval_points:
+        ax_loss.plot([p[0] for p in eval_points], [p[1] for p in eval_points], color="#d62728",
+                     marker="o", markersize=5, linewidth=1.2, label="held-out")
+        ax_loss.legend(loc="upper right", fontsize=8, frameon=False)
+    if not loss_points and not eval_points:
         ax_loss.text(0.5, 0.5, "no losses", ha="center", va="center", transform=ax_loss.transAxes)
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title("loss per committed step", fontsize=10, loc="left")
+    ax_loss.set_title("loss per committed step" + (", held-out loss per evaluation" if eval_points else ""),
+                      fontsize=10, loc="left")
 
     # (3) live ranks / groups --------------------------------------------------------------------
     topo_ranks = (summary.get("topology") or {}).get("ranks")

@@ -37,14 +37,13 @@ class StepCollection:
         self.clock = clock
         self.failure_seen_at = 0.0  # when the last failed step's first failure was seen
 
-    def collect(self, pending: Pending, step: int, attempt: int,
-                started: float) -> tuple[dict[int, StepReport], Diagnosis | None]:
+    def collect(self, pending: Pending, step: int, attempt: int, started: float,
+                deadline_s: float) -> tuple[dict[int, StepReport], Diagnosis | None]:
         """The step's reports, and its diagnosis when it failed."""
         dispatched = pending.ranks
         reports: dict[int, StepReport] = {}
         dead: set[int] = set()
         hung: list[int] = []
-        deadline_s = self.deadline.seconds()
         failed = False
         while pending.refs and not failed:
             remaining = deadline_s - (self.clock() - started)

@@ -47,7 +47,12 @@ STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
 
 
 def config_record(config: TrainConfig) -> dict:
-    return config.model_dump(mode="json", include=STATE_FIELDS)
+    record = config.model_dump(mode="json", include=STATE_FIELDS)
+    # A decaying schedule's horizon as resolved: a run extended with more steps and no
+    # explicit decay_steps would change its learning rates under the resume.
+    schedule = config.lr_schedule
+    record["optimizer"]["decay_steps"] = schedule.decay_steps if schedule.decay != "constant" else None
+    return record
 
 
 def config_hash(config: TrainConfig) -> str:
@@ -68,7 +73,9 @@ def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> No
     """Refuse a resume whose settings would change the math the checkpoint was trained with."""
     manifest = checkpoint.manifest
     if manifest.config:
-        saved, now = flatten(manifest.config), flatten(config_record(config))
+        now = flatten(config_record(config))
+        # A setting added since the checkpoint was written trained it at its default value.
+        saved = {**flatten(config_record(TrainConfig())), **flatten(manifest.config)}
         changed = sorted(key for key in saved.keys() | now.keys() if saved.get(key) != now.get(key))
         described = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
     else:  # written before manifests recorded the settings: only the hash can tell
@@ -137,9 +144,11 @@ def start_local_ray(**options) -> None:
 
 class ElasticTrainer:
     def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, loss_fn=None,
-                 dataset=None, optimizer_fn=None, progress: bool = False, keep_final_state: bool = False):
+                 dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
+                 keep_final_state: bool = False):
         self.config = config or TrainConfig()
-        self.hooks = resolve_hooks(self.config, model_fn, parallelize_fn, loss_fn, dataset, optimizer_fn)
+        self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
+                                   dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn)
         self.progress = progress
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
@@ -156,8 +165,23 @@ class ElasticTrainer:
                 f"global_batch={self.config.global_batch} exceeds the dataset's {self.dataset_len} samples; "
                 "lower global_batch or give more data"
             )
+        self.eval_len = self._eval_len()
         self.run_name = self.config.run_name or default_run_name()
         self.run_dir = join_url(self.config.storage, self.run_name)
+
+    def _eval_len(self) -> int:
+        """The validation set's size; fails fast when evaluation is on without one."""
+        if not self.config.eval.every:
+            return 0
+        if self.hooks.eval_dataset is None:
+            raise ConfigError(
+                f"eval.every={self.config.eval.every} needs a validation set: set data.validation_path or "
+                "data.validation_fraction (or pass eval_dataset with a custom dataset), or set eval.every = 0"
+            )
+        try:
+            return len(self.hooks.eval_dataset)
+        except Exception as error:
+            raise ConfigError(f"validation set: cannot be read: {error}; check data.validation_path") from None
 
     def fit(self) -> RunResult:
         """Train the run to its end. Raises ``LeaseHeld`` at once, before Ray or any actor
@@ -202,7 +226,7 @@ class ElasticTrainer:
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
                     on_step=[bar.update, lambda record: metrics.on_step(record, ledger)],
                     checkpoints=checkpoints, resume=resume, stop_requested=stop,
-                    decorate_requests=schedule.decorate if injects else None,
+                    decorate_requests=schedule.decorate if injects else None, eval_len=self.eval_len,
                 )
                 events.emit(EventKind.RUN_STARTED, run=self.run_name, steps=self.config.steps,
                             resume_from=resume.step if resume else None)
@@ -261,6 +285,8 @@ class ElasticTrainer:
         wall = ledger.wall()
         tokens = controller.tokens_committed if controller else 0
         losses = controller.losses if controller else []
+        evals = controller.eval_records if controller else []
+        records = controller.step_records if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
@@ -276,12 +302,15 @@ class ElasticTrainer:
             "steps_rolled_back": controller.steps_rolled_back if controller else 0,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
+            "final_lr": records[-1]["lr"] if records else None,
+            "eval": evals,
+            "final_eval_loss": evals[-1]["loss"] if evals else None,
             "last_checkpoint": last_checkpoint,
             "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "goodput": ledger.goodput(),
             "time_breakdown": ledger.breakdown(),
-            "steps": controller.step_records if controller else [],
+            "steps": records,
             "events": events.events,
             "exit": exit_reason,
         }

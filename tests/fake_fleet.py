@@ -56,6 +56,7 @@ class Upload:
     upload_s: float = 0.0
     files: dict = field(default_factory=dict)
     error: str | None = None
+    rng: dict | None = None
 
 
 @dataclass
@@ -71,7 +72,8 @@ class Call:
 
 class FakeFleet:
     def __init__(self, topology: Topology, clock: FakeClock, *, step_s: float = 1.0, capacity: int | None = None,
-                 start_s: float = 0.0, spare_slot: bool = False, upload_s: float = 0.2, stall_s: float = 0.05):
+                 start_s: float = 0.0, spare_slot: bool = False, upload_s: float = 0.2, stall_s: float = 0.05,
+                 grad_sq_norm: float = 0.0):
         self.topology = topology
         self.clock = clock
         self.step_s = step_s
@@ -80,6 +82,7 @@ class FakeFleet:
         self.spare_slot = spare_slot
         self.upload_s = upload_s
         self.stall_s = stall_s
+        self.grad_sq_norm = grad_sq_norm  # each rank's part of the squared gradient norm
         self.unplaceable: set[int] = set()
         self.faults: dict[int, list] = {}  # step -> faults fired at its first dispatch
         self.slow: dict[int, float] = {}
@@ -97,6 +100,8 @@ class FakeFleet:
         self.restores: list[tuple[tuple[int, ...], str]] = []
         self.dispatched: list[dict[int, StepRequest]] = []
         self.saves: list[str] = []
+        self.commits: list = []
+        self.restored_generators: list[dict] = []
 
     # placement
 
@@ -183,7 +188,8 @@ class FakeFleet:
         calls = {}
         for rank, request in requests.items():
             calls[rank] = Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), data_s=0.01,
-                                                  compute_s=compute[rank], wall_s=finish - now),
+                                                  compute_s=compute[rank], wall_s=finish - now,
+                                                  grad_sq_norm=self.grad_sq_norm),
                                progress=Progress(rank, step, "replicate", 0, 9, 0.0))
         targets = {fault.rank for fault in faults}
         for fault in faults:
@@ -234,8 +240,9 @@ class FakeFleet:
 
     # state
 
-    def commit(self, ranks) -> None:
+    def commit(self, ranks, commit) -> None:
         self._control("commit")
+        self.commits.append(commit)
 
     def copy_state(self, pairs) -> None:
         self._control("import_state")
@@ -268,12 +275,14 @@ class FakeFleet:
             with open(os.path.join(self.saves[-1], name), "wb") as handle:
                 handle.write(data)
             results[rank] = Upload(rank, ok=True, upload_s=self.upload_s,
-                                   files={name: (len(data), hashlib.sha256(data).hexdigest())})
+                                   files={name: (len(data), hashlib.sha256(data).hexdigest())},
+                                   rng={"cpu": f"generator of rank {rank}".encode()})
         return Pending({rank: Call(at, results[rank]) for rank in ranks})
 
-    def restore(self, ranks, url: str) -> None:
+    def restore(self, ranks, url: str, step: int, generators) -> None:
         self._control("load_checkpoint")
         self.restores.append((tuple(ranks), url))
+        self.restored_generators.append(dict(generators))
 
     def shutdown(self) -> None:
         self.alive_ranks.clear()

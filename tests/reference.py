@@ -1,6 +1,11 @@
-"""A single-process reference: same model, data order, loss and optimizer; no Ray, no mesh."""
+"""A single-process reference: same model, data order, loss, optimizer, learning-rate schedule
+and clipping; no Ray, no mesh. Clipping uses torch's own ``clip_grad_norm_``, not the
+trainer's norm code, so the two are checked against each other."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,22 +16,43 @@ from elastic.hooks import resolve_hooks
 from workers.train_step import accumulate_gradients, collate
 
 
-def reference_run(config: TrainConfig, steps: int, chunks: int = 1) -> tuple[list[float], list[torch.Tensor]]:
+@dataclass
+class ReferenceTrace:
+    losses: list[float]
+    grad_norms: list[float]
+    lrs: list[float]
+    params: list[torch.Tensor]
+
+
+def reference_trace(config: TrainConfig, steps: int, chunks: int = 1) -> ReferenceTrace:
     """``chunks`` > 1 accumulates the gradient over that many slices of each global batch:
     the same math summed in another order, as replica groups do."""
     hooks = resolve_hooks(config)
     torch.manual_seed(config.seed)
     model = hooks.model_fn()
     optimizer = hooks.optimizer_fn(model.parameters())
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    schedule = config.lr_schedule
+    max_norm = config.optimizer.clip_grad_norm or math.inf
     dataset = hooks.dataset
-    cursor, losses = DataCursor(), []
-    for _ in range(steps):
+    cursor, trace = DataCursor(), ReferenceTrace([], [], [], [])
+    for step in range(steps):
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
         batches = [collate(dataset, part.tolist(), torch.device("cpu")) for part in np.array_split(indices, chunks)]
-        losses.append(accumulate_gradients(model, hooks.loss_fn, batches, len(indices) * config.data.seq_len))
+        trace.losses.append(accumulate_gradients(model, hooks.loss_fn, batches, len(indices) * config.data.seq_len))
+        trace.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        for group, base_lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base_lr * schedule.factor(step)
+        trace.lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
-    return losses, [p.detach().clone() for p in model.parameters()]
+    trace.params = [p.detach().clone() for p in model.parameters()]
+    return trace
+
+
+def reference_run(config: TrainConfig, steps: int, chunks: int = 1) -> tuple[list[float], list[torch.Tensor]]:
+    trace = reference_trace(config, steps, chunks)
+    return trace.losses, trace.params
 
 
 def max_parameter_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -22,6 +22,7 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.fleet import CallFailed
+from workers.protocol import Commit
 from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Hang, Kill
 from tests.tiny import tiny_config
 
@@ -30,8 +31,10 @@ DATASET_LEN = 10_000
 
 class Scenario:
     def __init__(self, tmp_path, *, groups=2, shard=1, steps=12, min_groups=1, checkpoint_every=0,
-                 max_consecutive_failures=3, stragglers=False, lease_ttl_s=None, max_recoveries=100, **fleet_options):
-        overrides = {"stragglers__enabled": stragglers, "fault_tolerance__max_recoveries": max_recoveries}
+                 max_consecutive_failures=3, stragglers=False, lease_ttl_s=None, max_recoveries=100,
+                 config: dict | None = None, eval_len=0, **fleet_options):
+        overrides = {"stragglers__enabled": stragglers, "fault_tolerance__max_recoveries": max_recoveries,
+                     **(config or {})}
         if checkpoint_every:
             overrides |= {"checkpoint__every": checkpoint_every,
                           "checkpoint__max_consecutive_failures": max_consecutive_failures}
@@ -54,7 +57,7 @@ class Scenario:
                                                      "hash", max_consecutive_failures, self.clock, lease=self.lease)
         self.controller = Controller(self.config, self.fleet, DATASET_LEN, self.events, self.ledger,
                                      clock=self.clock, sleep=self.clock.sleep, on_step=[self.records.append],
-                                     checkpoints=self.checkpoints)
+                                     checkpoints=self.checkpoints, eval_len=eval_len)
 
     def run(self) -> str:
         return self.controller.run()
@@ -295,3 +298,74 @@ def test_every_control_call_failing_is_bounded_by_the_recovery_budget(tmp_path):
     with pytest.raises(TrainingStopped, match="a control call failed while .* after 3 recoveries"):
         scenario.run()
     assert len(scenario.kinds(EventKind.RANK_FAILED)) == 3  # the kill, then two failed heals
+
+
+def test_each_commit_carries_its_steps_scheduled_lr_and_clipping_factor(tmp_path):
+    clip = {"optimizer__warmup_steps": 3, "optimizer__schedule": "cosine", "optimizer__clip_grad_norm": 0.5}
+    scenario = Scenario(tmp_path, groups=2, shard=2, config=clip, grad_sq_norm=2.0)
+    assert scenario.run() == "completed"
+    schedule = scenario.config.lr_schedule
+    norm = 2.0  # each of a group's two ranks holds half of the squared norm 4
+    scale = 0.5 / (norm + 1e-6)
+    for record in scenario.records:
+        assert record["lr"] == schedule.lr(record["step"])
+        assert record["grad_norm"] == pytest.approx(norm) and record["grad_clip_scale"] == pytest.approx(scale)
+    # step k's commit rides on step k + 1's requests; the last one on the final commit
+    commits = [next(iter(requests.values())).commit_previous for requests in scenario.fleet.dispatched[1:]]
+    commits.append(scenario.fleet.commits[-1])
+    assert [c.lr_scale for c in commits] == [schedule.factor(step) for step in range(12)]
+    assert all(c.grad_scale == pytest.approx(scale) for c in commits)
+    assert scenario.fleet.dispatched[0][0].commit_previous is None
+
+
+def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, config={"optimizer__schedule": "linear"})
+    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    assert scenario.run() == "completed"
+    schedule = scenario.config.lr_schedule
+    rerun = [requests for requests in scenario.fleet.dispatched if next(iter(requests.values())).step == 3]
+    assert len(rerun) == 2
+    assert rerun[1][0].commit_previous is None  # the failed attempt's gradients were dropped
+    step_4 = next(requests for requests in scenario.fleet.dispatched if next(iter(requests.values())).step == 4)
+    assert step_4[2].commit_previous == Commit(lr_scale=schedule.factor(3), grad_scale=1.0)
+
+
+def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, config={"eval__every": 5, "eval__samples": 24}, eval_len=100)
+    assert scenario.run() == "completed"
+    evals = scenario.controller.eval_records
+    assert [record["step"] for record in evals] == [5, 10, 12]
+    assert all(record["samples"] == 24 for record in evals)
+    eval_requests = [requests for requests in scenario.fleet.dispatched if requests[0].evaluate]
+    assert len(eval_requests) == 3
+    for requests in eval_requests:
+        samples = sorted(i for request in requests.values() for mb in request.micro_batches for i in mb if i >= 0)
+        # every held-out sample once per TP row; shard positions of both groups cover 0..23
+        assert samples == list(range(24))
+        assert all(request.global_tokens == 24 * scenario.config.data.seq_len for request in requests.values())
+    assert scenario.committed_steps() == list(range(12))
+    assert [e["step"] for e in scenario.kinds(EventKind.EVALUATED)] == [5, 10, 12]
+    assert scenario.ledger.breakdown()["evaluation"] > 0
+
+
+def test_a_failed_evaluation_recovers_and_runs_again_without_discarding_a_step(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, config={"eval__every": 5}, eval_len=100)
+    scenario.fleet.faults = {5: [Kill(rank=1, after_s=0.2)]}  # step 5's first dispatch is the evaluation
+    assert scenario.run() == "completed"
+    [discarded] = scenario.kinds(EventKind.EVAL_DISCARDED)
+    assert discarded["step"] == 5 and discarded["cause"] == "death"
+    assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.steps_discarded == 0
+    assert [record["step"] for record in scenario.controller.eval_records] == [5, 10, 12]
+    assert scenario.committed_steps() == list(range(12))
+
+
+def test_a_restore_gives_each_rank_the_generators_saved_at_its_position(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
+    assert scenario.run() == "completed"
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_CHECKPOINT)
+    assert restored["step"] == 4
+    [generators] = scenario.fleet.restored_generators
+    # group 0 (ranks 0, 1) saved; shard position p of every group gets rank p's stream
+    assert generators == {rank: {"cpu": f"generator of rank {rank % 2}".encode()} for rank in range(4)}
+    assert scenario.kinds(EventKind.RNG_RESEEDED) == []

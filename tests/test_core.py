@@ -159,7 +159,7 @@ def test_fault_schedule_decorates_the_named_ranks_once():
     topology = Topology(2, 1, 2)
     schedule = FaultSchedule([Fault("kill", rank=1, step=2, after=0.5), Fault("kill-group", group=1, step=3)],
                              topology, events, clock)
-    requests = {rank: StepRequest(0, 0, ((rank,),), 8, False) for rank in range(4)}
+    requests = {rank: StepRequest(0, 0, ((rank,),), 8, None) for rank in range(4)}
     decorated = schedule.decorate(1, requests)
     assert all(isinstance(r, InjectedStepRequest) and r.faults == () for r in decorated.values())
     assert schedule.decorate(2, requests)[1].faults == (InjectedFault("kill", 1.0, 0.5),)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from elastic.dataset import GeneratedCorpus, TextFiles, generate_corpus, resolve_text_files
+from tests.memory import reset_peak_rss, rss_bytes
 
 
 def eager_samples(data: bytes, seq_len: int) -> list[torch.Tensor]:
@@ -56,7 +57,7 @@ def test_text_files_samples_are_byte_identical_to_the_eager_stream(tmp_path, seq
     random.Random(seq_len).shuffle(order)
     assert_same_samples(dataset, expected, order)
     assert len(dataset._handles) <= 8
-    assert dataset.nbytes() == sum(SIZES) + len(SIZES) - 1
+    assert dataset.n_tokens() == sum(SIZES) + len(SIZES) - 1
     # Among them, windows that hold a separator (a file boundary) and bytes on both sides of it.
     separators = [sum(SIZES[: n + 1]) + n for n in range(len(SIZES) - 1)]
     crossing = [i for i in order if any(i * seq_len < at < i * seq_len + seq_len for at in separators)]
@@ -78,7 +79,7 @@ def test_one_file_and_the_generated_corpus_match_the_eager_stream(tmp_path):
 def test_a_corpus_shorter_than_one_sample_raises_value_error(tmp_path):
     path = write_files(tmp_path / "short", [3, 0, 2])  # 7 bytes with the separators
     dataset = TextFiles(path, seq_len=7)
-    with pytest.raises(ValueError, match="holds 7 bytes, fewer than one sample"):
+    with pytest.raises(ValueError, match="holds 7 tokens, fewer than one sample"):
         len(dataset)
     with pytest.raises(ValueError, match="fewer than one sample"):
         dataset[0]
@@ -105,14 +106,6 @@ def test_text_files_on_s3_read_the_same_samples_as_the_local_copy(tmp_path, s3_s
     assert_same_samples(shipped, expected, [len(expected) - 1, 0, 20])
 
 
-def rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"/proc/self/status has no {field}")
-
-
 def test_memory_stays_flat_on_a_corpus_far_larger_than_the_allowance(tmp_path):
     big, small, seq_len = 256 << 20, 1000, 500  # a window straddles the files
     corpus = tmp_path / "big"
@@ -122,12 +115,7 @@ def test_memory_stays_flat_on_a_corpus_far_larger_than_the_allowance(tmp_path):
         for n in range(big >> 20):
             handle.write(n.to_bytes(8, "little") + block[8:])  # every MiB differs
     (corpus / "b.txt").write_bytes(block[:small])
-    try:  # reset the peak (VmHWM) so it measures this test alone
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        field = "VmHWM"
-    except OSError:
-        field = "VmRSS"
+    field = reset_peak_rss()
     before = rss_bytes(field)
     started = time.monotonic()
 

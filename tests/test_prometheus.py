@@ -98,7 +98,7 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
     # need at least three.
     config = tiny_config(
         tmp_path, groups=2, shard=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=20", checkpoint__every=10,
-        metrics__port=metrics_port, **FAST_DETECTION,
+        metrics__port=metrics_port, eval__every=15, **FAST_DETECTION,
     )
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit

@@ -230,7 +230,7 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
     from elastic.cli import main as elastic_main
     from tests.tiny import tiny_config
 
-    config = tiny_config(tmp_path, groups=2, steps=12, fault_tolerance__inject="kill:rank=1,step=4",
+    config = tiny_config(tmp_path, groups=2, steps=12, fault_tolerance__inject="kill:rank=1,step=4", eval__every=6,
                          fault_tolerance__min_deadline_s=3.0, fault_tolerance__deadline_factor=4.0)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
@@ -248,5 +248,6 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
     assert math.isclose(sum(parts.values()), breakdown["wall_s"], rel_tol=1e-9)
     assert breakdown["wall_s"] == pytest.approx(result.summary["wall_s"], rel=1e-3)
     # the kill shows up where it belongs: a discarded step and a recovery, besides training
-    for category in ("startup", "committed", "discarded", "recovery"):
+    for category in ("startup", "committed", "discarded", "recovery", "evaluation"):
         assert parts[category] > 0, f"{category}: {parts}"
+    assert [e["step"] for e in result.summary["eval"]] == [6, 12]

@@ -31,6 +31,14 @@ def test_a_resume_with_other_math_settings_is_refused_naming_them(tmp_path):
         check_resumable(changed, "r", saved)
 
 
+def test_a_checkpoint_written_before_a_setting_existed_resumes_at_that_settings_default(tmp_path):
+    saved = checkpoint_of(tiny_config(tmp_path))
+    del saved.manifest.config["model"]["dropout"], saved.manifest.config["optimizer"]["clip_grad_norm"]
+    check_resumable(tiny_config(tmp_path), "r", saved)
+    with pytest.raises(ConfigError, match=r"model\.dropout: 0\.0 -> 0\.1"):
+        check_resumable(tiny_config(tmp_path, model__dropout=0.1), "r", saved)
+
+
 def test_a_resume_may_change_layout_steps_and_checkpoint_settings(tmp_path):
     saved = checkpoint_of(tiny_config(tmp_path))
     other = tiny_config(tmp_path, groups=3, shard=2, steps=90, checkpoint__every=7, checkpoint__keep=5)

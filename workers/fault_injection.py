@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from elastic.core.faults import InjectedFault, InjectedStepRequest
 from workers.protocol import RankSpec, StepReport
+from workers.train_step import accumulate_gradients
 from workers.worker import RankWorker
 
 
@@ -56,8 +57,8 @@ class FaultInjectingWorker(RankWorker):
             )
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
 
-    def _compute(self, request: InjectedStepRequest, batches) -> tuple[float, float]:
-        loss_share, compute_s = super()._compute(request, batches)
+    def _compute(self, request: InjectedStepRequest, batches, loss_of=accumulate_gradients) -> tuple[float, float]:
+        loss_share, compute_s = super()._compute(request, batches, loss_of)
         extra = (self.slow_factor - 1.0) * compute_s
         if request.noise:
             # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.

@@ -26,6 +26,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -101,6 +102,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def dropout(p: float) -> nn.Module:
+    # No module at all when off: no random draws, nothing for compile to trace.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -108,10 +114,11 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.dropout = dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.dropout(self.attention(self.attention_norm(x), freqs))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -119,6 +126,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.dropout = dropout(args.dropout)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -137,7 +145,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        h = self.dropout(self.tok_embeddings(tokens))
         for layer in self.layers:
             h = layer(h, self.freqs)
         return self.output(self.norm(h))

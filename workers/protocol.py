@@ -42,14 +42,25 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """How a rank applies its pending step: each parameter group at its base learning rate
+    times ``lr_scale`` (the schedule's factor for that step), with the gradients multiplied
+    by ``grad_scale`` (the clipping coefficient from the step's global gradient norm)."""
+
+    lr_scale: float = 1.0
+    grad_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class StepRequest:
     generation: int
     step: int
     micro_batches: tuple[tuple[int, ...], ...]
     global_tokens: int
-    commit_previous: bool
+    commit_previous: Commit | None  # None: discard the pending step
     attempt: int = 0  # unique per dispatch: a rerun of a step is a new attempt
     deadline_s: float = float("inf")  # from the step's start: no wait on peers outlasts it
+    evaluate: bool = False  # the held-out loss over these samples: no gradients, nothing pending
 
 
 class Failure(StrEnum):
@@ -74,6 +85,9 @@ class StepReport:
     compute_s: float = 0.0
     comm_s: float = 0.0
     wall_s: float = 0.0
+    # this rank's part of the squared global gradient norm after the cross-group sum (each
+    # element of the group's gradients counted on exactly one rank)
+    grad_sq_norm: float = 0.0
     error: str | None = None
     failure: str | None = None  # a Failure value: what the error points at
     group_broken: bool = False

@@ -39,6 +39,28 @@ def collate(dataset, indices: Sequence[int], device: torch.device) -> tuple[torc
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
+    """The micro-batch's share of the global loss: its token losses summed over real samples,
+    over the global token count."""
+    tokens, mask = batch
+    token_losses = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    return (token_losses.float() * mask[:, None]).sum() / global_tokens
+
+
+def _loss_share(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
+                on_micro_batch: Callable[[int], None], backward: bool) -> float:
+    """The micro-batches' summed loss shares, summed on the device and read once, so the host
+    never waits for the device between micro-batches."""
+    loss_share = torch.zeros((), device=batches[0][0].device)
+    for index, batch in enumerate(batches):
+        on_micro_batch(index)
+        loss = micro_batch_loss(model, loss_fn, batch, global_tokens)
+        if backward:
+            loss.backward()
+        loss_share += loss.detach()
+    return loss_share.item()
+
+
 def accumulate_gradients(
     model: nn.Module,
     loss_fn: LossFn,
@@ -46,20 +68,24 @@ def accumulate_gradients(
     global_tokens: int,
     on_micro_batch: Callable[[int], None] = lambda index: None,
 ) -> float:
-    """Forward and backward over each micro-batch; returns this rank's share of the loss.
+    """Forward and backward over each micro-batch; returns this rank's share of the loss."""
+    return _loss_share(model, loss_fn, batches, global_tokens, on_micro_batch, backward=True)
 
-    The share is summed on the device and read once, so the host never waits for the device
-    between micro-batches.
-    """
-    loss_share = torch.zeros((), device=batches[0][0].device)
-    for index, (tokens, mask) in enumerate(batches):
-        on_micro_batch(index)
-        logits = model(tokens[:, :-1])
-        token_losses = loss_fn(logits, tokens[:, 1:])
-        loss = (token_losses.float() * mask[:, None]).sum() / global_tokens
-        loss.backward()
-        loss_share += loss.detach()
-    return loss_share.item()
+
+def evaluate_loss(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Sequence[Batch],
+    global_tokens: int,
+    on_micro_batch: Callable[[int], None] = lambda index: None,
+) -> float:
+    """This rank's share of the held-out loss, in eval mode (no dropout), with no gradients."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _loss_share(model, loss_fn, batches, global_tokens, on_micro_batch, backward=False)
+    finally:
+        model.train()
 
 
 def local_gradients(model: nn.Module) -> list[torch.Tensor]:
@@ -71,6 +97,38 @@ def local_gradients(model: nn.Module) -> list[torch.Tensor]:
         grad = param.grad
         grads.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
     return grads
+
+
+def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:
+    """Whether this rank counts ``tensor`` toward the group's gradient norm: a tensor
+    replicated along a mesh dimension (or not laid out on it at all) is counted only by the
+    rank at coordinate 0 of that dimension, so every element is counted exactly once."""
+    if not isinstance(tensor, DTensor):
+        return all(index == 0 for index in coordinate.values())
+    names = tensor.device_mesh.mesh_dim_names or ()
+    sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
+    return all(index == 0 for name, index in coordinate.items() if name not in sharded)
+
+
+def squared_gradient_norm(model: nn.Module, coordinate: dict[str, int]) -> float:
+    """This rank's part of the squared L2 norm of the group's gradients; the parts of a
+    group's ranks add up to the whole. ``coordinate``: this rank's index on each dimension
+    of the group's mesh, by name."""
+    grads = [
+        grad._local_tensor if isinstance(grad, DTensor) else grad
+        for grad in (param.grad for param in model.parameters())
+        if grad is not None and _counted_here(grad, coordinate)
+    ]
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm(grads)
+    return torch.stack(norms).double().square().sum().item()
+
+
+def scale_gradients(model: nn.Module, scale: float) -> None:
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    if grads and scale != 1.0:
+        torch._foreach_mul_([g._local_tensor if isinstance(g, DTensor) else g for g in grads], scale)
 
 
 def sum_across_groups(model: nn.Module, replicate_group, wait: Callable, dtype: torch.dtype = torch.float32) -> None:

@@ -6,8 +6,9 @@ generation prefix. Across groups, ranks at the same position sum gradients over 
 *replicate* process group built directly on the store, outside the default world, so it can
 be torn down and rebuilt when membership changes without touching the group's own world.
 
-Steps are transactions: ``train_step`` leaves its gradients pending, and the next request
-says whether the driver saw every rank succeed (apply them) or not (drop them).
+Steps are transactions: ``train_step`` leaves its gradients (and the random draws it made)
+pending, and the next request says whether the driver saw every rank succeed (apply them, at
+the step's learning rate and clipping factor) or not (drop them and rewind the generators).
 
 Methods in the ``control`` concurrency group run on a second thread, so the driver can
 probe or abort a rank whose training thread is stuck; ``finish_checkpoint`` waits for a
@@ -30,16 +31,25 @@ from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
+from workers import rng
 from workers.failures import CollectiveAborted, CollectiveFailed, CollectiveTimedOut, StepInterrupted, classify
 from workers.protocol import (
     BuildReport,
+    Commit,
     Progress,
     RankSpec,
     StepReport,
     StepRequest,
     describe_error,
 )
-from workers.train_step import accumulate_gradients, collate, sum_across_groups
+from workers.train_step import (
+    accumulate_gradients,
+    collate,
+    evaluate_loss,
+    scale_gradients,
+    squared_gradient_norm,
+    sum_across_groups,
+)
 
 REPLICATE_POLL_S = 0.001
 
@@ -102,6 +112,8 @@ class RankWorker:
         self.replicate_group = None
         self.control_group = None
         self.pending = False
+        # generator states before the pending step's draws; None when nothing is pending
+        self._rng_before_step: rng.RngState | None = None
         self._progress_lock = threading.Lock()
         self._module_entries = 0
         self._abort = threading.Event()
@@ -219,13 +231,19 @@ class RankWorker:
         self.checkpoint_io.attach(dist.new_group(backend="gloo", timeout=self.timeout))
         # Its own group: the checkpoint upload thread must not interleave with these.
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if spec.shard * spec.tp > 1 else None
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(spec.seed)  # every rank builds the same initial model
         with self.device:
             model = self.hooks.model_fn()
         self.model = self.hooks.parallelize_fn(model, mesh) or model
         self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
+        # The schedule scales these; the optimizer's own lr changes every step, and a heal or
+        # restore loads the lr a peer last stepped with.
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.mesh = mesh
+        self.mesh_coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         self.pending = False
+        self._rng_before_step = None
+        torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index))
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # prepend: counted before FSDP's all-gather, so a rank blocked in compute lags
@@ -257,32 +275,56 @@ class RankWorker:
 
     # the step transaction
 
-    def _settle_pending(self, commit: bool) -> None:
-        if self.pending and commit:
+    def _settle_pending(self, commit: Commit | None) -> None:
+        if self.pending and commit is not None:
+            scale_gradients(self.model, commit.grad_scale)
+            for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
+                group["lr"] = base_lr * commit.lr_scale
             self.optimizer.step()
+            self._rng_before_step = None
+        self._discard_uncommitted()
+
+    def _discard_uncommitted(self) -> None:
+        if self._rng_before_step is not None:
+            rng.restore(self._rng_before_step)
+            self._rng_before_step = None
         self.optimizer.zero_grad(set_to_none=False)
         self.pending = False
 
-    def commit(self) -> None:
-        self._settle_pending(commit=True)
+    def _committed_rng(self) -> rng.RngState:
+        return self._rng_before_step or rng.capture(self.spec.use_gpu)
+
+    def commit(self, commit: Commit) -> None:
+        self._settle_pending(commit)
 
     def train_step(self, request: StepRequest) -> StepReport:
+        """One step (or, with ``request.evaluate``, one held-out evaluation) on this rank."""
         started = time.perf_counter()
         rank = self.spec.global_rank
         self._attempt = request.attempt
         try:
             self._set_progress(request.step, "data")
-            self._settle_pending(commit=request.commit_previous)
-            batches = [collate(self.hooks.dataset, mb, self.device) for mb in request.micro_batches]
+            self._settle_pending(request.commit_previous)
+            dataset = self.hooks.eval_dataset if request.evaluate else self.hooks.dataset
+            batches = [collate(dataset, mb, self.device) for mb in request.micro_batches]
             data_s = time.perf_counter() - started
 
             self._set_progress(request.step, "compute")
+            if request.evaluate:
+                # The held-out loss leaves the training generators where they were.
+                with torch.random.fork_rng(devices=[self.device] if self.spec.use_gpu else []):
+                    loss_share, compute_s = self._compute(request, batches, evaluate_loss)
+                self._set_progress(request.step, "done")
+                return StepReport(rank, request.step, loss_share=loss_share, data_s=data_s, compute_s=compute_s,
+                                  wall_s=time.perf_counter() - started)
+            self._rng_before_step = rng.capture(self.spec.use_gpu)
             loss_share, compute_s = self._compute(request, batches)
 
             self._set_progress(request.step, "replicate")
             comm_started = time.perf_counter()
             self._reduce_across_groups(request, started + request.deadline_s)
             comm_s = time.perf_counter() - comm_started
+            grad_sq_norm = squared_gradient_norm(self.model, self.mesh_coordinate)
             self.pending = True
             self._set_progress(request.step, "done")
             return StepReport(
@@ -293,12 +335,12 @@ class RankWorker:
                 compute_s=compute_s,
                 comm_s=comm_s,
                 wall_s=time.perf_counter() - started,
+                grad_sq_norm=grad_sq_norm,
             )
         except Exception as error:  # any failure discards the step; the driver decides who is evicted
             group_broken = self._phase in ("data", "compute") and not isinstance(error, StepInterrupted)
             self._leave_replicas()
-            self.optimizer.zero_grad(set_to_none=False)
-            self.pending = False
+            self._discard_uncommitted()
             self._set_progress(request.step, "failed")
             return StepReport(
                 rank,
@@ -309,10 +351,11 @@ class RankWorker:
                 wall_s=time.perf_counter() - started,
             )
 
-    def _compute(self, request: StepRequest, batches) -> tuple[float, float]:
-        """This rank's share of the step: (loss share, its own compute seconds)."""
+    def _compute(self, request: StepRequest, batches, loss_of=accumulate_gradients) -> tuple[float, float]:
+        """This rank's share of the step (or of the evaluation, with ``evaluate_loss``): (loss
+        share, its own compute seconds)."""
         self.compute_timer.start()
-        loss_share = accumulate_gradients(
+        loss_share = loss_of(
             self.model,
             self.hooks.loss_fn,
             batches,
@@ -332,25 +375,35 @@ class RankWorker:
 
     def export_state(self) -> dict:
         """Committed state only: the driver commits or discards pending gradients first."""
-        return export_local_state(self.model, self.optimizer)
+        return {**export_local_state(self.model, self.optimizer), "rng": self._committed_rng()}
 
     def import_state(self, state: dict) -> None:
         import_local_state(self.model, self.optimizer, state)
-        self.pending = False
+        self._rng_before_step = None
+        self._discard_uncommitted()
+        rng.restore(state["rng"])
 
     # checkpoints
 
     def save_checkpoint(self, url: str) -> float:
         """Stage committed state for an async upload to ``url``; returns the stall in seconds."""
-        return self.checkpoint_io.save(self.model, self.optimizer, url)
+        return self.checkpoint_io.save(self.model, self.optimizer, url, self._committed_rng())
 
     @ray.method(concurrency_group="checkpoint")
     def finish_checkpoint(self) -> UploadResult:
         return self.checkpoint_io.wait()
 
-    def load_checkpoint(self, url: str) -> float:
+    def load_checkpoint(self, url: str, step: int, generators: rng.RngState | None) -> float:
+        """Load the committed state of ``step``; ``generators``: the states saved for this
+        rank's position, or None when the checkpoint has none for it (saved at another
+        layout), and the stream restarts from the seed and the step."""
         seconds = self.checkpoint_io.load(self.model, self.optimizer, url)
-        self.pending = False
+        self._rng_before_step = None
+        self._discard_uncommitted()
+        if generators is None:
+            torch.manual_seed(rng.training_seed(self.spec.seed, self.spec.shard_index, step))
+        else:
+            rng.restore(generators)
         return seconds
 
     def local_parameters(self) -> list[torch.Tensor]:

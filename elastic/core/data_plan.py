@@ -138,14 +138,26 @@ def plan_step(
     group_weights: dict[int, float],
 ) -> StepPlan:
     indices, next_cursor = take_global_batch(cursor, dataset_len, global_batch, seed)
+    started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
+    return StepPlan(step, started_at, next_cursor, len(indices), split_across_groups(indices, group_weights))
+
+
+def plan_eval(step: int, *, dataset_len: int, samples: int, group_weights: dict[int, float]) -> StepPlan:
+    """The held-out evaluation at ``step``: the validation set's first ``samples`` samples (all
+    of it when smaller), in order, split across groups like a step's batch. The cursor does
+    not move."""
+    indices = np.arange(min(samples, dataset_len), dtype=np.int64)
+    return StepPlan(step, DataCursor(), DataCursor(), len(indices), split_across_groups(indices, group_weights))
+
+
+def split_across_groups(indices: np.ndarray, group_weights: dict[int, float]) -> GroupPlans:
+    """Contiguous shares of ``indices``, one per group, in proportion to the groups' weights."""
     groups = sorted(group_weights)
     weights = np.array([group_weights[group] for group in groups], dtype=np.float64)
     counts = apportion_array(len(indices), weights, sum(group_weights.values()))
     bounds = np.zeros(len(groups) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
-    plans = GroupPlans(np.array(groups, dtype=np.int64), bounds, indices)
-    started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
-    return StepPlan(step, started_at, next_cursor, len(indices), plans)
+    return GroupPlans(np.array(groups, dtype=np.int64), bounds, indices)
 
 
 def group_weights(groups: Iterable[int], decided: Mapping[int, float]) -> dict[int, float]:

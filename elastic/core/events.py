@@ -48,6 +48,9 @@ class EventKind(StrEnum):
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
     RESTORED_INITIAL_STATE = "restored-initial-state"
     RECOVERED = "recovered"
+    EVAL_DISCARDED = "eval-discarded"
+    # evaluation
+    EVALUATED = "evaluated"
     # stragglers
     STRAGGLER_DETECTED = "straggler-detected"
     STRAGGLER_RECOVERED = "straggler-recovered"
@@ -59,6 +62,7 @@ class EventKind(StrEnum):
     CHECKPOINT_COMMITTED = "checkpoint-committed"
     CHECKPOINT_FAILED = "checkpoint-failed"
     CHECKPOINT_SKIPPED = "checkpoint-skipped"
+    RNG_RESEEDED = "rng-reseeded"
     CHECKPOINTS_DELETED = "checkpoints-deleted"
     FINAL_CHECKPOINT_MISSED = "final-checkpoint-missed"
 

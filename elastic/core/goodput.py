@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # In the order reports show them: the useful time first, what remained uncharged last.
-CATEGORIES = ("committed", "recovery", "discarded", "checkpoint_stall", "startup", "idle")
+CATEGORIES = ("committed", "evaluation", "recovery", "discarded", "checkpoint_stall", "startup", "idle")
 
 
 class TimeLedger:

@@ -1,0 +1,27 @@
+"""Gradient clipping by the global norm, decided on the driver.
+
+After the cross-group sum every replica group holds the same gradients, so one group's
+ranks describe the whole: each reports its part of the squared norm (every element counted
+on exactly one rank, see ``workers.train_step.squared_gradient_norm``), and the driver adds
+the parts of the lowest-numbered group in rank order. The norm is then the same whatever the
+number of live groups, and costs no collective; the clipping factor goes out with the step's
+commit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+
+def global_norm(squared_parts: Mapping[int, float]) -> float:
+    """The L2 norm from one group's per-rank squared parts, summed in rank order."""
+    return math.sqrt(sum(squared_parts[rank] for rank in sorted(squared_parts)))
+
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """The factor that brings gradients of global norm ``norm`` down to ``max_norm`` (torch's
+    ``clip_grad_norm_`` formula); 1.0 without clipping."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

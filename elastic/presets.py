@@ -1,0 +1,222 @@
+"""Standard Llama shapes as presets of the ``model`` section, and an estimate of the GPU
+memory one rank needs to train each.
+
+``model.preset`` fills the shape fields the config leaves out (see ``ModelConfig``).
+``memory_per_rank`` is arithmetic on the shapes and the layout, not a measurement: it
+counts what this code keeps alive at the peak of a training step (see docs/presets.md).
+``python -m elastic.presets`` prints the tables in docs/presets.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+# elastic.config imports PRESETS from here, so this module imports it only where it is used.
+if TYPE_CHECKING:
+    from elastic.config import ModelConfig
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The ModelConfig defaults: trains in seconds on CPU, for tests.
+    "tiny": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 192},
+    # GPT-3 Small's width and depth with Llama's vocabulary and SwiGLU.
+    "llama-125m": {"vocab_size": 32000, "dim": 768, "n_layers": 12, "n_heads": 12, "ffn_hidden": 2048},
+    # meta-llama/Llama-3.2-1B
+    "llama3-1b": {
+        "vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 8192,
+        "tie_embeddings": True,
+    },
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": {
+        "vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
+        "tie_embeddings": False,
+    },
+}
+
+FP32_BYTES = 4
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+GIB = 2**30
+# nvidia-smi shows an H100 80 GB as 81,559 MiB. A tenth of that is left for the CUDA
+# context, NCCL buffers and allocator fragmentation, which this estimate does not count.
+H100_GIB = 81_559 / 1024
+H100_BUDGET_GIB = 0.9 * H100_GIB
+
+
+def _block_parameters(model: ModelConfig, tp: int) -> int:
+    """One transformer block's parameters on one TP rank: projections split, norms whole."""
+    head_dim = model.dim // model.n_heads
+    attention = 2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim
+    feed_forward = 3 * model.dim * model.ffn_hidden
+    return (attention + feed_forward) // tp + 2 * model.dim
+
+
+def _root_parameters(model: ModelConfig, tp: int) -> int:
+    """The embedding, the output projection unless tied, and the final norm, on one TP rank."""
+    projections = 1 if model.tie_embeddings else 2
+    return projections * model.vocab_size * model.dim // tp + model.dim
+
+
+def parameter_count(model: ModelConfig) -> int:
+    return _root_parameters(model, tp=1) + model.n_layers * _block_parameters(model, tp=1)
+
+
+def _norm_activation_bytes(dim: int, compute: int) -> int:
+    """Per token, what one RMSNorm saves for backward: its input upcast to fp32 (twice in bf16,
+    since ``x.float()`` is called twice; in fp32 that is the input itself, once), the
+    normalised tensor and its product with the weight, and the fp32 inverse RMS."""
+    fp32_copies = 2 if compute < FP32_BYTES else 1
+    return (fp32_copies * FP32_BYTES + 2 * compute) * dim + FP32_BYTES
+
+
+def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int) -> float:
+    """Per token, what one transformer block saves for backward.
+
+    The norms see the whole hidden state on every TP rank. The rest is split by heads or by
+    ffn columns: SDPA's fused kernel (flash or memory-efficient) saves q, k and v (k and v
+    repeated to every head), its output (which is also wo's input) and an fp32 log-sum-exp
+    per head, and no seq x seq matrix; SwiGLU saves w1's and w3's outputs, silu's output and
+    their product. RoPE saves only its cos/sin buffer.
+    """
+    attention = 4 * compute * model.dim + FP32_BYTES * model.n_heads
+    feed_forward = 4 * compute * model.ffn_hidden
+    return 2 * _norm_activation_bytes(model.dim, compute) + (attention + feed_forward) / tp
+
+
+def activation_bytes(
+    model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool
+) -> float:
+    """What one micro-batch's forward saves for backward, logits and loss aside."""
+    outside_blocks = _norm_activation_bytes(model.dim, compute)
+    layer = _layer_activation_bytes(model, tp, compute)
+    if model.dropout:
+        # A one-byte mask per element (CUDA's fused dropout): the embedding's, and each
+        # block's two residual branches'.
+        outside_blocks += model.dim
+        layer += 2 * model.dim
+    if activation_checkpointing:
+        # Each block keeps only its input; backward recomputes one block at a time.
+        return tokens * (model.n_layers * compute * model.dim + layer + outside_blocks)
+    return tokens * (model.n_layers * layer + outside_blocks)
+
+
+def memory_per_rank(
+    model: ModelConfig,
+    *,
+    shard: int,
+    tp: int,
+    seq_len: int,
+    micro_batch: int,
+    precision: Literal["bf16", "fp32"] = "bf16",
+    activation_checkpointing: bool = False,
+) -> dict[str, float]:
+    """GiB one rank holds at the peak of a training step, by what holds it, and the total.
+
+    The terms are added as if they peaked together. They do not quite (the loss's fp32
+    buffers are freed before the blocks' gradients appear), so the total leans high.
+    """
+    compute = COMPUTE_BYTES[precision]
+    tokens = micro_batch * seq_len
+    block, root = _block_parameters(model, tp), _root_parameters(model, tp)
+    shard_parameters = (root + model.n_layers * block) / shard
+    output_projection = model.vocab_size * model.dim // tp
+    held_bytes = {
+        "parameters": FP32_BYTES * shard_parameters,
+        "gradients": FP32_BYTES * shard_parameters,
+        "optimizer": 2 * FP32_BYTES * shard_parameters,
+        # FSDP2 keeps the root's parameters gathered from forward through backward and
+        # gathers two blocks at a time (the running one and the prefetched next). In backward
+        # the output projection's gradient waits for the root's reduce-scatter, and a block's
+        # gradient is copied into an fp32 buffer to be reduce-scattered.
+        "unsharded": compute * (root + 2 * block + output_projection) + (compute + FP32_BYTES) * block,
+        "activations": activation_bytes(
+            model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing
+        ),
+        # Logits are replicated across TP ranks. Cross-entropy saves them as fp32
+        # log-probabilities (the compute-dtype logits are freed once the loss is computed),
+        # and its backward makes two fp32 gradients of the same size.
+        "logits": tokens * model.vocab_size * 3 * FP32_BYTES,
+    }
+    memory = {name: size / GIB for name, size in held_bytes.items()}
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+@dataclass(frozen=True)
+class Layout:
+    preset: str
+    shard: int
+    tp: int
+    seq_len: int
+    micro_batch: int
+    activation_checkpointing: Literal["none", "full"] = "none"
+
+
+DOC_LAYOUTS = [
+    Layout("tiny", shard=1, tp=1, seq_len=64, micro_batch=4),
+    Layout("llama-125m", shard=1, tp=1, seq_len=2048, micro_batch=8),
+    Layout("llama-125m", shard=8, tp=1, seq_len=2048, micro_batch=8),
+    Layout("llama3-1b", shard=8, tp=1, seq_len=4096, micro_batch=2),
+    Layout("llama3-1b", shard=8, tp=2, seq_len=4096, micro_batch=2),
+    Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1),
+    Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-8b", shard=8, tp=4, seq_len=8192, micro_batch=1),
+    Layout("llama3-8b", shard=32, tp=2, seq_len=8192, micro_batch=1),
+]
+
+
+def _format_count(count: int) -> str:
+    return f"{count / 1e9:.3g} B" if count >= 1e9 else f"{count / 1e6:.3g} M"
+
+
+def shapes_table() -> str:
+    from elastic.config import ModelConfig
+
+    lines = [
+        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | tie_embeddings |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for name in PRESETS:
+        model = ModelConfig(preset=name)
+        lines.append(
+            f"| `{name}` | {_format_count(parameter_count(model))} | {model.vocab_size} | {model.dim} | {model.n_layers} "
+            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} | {str(model.tie_embeddings).lower()} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
+    """One row per layout, each first validated as a full config (so tp divides the shapes)."""
+    from elastic.config import build_config
+
+    lines = [
+        "| preset | shard × tp | seq_len × micro_batch | activation checkpointing "
+        "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
+        "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
+    ]
+    for layout in layouts:
+        config = build_config({
+            "micro_batch": layout.micro_batch,
+            "global_batch": layout.micro_batch * layout.shard,
+            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp},
+            "model": {"preset": layout.preset},
+            "data": {"seq_len": layout.seq_len},
+            "compute": {"precision": "bf16", "activation_checkpointing": layout.activation_checkpointing},
+        })
+        memory = memory_per_rank(
+            config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
+            micro_batch=config.micro_batch, precision=config.compute.precision,
+            activation_checkpointing=config.compute.activation_checkpointing == "full",
+        )
+        states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
+        fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
+        lines.append(
+            f"| `{layout.preset}` | {layout.shard} × {layout.tp} "
+            f"| {layout.seq_len} × {layout.micro_batch} | {layout.activation_checkpointing} "
+            f"| {states:.2f} | {memory['unsharded']:.2f} | {memory['activations']:.2f} | {memory['logits']:.2f} "
+            f"| {memory['total']:.2f} | {fits} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(shapes_table(), memory_table(), sep="\n\n")

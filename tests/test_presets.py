@@ -1,0 +1,128 @@
+"""Model presets: valid configs with the published shapes, overridable, failing fast on a
+bad name; the memory estimate's counts against the model's own tensors; docs/presets.md
+equal to what the estimate prints."""
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import elastic.trainer
+from elastic.cli import build_parser, main, train_overrides
+from elastic.config import ConfigError, ModelConfig, build_config, load_config
+from elastic.hooks import model_args
+from elastic.presets import PRESETS, activation_bytes, memory_per_rank, memory_table, parameter_count, shapes_table
+from workers.model import Transformer
+
+DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
+
+# The largest tp each preset's sizes (heads, kv heads, dim, ffn, vocabulary) allow up to 8.
+FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8}
+# llama3-*: the parameter counts published for Llama 3.2 1B and Llama 3 8B.
+EXPECTED_PARAMETERS = {
+    "tiny": pytest.approx(139_584),
+    "llama-125m": pytest.approx(125e6, abs=15e6),
+    "llama3-1b": 1_235_814_400,
+    "llama3-8b": 8_030_261_248,
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_builds_a_config_whose_model_has_the_published_parameter_count(preset):
+    config = build_config({"model": {"preset": preset}, "scaling": {"tp": FITTING_TP[preset]}})
+    with torch.device("meta"):
+        model = Transformer(model_args(config))
+    count = sum(param.numel() for param in model.parameters())
+    assert count == parameter_count(config.model) == EXPECTED_PARAMETERS[preset]
+
+
+def test_tiny_is_the_model_defaults():
+    assert ModelConfig(preset="tiny").model_dump() == ModelConfig().model_dump()
+
+
+def test_given_fields_override_the_preset():
+    model = build_config({"model": {"preset": "llama-125m", "n_layers": 2}}).model
+    assert (model.n_layers, model.dim, model.vocab_size) == (2, 768, 32000)
+
+
+def test_preset_flag_fills_what_the_config_file_leaves_out(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[model]\nn_layers = 2\n")
+    args = build_parser().parse_args(["train", "--config", str(path), "--preset", "llama3-1b"])
+    model = load_config(args.config, train_overrides(args)).model
+    assert (model.n_layers, model.dim, model.kv_heads, model.tie_embeddings) == (2, 2048, 8, True)
+
+
+def test_the_recorded_settings_hold_the_shape_not_the_preset_name():
+    by_name = build_config({"model": {"preset": "llama-125m"}}).model_dump(mode="json")
+    spelled_out = build_config({"model": PRESETS["llama-125m"]}).model_dump(mode="json")
+    assert by_name == spelled_out and "preset" not in by_name["model"]
+
+
+def test_unknown_preset_names_the_field_and_the_choices():
+    with pytest.raises(ConfigError) as caught:
+        build_config({"model": {"preset": "nope"}})
+    assert "model.preset: unknown preset 'nope'; choose one of tiny, llama-125m, llama3-1b, llama3-8b" in str(caught.value)
+
+
+def test_a_preset_keeps_the_layout_checks():
+    with pytest.raises(ConfigError, match=r"scaling.tp=8 does not divide model.n_heads=12"):
+        build_config({"model": {"preset": "llama-125m"}, "scaling": {"tp": 8}})
+
+
+def test_cli_unknown_preset_fails_before_anything_starts(monkeypatch, capsys):
+    def must_not_start(*args, **kwargs):
+        pytest.fail("a bad preset got as far as starting the trainer")
+
+    monkeypatch.setattr(ray, "init", must_not_start)
+    monkeypatch.setattr(elastic.trainer, "ElasticTrainer", must_not_start)
+    assert main(["train", "--preset", "nope", "--quiet"]) == 2
+    assert "model.preset: unknown preset 'nope'; choose one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_estimate_counts_what_autograd_saves(dtype):
+    # GQA, and every width distinct, so a term counted with the wrong width shows. Dropout
+    # stays off: on CPU it saves a mask in the input's dtype, on CUDA the estimated one byte.
+    config = build_config({
+        "model": {"vocab_size": 96, "dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 320},
+        "data": {"seq_len": 16},
+    })
+    model = Transformer(model_args(config)).to(dtype)
+    held = {tensor.untyped_storage().data_ptr() for tensor in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def record(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.is_floating_point() and storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    batch, seq = 3, 16
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        model(torch.randint(0, 96, (batch, seq)))
+    estimate = activation_bytes(
+        config.model, tp=1, tokens=batch * seq, compute=dtype.itemsize, activation_checkpointing=False
+    )
+    assert sum(saved.values()) == estimate
+
+
+def test_shards_split_the_states_and_logits_stay_whole():
+    model = ModelConfig(preset="llama3-8b")
+    whole = memory_per_rank(model, shard=1, tp=1, seq_len=4096, micro_batch=1)
+    split = memory_per_rank(model, shard=8, tp=4, seq_len=4096, micro_batch=1)
+    for state in ("parameters", "gradients", "optimizer"):
+        assert split[state] == pytest.approx(whole[state] / 32, rel=1e-3)
+    assert split["logits"] == whole["logits"]
+    # TP splits attention and feed-forward activations, not the norms'.
+    assert whole["activations"] / 4 < split["activations"] < whole["activations"]
+    checkpointed = memory_per_rank(model, shard=8, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing=True)
+    assert checkpointed["activations"] < split["activations"] / 8
+    assert split["total"] == pytest.approx(sum(value for name, value in split.items() if name != "total"))
+
+
+def test_docs_tables_are_what_the_estimate_prints():
+    text = DOCS.read_text()
+    assert shapes_table() in text, "docs/presets.md is stale: paste `python -m elastic.presets` into it"
+    assert memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.presets` into it"
