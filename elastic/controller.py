@@ -489,6 +489,11 @@ class Controller:
         self.pending_commit = None
         return pending
 
+    def global_loss(self, reports: dict[int, StepReport]) -> float:
+        """The loss over the dispatched batch: each TP row's share once (its ranks compute the
+        same replicated logits)."""
+        return sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+
     # evaluation
 
     def eval_due(self) -> bool:
@@ -513,7 +518,7 @@ class Controller:
         self.ledger.charge("evaluation" if diagnosis is None else "discarded", elapsed)
         if diagnosis is not None:
             return Recovering(diagnosis, started, self.collection.failure_seen_at, evaluating=True)
-        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+        loss = self.global_loss(reports)
         record = {"step": self.step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
         self.eval_records.append(record)
         self.events.emit(EventKind.EVALUATED, **record)
@@ -610,7 +615,7 @@ class Controller:
         self.pending_commit = Commit(lr_scale=self.schedule.factor(self.step), grad_scale=clip_scale)
         self.has_state = True
         self.deadline.record(elapsed)
-        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+        loss = self.global_loss(reports)
         self.losses.append(loss)
         self.cursor = plan.next_cursor
         tokens = plan.global_samples * self.config.data.seq_len
