@@ -1,45 +1,46 @@
 """Saves that fail: each failure is counted and retried at the next due boundary, never at
 every step; too many in a row stop the run; a missed final checkpoint is a failed run.
 
-A save fails for real here: once the first checkpoint committed (and retention ran), the
-directories of the later due steps are taken by plain files, so DCP cannot write into them.
-Steps take 0.5 s, so the first commit is seen well before the next save is due."""
+A save fails for real here: once the first checkpoint committed, the directories of the later
+due steps are taken by plain files, so DCP cannot write into them. Steps take 0.5 s, so the
+first commit is seen well before the next save is due."""
 
-import threading
-import time
 from pathlib import Path
 
 from elastic import ElasticTrainer
 from elastic.cli import exit_code
 from elastic.core.events import EventKind
-from tests.loopback import wait_for
+from tests.events import on_events
 from tests.paced import paced_model
 from tests.tiny import tiny_config
 
 EVERY = 5
 
 
-def block_saves_after_the_first_commit(run_dir: Path, steps: int) -> threading.Thread:
+def blocking_saves_after_the_first_commit(run_dir: Path, steps: int) -> dict:
+    """Event hooks (tests/events.py) that take the entries of the due steps with plain files
+    as the first checkpoint commits. The retention pass that follows the commit deletes entries
+    without a manifest; the hooks put each back as it is reported deleted."""
     checkpoints = run_dir / "checkpoints"
+    blocked = range(2 * EVERY, steps + 1, EVERY)
 
-    def block() -> None:
-        wait_for(lambda: (checkpoints / f"step-{EVERY:08d}" / "manifest.json").exists(), 120, "the first commit",
-                 interval=0.02)
-        time.sleep(0.1)  # past the retention pass that follows the commit
-        for step in range(2 * EVERY, steps + 1, EVERY):
-            (checkpoints / f"step-{step:08d}").write_text("not a directory")
+    def block(due: list[int]) -> None:
+        for step in due:
+            if step in blocked:
+                (checkpoints / f"step-{step:08d}").write_text("not a directory")
 
-    thread = threading.Thread(target=block, daemon=True)
-    thread.start()
-    return thread
+    def on_commit(event: dict) -> None:
+        if event["step"] == EVERY:
+            block(list(blocked))
+
+    return {EventKind.CHECKPOINT_COMMITTED: on_commit, EventKind.CHECKPOINTS_DELETED: lambda event: block(event["steps"])}
 
 
 def run_with_blocked_saves(tmp_path, steps: int, max_failures: int):
     config = tiny_config(tmp_path, steps=steps, checkpoint__every=EVERY,
                          checkpoint__max_consecutive_failures=max_failures)
-    blocker = block_saves_after_the_first_commit(tmp_path / "runs" / "test", steps)
-    result = ElasticTrainer(config, model_fn=paced_model(config, 0.5)).fit()
-    blocker.join(timeout=5)
+    with on_events(blocking_saves_after_the_first_commit(tmp_path / "runs" / "test", steps)):
+        result = ElasticTrainer(config, model_fn=paced_model(config, 0.5)).fit()
     return result, [e for e in result.summary["events"] if e["kind"] == EventKind.CHECKPOINT_FAILED]
 
 

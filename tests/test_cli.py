@@ -25,7 +25,6 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     assert losses[-1] < losses[0] - 1.0
     for key in ("run", "config", "steps_discarded", "final_loss", "wall_s", "tokens_per_s", "goodput", "events"):
         assert key in summary
-    assert summary["wall_s"] < 120
     # The ranks run in Ray's working directory, not the driver's: the default storage must
     # still put their checkpoint files next to the driver's manifest.
     final = Path(summary["last_checkpoint"])

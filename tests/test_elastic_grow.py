@@ -1,39 +1,57 @@
 """Growing: a node added mid-run lets the second replica group place, heal and join, and the
-committed steps are those of the fault-free reference, none lost or doubled."""
+committed steps are those of the fault-free reference, none lost or doubled.
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+The node joins the test run's Ray head (tests/ray_head.py). Until it does, a placement group
+holds all of the head's free CPUs but the one a group needs (shard 2 x 0.5 CPU), so the second
+group cannot place; the node is added as the first checkpoint commits, so the run has trained
+on one group before it can grow."""
 
-from elastic.config import build_config
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from elastic import ElasticTrainer
 from elastic.core.events import EventKind
+from tests.events import on_events
 from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
 
-SCRIPT = Path(__file__).with_name("grow_cluster.py")
 
-
-def test_second_group_joins_when_a_node_is_added(tmp_path):
+def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):
     # Long enough for the node and the group's actors to start (the group joins near step 50
     # on a loaded 2-core machine), short enough that float drift from the reference's
     # reduction order stays far below 1e-5 (it passes 1e-5 near step 300).
     steps = 200
-    completed = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(steps)],
-                               capture_output=True, text=True, timeout=540)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["exit"] == "completed"
+    config = tiny_config(tmp_path, groups=2, min_groups=1, shard=2, steps=steps, scaling__cpus_per_rank=0.5,
+                         checkpoint__every=20, stragglers__enabled=False)
+    hold = placement_group([{"CPU": ray.available_resources()["CPU"] - 1.0}])
+    ray.get(hold.ready(), timeout=60)
+    nodes = []
+
+    def add_node(_committed):
+        if not nodes:
+            nodes.append(ray_head.add_node(num_cpus=1))
+
+    try:
+        with on_events({EventKind.CHECKPOINT_COMMITTED: add_node}):
+            result = ElasticTrainer(config).fit()
+    finally:
+        remove_placement_group(hold)
+        for node in nodes:
+            ray_head.remove_node(node)
+    summary = result.summary
+    assert result.ok, result.exit
     records = summary["steps"]
     assert [r["step"] for r in records] == list(range(steps)) and summary["steps_committed"] == steps
     assert summary["steps_discarded"] == 0
 
+    [first_commit, *_] = [e for e in summary["events"] if e["kind"] == EventKind.CHECKPOINT_COMMITTED]
     [joined] = [e for e in summary["events"] if e["kind"] == EventKind.GROUP_JOINED and e["group"] == 1]
-    assert joined["t"] > records[0]["t"], "the second group joined before training started"
+    assert joined["t"] > first_commit["t"], "the second group joined before the node was added"
     [healed] = [e for e in summary["events"] if e["kind"] == EventKind.GROUP_HEALED]
     assert (healed["group"], healed["source_group"]) == (1, 0)
     live = [r["live_groups"] for r in records]
     grown_at = live.index(2)
-    assert 0 < grown_at and set(live[:grown_at]) == {1} and set(live[grown_at:]) == {2}
+    assert first_commit["step"] < grown_at and set(live[:grown_at]) == {1} and set(live[grown_at:]) == {2}
 
-    reference, _ = reference_run(build_config(summary["config"]), steps)
-    assert max_relative_difference(summary["losses"], reference) <= 1e-5
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5

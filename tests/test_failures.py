@@ -49,6 +49,8 @@ def test_released_and_collective_failures_blame_peers():
 
 
 def _second_step_after_peer_death(rank: int, port: int, layout: str, results) -> None:
+    """``results`` is the sending end of a pipe: ``send`` has written the whole message when it
+    returns, so ``os._exit`` cannot lose it (a ``Queue.put`` only hands it to a feeder thread)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -70,23 +72,26 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
         os._exit(1)  # dies between steps, like a lost node
     try:
         model(batch).sum().backward()
-        results.put("no error")
+        results.send("no error")
     except Exception as error:
-        results.put(classify(error, "compute").value)
-    os._exit(0)
+        results.send(classify(error, "compute").value)
+    results.close()
+    os._exit(0)  # past a dead peer, the process group's teardown could wait on it
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layout):
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+    received, results = context.Pipe(duplex=False)
     port = free_port()
     ranks = [context.Process(target=_second_step_after_peer_death, args=(rank, port, layout, results))
              for rank in range(2)]
     for process in ranks:
         process.start()
+    results.close()  # the children hold their own copies of the sending end
     try:
-        assert results.get(timeout=60) == Failure.COLLECTIVE.value
+        assert received.poll(120), f"rank 0 sent no result; exit codes {[p.exitcode for p in ranks]}"
+        assert received.recv() == Failure.COLLECTIVE.value
     finally:
         for process in ranks:
             process.join(10)

@@ -39,8 +39,10 @@ def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path, inject, cu
 
 
 def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
-    steps = 150
-    inject = "kill:rank=1,step=7;kill-group:group=1,step=15;hang:rank=0,step=22"
+    steps = 60
+    # The hang is on group 2, which the kills spare: a fault fires at its step only on a live
+    # rank, and when the killed groups rejoin depends on the machine's speed.
+    inject = "kill:rank=1,step=7;kill-group:group=1,step=15;hang:rank=4,step=22"
     config = tiny_config(tmp_path, groups=3, shard=2, steps=steps, fault_tolerance__inject=inject, **FAST_DETECTION)
     result = ElasticTrainer(config, keep_final_state=True).fit()
     summary = result.summary
@@ -56,8 +58,8 @@ def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     shards = result.final_state
     final_params = [torch.cat([shards[(0, 0)][i], shards[(1, 0)][i]]) for i in range(len(reference_params))]
     # Summing the same gradients in another order (as groups do) moves fp32 parameters by a
-    # few ulps a step, and AdamW carries that through 150 steps. The bound is that measured
-    # drift between two fault-free orders (~7e-6 here), with room for faults reordering sums;
+    # few ulps a step, and AdamW carries that through 60 steps. The bound is that measured
+    # drift between two fault-free orders (~9e-7 here), with room for faults reordering sums;
     # a step lost or applied twice moves parameters by ~lr = 3e-3, far beyond it.
     _, reordered_params = reference_run(config, steps, chunks=4)
     reorder_drift = max_parameter_difference(reordered_params, reference_params)

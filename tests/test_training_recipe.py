@@ -9,6 +9,7 @@ import pytest
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
+from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_trace
 from tests.tiny import tiny_config
 
@@ -97,10 +98,12 @@ def test_dropout_stopped_and_resumed_commits_the_uninterrupted_losses_at_the_sch
 def test_dropout_restored_from_a_checkpoint_after_losing_every_copy_commits_the_uninterrupted_losses(
         uninterrupted, tmp_path):
     # Both copies of shard position 0 die at step 7: no peer holds it, so the run rolls back
-    # to the checkpoint of step 4, generators included, and reruns steps 4-6.
+    # to the checkpoint of step 4, generators included, and reruns steps 4-6. Steps of at
+    # least 0.3 s leave that checkpoint's upload the time to commit before step 7 on a busy
+    # machine too.
     inject = "kill:rank=0,step=7;kill:rank=2,step=7"
     config = tiny_config(tmp_path, steps=STEPS, fault_tolerance__inject=inject, checkpoint__every=4, **RECIPE)
-    result = ElasticTrainer(config).fit()
+    result = ElasticTrainer(config, model_fn=paced_model(config, 0.3)).fit()
     assert result.ok, result.exit
     [restored] = [e for e in result.summary["events"] if e["kind"] == EventKind.RESTORED_FROM_CHECKPOINT]
     assert restored["step"] == 4 and restored["rolled_back_steps"] == 3

@@ -1,0 +1,126 @@
+"""The test run's one Ray instance: a head started with ``ray start --head``, as a user starts
+one for ``ray job submit``, on loopback, with its own temp dir, ports and auth token.
+
+It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
+down exactly the processes it started: ``ray stop`` would kill every Ray process on the
+machine, other users' included. ``add_node`` joins a further node to it, as a cluster grows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.loopback import free_port
+
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+# The processes of a node, each on a port of its own (several nodes share this machine).
+NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+
+
+def processes_mentioning(*markers: str) -> list[int]:
+    """Pids whose command line mentions one of ``markers`` (paths only this head uses)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not a process
+            continue
+        if proc.name.isdigit() and int(proc.name) != os.getpid() and any(m in cmdline for m in markers):
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_block(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)  # it drains for up to 30 s
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class RayHead:
+    def __init__(self, num_cpus: int):
+        """Takes its token from this process's ``RAY_AUTH_TOKEN`` (see tests/conftest.py)."""
+        # Short, because Ray's unix socket paths live under it (about 107 bytes at most).
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self.gcs_address = f"127.0.0.1:{free_port()}"
+        self.dashboard = f"http://127.0.0.1:{free_port()}"
+        token = os.environ["RAY_AUTH_TOKEN"]
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+            # `python` in a job's entrypoint is this interpreter, with the package installed.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            # The ranks are this head's workers: gloo on loopback, one thread each on 2 cores.
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": token,
+        }
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.nodes: list[subprocess.Popen] = []
+        self.process = self._start_node(
+            "head.log", "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
+            "--temp-dir", self.temp_dir, "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
+            "--dashboard-port", self.dashboard.rsplit(":", 1)[1], "--ray-client-server-port", str(free_port()),
+        )
+        self.wait_until_ready(timeout=120)
+
+    def _start_node(self, log_name: str, *args: str) -> subprocess.Popen:
+        ports = [x for flag in NODE_PORTS for x in (flag, str(free_port()))]
+        with open(Path(self.temp_dir) / log_name, "w") as log:
+            return subprocess.Popen(
+                [*RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--min-worker-port", "0",
+                 "--max-worker-port", "0", "--disable-usage-stats", *ports, *args],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            )
+
+    def wait_until_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"ray start exited with {self.process.returncode}:\n{self.log('head.log')}")
+            try:
+                request = urllib.request.Request(f"{self.dashboard}/api/jobs/", headers=self.headers)
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the job server at {self.dashboard} did not come up:\n{self.log('head.log')}")
+
+    def log(self, name: str) -> str:
+        return (Path(self.temp_dir) / name).read_text()
+
+    def add_node(self, num_cpus: int) -> subprocess.Popen:
+        """Starts a node that joins this head; it registers with the cluster a moment later."""
+        node = self._start_node(f"node-{len(self.nodes)}.log", "--address", self.gcs_address,
+                                "--num-cpus", str(num_cpus))
+        self.nodes.append(node)
+        return node
+
+    def remove_node(self, node: subprocess.Popen) -> None:
+        stop_block(node)
+        self.nodes.remove(node)
+
+    def stop(self) -> list[int]:
+        """Stop the nodes, then the head; returns the processes that outlived them (and were
+        then killed)."""
+        for node in list(self.nodes):
+            self.remove_node(node)
+        stop_block(self.process)
+        leftovers = processes_mentioning(self.temp_dir)
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return leftovers
