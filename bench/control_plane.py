@@ -1,4 +1,6 @@
-"""Benchmark: the driver's per-step decision cost at 16,384 simulated ranks, no Ray.
+"""Benchmark: the driver's per-step decision cost at 16,384 simulated ranks, no Ray; with
+``--ray``, the driver's CPU per steady-state step on real Ray actors (null ranks, 8 to 128),
+runs against the per-rank-call pattern they replaced (``bench/null_ranks.py``).
 
 Per simulated step, with the controller's own decision code: the membership quorum and the
 data-plan weights (``group_weights``), the data plan for the step, and straggler handling
@@ -11,6 +13,7 @@ real driver would receive from its workers. Every 50 steps a random rank is evic
 group sits out one step, a generation change) and its replacement rejoins the next step.
 
     python bench/control_plane.py [--groups 2048] [--ranks-per-group 8] [--steps 200]
+    python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
 
 The one-off setup (the first epoch's permutation, lru_cached by the data plan) is timed
 separately. PASS/FAIL compares the mean per-step total with --target-ms (5 ms); the exit
@@ -55,6 +58,11 @@ def rejoin(membership: Membership, groups: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--ray" in argv:
+        import null_ranks
+
+        return null_ranks.main([arg for arg in argv if arg != "--ray"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2048)
     parser.add_argument("--ranks-per-group", type=int, default=8)

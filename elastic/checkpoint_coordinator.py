@@ -24,8 +24,8 @@ from elastic.core.data_plan import DataCursor
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet import Fleet, FleetError, Pending
-from workers.protocol import describe_error
+from elastic.fleet_api import FleetApi, FleetError, Pending
+from elastic.core.protocol import describe_error
 
 log = logging.getLogger("elastic.checkpoint_coordinator")
 
@@ -46,7 +46,7 @@ class SaveInFlight:
 
 
 class CheckpointCoordinator:
-    def __init__(self, catalog: CheckpointCatalog, fleet: Fleet, events: EventLog, ledger: TimeLedger,
+    def __init__(self, catalog: CheckpointCatalog, fleet: FleetApi, events: EventLog, ledger: TimeLedger,
                  topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic,
                  config_record: dict | None = None, start_fresh: bool = False, lease: RunLease | None = None):
         self.catalog = catalog

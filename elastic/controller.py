@@ -7,16 +7,18 @@ The run moves through explicit states, and ``advance(state)`` returns the next o
                     |            +-> Recovering -> AtBoundary
                     +-> Evaluating -> AtBoundary (or Recovering)
 
-``AtBoundary`` settles membership between steps: straggler actions, growing, placing,
-starting, building, healing and joining groups. ``Stepping`` is one transaction: plan the
-data, dispatch ``(generation, step, micro-batches, commit_previous)`` to every live rank,
-collect with a deadline (``step_collection``), then commit or discard. The commit of a step
-carries its learning rate (``lr_schedule``) and its clipping factor (``gradient_clipping``),
-decided here from the step number and the reported gradient norm. ``Evaluating`` computes
+``AtBoundary`` settles membership between runs: straggler actions, growing, placing,
+starting, building, healing and joining groups. ``Stepping`` hands the live ranks a *run*
+(``RunSpec``) up to the next planned boundary (the end, a checkpoint or an evaluation due)
+and watches it (``run_watch``): the ranks plan, step and commit on their own, deciding each
+step in their groups' votes, and the driver records the steps they committed, keeps its own
+duties going, and asks for a pause when something needs a boundary (a stop, a straggler
+action, a group ready to join, a deferred save). A failed step ends the run in
+``Recovering``. ``Evaluating`` computes
 the held-out loss with the live groups, split like a step's batch, and fails and recovers
 like one. ``Recovering`` carries out the plan that
 ``plan_recovery`` makes from the step's diagnosis. The decisions live in ``elastic.core``
-(pure), the Ray calls in the fleet; this module is the order in which they happen.
+(pure), the Ray calls behind ``fleet_api``; this module is the order in which they happen.
 """
 
 from __future__ import annotations
@@ -30,23 +32,27 @@ from dataclasses import dataclass
 from checkpointing.catalog import Restorable
 from elastic.checkpoint_coordinator import CheckpointCoordinator
 from elastic.config import TrainConfig
-from elastic.core.data_plan import DataCursor, StepPlan, group_weights, plan_eval, plan_step
+from elastic.core.data_plan import DataCursor, group_weights, plan_eval
 from elastic.core.diagnosis import CONTROL_ERROR, DEATH, Diagnosis
 from elastic.core.events import EventKind, EventLog
+from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
-from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
 from elastic.core.policies import FailurePolicy, ScalingPolicy, StepDeadline
+from elastic.core.protocol import EvalRequest, RunSpec, StepRecord, StepReport, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
-from elastic.fleet import Fleet, FleetError, Pending, RanksLost
+from elastic.fleet_api import FleetApi, FleetError, Pending, RanksLost, RunStream
+from elastic.run_watch import RunWatch
 from elastic.step_collection import StepCollection
-from workers.protocol import Commit, StepReport, StepRequest, describe_error
 
 log = logging.getLogger("elastic.controller")
 
 # How often the boundary polls groups on their way into the quorum.
 JOIN_POLL_S = 0.05
+# About how much training a group's batch of step records covers: the driver's work per
+# step shrinks with it, and a hang is noticed this much later.
+REPORT_INTERVAL_S = 1.0
 
 
 class TrainingStopped(RuntimeError):
@@ -109,15 +115,14 @@ class OpenRecovery:
 
 
 StepListener = Callable[[dict], None]
-RequestDecorator = Callable[[int, dict[int, StepRequest]], dict[int, StepRequest]]
 
 
 class Controller:
-    def __init__(self, config: TrainConfig, fleet: Fleet, dataset_len: int, events: EventLog, ledger: TimeLedger, *,
+    def __init__(self, config: TrainConfig, fleet: FleetApi, dataset_len: int, events: EventLog, ledger: TimeLedger, *,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  on_step: Iterable[StepListener] = (), checkpoints: CheckpointCoordinator | None = None,
                  resume: Restorable | None = None, stop_requested: threading.Event | None = None,
-                 decorate_requests: RequestDecorator | None = None, eval_len: int = 0):
+                 faults: FaultSchedule | None = None, eval_len: int = 0):
         self.config = config
         self.fleet = fleet
         self.topology = fleet.topology
@@ -133,17 +138,19 @@ class Controller:
         self.checkpoints = checkpoints
         self.resume = resume
         self.stop_requested = stop_requested or threading.Event()
-        self.decorate_requests = decorate_requests or (lambda step, requests: requests)
+        self.faults = faults  # injected faults (tests and benchmarks): they decorate the runs' specs
         ft = config.fault_tolerance
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
         self.collection = StepCollection(fleet, self.topology, self.deadline, events, clock)
+        self.watch = RunWatch(self.collection)
+        self.pause_requested = False  # of the run in flight
         self.scaling = ScalingPolicy(config.scaling.min_groups, config.scaling.max_groups)
         self.stragglers = (
             StragglerMitigation(config.stragglers, config.global_batch, events, clock)
             if config.stragglers.enabled else None
         )
-        self.straggler_actions = NO_ACTIONS  # decided at the last commit, applied at the next boundary
+        self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
         self.cursor = DataCursor()
         self.step = 0
         self.first_step = 0
@@ -153,7 +160,6 @@ class Controller:
         self.steps_rolled_back = 0
         self.tokens_committed = 0
         self.eval_records: list[dict] = []
-        self.pending_commit: Commit | None = None  # how the live ranks apply their pending step
         self.has_state = False
         self.attempts = 0
         self.world_generation = 0
@@ -198,7 +204,7 @@ class Controller:
                     self.settle_membership()
                 return Evaluating() if self.eval_due() else Stepping()
             case Stepping():
-                return self.run_step()
+                return self.run_steps()
             case Evaluating():
                 return self.run_eval()
             case Recovering():
@@ -304,14 +310,8 @@ class Controller:
         self.rebuild_replicas()
         return True
 
-    def commit_live(self) -> None:
-        if self.pending_commit is not None:
-            self.fleet.commit(self.topology.ranks_of(self.membership.live_groups()), self.pending_commit)
-            self.pending_commit = None
-
     def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
         started = self.clock()
-        self.commit_live()
         sources = self.topology.global_ranks(source_group)
         self.fleet.copy_state([
             pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
@@ -365,7 +365,6 @@ class Controller:
         del self.losses[kept:]
         del self.step_records[kept:]
         self.eval_records = [record for record in self.eval_records if record["step"] <= self.step]
-        self.pending_commit = None
         self.has_state = True
 
     def rebuild_replicas(self) -> None:
@@ -440,57 +439,87 @@ class Controller:
         if changed and self.membership.live_groups():
             self.rebuild_replicas()
 
-    # the step transaction
+    # runs: the steps the ranks take on their own
 
-    def run_step(self) -> RunState:
-        decided = self.stragglers.weights if self.stragglers is not None else {}
-        plan = plan_step(
-            self.step,
-            self.cursor,
-            dataset_len=self.dataset_len,
-            global_batch=self.config.global_batch,
-            seed=self.config.seed,
-            group_weights=group_weights(self.membership.live_groups(), decided),
-        )
+    def run_steps(self) -> RunState:
+        """Hand the live ranks a run up to the next planned boundary and watch it; the ranks
+        commit each step among themselves, and the driver records what they committed."""
+        spec = self.run_spec()
         started = self.clock()
-        deadline_s = self.deadline.seconds()
-        pending = self.dispatch(plan, deadline_s)
-        reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started, deadline_s)
-        elapsed = self.clock() - started
-        if diagnosis is not None:
-            self.ledger.charge("discarded", elapsed)
-            return Recovering(diagnosis, started, self.collection.failure_seen_at)
-        self.ledger.charge("committed", elapsed)
-        self.commit(plan, reports, elapsed)
+        self.attempts += 1
+        ranks = self.topology.ranks_of(spec.groups)
+        specs = dict.fromkeys(ranks, spec)
+        stream = self.fleet.start_run(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
+        self.pause_requested = False
+        outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
+        self.ledger.charge("committed", outcome.committed_until - started)
+        self.ledger.charge("discarded" if outcome.diagnosis else "committed", self.clock() - outcome.committed_until)
+        if outcome.diagnosis is not None:
+            return Recovering(outcome.diagnosis, outcome.committed_until, self.collection.failure_seen_at)
         self.maybe_checkpoint()
         return AtBoundary()
 
-    def requests(self, plan: StepPlan, deadline_s: float, evaluate: bool = False) -> dict[int, StepRequest]:
-        return {
-            rank: StepRequest(
-                generation=self.membership.generation,
-                step=self.step,
-                micro_batches=group_plan.micro_batches(
-                    self.topology.shard_index(rank), self.topology.shard, self.config.micro_batch
-                ),
-                global_tokens=plan.global_samples * self.config.data.seq_len,
-                commit_previous=self.pending_commit,
-                attempt=self.attempts,
-                deadline_s=deadline_s,
-                evaluate=evaluate,
-            )
-            for group, group_plan in plan.groups.items()
-            for rank in self.topology.global_ranks(group)
-        }
+    def run_spec(self) -> RunSpec:
+        return RunSpec(
+            run=self.attempts + 1,
+            first_step=self.step,
+            stop_step=self.next_boundary(),
+            cursor=self.cursor,
+            dataset_len=self.dataset_len,
+            global_batch=self.config.global_batch,
+            seed=self.config.seed,
+            group_weights=group_weights(self.membership.live_groups(),
+                                        self.stragglers.weights if self.stragglers is not None else {}),
+            micro_batch=self.config.micro_batch,
+            seq_len=self.config.data.seq_len,
+            schedule=self.schedule,
+            clip_grad_norm=self.config.optimizer.clip_grad_norm,
+            deadline_s=self.deadline.seconds(),
+            report_every=self.report_every(),
+        )
 
-    def dispatch(self, plan: StepPlan, deadline_s: float, evaluate: bool = False) -> Pending:
-        self.attempts += 1
-        pending = self.fleet.dispatch(self.decorate_requests(self.step, self.requests(plan, deadline_s, evaluate)))
-        self.pending_commit = None
-        return pending
+    def next_boundary(self) -> int:
+        """The step before which the run pauses: the end, the next checkpoint or evaluation
+        due, or an injected fault's step."""
+        stops = [self.config.steps]
+        if self.checkpoints is not None and self.checkpoints.catalog.every:
+            every = self.checkpoints.catalog.every
+            stops.append((self.step // every + 1) * every)
+        if self.config.eval.every:
+            stops.append((self.step // self.config.eval.every + 1) * self.config.eval.every)
+        if self.faults is not None and (fault_step := self.faults.next_step_after(self.step)) is not None:
+            stops.append(fault_step)
+        return max(self.step + 1, min(stops))
+
+    def report_every(self) -> int:
+        """Steps per record batch: about ``REPORT_INTERVAL_S`` of them, one at long steps."""
+        typical = self.deadline.typical_s()
+        return max(1, int(REPORT_INTERVAL_S / typical)) if typical > 0 else 1
+
+    def between_steps(self, stream: RunStream) -> None:
+        """The driver's own duties while a run goes on: commit a finished upload, move
+        joining groups on, and ask the ranks to pause when something needs a boundary."""
+        if self.checkpoints is not None:
+            self.checkpoints.poll()
+        if self.scaling.wants_more(len(self.membership.groups), self.clock()):
+            self.reserve_group()
+        if any(record.stage is not GroupStage.LIVE for record in self.membership.groups.values()):
+            self.advance_groups()
+        if not self.pause_requested and self.boundary_needed():
+            self.pause_requested = True
+            self.fleet.request_pause(stream.ranks, stream.run)
+
+    def boundary_needed(self) -> bool:
+        return bool(
+            self.stop_requested.is_set()
+            or self.straggler_actions != NO_ACTIONS
+            or self.membership.groups_in(GroupStage.READY)
+            or (self.checkpoints is not None and self.checkpoints.due and self.checkpoints.in_flight is None)
+            or (self.faults is not None and self.faults.time_fault_due())
+        )
 
     def global_loss(self, reports: dict[int, StepReport]) -> float:
-        """The loss over the dispatched batch: each TP row's share once (its ranks compute the
+        """The loss over the evaluated batch: each TP row's share once (its ranks compute the
         same replicated logits)."""
         return sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
 
@@ -512,7 +541,13 @@ class Controller:
         # Forward only, over a batch that may be larger than a training step's.
         deadline_s = self.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
         started = self.clock()
-        pending = self.dispatch(plan, deadline_s, evaluate=True)
+        self.attempts += 1
+        pending = self.fleet.evaluate({
+            rank: EvalRequest(self.step, group_plan.micro_batches(self.topology.shard_index(rank), self.topology.shard,
+                                                                  self.config.micro_batch),
+                              plan.global_samples * self.config.data.seq_len, self.attempts, deadline_s)
+            for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
+        })
         reports, diagnosis = self.collection.collect(pending, self.step, self.attempts, started, deadline_s)
         elapsed = self.clock() - started
         self.ledger.charge("evaluation" if diagnosis is None else "discarded", elapsed)
@@ -608,42 +643,44 @@ class Controller:
         )
         self.recovery = None
 
-    def commit(self, plan: StepPlan, reports: dict[int, StepReport], elapsed: float) -> None:
-        # Every group holds the summed gradients: the lowest one's ranks give the global norm.
-        norm = global_norm({rank: reports[rank].grad_sq_norm for rank in self.topology.global_ranks(min(plan.groups))})
-        clip_scale = clip_coefficient(norm, self.config.optimizer.clip_grad_norm)
-        self.pending_commit = Commit(lr_scale=self.schedule.factor(self.step), grad_scale=clip_scale)
-        self.has_state = True
-        self.deadline.record(elapsed)
-        loss = self.global_loss(reports)
-        self.losses.append(loss)
-        self.cursor = plan.next_cursor
-        tokens = plan.global_samples * self.config.data.seq_len
+    def commit(self, records: dict[int, StepRecord]) -> None:
+        """Record a step every group of the run committed (their votes agree on the loss, the
+        norm and the clipping factor; each group reports its own ranks' times)."""
+        first = records[min(records)]
+        times = {rank: rank_times for record in records.values() for rank, rank_times in record.ranks.items()}
+        ordered = sorted(times.items())
+        step_s = max(record.step_s for record in records.values())
+        self.deadline.record(step_s)
+        self.losses.append(first.loss)
+        self.cursor = first.next_cursor
+        tokens = first.global_samples * self.config.data.seq_len
         self.tokens_committed += tokens
-        ordered = sorted(reports.items())
         record = {
             "step": self.step,
             "t": round(self.clock() - self.events.started_at, 4),
-            "loss": loss,
+            "loss": first.loss,
             "lr": self.schedule.lr(self.step),
-            "grad_norm": norm,
-            "grad_clip_scale": clip_scale,
-            "step_s": round(elapsed, 5),
-            "live_groups": len(plan.groups),
-            "live_ranks": len(reports),
+            "grad_norm": first.grad_norm,
+            "grad_clip_scale": first.clip_scale,
+            "step_s": round(step_s, 5),
+            "live_groups": len(first.group_samples),
+            "live_ranks": len(times),
             "generation": self.membership.generation,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "rank_step_s": {str(rank): round(r.wall_s, 5) for rank, r in ordered},
-            "rank_compute_s": {str(rank): round(r.compute_s, 5) for rank, r in ordered},
-            "rank_comm_s": {str(rank): round(r.comm_s, 5) for rank, r in ordered},
-            "group_samples": {str(g): gp.samples for g, gp in plan.groups.items()},
+            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "rank_step_s": {str(rank): round(t.wall_s, 5) for rank, t in ordered},
+            "rank_compute_s": {str(rank): round(t.compute_s, 5) for rank, t in ordered},
+            "rank_comm_s": {str(rank): round(t.comm_s, 5) for rank, t in ordered},
+            "group_samples": {str(g): samples for g, samples in first.group_samples.items()},
         }
         if self.stragglers is not None:
-            self.straggler_actions = self.stragglers.on_step(
-                self.step, reports, {rank: self.topology.group_of(rank) for rank in reports},
-                plan.groups.samples(), self.fleet.has_spare_slot(), self.config.scaling.min_groups,
+            actions = self.stragglers.on_step(
+                self.step, times, {rank: self.topology.group_of(rank) for rank in times},
+                first.group_samples, self.fleet.has_spare_slot(), self.config.scaling.min_groups,
             )
+            if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
+                self.straggler_actions = actions
             record["rank_straggler_score"] = {str(rank): round(s, 4) for rank, s in self.stragglers.scores().items()}
+        self.has_state = True
         self.step_records.append(record)
         self.step += 1
         self.close_recovery()
@@ -659,7 +696,6 @@ class Controller:
     def maybe_checkpoint(self) -> None:
         if self.checkpoints is None or not self.checkpoints.wants_save(self.step):
             return
-        self.commit_live()
         self.checkpoints.start(self.step, self.cursor, *self._saving_group())
 
     def finish(self, reason: str) -> str:
@@ -672,7 +708,6 @@ class Controller:
     def save_final(self, reason: str) -> bool:
         """Commit the last step's gradients and checkpoint it within the grace period; returns
         whether the final checkpoint is committed (always, when checkpoints are off)."""
-        self.commit_live()
         if self.checkpoints is None:
             return True
         grace_s = self.config.checkpoint.grace_s

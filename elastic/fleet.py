@@ -1,13 +1,14 @@
 """The Ray edge of the driver: placement groups, rank actors and the rendezvous store.
 
-Every Ray call of the driver lives here: placement, starting and killing ranks, dispatching
-a step and collecting its reports, probing and aborting, copying state, checkpoint calls.
+Every Ray call of the driver lives here: placement, starting and killing ranks, starting a
+run and reading its stream, pausing, probing and aborting, evaluations, copying state,
+checkpoint calls. A run is one call per rank at a boundary (a streaming generator); its
+steps make no call at all.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
 plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
-Failures come back as two exceptions, each naming its ranks: ``RanksLost`` (the processes
-are gone) and ``CallFailed`` (a rank raised, or did not answer before the call's deadline).
-Every control call has a deadline: ``collective_timeout_s`` plus a margin for the quick ones
-(commit, rebuild), ``state_timeout_s`` for those that move the state (heal, save, restore).
+Failures come back as the two exceptions of ``elastic.fleet_api``, which names the interface
+the controller uses. Every control call has a deadline: ``collective_timeout_s`` plus a
+margin for the quick ones (the cross-group rebuild), ``state_timeout_s`` for those that move the state (heal, save, restore).
 """
 
 from __future__ import annotations
@@ -18,51 +19,33 @@ from dataclasses import dataclass
 
 import ray
 import torch.distributed as dist
+from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic.config import TrainConfig
+from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 from elastic.core.topology import Topology
-from workers.protocol import Commit, Progress, RankSpec, StepReport, StepRequest, describe_error
+from elastic.core.protocol import (
+    EvalRequest,
+    GroupProgress,
+    Failure,
+    Progress,
+    RunEnd,
+    RunMessage,
+    RunSpec,
+    StepReport,
+    describe_error,
+)
+from workers.rank_spec import RankSpec
 from workers.worker import RankActor
 
 log = logging.getLogger("elastic.fleet")
 
 
-class FleetError(RuntimeError):
-    def __init__(self, ranks: list[int], message: str, call: str = ""):
-        super().__init__(message)
-        self.ranks = sorted(ranks)
-        self.call = call  # the rank method that failed
-
-    @property
-    def left_state_intact(self) -> bool:
-        """Rebuilding cross-group process groups touches no model state."""
-        return self.call == "join_replicas"
-
-
-class RanksLost(FleetError):
-    """The processes of these ranks are gone (killed, crashed, out of memory, node lost)."""
-
-
-class CallFailed(FleetError):
-    """These ranks raised, or did not answer in time; their processes may live."""
-
-
-# A quick control call (commit, rebuild) gets the collective timeout plus this margin.
+# A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0
-
-
-@dataclass
-class Pending:
-    """Calls in flight, one per rank."""
-
-    refs: dict[int, ray.ObjectRef]
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self.refs)
 
 
 @dataclass
@@ -238,10 +221,55 @@ class Fleet:
             raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call)
         return results
 
-    # the step
+    # runs
 
-    def dispatch(self, requests: dict[int, StepRequest]) -> Pending:
-        return Pending({rank: self.actors[rank].train_step.remote(request) for rank, request in requests.items()})
+    def start_run(self, specs: dict[int, RunSpec]) -> RunStream:
+        """Start a run on every rank; a spec shared by ranks is sent once."""
+        shared: dict[int, ray.ObjectRef] = {}
+        generators = {}
+        for rank, spec in specs.items():
+            ref = shared.setdefault(id(spec), ray.put(spec))
+            generators[rank] = self.actors[rank].run.options(num_returns="streaming").remote(ref)
+        run = next(iter(specs.values())).run
+        return RunStream(run, generators)
+
+    def next_messages(self, stream: RunStream, timeout: float) -> list[tuple[int, RunMessage | None]]:
+        """The messages that arrive within ``timeout`` (at least one unless it passes), one
+        per rank at most; ``None`` for a rank whose process is gone. A rank leaves the
+        stream with its ``RunEnd``."""
+        generators = list(stream.generators.values())
+        ready, rest = ray.wait(generators, num_returns=1, timeout=max(0.0, timeout))
+        if ready and rest:
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        rank_of = {id(generator): rank for rank, generator in stream.generators.items()}
+        arrived = []
+        for generator in ready:
+            rank = rank_of[id(generator)]
+            message = self._next_message(rank, generator)
+            if not isinstance(message, GroupProgress):
+                del stream.generators[rank]
+            arrived.append((rank, message))
+        return arrived
+
+    @staticmethod
+    def _next_message(rank: int, generator: ObjectRefGenerator) -> RunMessage | None:
+        try:
+            return ray.get(next(generator))
+        except (StopIteration, RayActorError):
+            return None
+        except RayError as error:  # the run itself raised: a defect, reported as the rank's failure
+            return RunEnd(rank, -1, StepReport(rank, -1, error=describe_error(error), failure=Failure.OWN_COMPUTE,
+                                               group_broken=True))
+
+    def request_pause(self, ranks, run: int) -> None:
+        for rank in ranks:
+            if rank in self.actors:
+                self.actors[rank].request_pause.remote(run)
+
+    # evaluations
+
+    def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
+        return Pending({rank: self.actors[rank].evaluate.remote(request) for rank, request in requests.items()})
 
     def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]:
         """Reports that arrive within ``timeout`` (at least one unless it passes), taken out
@@ -282,9 +310,6 @@ class Fleet:
     @property
     def state_call_s(self) -> float:
         return self.config.fault_tolerance.state_timeout_s
-
-    def commit(self, ranks, commit: Commit) -> None:
-        self.results(self._call(ranks, "commit", commit), self.quick_call_s, "commit")
 
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each source rank's committed state into its target rank."""

@@ -31,7 +31,7 @@ from elastic.fleet import Fleet, Rendezvous
 from elastic.hooks import resolve_hooks
 from elastic.metrics import Metrics
 from workers.fault_injection import FaultInjectingRankActor
-from workers.protocol import describe_error
+from elastic.core.protocol import describe_error
 from workers.worker import RankActor
 
 log = logging.getLogger("elastic")
@@ -226,7 +226,7 @@ class ElasticTrainer:
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
                     on_step=[bar.update, lambda record: metrics.on_step(record, ledger)],
                     checkpoints=checkpoints, resume=resume, stop_requested=stop,
-                    decorate_requests=schedule.decorate if injects else None, eval_len=self.eval_len,
+                    faults=schedule if injects else None, eval_len=self.eval_len,
                 )
                 events.emit(EventKind.RUN_STARTED, run=self.run_name, steps=self.config.steps,
                             resume_from=resume.step if resume else None)

@@ -1,10 +1,13 @@
-"""A fleet without Ray, on a fake clock: ranks are entries in a table, a step's reports arrive
-at the times a scripted fault would make them arrive, and every call is recorded.
+"""A fleet without Ray, on a fake clock: ranks are entries in a table, a run's messages arrive
+at the times its steps and a scripted fault would make them arrive, and every call is recorded.
 
-It speaks the fleet's interface (``elastic.fleet.Fleet``), so the real controller and
+It speaks the fleet's interface (``elastic.fleet_api``), so the real controller and
 checkpoint coordinator run against it unchanged, each scenario in milliseconds. Timing model
-of a step: every rank computes for ``step_s`` (times its slowness) and the ranks of all groups
-then meet in the cross-group all-reduce, so healthy ranks report when the slowest finishes.
+of a step: every rank computes for ``step_s`` (times its slowness, read as the step starts)
+and the ranks of all groups then meet in the cross-group all-reduce and their groups' votes,
+so a step ends when its slowest rank finishes, and the next one starts at once. A run is
+simulated step by step as the fake clock reaches it: a pause requested before a step's vote
+ends the run after that step, as the ranks' votes would decide.
 """
 
 from __future__ import annotations
@@ -13,9 +16,20 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
+from elastic.core.data_plan import rank_share
+from elastic.core.gradient_clipping import clip_coefficient
+from elastic.core.protocol import (
+    EvalRequest,
+    GroupProgress,
+    Progress,
+    RankTimes,
+    RunEnd,
+    RunSpec,
+    StepRecord,
+    StepReport,
+)
 from elastic.core.topology import Topology
-from elastic.fleet import CallFailed, Pending, RanksLost
-from workers.protocol import Progress, StepReport, StepRequest
+from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 
 NEVER = float("inf")
 NOTICE_S = 0.05  # a peer notices a dead rank's closed connection
@@ -98,9 +112,10 @@ class FakeFleet:
         self.kills: list[int] = []
         self.copies: list[tuple[int, int]] = []
         self.restores: list[tuple[tuple[int, ...], str]] = []
-        self.dispatched: list[dict[int, StepRequest]] = []
+        self.runs: list[dict[int, RunSpec]] = []
+        self.evaluations: list[dict[int, EvalRequest]] = []
+        self.pauses: list[tuple[int, float]] = []  # (run, fake time) of each pause request
         self.saves: list[str] = []
-        self.commits: list = []
         self.restored_generators: list[dict] = []
 
     # placement
@@ -175,44 +190,56 @@ class FakeFleet:
             raise RanksLost(lost, f"ranks {lost} are gone", "results")
         return {rank: call.result for rank, call in pending.refs.items()}
 
-    # the step
+    # runs
 
-    def dispatch(self, requests: dict[int, StepRequest]) -> Pending:
-        self.dispatched.append(requests)
+    def start_run(self, specs: dict[int, RunSpec]) -> RunStream:
+        self.runs.append(specs)
+        self.aborted_at = None
+        spec = next(iter(specs.values()))
+        self.run = FakeRun(self, spec, sorted(specs))
+        return RunStream(spec.run, dict.fromkeys(specs))
+
+    def next_messages(self, stream: RunStream, timeout: float) -> list:
+        run = self.run
+        run.advance(self.clock())
+        earliest = run.next_event_at(set(stream.generators))
+        if earliest > self.clock() + timeout:
+            self.clock.sleep(max(0.0, timeout))
+            run.advance(self.clock())
+            return []
+        self.clock.now = max(self.clock.now, earliest)
+        run.advance(self.clock())
+        arrived = run.deliver(self.clock(), set(stream.generators))
+        for rank, message in arrived:
+            if not isinstance(message, GroupProgress):
+                del stream.generators[rank]
+        return arrived
+
+    def request_pause(self, ranks, run: int) -> None:
+        self.pauses.append((run, self.clock()))
+        if self.run.spec.run == run:
+            self.run.pause_at = self.clock()
+
+    # evaluations
+
+    def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
+        self.evaluations.append(requests)
         self.aborted_at = None
         now = self.clock()
         step = next(iter(requests.values())).step
         faults = self.faults.pop(step, [])
-        compute = {rank: self.step_s * self.slow.get(rank, 1.0) for rank in requests}
-        finish = now + max(compute.values())
-        calls = {}
-        for rank, request in requests.items():
-            calls[rank] = Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), data_s=0.01,
-                                                  compute_s=compute[rank], wall_s=finish - now,
-                                                  grad_sq_norm=self.grad_sq_norm),
-                               progress=Progress(rank, step, "replicate", 0, 9, 0.0))
-        targets = {fault.rank for fault in faults}
+        finish = now + self.step_s
+        calls = {rank: Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
+                                               wall_s=self.step_s), progress=Progress(rank, step, "compute", 0, 9, 0.0))
+                 for rank in requests}
         for fault in faults:
-            group = self.topology.group_of(fault.rank)
-            peers = [r for r in self.topology.global_ranks(group) if r in requests and r != fault.rank]
-            others = [r for r in requests if self.topology.group_of(r) != group]
-            if isinstance(fault, Kill):
-                self.alive_ranks.discard(fault.rank)
-                calls[fault.rank] = Call(now + fault.after_s, None)
-                for peer in peers:
-                    calls[peer] = Call(now + fault.after_s + NOTICE_S, StepReport(
-                        peer, step, error="Connection closed by peer", failure="collective", group_broken=True))
-            elif isinstance(fault, Hang):
-                calls[fault.rank] = Call(NEVER, progress=Progress(fault.rank, step, "compute", 0, 1, 0.0))
-                for peer in peers:
-                    calls[peer] = Call(NEVER, progress=Progress(peer, step, "compute", 0, 2, 0.0))
-            elif isinstance(fault, CollectiveError):
-                calls[fault.rank] = Call(finish, StepReport(fault.rank, step, error="RuntimeError: bad collective"))
-                others = [r for r in requests if r != fault.rank]
-            for rank in [r for r in others if r not in targets]:  # in the cross-group all-reduce until the abort
-                calls[rank] = Call(NEVER, StepReport(rank, step, error="CollectiveAborted: aborted by the driver",
-                                                     failure="released"), waits_for_abort=True,
-                                   progress=calls[rank].progress)
+            assert isinstance(fault, Kill), "evaluations fail here by a kill only"
+            self.alive_ranks.discard(fault.rank)
+            calls[fault.rank] = Call(now + fault.after_s, None)
+            for rank in requests:
+                if rank != fault.rank:
+                    calls[rank] = Call(NEVER, StepReport(rank, step, error="CollectiveAborted", failure="released"),
+                                       waits_for_abort=True)
         self.in_flight = dict(calls)
         return Pending(calls)
 
@@ -239,10 +266,6 @@ class FakeFleet:
         return {rank: self.in_flight[rank].progress for rank in ranks if rank in self.alive_ranks}
 
     # state
-
-    def commit(self, ranks, commit) -> None:
-        self._control("commit")
-        self.commits.append(commit)
 
     def copy_state(self, pairs) -> None:
         self._control("import_state")
@@ -287,3 +310,112 @@ class FakeFleet:
     def shutdown(self) -> None:
         self.alive_ranks.clear()
 
+
+
+class FakeRun:
+    """One run, simulated as the fake clock reaches its steps: each step's end (records,
+    a pause, the run's end) or its fault, as timed messages for the driver to read."""
+
+    def __init__(self, fleet: FakeFleet, spec: RunSpec, ranks: list[int]):
+        self.fleet = fleet
+        self.spec = spec
+        self.ranks = ranks
+        self.groups = spec.groups
+        self.topology = fleet.topology
+        self.queue: list[Call] = []  # messages not yet delivered, in the order they were sent
+        self.buffered: dict[int, list[StepRecord]] = {group: [] for group in self.groups}
+        self.pause_at: float | None = None
+        self.step = spec.first_step
+        self.cursor = spec.cursor
+        self.over = False  # ended or failed: no further step starts
+        self._start_step(fleet.clock())
+
+    def _start_step(self, now: float) -> None:
+        """Step ``self.step`` starts at ``now``: its end time, or the messages of its fault."""
+        fleet, step = self.fleet, self.step
+        self.started = now
+        self.compute = {rank: fleet.step_s * fleet.slow.get(rank, 1.0) for rank in self.ranks}
+        self.ends_at = now + max(self.compute.values())
+        fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "replicate", 0, 9, 0.0))
+                           for rank in self.ranks}
+        faults = fleet.faults.pop(step, [])
+        if faults:
+            self._fail(now, step, faults)
+
+    def _fail(self, now: float, step: int, faults: list) -> None:
+        self.over = True
+        fleet = self.fleet
+        targets = {fault.rank for fault in faults}
+        finals: dict[int, Call] = {}
+        for fault in faults:
+            group = self.topology.group_of(fault.rank)
+            peers = [r for r in self.topology.global_ranks(group) if r in self.ranks and r != fault.rank]
+            if isinstance(fault, Kill):
+                fleet.alive_ranks.discard(fault.rank)
+                finals[fault.rank] = Call(now + fault.after_s, (fault.rank, None))
+                for peer in peers:
+                    finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, RunEnd(peer, step, StepReport(
+                        peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
+            elif isinstance(fault, Hang):
+                fleet.in_flight[fault.rank] = Call(NEVER, progress=Progress(fault.rank, step, "compute", 0, 1, 0.0))
+                finals[fault.rank] = Call(NEVER, (fault.rank, None))
+                for peer in peers:
+                    fleet.in_flight[peer] = Call(NEVER, progress=Progress(peer, step, "compute", 0, 2, 0.0))
+                    finals[peer] = Call(NEVER, (peer, None))
+            elif isinstance(fault, CollectiveError):
+                finals[fault.rank] = Call(self.ends_at, (fault.rank, RunEnd(fault.rank, step, StepReport(
+                    fault.rank, step, error="RuntimeError: bad collective"))))
+        for rank in self.ranks:  # in the cross-group all-reduce until the abort
+            if rank not in finals and rank not in targets:
+                finals[rank] = Call(NEVER, (rank, RunEnd(rank, step, StepReport(
+                    rank, step, error="CollectiveAborted: aborted by the driver", failure="released"))),
+                    waits_for_abort=True)
+        for group, records in self.buffered.items():  # a first rank that lives sends what it holds first
+            leader = self.topology.global_ranks(group)[0]
+            call = finals.get(leader)
+            if records and call is not None and call.result[1] is not None:
+                self.queue.append(Call(call.at, (leader, GroupProgress(group, tuple(records))),
+                                       waits_for_abort=call.waits_for_abort))
+        self.queue.extend(finals.values())
+
+    def _finish_step(self) -> None:
+        """The step's votes: every group commits it; a pause asked before them, or the run's
+        last step, ends the run here."""
+        fleet, spec, step, at = self.fleet, self.spec, self.step, self.ends_at
+        plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
+        norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
+        ends = step + 1 >= spec.stop_step or (self.pause_at is not None and self.pause_at <= at)
+        for group in self.groups:
+            ranks = {rank: RankTimes(0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
+                     for rank in self.topology.global_ranks(group)}
+            self.buffered[group].append(StepRecord(
+                step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), plan.global_samples,
+                plan.group_samples, plan.next_cursor, ranks, step_s=at - self.started))
+            if ends or len(self.buffered[group]) >= spec.report_every:
+                leader = self.topology.global_ranks(group)[0]
+                self.queue.append(Call(at, (leader, GroupProgress(group, tuple(self.buffered[group])))))
+                self.buffered[group] = []
+        self.cursor = plan.next_cursor
+        self.step += 1
+        if ends:
+            self.over = True
+            self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
+            fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))
+                               for rank in self.ranks}
+
+    def advance(self, now: float) -> None:
+        while not self.over and self.ends_at <= now:
+            self._finish_step()
+            if not self.over:
+                self._start_step(self.ends_at)
+
+    def next_event_at(self, ranks: set[int]) -> float:
+        times = [self.fleet._ready_at(call) for call in self.queue if call.result[0] in ranks]
+        if not self.over:
+            times.append(self.ends_at)
+        return min(times, default=NEVER)
+
+    def deliver(self, now: float, ranks: set[int]) -> list:
+        arrived = [call for call in self.queue if call.result[0] in ranks and self.fleet._ready_at(call) <= now]
+        self.queue = [call for call in self.queue if call not in arrived]
+        return [call.result for call in arrived]

@@ -18,11 +18,11 @@ from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.storage import StorageOptions
 from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.controller import Controller, TrainingStopped
+from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet import CallFailed
-from workers.protocol import Commit
+from elastic.fleet_api import CallFailed
 from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Hang, Kill
 from tests.tiny import tiny_config
 
@@ -32,7 +32,8 @@ DATASET_LEN = 10_000
 class Scenario:
     def __init__(self, tmp_path, *, groups=2, shard=1, steps=12, min_groups=1, checkpoint_every=0,
                  max_consecutive_failures=3, stragglers=False, lease_ttl_s=None, max_recoveries=100,
-                 config: dict | None = None, eval_len=0, **fleet_options):
+                 config: dict | None = None, eval_len=0, dataset_len=DATASET_LEN, resume=False,
+                 **fleet_options):
         overrides = {"stragglers__enabled": stragglers, "fault_tolerance__max_recoveries": max_recoveries,
                      **(config or {})}
         if checkpoint_every:
@@ -55,9 +56,10 @@ class Scenario:
             catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), checkpoint_every, keep=10)
             self.checkpoints = CheckpointCoordinator(catalog, self.fleet, self.events, self.ledger, self.topology,
                                                      "hash", max_consecutive_failures, self.clock, lease=self.lease)
-        self.controller = Controller(self.config, self.fleet, DATASET_LEN, self.events, self.ledger,
+        self.controller = Controller(self.config, self.fleet, dataset_len, self.events, self.ledger,
                                      clock=self.clock, sleep=self.clock.sleep, on_step=[self.records.append],
-                                     checkpoints=self.checkpoints, eval_len=eval_len)
+                                     checkpoints=self.checkpoints, eval_len=eval_len,
+                                     resume=self.checkpoints.latest() if resume else None)
 
     def run(self) -> str:
         return self.controller.run()
@@ -87,8 +89,9 @@ def test_fault_free_run_commits_every_step_once(tmp_path):
     assert scenario.committed_steps() == list(range(12))
     assert scenario.live_groups_by_step() == [2] * 12
     assert scenario.fleet.kills == [] and scenario.kinds(EventKind.STEP_DISCARDED) == []
-    # every rank of every live group got every step, with its shard's micro-batches
-    assert all(sorted(requests) == [0, 1, 2, 3] for requests in scenario.fleet.dispatched)
+    # every rank of every live group ran every step: one run, handed to all four ranks
+    assert [sorted(specs) for specs in scenario.fleet.runs] == [[0, 1, 2, 3]]
+    assert [(spec.first_step, spec.stop_step) for spec in (runs[0] for runs in scenario.fleet.runs)] == [(0, 12)]
 
 
 def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
@@ -277,9 +280,12 @@ def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_
     assert scenario.live_groups_by_step()[-1] == 3
 
 
-def test_a_rank_raising_in_the_commit_is_replaced_and_its_group_healed(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, checkpoint_every=4)
-    scenario.fleet.control_faults = {"commit": [(1, "raise")]}  # the commit before the step-4 save
+def test_a_rank_raising_in_a_boundary_call_is_replaced_and_its_group_healed(tmp_path):
+    # Steps need no control call any more; the heal of a group joining at a boundary is one.
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, checkpoint_every=4, capacity=1)
+    scenario.controller.step_listeners.append(
+        lambda record: setattr(scenario.fleet, "capacity", 2) if record["step"] == 3 else None)
+    scenario.fleet.control_faults = {"import_state": [(1, "raise")]}  # group 1's first heal
     assert scenario.run() == "completed"
     [failed] = scenario.kinds(EventKind.RANK_FAILED)
     assert (failed["rank"], failed["cause"]) == (1, "control-error")
@@ -311,12 +317,10 @@ def test_each_commit_carries_its_steps_scheduled_lr_and_clipping_factor(tmp_path
     for record in scenario.records:
         assert record["lr"] == schedule.lr(record["step"])
         assert record["grad_norm"] == pytest.approx(norm) and record["grad_clip_scale"] == pytest.approx(scale)
-    # step k's commit rides on step k + 1's requests; the last one on the final commit
-    commits = [next(iter(requests.values())).commit_previous for requests in scenario.fleet.dispatched[1:]]
-    commits.append(scenario.fleet.commits[-1])
-    assert [c.lr_scale for c in commits] == [schedule.factor(step) for step in range(12)]
-    assert all(c.grad_scale == pytest.approx(scale) for c in commits)
-    assert scenario.fleet.dispatched[0][0].commit_previous is None
+    # the ranks compute each step's factor from the schedule and the clipping bound they were handed
+    for specs in scenario.fleet.runs:
+        assert {spec.schedule for spec in specs.values()} == {schedule}
+        assert {spec.clip_grad_norm for spec in specs.values()} == {0.5}
 
 
 def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
@@ -324,11 +328,12 @@ def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
     assert scenario.run() == "completed"
     schedule = scenario.config.lr_schedule
-    rerun = [requests for requests in scenario.fleet.dispatched if next(iter(requests.values())).step == 3]
-    assert len(rerun) == 2
-    assert rerun[1][0].commit_previous is None  # the failed attempt's gradients were dropped
-    step_4 = next(requests for requests in scenario.fleet.dispatched if next(iter(requests.values())).step == 4)
-    assert step_4[2].commit_previous == Commit(lr_scale=schedule.factor(3), grad_scale=1.0)
+    # the failed run discarded step 3 (nothing of it committed); the next run starts at step 3,
+    # and every rank takes step 3's factor from the same schedule
+    assert [specs[0].first_step for specs in scenario.fleet.runs] == [0, 3]
+    assert scenario.committed_steps() == list(range(12))
+    assert [record["lr"] for record in scenario.records] == [schedule.lr(step) for step in range(12)]
+    assert all(spec.schedule == schedule for spec in scenario.fleet.runs[1].values())
 
 
 def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
@@ -337,7 +342,7 @@ def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_grou
     evals = scenario.controller.eval_records
     assert [record["step"] for record in evals] == [5, 10, 12]
     assert all(record["samples"] == 24 for record in evals)
-    eval_requests = [requests for requests in scenario.fleet.dispatched if requests[0].evaluate]
+    eval_requests = scenario.fleet.evaluations
     assert len(eval_requests) == 3
     for requests in eval_requests:
         samples = sorted(i for request in requests.values() for mb in request.micro_batches for i in mb if i >= 0)
@@ -370,3 +375,68 @@ def test_a_restore_gives_each_rank_the_generators_saved_at_its_position(tmp_path
     # group 0 (ranks 0, 1) saved; shard position p of every group gets rank p's stream
     assert generators == {rank: {"cpu": f"generator of rank {rank % 2}".encode()} for rank in range(4)}
     assert scenario.kinds(EventKind.RNG_RESEEDED) == []
+
+
+class SampleLedger:
+    """Which samples the ranks trained in each committed step, computed with the ranks' own
+    planning (``rank_share``) from the run specs the controller handed them."""
+
+    def __init__(self, scenario: Scenario):
+        self.scenario = scenario
+        self.trained: dict[int, tuple[int, list[int]]] = {}  # step -> (epoch, samples); a rerun overwrites
+        self.cursor_after: dict[int, object] = {}
+        scenario.controller.step_listeners.append(self.on_step)
+
+    def on_step(self, record: dict) -> None:
+        step, controller = record["step"], self.scenario.controller
+        spec = next(iter(self.scenario.fleet.runs[-1].values()))  # the run that committed it
+        cursor = spec.cursor if step == spec.first_step else self.cursor_after[step - 1]
+        shard = self.scenario.topology.shard
+        samples = [index for group in spec.groups for shard_index in range(shard)
+                   for micro_batch in rank_share(spec, step, cursor, group, shard_index, shard).micro_batches
+                   for index in micro_batch if index != PADDING_INDEX]
+        share = rank_share(spec, step, cursor, spec.groups[0], 0, shard)
+        self.trained[step] = (share.epoch, samples)
+        self.cursor_after[step] = controller.cursor
+
+    def committed(self) -> list[tuple[int, list[int]]]:
+        return [self.trained[record["step"]] for record in self.scenario.controller.step_records]
+
+
+def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_and_a_resume(tmp_path):
+    dataset_len = 100  # 12 steps of 8 an epoch; the 4-sample tail is skipped
+    first = Scenario(tmp_path, groups=3, shard=2, steps=30, checkpoint_every=6, capacity=2, dataset_len=dataset_len)
+    fleet = first.fleet
+
+    def cluster(record: dict) -> None:
+        if record["step"] == 7:
+            fleet.capacity = 3  # a third group is placed: grow
+        if record["step"] == 17:
+            fleet.unplaceable.add(2)  # group 2's rank dies at step 19 and cannot be placed again: shrink
+
+    first.controller.step_listeners.append(cluster)
+    fleet.faults = {12: [Kill(rank=1, after_s=0.4)], 19: [Kill(rank=4, after_s=0.3)]}
+    ledger = SampleLedger(first)
+    assert first.run() == "completed"
+    assert max(first.live_groups_by_step()) == 3 and first.live_groups_by_step()[-1] == 2
+    assert len(first.kinds(EventKind.STEP_DISCARDED)) == 2
+
+    resumed = Scenario(tmp_path, groups=3, shard=2, steps=50, checkpoint_every=6, capacity=2,
+                       dataset_len=dataset_len, resume=True)
+    resumed.fleet.faults = {36: [Kill(rank=2, after_s=0.5)]}
+    second = SampleLedger(resumed)
+    assert resumed.run() == "completed"
+    assert [record["step"] for record in resumed.controller.step_records] == list(range(30, 50))
+
+    history = ledger.committed() + second.committed()
+    assert len(history) == 50
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, samples in history:
+        by_epoch.setdefault(epoch, []).extend(samples)
+    assert sorted(by_epoch) == [0, 1, 2, 3, 4]
+    seed = first.config.seed
+    for epoch, samples in by_epoch.items():
+        assert len(samples) == len(set(samples)), f"epoch {epoch}: a sample trained twice"
+        # exactly the epoch's order up to where training stands in it: nothing skipped
+        assert set(samples) == set(epoch_order(dataset_len, seed, epoch)[: len(samples)].tolist())
+    assert [len(by_epoch[epoch]) for epoch in range(4)] == [96] * 4  # whole epochs, less the tail

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
 from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, Diagnosis
 from elastic.core.events import EventKind, EventLog
-from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedStepRequest, parse_faults
+from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
 from elastic.core.membership import (
     Broken,
     Built,
@@ -24,19 +26,31 @@ from elastic.core.membership import (
 )
 from elastic.core.policies import FailurePolicy, StepDeadline
 from elastic.core.recovery import STUCK_IN_COLLECTIVE, plan_recovery
+from elastic.core.lr_schedule import LRSchedule
+from elastic.core.protocol import RunSpec
 from elastic.core.topology import Topology
-from workers.protocol import StepRequest
 
-CORE = ("data_plan", "diagnosis", "events", "faults", "goodput", "membership", "policies", "recovery",
-        "straggler_detector", "straggler_mitigation", "straggler_policy", "topology")
+CORE = sorted(path.stem for path in (Path(__file__).parents[1] / "elastic" / "core").glob("*.py")
+              if path.stem != "__init__")
 HEAVY = ("ray", "torch", "fsspec", "pydantic", "prometheus_client")
 
 
-def test_the_core_imports_neither_ray_nor_torch():
-    imports = "; ".join(f"import elastic.core.{module}" for module in CORE)
-    code = f"import sys; {imports}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"
+def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after importing ``modules``."""
+    imports = "; ".join(f"import {module}" for module in modules)
+    code = f"import json, sys; {imports}; print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parents[1])
+    return json.loads(result.stdout)
+
+
+def test_every_core_module_imports_neither_ray_nor_torch_nor_the_layers_above():
+    assert {"protocol", "data_plan", "faults", "topology"} <= set(CORE)
+    assert imported_after([f"elastic.core.{module}" for module in CORE], HEAVY + ("workers", "checkpointing")) == []
+
+
+def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
+    assert imported_after(["elastic.controller", "tests.fake_fleet"], ("ray", "torch")) == []
 
 
 def test_topology_numbers_ranks_by_group_then_shard_then_tp():
@@ -159,15 +173,19 @@ def test_fault_schedule_decorates_the_named_ranks_once():
     topology = Topology(2, 1, 2)
     schedule = FaultSchedule([Fault("kill", rank=1, step=2, after=0.5), Fault("kill-group", group=1, step=3)],
                              topology, events, clock)
-    requests = {rank: StepRequest(0, 0, ((rank,),), 8, None) for rank in range(4)}
+    spec = RunSpec(run=1, first_step=1, stop_step=2, cursor=DataCursor(), dataset_len=64, global_batch=8, seed=0,
+                   group_weights={0: 1.0, 1: 1.0}, micro_batch=2, seq_len=8, schedule=LRSchedule(1e-3),
+                   clip_grad_norm=None, deadline_s=10.0)
+    requests = dict.fromkeys(range(4), spec)
+    assert schedule.next_step_after(1) == 2 and schedule.next_step_after(2) == 3  # runs pause before each
     decorated = schedule.decorate(1, requests)
-    assert all(isinstance(r, InjectedStepRequest) and r.faults == () for r in decorated.values())
+    assert all(isinstance(r, InjectedRunSpec) and r.faults == () for r in decorated.values())
     assert schedule.decorate(2, requests)[1].faults == (InjectedFault("kill", 1.0, 0.5),)
     assert schedule.decorate(2, requests)[1].faults == ()  # fired once
     group_faults = schedule.decorate(5, requests)
     assert [rank for rank, r in group_faults.items() if r.faults] == [2, 3]
     assert [e["ranks"] for e in events.of_kind(EventKind.FAULT_INJECTED)] == [[1], [2, 3]]
-    assert group_faults[0].micro_batches == ((0,),)  # the request itself is unchanged
+    assert group_faults[0].group_weights == spec.group_weights  # the spec itself is unchanged
 
 
 @pytest.mark.parametrize("spec,key", [

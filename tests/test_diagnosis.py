@@ -1,7 +1,7 @@
 """Failure attribution over plain reports, without a cluster."""
 
 from elastic.core.diagnosis import HANG, diagnose, least_progressed
-from workers.protocol import Progress, StepReport
+from elastic.core.protocol import Progress, StepReport
 
 
 def progress(rank: int, phase: str, micro_batch: int = 0, step: int = 5) -> Progress:

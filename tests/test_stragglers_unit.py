@@ -18,7 +18,7 @@ from elastic.core.straggler_policy import (
     water_fill,
 )
 from elastic.metrics import Metrics
-from workers.protocol import StepReport
+from elastic.core.protocol import StepReport
 
 
 class FakeClock:

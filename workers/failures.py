@@ -8,8 +8,10 @@ failed; its text is never read. Four kinds, each a value of ``Failure``:
 - ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
   ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
   dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
-  collectives), or ``CollectiveFailed`` from the worker's wait on the cross-group all-reduce;
-- ``RELEASED``: the driver or the step's deadline released it from waiting on peers.
+  collectives), ``CollectiveFailed`` from the worker's wait on the cross-group all-reduce, or ``VoteFailed``
+  from the group's vote;
+- ``RELEASED``: the driver or the step's deadline released it from waiting on peers, or its
+  group's vote discarded a step whose cross-group sum failed on a peer.
 
 The last two make the rank a victim, not a culprit: the driver looks for the rank that died,
 hung or failed on its own.
@@ -22,7 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from workers.protocol import Failure
+from elastic.core.protocol import Failure
 
 
 class CollectiveAborted(RuntimeError):
@@ -41,6 +43,14 @@ class StepInterrupted(RuntimeError):
     """The driver gave up on this step; the group stopped together between micro-batches."""
 
 
+class StepDiscarded(RuntimeError):
+    """The group's vote found that a peer's cross-group sum failed: every rank discards."""
+
+
+class VoteFailed(RuntimeError):
+    """The group's vote itself failed (a peer died or hung in it): the group is broken."""
+
+
 # Every collective torch issues from Python passes through one of these; an error raised
 # while one of them is on the stack came from the collective (a peer, or the transport).
 COLLECTIVE_CODE = (
@@ -51,7 +61,7 @@ COLLECTIVE_CODE = (
 
 
 def raised_in_collective(error: BaseException) -> bool:
-    if isinstance(error, (dist.DistError, CollectiveFailed)):
+    if isinstance(error, (dist.DistError, CollectiveFailed, VoteFailed)):
         return True
     frames = traceback.extract_tb(error.__traceback__)
     return any(frame.filename.replace("\\", "/").endswith(COLLECTIVE_CODE) for frame in frames)
@@ -59,7 +69,7 @@ def raised_in_collective(error: BaseException) -> bool:
 
 def classify(error: BaseException, phase: str) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``Progress``)."""
-    if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted)):
+    if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return Failure.OWN_COMPUTE

@@ -1,5 +1,6 @@
-"""The rank's side of fault injection: a worker that carries out the faults its step
-requests carry (see ``elastic.core.faults``) around the production step.
+"""The rank's side of fault injection: a worker that carries out the faults its run spec
+carries (see ``elastic.core.faults``) as the run's first step starts, around the
+production run.
 
 The fleet starts this worker instead of ``RankWorker`` only for runs that inject faults or
 straggler noise, so the production step has no injection branches.
@@ -15,9 +16,8 @@ import ray
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from elastic.core.faults import InjectedFault, InjectedStepRequest
-from workers.protocol import RankSpec, StepReport
-from workers.train_step import accumulate_gradients
+from elastic.core.faults import InjectedFault, InjectedRunSpec
+from workers.rank_spec import RankSpec
 from workers.worker import RankWorker
 
 
@@ -37,11 +37,12 @@ class FaultInjectingWorker(RankWorker):
         super().__init__(spec, hooks)
         self.slow_factor = 1.0
         self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
+        self.fail_next_collective = False
 
-    def train_step(self, request: InjectedStepRequest) -> StepReport:
-        for fault in request.faults:
+    def run(self, spec: InjectedRunSpec):
+        for fault in spec.faults:
             self._fire(fault)
-        return super().train_step(request)
+        yield from super().run(spec)
 
     def _fire(self, fault: InjectedFault) -> None:
         if fault.kind in ("kill", "kill-group"):
@@ -56,21 +57,24 @@ class FaultInjectingWorker(RankWorker):
                 (m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model), self.model
             )
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
+        if fault.kind == "fail-collective":
+            self.fail_next_collective = True
 
-    def _compute(self, request: InjectedStepRequest, batches, loss_of=accumulate_gradients) -> tuple[float, float]:
-        loss_share, compute_s = super()._compute(request, batches, loss_of)
+    def _compute(self, spec: InjectedRunSpec, step: int, batches, global_tokens: int) -> tuple[float, float]:
+        loss_share, compute_s = super()._compute(spec, step, batches, global_tokens)
         extra = (self.slow_factor - 1.0) * compute_s
-        if request.noise:
+        if spec.noise:
             # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.
-            extra += compute_s * request.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
+            extra += compute_s * spec.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
         burn_cpu(extra)
         return loss_share, compute_s + extra
 
-    def _reduce_across_groups(self, request: InjectedStepRequest, deadline: float) -> None:
-        if any(fault.kind == "fail-collective" for fault in request.faults):
+    def _reduce_across_groups(self, spec: InjectedRunSpec, deadline: float) -> None:
+        if self.fail_next_collective:
+            self.fail_next_collective = False
             self._leave_replicas()
             raise InjectedCollectiveFailure(f"injected collective failure on rank {self.spec.global_rank}")
-        super()._reduce_across_groups(request, deadline)
+        super()._reduce_across_groups(spec, deadline)
 
 
 FaultInjectingRankActor = ray.remote(concurrency_groups={"control": 1, "checkpoint": 1})(FaultInjectingWorker)

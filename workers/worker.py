@@ -6,22 +6,29 @@ generation prefix. Across groups, ranks at the same position sum gradients over 
 *replicate* process group built directly on the store, outside the default world, so it can
 be torn down and rebuilt when membership changes without touching the group's own world.
 
-Steps are transactions: ``train_step`` leaves its gradients (and the random draws it made)
-pending, and the next request says whether the driver saw every rank succeed (apply them, at
-the step's learning rate and clipping factor) or not (drop them and rewind the generators).
+Ranks step on their own during a *run* (``run``): each plans its share of every step from
+the run's spec with the driver's own pure code, reads the next step's samples while the
+current one computes, and decides each step with its group in a vote after the cross-group
+sum. Every rank of a group applies the step (at the step's learning rate and clipping
+factor) or every rank discards it (and rewinds its generators). The driver is not on the
+step's path: it watches the groups' records and acts at failures and boundaries.
 
 Methods in the ``control`` concurrency group run on a second thread, so the driver can
-probe or abort a rank whose training thread is stuck; ``finish_checkpoint`` waits for a
+probe, pause or abort a rank whose training thread is busy or stuck; ``finish_checkpoint`` waits for a
 background upload on a third, while training goes on.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -32,16 +39,31 @@ from torch.distributed.fsdp import FSDPModule
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
-from workers.failures import CollectiveAborted, CollectiveFailed, CollectiveTimedOut, StepInterrupted, classify
-from workers.protocol import (
+from elastic.core.data_plan import DataCursor, RankShare, rank_share
+from elastic.core.gradient_clipping import clip_coefficient
+from elastic.core.protocol import (
     BuildReport,
-    Commit,
+    EvalRequest,
+    GroupProgress,
     Progress,
-    RankSpec,
+    RankTimes,
+    RunEnd,
+    RunMessage,
+    RunSpec,
+    StepRecord,
     StepReport,
-    StepRequest,
     describe_error,
 )
+from workers.failures import (
+    CollectiveAborted,
+    CollectiveFailed,
+    CollectiveTimedOut,
+    StepDiscarded,
+    StepInterrupted,
+    VoteFailed,
+    classify,
+)
+from workers.rank_spec import RankSpec
 from workers.train_step import (
     accumulate_gradients,
     collate,
@@ -52,6 +74,7 @@ from workers.train_step import (
 )
 
 REPLICATE_POLL_S = 0.001
+CPU = torch.device("cpu")
 
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
@@ -88,6 +111,17 @@ def abort_process_groups_on_gpu(group=None) -> None:
     dist.distributed_c10d._abort_process_group(group)
 
 
+@dataclass(frozen=True)
+class Vote:
+    """What every rank of a group decided together about a step."""
+
+    every_rank_succeeded: bool
+    loss: float
+    pause: bool
+    grad_sq_norm: float
+    times: list[RankTimes]  # by group rank
+
+
 class RankWorker:
     def __init__(self, spec: RankSpec, hooks):
         self.spec = spec
@@ -111,9 +145,12 @@ class RankWorker:
         self.optimizer = None
         self.replicate_group = None
         self.control_group = None
-        self.pending = False
-        # generator states before the pending step's draws; None when nothing is pending
+        # the global ranks of this rank's group, in group-rank order
+        self.group_ranks = [spec.global_rank - spec.group_rank + rank for rank in range(spec.shard * spec.tp)]
+        # generator states before the step in progress drew; None between steps
         self._rng_before_step: rng.RngState | None = None
+        self._pause_run = -1
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
         self._progress_lock = threading.Lock()
         self._module_entries = 0
         self._abort = threading.Event()
@@ -241,7 +278,6 @@ class RankWorker:
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.mesh = mesh
         self.mesh_coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-        self.pending = False
         self._rng_before_step = None
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index))
         for module in self.model.modules():
@@ -273,98 +309,182 @@ class RankWorker:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
         return time.perf_counter() - started
 
-    # the step transaction
+    # the run: steps the ranks take on their own
 
-    def _settle_pending(self, commit: Commit | None) -> None:
-        if self.pending and commit is not None:
-            scale_gradients(self.model, commit.grad_scale)
-            for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
-                group["lr"] = base_lr * commit.lr_scale
-            self.optimizer.step()
-            self._rng_before_step = None
-        self._discard_uncommitted()
+    @ray.method(concurrency_group="control")
+    def request_pause(self, run: int) -> None:
+        """Stop ``run`` at a step boundary: the ranks agree on which in their votes."""
+        self._pause_run = run
+
+    def run(self, spec: RunSpec) -> Iterator[RunMessage]:
+        """Train ``spec``'s steps, each a transaction the ranks decide among themselves; the
+        group's first rank yields the committed records every ``spec.report_every`` steps,
+        and every rank yields its ``RunEnd`` last."""
+        self._attempt = spec.run
+        leads_group = self.spec.group_rank == 0
+        records: list[StepRecord] = []
+        lap = time.perf_counter()
+        share = self._share(spec, spec.first_step, spec.cursor)
+        batches = self._prefetch(share)
+        while True:
+            upcoming = self._share(spec, share.step + 1, share.next_cursor) if share.step + 1 < spec.stop_step else None
+            upcoming_batches = self._prefetch(upcoming) if upcoming is not None else None
+            try:
+                record, pause = self._transaction(spec, share, batches, upcoming)
+            except Exception as error:  # the step is discarded; the driver decides who is evicted
+                if records:
+                    yield GroupProgress(self.spec.group, tuple(records))
+                yield RunEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
+                return
+            now = time.perf_counter()
+            records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
+            lap = now
+            ends = upcoming is None or pause
+            if leads_group and (ends or len(records) >= spec.report_every):
+                yield GroupProgress(self.spec.group, tuple(records))
+                records = []
+            if ends:
+                yield RunEnd(self.spec.global_rank, share.step + 1)
+                return
+            share, batches = upcoming, upcoming_batches
+
+    def _share(self, spec: RunSpec, step: int, cursor: DataCursor) -> RankShare:
+        return rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.shard)
+
+    def _prefetch(self, share: RankShare) -> Future:
+        """Read the step's samples on the loader thread while the current step computes."""
+        return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
+
+    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future,
+                     upcoming: RankShare | None) -> tuple[StepRecord, bool]:
+        """One step: compute, sum across groups, vote; then every rank of the group applies
+        it or every rank discards it. Returns the committed record and whether to pause."""
+        started = time.perf_counter()
+        step = share.step
+        self._set_progress(step, "data")
+        on_device = [(tokens.to(self.device), mask.to(self.device)) for tokens, mask in batches.result()]
+        data_s = time.perf_counter() - started
+        self._set_progress(step, "compute")
+        self._rng_before_step = rng.capture(self.spec.use_gpu)
+        loss_share, compute_s = self._compute(spec, step, on_device, share.global_tokens)
+        self._set_progress(step, "replicate")
+        comm_started = time.perf_counter()
+        sum_error = None
+        try:
+            self._reduce_across_groups(spec, started + spec.deadline_s)
+            crossed = self._cross_group_scalars(loss_share, self._pause_run == spec.run, started + spec.deadline_s)
+            # An abort the driver sent (a step failed elsewhere) ends this group's run after
+            # this step, which every contribution reached: a group that stops earlier than
+            # another leaves the other's next cross-group sum to be aborted and discarded.
+            crossed = (crossed[0], crossed[1] + float(self._abort_requested()))
+        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
+            sum_error, crossed = error, (0.0, 0.0)
+        comm_s = time.perf_counter() - comm_started
+        grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
+        times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started)
+        self._set_progress(step, "vote")
+        try:
+            vote = self._vote(sum_error is None, crossed, grad_sq_norm, times)
+        except Exception as error:
+            raise VoteFailed(f"rank {self.spec.global_rank}: the group's vote on step {step} failed: {error}") from error
+        if sum_error is not None:
+            raise sum_error
+        if not vote.every_rank_succeeded:
+            raise StepDiscarded(f"rank {self.spec.global_rank}: step {step} discarded: a peer's cross-group sum failed")
+        norm = math.sqrt(vote.grad_sq_norm)
+        clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
+        self._apply(spec.schedule.factor(step), clip_scale)
+        self._set_progress(step, "done")
+        ranks = dict(zip(self.group_ranks, vote.times))
+        record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, share.global_samples,
+                            share.group_samples, share.next_cursor, ranks, step_s=times.wall_s)
+        return record, vote.pause
+
+    def _cross_group_scalars(self, loss_share: float, pause_seen: bool, deadline: float) -> tuple[float, float]:
+        """The loss shares and pause requests of this position summed over the groups, in
+        float64: identical at this position in every group."""
+        scalars = torch.tensor([loss_share, float(pause_seen)], dtype=torch.float64)
+        if self.replicate_group is not None:
+            on_device = scalars.to(self.device)
+            self._wait_replicate(self.replicate_group.allreduce([on_device]), deadline)
+            scalars = on_device.cpu()
+        return scalars[0].item(), scalars[1].item()
+
+    def _vote(self, succeeded: bool, crossed: tuple[float, float], grad_sq_norm: float, times: RankTimes) -> Vote:
+        """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
+        and adds them up in rank order, so all decide the same: apply or discard, and whether
+        to stop after this step (a pause every group saw the same, or an abort)."""
+        leads_tp = self.spec.tp_index == 0
+        ballot = torch.tensor([float(succeeded), crossed[0] if leads_tp else 0.0, crossed[1], grad_sq_norm,
+                               times.data_s, times.compute_s, times.comm_s, times.wall_s], dtype=torch.float64)
+        if self.control_group is None:
+            ballots = [ballot]
+        else:
+            ballots = [torch.empty_like(ballot) for _ in self.group_ranks]
+            dist.all_gather(ballots, ballot, group=self.control_group)
+        table = torch.stack(ballots).tolist()
+        return Vote(
+            every_rank_succeeded=all(row[0] == 1.0 for row in table),
+            loss=sum(row[1] for row in table),
+            pause=any(row[2] > 0 for row in table),
+            grad_sq_norm=sum(row[3] for row in table),
+            times=[RankTimes(*row[4:8]) for row in table],
+        )
+
+    def _apply(self, lr_scale: float, grad_scale: float) -> None:
+        scale_gradients(self.model, grad_scale)
+        for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base_lr * lr_scale
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self._rng_before_step = None
 
     def _discard_uncommitted(self) -> None:
         if self._rng_before_step is not None:
             rng.restore(self._rng_before_step)
             self._rng_before_step = None
-        self.optimizer.zero_grad(set_to_none=False)
-        self.pending = False
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=False)
 
-    def _committed_rng(self) -> rng.RngState:
-        return self._rng_before_step or rng.capture(self.spec.use_gpu)
+    def _failed(self, step: int, error: Exception) -> StepReport:
+        group_broken = (self._phase in ("data", "compute") and not isinstance(error, StepInterrupted)
+                        or isinstance(error, VoteFailed))
+        failure = classify(error, self._phase)
+        self._leave_replicas()
+        self._discard_uncommitted()
+        self._set_progress(step, "failed")
+        return StepReport(self.spec.global_rank, step, error=describe_error(error), failure=failure,
+                          group_broken=group_broken)
 
-    def commit(self, commit: Commit) -> None:
-        self._settle_pending(commit)
-
-    def train_step(self, request: StepRequest) -> StepReport:
-        """One step (or, with ``request.evaluate``, one held-out evaluation) on this rank."""
+    def evaluate(self, request: EvalRequest) -> StepReport:
+        """The held-out loss of the committed state over the request's samples."""
         started = time.perf_counter()
-        rank = self.spec.global_rank
         self._attempt = request.attempt
         try:
             self._set_progress(request.step, "data")
-            self._settle_pending(request.commit_previous)
-            dataset = self.hooks.eval_dataset if request.evaluate else self.hooks.dataset
-            batches = [collate(dataset, mb, self.device) for mb in request.micro_batches]
+            batches = [collate(self.hooks.eval_dataset, mb, self.device) for mb in request.micro_batches]
             data_s = time.perf_counter() - started
-
             self._set_progress(request.step, "compute")
-            if request.evaluate:
-                # The held-out loss leaves the training generators where they were.
-                with torch.random.fork_rng(devices=[self.device] if self.spec.use_gpu else []):
-                    loss_share, compute_s = self._compute(request, batches, evaluate_loss)
-                self._set_progress(request.step, "done")
-                return StepReport(rank, request.step, loss_share=loss_share, data_s=data_s, compute_s=compute_s,
-                                  wall_s=time.perf_counter() - started)
-            self._rng_before_step = rng.capture(self.spec.use_gpu)
-            loss_share, compute_s = self._compute(request, batches)
-
-            self._set_progress(request.step, "replicate")
-            comm_started = time.perf_counter()
-            self._reduce_across_groups(request, started + request.deadline_s)
-            comm_s = time.perf_counter() - comm_started
-            grad_sq_norm = squared_gradient_norm(self.model, self.mesh_coordinate)
-            self.pending = True
+            # The held-out loss leaves the training generators where they were.
+            with torch.random.fork_rng(devices=[self.device] if self.spec.use_gpu else []):
+                self.compute_timer.start()
+                loss_share = evaluate_loss(self.model, self.hooks.loss_fn, batches, request.global_tokens,
+                                           on_micro_batch=lambda index: self._at_micro_batch(request.step, index))
+                compute_s = self.compute_timer.seconds()
             self._set_progress(request.step, "done")
-            return StepReport(
-                rank,
-                request.step,
-                loss_share=loss_share,
-                data_s=data_s,
-                compute_s=compute_s,
-                comm_s=comm_s,
-                wall_s=time.perf_counter() - started,
-                grad_sq_norm=grad_sq_norm,
-            )
-        except Exception as error:  # any failure discards the step; the driver decides who is evicted
-            group_broken = self._phase in ("data", "compute") and not isinstance(error, StepInterrupted)
-            self._leave_replicas()
-            self._discard_uncommitted()
-            self._set_progress(request.step, "failed")
-            return StepReport(
-                rank,
-                request.step,
-                error=describe_error(error),
-                failure=classify(error, self._phase),
-                group_broken=group_broken,
-                wall_s=time.perf_counter() - started,
-            )
+            return StepReport(self.spec.global_rank, request.step, loss_share=loss_share, data_s=data_s,
+                              compute_s=compute_s, wall_s=time.perf_counter() - started)
+        except Exception as error:
+            return self._failed(request.step, error)
 
-    def _compute(self, request: StepRequest, batches, loss_of=accumulate_gradients) -> tuple[float, float]:
-        """This rank's share of the step (or of the evaluation, with ``evaluate_loss``): (loss
-        share, its own compute seconds)."""
+    def _compute(self, spec: RunSpec, step: int, batches, global_tokens: int) -> tuple[float, float]:
+        """This rank's share of the step: (loss share, its own compute seconds)."""
         self.compute_timer.start()
-        loss_share = loss_of(
-            self.model,
-            self.hooks.loss_fn,
-            batches,
-            request.global_tokens,
-            on_micro_batch=lambda index: self._at_micro_batch(request.step, index),
-        )
+        loss_share = accumulate_gradients(self.model, self.hooks.loss_fn, batches, global_tokens,
+                                          on_micro_batch=lambda index: self._at_micro_batch(step, index))
         return loss_share, self.compute_timer.seconds()
 
-    def _reduce_across_groups(self, request: StepRequest, deadline: float) -> None:
+    def _reduce_across_groups(self, spec: RunSpec, deadline: float) -> None:
         if self.replicate_group is not None:
             sum_across_groups(
                 self.model, self.replicate_group, lambda work: self._wait_replicate(work, deadline),
@@ -374,8 +494,8 @@ class RankWorker:
     # healing
 
     def export_state(self) -> dict:
-        """Committed state only: the driver commits or discards pending gradients first."""
-        return {**export_local_state(self.model, self.optimizer), "rng": self._committed_rng()}
+        """Committed state: between runs nothing is pending."""
+        return {**export_local_state(self.model, self.optimizer), "rng": rng.capture(self.spec.use_gpu)}
 
     def import_state(self, state: dict) -> None:
         import_local_state(self.model, self.optimizer, state)
@@ -387,7 +507,7 @@ class RankWorker:
 
     def save_checkpoint(self, url: str) -> float:
         """Stage committed state for an async upload to ``url``; returns the stall in seconds."""
-        return self.checkpoint_io.save(self.model, self.optimizer, url, self._committed_rng())
+        return self.checkpoint_io.save(self.model, self.optimizer, url, rng.capture(self.spec.use_gpu))
 
     @ray.method(concurrency_group="checkpoint")
     def finish_checkpoint(self) -> UploadResult:

@@ -1,7 +1,8 @@
 """The data plan: which sample indices each rank consumes at a step. Pure and deterministic.
 
-The driver owns the global order: a seeded permutation per epoch, consumed one global
-batch per step. The batch is cut into contiguous shares across live groups in proportion
+The global order is a seeded permutation per epoch, consumed one global batch per step; the
+driver keeps the cursor between runs, and during a run each rank plans every step itself
+with ``rank_share`` from the run's spec. The batch is cut into contiguous shares across live groups in proportion
 to their weights (equal unless the straggler policy rebalances), each share across the
 group's shard positions, and each position's part into micro-batches. Every shard position
 of a group gets the same number of micro-batches because FSDP collectives run in lockstep;
@@ -16,8 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from elastic.core.protocol import RunSpec
 
 # A slot of a micro-batch that holds no sample (every shard position runs the same count).
 PADDING_INDEX = -1
@@ -164,3 +169,27 @@ def group_weights(groups: Iterable[int], decided: Mapping[int, float]) -> dict[i
     """The quorum's data-plan weights: as the straggler policy decided them, and 1.0 (a
     typical group's) for a group it has not weighed yet, such as one that just joined."""
     return {group: decided.get(group, 1.0) for group in groups}
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of one step of a run, and what the step means for the whole batch."""
+
+    step: int
+    epoch: int  # the epoch the step's samples come from
+    next_cursor: DataCursor
+    micro_batches: MicroBatches
+    global_tokens: int
+    global_samples: int
+    group_samples: dict[int, int]
+
+
+def rank_share(spec: RunSpec, step: int, cursor: DataCursor, group: int, shard_index: int, shard: int) -> RankShare:
+    """What the rank at ``shard_index`` of ``group`` trains at ``step`` of the run ``spec``, from
+    the data order's ``cursor`` before the step: the ranks' own planning, and the sample ledger
+    the tests keep."""
+    plan = plan_step(step, cursor, dataset_len=spec.dataset_len, global_batch=spec.global_batch, seed=spec.seed,
+                     group_weights=spec.group_weights)
+    return RankShare(step, plan.cursor.epoch, plan.next_cursor,
+                     plan.groups[group].micro_batches(shard_index, shard, spec.micro_batch),
+                     plan.global_samples * spec.seq_len, plan.global_samples, plan.groups.samples())

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from workers.protocol import Progress, StepReport, describe_error
+from elastic.core.protocol import Progress, StepReport, describe_error
 
 DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
 # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that

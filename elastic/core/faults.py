@@ -1,10 +1,11 @@
 """Fault injection: parsed from ``--inject`` or config, scheduled by the driver, carried out
 inside the workers.
 
-Injection decorates the production path and never branches inside it: the driver's
-``FaultSchedule`` turns the step requests of the ranks a due fault names into
-``InjectedStepRequest``s, and ``workers.fault_injection`` wraps the rank's step to carry
-them out. Runs without ``--inject`` (or straggler noise) use neither.
+Injection decorates the production path and never branches inside it: a run pauses before
+the step of every step-triggered fault (and at the first boundary once a time-triggered one
+is due), the driver's ``FaultSchedule`` turns the run specs of the ranks a due fault names
+into ``InjectedRunSpec``s, and ``workers.fault_injection`` fires them as the run's first
+step starts. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
 ``kill-group``, ``hang``, ``slow`` and ``fail-collective``; keys are ``rank`` or ``group``
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
-from workers.protocol import StepRequest
+from elastic.core.protocol import RunSpec
 
 KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective")
 _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank"}
@@ -132,7 +133,7 @@ def check_targets(faults: list[Fault], n_groups: int, ranks_per_group: int) -> N
 
 @dataclass(frozen=True)
 class InjectedFault:
-    """A fault one rank carries out at the start of its step."""
+    """A fault one rank carries out as its run's first step starts."""
 
     kind: str
     factor: float = 1.0
@@ -140,14 +141,14 @@ class InjectedFault:
 
 
 @dataclass(frozen=True)
-class InjectedStepRequest(StepRequest):
+class InjectedRunSpec(RunSpec):
     faults: tuple[InjectedFault, ...] = ()
     noise: float = 0.0  # straggler noise: a slowdown of up to 2 x noise of compute, at random
 
 
 class FaultSchedule:
     """The driver's side: fires each fault once, on the first step at or after its trigger,
-    by decorating the requests of the ranks it names."""
+    by decorating the run specs of the ranks it names; runs pause before a fault's step."""
 
     def __init__(self, faults: list[Fault], topology: Topology, events: EventLog, clock: Callable[[], float],
                  noise: float = 0.0):
@@ -158,10 +159,21 @@ class FaultSchedule:
         self.noise = noise
         self.training_started_at: float | None = None
 
-    def decorate(self, step: int, requests: dict[int, StepRequest]) -> dict[int, StepRequest]:
+    def _elapsed(self) -> float:
         if self.training_started_at is None:
             self.training_started_at = self.clock()
-        elapsed = self.clock() - self.training_started_at
+        return self.clock() - self.training_started_at
+
+    def next_step_after(self, step: int) -> int | None:
+        """The first step after ``step`` at which a step-triggered fault fires: a run stops before it."""
+        return min((fault.step for fault in self.faults if fault.step is not None and fault.step > step), default=None)
+
+    def time_fault_due(self) -> bool:
+        """A time-triggered fault is due: the run in progress should pause so the next one fires it."""
+        return any(fault.at is not None and fault.due(0, self._elapsed()) for fault in self.faults)
+
+    def decorate(self, step: int, requests: dict[int, RunSpec]) -> dict[int, RunSpec]:
+        elapsed = self._elapsed()
         firing: dict[int, list[InjectedFault]] = {}
         for fault in list(self.faults):
             if not fault.due(step, elapsed):
@@ -174,6 +186,6 @@ class FaultSchedule:
             for rank in targets:
                 firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
         return {
-            rank: InjectedStepRequest(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
+            rank: InjectedRunSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
             for rank, request in requests.items()
         }

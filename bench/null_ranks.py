@@ -1,0 +1,193 @@
+"""Benchmark: the driver's cost per steady-state step on real Ray actors, the step protocol
+of today (runs: ranks step on their own and stream their groups' records) against the
+pattern it replaced (one actor call per rank per step, collected one at a time), side by
+side at each scale.
+
+Null ranks speak the real protocol (``RunSpec`` in, ``GroupProgress`` / ``RunEnd`` out,
+planned with the real ``data_plan``) under the real ``Fleet`` and ``Controller``, but do no
+math and import no torch: a step is a sleep of ``--step-ms``. Printed per scale:
+
+- driver CPU per step: the driver process's CPU time (every thread, Ray's included) over
+  the steady-state steps, divided by their number;
+- rank wait per step: wall time per steady-state step beyond ``--step-ms``, the time the
+  ranks spent not computing because of the driver (the old pattern waits for every report
+  and the next dispatch; a run waits for nothing).
+
+    python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
+
+Exit status 0 when the run protocol meets --target-ms of driver CPU per step at every scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ray  # noqa: E402
+
+from elastic.core.data_plan import rank_share  # noqa: E402
+from elastic.core.protocol import BuildReport, GroupProgress, Progress, RankTimes, RunEnd, StepRecord  # noqa: E402
+
+RANKS_PER_GROUP = 4
+WARMUP_STEPS = 20
+
+
+class NullRank:
+    """A rank that speaks the run protocol and sleeps instead of computing."""
+
+    def __init__(self, spec, step_s: float):  # the fleet's ``hooks`` argument carries the step time
+        self.spec = spec
+        self.pause_run = -1
+        self.step_s = step_s
+
+    def node(self) -> dict:
+        return {"pid": os.getpid(), "global_rank": self.spec.global_rank}
+
+    def build(self, generation: int) -> BuildReport:
+        return BuildReport(self.spec.global_rank, 0.0)
+
+    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
+        return 0.0
+
+    @ray.method(concurrency_group="control")
+    def request_pause(self, run: int) -> None:
+        self.pause_run = run
+
+    @ray.method(concurrency_group="control")
+    def abort_step(self, attempt: int) -> None:
+        self.pause_run = attempt
+
+    @ray.method(concurrency_group="control")
+    def probe(self) -> Progress:
+        return Progress(self.spec.global_rank, 0, "compute", 0, 0, 0.0)
+
+    def run(self, spec):
+        me = self.spec
+        group_ranks = range(me.global_rank - me.group_rank, me.global_rank - me.group_rank + me.shard * me.tp)
+        records, cursor = [], spec.cursor
+        for step in range(spec.first_step, spec.stop_step):
+            started = time.perf_counter()
+            share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
+            time.sleep(self.step_s)
+            wall = time.perf_counter() - started
+            times = RankTimes(0.0, self.step_s, 0.0, wall)
+            records.append(StepRecord(step, me.group, 1.0, 0.0, 1.0, share.global_samples, share.group_samples,
+                                      share.next_cursor, dict.fromkeys(group_ranks, times), step_s=wall))
+            cursor = share.next_cursor
+            last = step + 1 == spec.stop_step or self.pause_run == spec.run
+            if me.group_rank == 0 and (last or len(records) >= spec.report_every):
+                yield GroupProgress(me.group, tuple(records))
+                records = []
+            if last:
+                yield RunEnd(me.global_rank, step + 1)
+                return
+
+
+class PerStepRank:
+    """The replaced pattern's rank: one call per step."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, step: int) -> float:
+        time.sleep(self.step_s)
+        return self.step_s
+
+
+def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float, float]:
+    actors = [ray.remote(num_cpus=0.01)(PerStepRank).remote(step_s) for _ in range(ranks)]
+    ray.get([actor.ready.remote() for actor in actors])
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+        refs = [actor.step.remote(step) for actor in actors]
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            ray.get(ready)
+    measured = steps - WARMUP_STEPS
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    for actor in actors:
+        ray.kill(actor)
+    return cpu / measured, wall / measured - step_s
+
+
+def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float, float]:
+    from elastic.config import build_config
+    from elastic.controller import Controller
+    from elastic.core.events import EventLog
+    from elastic.core.goodput import TimeLedger
+    from elastic.core.topology import Topology
+    from elastic.fleet import Fleet, Rendezvous
+
+    groups = ranks // RANKS_PER_GROUP
+    config = build_config({
+        "run_name": f"null-{ranks}", "storage": tmp, "steps": steps, "global_batch": 4 * ranks, "micro_batch": 4,
+        "scaling": {"min_groups": groups, "max_groups": groups, "shard": RANKS_PER_GROUP, "tp": 1,
+                    "cpus_per_rank": 0.01},
+        "data": {"seq_len": 32, "corpus_tokens": 40_000},
+        "checkpoint": {"every": 0},
+        "stragglers": {"enabled": True},
+    })
+    topology = Topology(RANKS_PER_GROUP, 1, groups)
+    null_actor = ray.remote(concurrency_groups={"control": 1})(NullRank)
+    fleet = Fleet(config, step_s, topology, Rendezvous.start(), actor_class=null_actor)
+    clock = time.monotonic
+    marks = {}
+
+    def mark(record: dict) -> None:
+        if record["step"] in (WARMUP_STEPS - 1, steps - 1):
+            marks[record["step"]] = (time.process_time(), time.perf_counter())
+
+    controller = Controller(config, fleet, dataset_len=1_000_000, events=EventLog(clock), ledger=TimeLedger(clock),
+                            clock=clock, on_step=[mark])
+    try:
+        assert controller.run() == "completed"
+    finally:
+        fleet.shutdown()
+    (cpu0, wall0), (cpu1, wall1) = marks[WARMUP_STEPS - 1], marks[steps - 1]
+    measured = steps - WARMUP_STEPS
+    return (cpu1 - cpu0) / measured, (wall1 - wall0) / measured - step_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="8,32,128")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--step-ms", type=float, default=50.0)
+    parser.add_argument("--target-ms", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    scales = [int(n) for n in args.ranks.split(",")]
+    if any(n % RANKS_PER_GROUP for n in scales):
+        parser.error(f"--ranks must be multiples of {RANKS_PER_GROUP} (ranks per group)")
+    step_s = args.step_ms / 1000
+    # The actors need this module's classes, not its file: send them by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=max(scales) + 2, include_dashboard=False, log_to_driver=False)
+
+    print(f"null ranks, {RANKS_PER_GROUP} per group, steps of {args.step_ms:g} ms, "
+          f"{args.steps - WARMUP_STEPS} steady-state steps measured after {WARMUP_STEPS}")
+    print(f"{'ranks':>6} | {'driver CPU ms/step':>19} {'':>8} {'':>6} | {'rank wait ms/step':>18} {'':>8}")
+    print(f"{'':>6} | {'per-step':>9} {'runs':>9} {'ratio':>6} {'':>7}| {'per-step':>9} {'runs':>9}")
+    passed = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in scales:
+            old_cpu, old_wait = measure_per_step_calls(ranks, args.steps, step_s)
+            new_cpu, new_wait = measure_runs(ranks, args.steps, step_s, tmp)
+            passed &= new_cpu * 1e3 <= args.target_ms
+            print(f"{ranks:>6} | {old_cpu * 1e3:>9.2f} {new_cpu * 1e3:>9.3f} {old_cpu / new_cpu:>6.0f}x {'':>6}| "
+                  f"{old_wait * 1e3:>9.2f} {new_wait * 1e3:>9.2f}", flush=True)
+    print(f"runs: driver CPU per steady-state step at most {args.target_ms:g} ms at every scale: "
+          f"{'PASS' if passed else 'FAIL'}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Plain data exchanged between the driver and the rank actors: no Ray, no torch.
+
+A *run* is how ranks train while the membership is stable. The driver hands every live rank
+the same ``RunSpec``; each rank plans its own share of every step from it with the pure
+core (``data_plan``, ``lr_schedule``, ``gradient_clipping``), steps, and the ranks decide
+each step among themselves. The first rank of each group streams the group's committed
+``StepRecord``s back in batches (``GroupProgress``), and every rank ends its run with a
+``RunEnd``: paused at a step boundary, or failed with the ``StepReport`` of the step it
+failed. The driver's calls per rank happen at boundaries and failures only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from elastic.core.data_plan import DataCursor
+from elastic.core.lr_schedule import LRSchedule
+
+ERROR_CHARS = 2000
+
+
+def describe_error(error: BaseException | str, limit: int = ERROR_CHARS) -> str:
+    """An error's type and message, cut from the front when too long: a remote error's text
+    is a traceback followed by the exception line, and that last line names the cause."""
+    text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}").strip()
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Steps ``first_step`` up to (not including) ``stop_step``, unless the ranks agree to
+    pause earlier (the driver asked) or a step fails. Everything a rank needs to plan its
+    share of each step is here: the data plan's inputs, the schedule and the clipping."""
+
+    run: int  # unique per run: aborts and pause requests name it
+    first_step: int
+    stop_step: int
+    cursor: DataCursor
+    dataset_len: int
+    global_batch: int
+    seed: int
+    group_weights: dict[int, float]  # the live groups of the run and their data-plan weights
+    micro_batch: int
+    seq_len: int
+    schedule: LRSchedule
+    clip_grad_norm: float | None
+    deadline_s: float  # per step: no wait on peers outlasts it
+    report_every: int = 1  # a group's first rank sends its records every this many steps
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        return tuple(sorted(self.group_weights))
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """The held-out loss over these samples (no gradients, nothing committed)."""
+
+    step: int
+    micro_batches: tuple[tuple[int, ...], ...]
+    global_tokens: int
+    attempt: int = 0  # unique per dispatch: a rerun is a new attempt
+    deadline_s: float = float("inf")
+
+
+class Failure(StrEnum):
+    """What a failed step points at (``workers.failures.classify`` decides)."""
+
+    OWN_IO = "own-io"
+    OWN_COMPUTE = "own-compute"
+    COLLECTIVE = "collective"
+    RELEASED = "released"
+
+    @property
+    def blames_peers(self) -> bool:
+        return self in (Failure.COLLECTIVE, Failure.RELEASED)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    global_rank: int
+    step: int
+    loss_share: float = 0.0
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wall_s: float = 0.0
+    error: str | None = None
+    failure: str | None = None  # a Failure value: what the error points at
+    group_broken: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def blames_peers(self) -> bool:
+        """Failed inside a collective, or released from one: a victim, not the culprit."""
+        return self.failure is not None and Failure(self.failure).blames_peers
+
+
+PHASES = ("idle", "data", "compute", "replicate", "vote", "done", "failed")
+# The rank is through with its step: its report is on the way, whatever a probe says.
+FINISHED_PHASES = ("done", "failed")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a rank is doing, answered on its control thread even while the step is stuck."""
+
+    global_rank: int
+    step: int
+    phase: str
+    micro_batch: int
+    module_entries: int
+    phase_age_s: float
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED_PHASES
+
+    def order(self) -> tuple[int, int, int]:
+        return (PHASES.index(self.phase), self.micro_batch, self.module_entries)
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's seconds in a step: waiting for its data, computing, in the cross-group
+    sum, and the whole step until its group's vote."""
+
+    data_s: float
+    compute_s: float
+    comm_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """A step one group committed, as every rank of the group decided it in its vote."""
+
+    step: int
+    group: int
+    loss: float  # the global batch's loss (every group's shares)
+    grad_norm: float  # the global gradient norm, before clipping
+    clip_scale: float
+    global_samples: int
+    group_samples: dict[int, int]  # each live group's share of the batch
+    next_cursor: DataCursor  # where the data order stands after this step
+    ranks: dict[int, RankTimes]  # by global rank, the group's ranks
+    step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """A group's committed steps since its last message (at most one message per step)."""
+
+    group: int
+    records: tuple[StepRecord, ...]
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a rank's run ended: ``next_step`` is the first step it has not committed;
+    ``failure`` the report of the step that failed, ``None`` when the run paused."""
+
+    global_rank: int
+    next_step: int
+    failure: StepReport | None = None
+
+
+RunMessage = GroupProgress | RunEnd
+
+
+@dataclass
+class BuildReport:
+    global_rank: int
+    seconds: float
+    node_ip: str = ""
+    details: dict = field(default_factory=dict)

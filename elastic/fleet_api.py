@@ -1,0 +1,96 @@
+"""The fleet as the controller sees it: the calls it makes to ranks and the two errors they
+raise, in plain data. No Ray here: ``elastic.fleet.Fleet`` implements it with Ray, and
+``tests/fake_fleet.py`` on a fake clock.
+
+Failures come back as two exceptions, each naming its ranks: ``RanksLost`` (the processes
+are gone) and ``CallFailed`` (a rank raised, or did not answer before the call's deadline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from elastic.core.protocol import EvalRequest, Progress, RunMessage, RunSpec, StepReport
+from elastic.core.topology import Topology
+
+
+class FleetError(RuntimeError):
+    def __init__(self, ranks: list[int], message: str, call: str = ""):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.call = call  # the rank method that failed
+
+    @property
+    def left_state_intact(self) -> bool:
+        """Rebuilding cross-group process groups touches no model state."""
+        return self.call == "join_replicas"
+
+
+class RanksLost(FleetError):
+    """The processes of these ranks are gone (killed, crashed, out of memory, node lost)."""
+
+
+class CallFailed(FleetError):
+    """These ranks raised, or did not answer in time; their processes may live."""
+
+
+@dataclass
+class Pending:
+    """Calls in flight, one per rank (a Ray ``ObjectRef`` each, or a fake's stand-in)."""
+
+    refs: dict[int, object]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.refs)
+
+
+@dataclass
+class RunStream:
+    """A run in flight: each rank's stream of messages, until its ``RunEnd``."""
+
+    run: int
+    generators: dict[int, object]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.generators)
+
+
+class FleetApi(Protocol):
+    topology: Topology
+
+    # placement
+    def reserve(self, group: int) -> None: ...
+    def placed(self, group: int) -> bool: ...
+    def has_spare_slot(self) -> bool: ...
+    def release(self, group: int) -> None: ...
+
+    # rank processes
+    def start(self, ranks) -> Pending: ...
+    def build(self, ranks, generation: int) -> Pending: ...
+    def alive(self, rank: int, timeout: float = 5.0) -> bool: ...
+    def responsive(self, ranks, timeout: float = 5.0) -> set[int]: ...
+    def kill(self, global_rank: int) -> None: ...
+    def kill_group(self, group: int) -> None: ...
+    def done(self, pending: Pending, timeout: float = 0.0) -> bool: ...
+    def results(self, pending: Pending, timeout: float | None = None, call: str = "") -> dict[int, object]: ...
+
+    # runs and evaluations
+    def start_run(self, specs: dict[int, RunSpec]) -> RunStream: ...
+    def next_messages(self, stream: RunStream, timeout: float) -> list[tuple[int, RunMessage | None]]: ...
+    def request_pause(self, ranks, run: int) -> None: ...
+    def evaluate(self, requests: dict[int, EvalRequest]) -> Pending: ...
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]: ...
+    def abort_step(self, ranks, attempt: int) -> None: ...
+    def probe(self, ranks, timeout: float) -> dict[int, Progress]: ...
+
+    # state and checkpoints
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None: ...
+    def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None: ...
+    def local_parameters(self, ranks) -> dict[int, list]: ...
+    def save(self, ranks, url: str) -> None: ...
+    def finish_saves(self, ranks) -> Pending: ...
+    def restore(self, ranks, url: str, step: int, generators: dict) -> None: ...
+    def shutdown(self) -> None: ...

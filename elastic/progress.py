@@ -1,0 +1,77 @@
+"""The run's progress: the step it stands at, the data cursor, and what it committed (losses,
+step and evaluation records, counters). One object the controller advances and rewinds and
+the summary reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.core.data_plan import DataCursor
+from elastic.core.lr_schedule import LRSchedule
+from elastic.core.protocol import RankTimes, StepRecord
+
+
+@dataclass
+class RunProgress:
+    step: int = 0  # the next step to train
+    first_step: int = 0  # where this driver's run began (a resume's step)
+    cursor: DataCursor = DataCursor()
+    losses: list[float] = field(default_factory=list)
+    step_records: list[dict] = field(default_factory=list)
+    eval_records: list[dict] = field(default_factory=list)
+    steps_discarded: int = 0
+    steps_rolled_back: int = 0
+    tokens_committed: int = 0
+    has_state: bool = False  # the live groups hold a committed state (not only the seed's)
+
+    def commit(self, records: dict[int, StepRecord], *, seq_len: int, schedule: LRSchedule, generation: int,
+               t: float) -> tuple[dict, dict[int, RankTimes]]:
+        """Record a step every group of a run committed (their votes agree on the loss, the
+        norm and the clipping factor; each group reports its own ranks' times). Returns the
+        step's record and every rank's times."""
+        first = records[min(records)]
+        times = {rank: rank_times for record in records.values() for rank, rank_times in record.ranks.items()}
+        ordered = sorted(times.items())
+        step_s = max(record.step_s for record in records.values())
+        tokens = first.global_samples * seq_len
+        record = {
+            "step": self.step,
+            "t": t,
+            "loss": first.loss,
+            "lr": schedule.lr(self.step),
+            "grad_norm": first.grad_norm,
+            "grad_clip_scale": first.clip_scale,
+            "step_s": round(step_s, 5),
+            "live_groups": len(first.group_samples),
+            "live_ranks": len(times),
+            "generation": generation,
+            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "rank_step_s": {str(rank): round(rank_times.wall_s, 5) for rank, rank_times in ordered},
+            "rank_compute_s": {str(rank): round(rank_times.compute_s, 5) for rank, rank_times in ordered},
+            "rank_comm_s": {str(rank): round(rank_times.comm_s, 5) for rank, rank_times in ordered},
+            "group_samples": {str(group): samples for group, samples in first.group_samples.items()},
+        }
+        self.losses.append(first.loss)
+        self.cursor = first.next_cursor
+        self.tokens_committed += tokens
+        self.step_records.append(record)
+        self.has_state = True
+        self.step += 1
+        return record, times
+
+    def rewind(self, step: int, cursor: DataCursor) -> None:
+        """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);
+        later committed steps rerun."""
+        self.step, self.cursor = step, cursor
+        kept = max(0, step - self.first_step)
+        del self.losses[kept:]
+        del self.step_records[kept:]
+        self.eval_records = [record for record in self.eval_records if record["step"] <= step]
+        self.has_state = True
+
+    def eval_due(self, every: int, steps: int) -> bool:
+        """Every ``every`` committed steps and after the last one, once per step."""
+        if not every or self.step == 0 or (self.eval_records and self.eval_records[-1]["step"] == self.step):
+            return False
+        return self.step % every == 0 or self.step >= steps

@@ -1,0 +1,127 @@
+"""Watching a run: the groups' committed steps as they stream in, the silence that means a
+hang, and, when a step failed, the abort, the drain and the diagnosis.
+
+The driver is off the steps' path: it reads what the groups' first ranks send (batches of
+``StepRecord``s) and hands each step on once every group of the run has reported it. A
+group that stays silent longer than the step deadline (plus the time its batch takes to
+fill) is probed like a step past its deadline; the same ``least_progressed`` names the hung
+rank; so does a failure that only blames peers (ranks that waited out the step's deadline
+in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
+aborts the others,
+which are drained with the evaluations' rules (``step_collection.drain``) before
+``diagnose`` names the culprits.
+
+After a failure, only the groups that stay healthy say what is committed: the run's next
+step is the furthest a healthy group reached. A healthy group behind it (its last cross-group
+sum failed where another group's completed) is sent to rebuild and heal like a broken one,
+so every live group holds the same state when the next run starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from elastic.core.diagnosis import Diagnosis, diagnose
+from elastic.core.protocol import GroupProgress, RunEnd, RunSpec, StepRecord, StepReport
+from elastic.fleet_api import FleetApi, RunStream
+from elastic.step_collection import StepCollection, drain, receive_into
+
+# How often the driver looks up from the stream for its own duties (uploads to commit,
+# groups joining, a pause to request) while nothing arrives.
+WATCH_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    next_step: int  # the first step that no group left healthy committed
+    diagnosis: Diagnosis | None  # None: the run paused at next_step as planned or asked
+    committed_until: float  # clock time of the last committed step (or of the run's start)
+
+
+class RunWatch:
+    def __init__(self, collection: StepCollection):
+        self.collection = collection
+        self.fleet: FleetApi = collection.fleet
+        self.topology = collection.topology
+        self.clock = collection.clock
+
+    def watch(self, stream: RunStream, spec: RunSpec, on_step: Callable[[dict[int, StepRecord]], None],
+              between: Callable[[], None]) -> RunOutcome:
+        """Hand on each step every group committed, call ``between`` while waiting, and
+        return how the run ended."""
+        started = self.clock()
+        groups = spec.groups
+        group_of = {rank: self.topology.group_of(rank) for rank in stream.ranks}
+        records: dict[int, dict[int, StepRecord]] = {}
+        ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
+        next_steps: dict[int, int] = {}
+        dead: set[int] = set()
+        heard_at = dict.fromkeys(groups, started)
+        state = {"next": spec.first_step, "committed_until": started}
+
+        def file(arrived) -> list[tuple[int, StepReport | None]]:
+            finals = []
+            for rank, message in arrived:
+                if isinstance(message, GroupProgress):
+                    heard_at[message.group] = self.clock()
+                    for record in message.records:
+                        records.setdefault(record.step, {})[message.group] = record
+                    continue
+                if isinstance(message, RunEnd):
+                    next_steps[rank] = message.next_step
+                    message = message.failure or StepReport(rank, message.next_step)
+                finals.append((rank, message))
+            return finals
+
+        def commit_complete() -> None:
+            while len(records.get(state["next"], ())) == len(groups):
+                on_step(records.pop(state["next"]))
+                state["next"] += 1
+                state["committed_until"] = self.clock()
+
+        hung: list[int] = []
+        failed = False
+        while stream.generators and not failed:
+            silence_s = spec.deadline_s + spec.report_every * self.collection.deadline.typical_s()
+            running = {group_of[rank] for rank in stream.generators}
+            now = self.clock()
+            if any(now - heard_at[group] >= silence_s for group in running):
+                hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
+                failed = True
+                break
+            wait_s = min(WATCH_POLL_S, *(silence_s - (now - heard_at[group]) for group in running))
+            failed = receive_into(file(self.fleet.next_messages(stream, wait_s)), ends, dead)
+            commit_complete()
+            if not failed:
+                between()
+        if not failed:
+            return RunOutcome(state["next"], None, state["committed_until"])
+        if not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok):
+            # Ranks gave up waiting on a peer at the step's deadline before the silence was
+            # long enough here: the same probe names the peer they waited for.
+            hung = self.collection.find_hung(stream.ranks, state["next"], spec.deadline_s)
+
+        self.collection.failure_seen_at = self.clock()
+        waiting = self.collection.abort(stream.ranks, hung, stream.run)
+        for rank in hung:  # killed as the culprit: their streams end, but not as deaths
+            stream.generators.pop(rank, None)
+
+        def receive(ranks: list[int], timeout: float):
+            arrived = file(self.fleet.next_messages(stream, timeout))
+            commit_complete()
+            return arrived
+
+        stuck = drain(receive, waiting, ends, dead, hung, group_of, self.clock() + spec.deadline_s,
+                      self.collection.deadline, self.clock)
+        diagnosis = diagnose(dead=dead, reports=ends, hung=hung, stuck=stuck, group_of=group_of)
+        healthy = {group: min(next_steps.get(rank, state["next"]) for rank in self.topology.global_ranks(group))
+                   for group in groups if group not in diagnosis.broken_groups}
+        reached = max(healthy.values(), default=state["next"])
+        behind = {group for group, step in healthy.items() if step < reached}
+        while state["next"] < reached:  # steps a healthy group committed that a broken one never reported
+            on_step(records.pop(state["next"]))
+            state["next"] += 1
+            state["committed_until"] = self.clock()
+        diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
+        return RunOutcome(state["next"], diagnosis, state["committed_until"])

@@ -1,0 +1,31 @@
+"""What a rank actor is started with: its place in the layout and how to reach its peers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from checkpointing.storage import StorageOptions
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    global_rank: int
+    group: int
+    group_rank: int  # its rank in the group's world (see elastic.core.topology)
+    shard_index: int
+    tp_index: int
+    shard: int
+    tp: int
+    seed: int
+    use_gpu: bool
+    store_host: str
+    store_port: int
+    store_prefix: str  # the run's secret key prefix on the rendezvous store
+    collective_timeout_s: float
+    storage: StorageOptions = StorageOptions()
+    upload_in_process: bool = False
+    replicate_dtype: str = "fp32"
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.shard_index, self.tp_index)
