@@ -9,9 +9,10 @@ math and import no torch: a step is a sleep of ``--step-ms``. Printed per scale:
 
 - driver CPU per step: the driver process's CPU time (every thread, Ray's included) over
   the steady-state steps, divided by their number;
-- rank wait per step: wall time per steady-state step beyond ``--step-ms``, the time the
-  ranks spent not computing because of the driver (the old pattern waits for every report
-  and the next dispatch; a run waits for nothing).
+- rank wait per step: time per steady-state step beyond ``--step-ms``, the time the ranks
+  spent not computing because of the driver: for the old pattern the driver's wall time per
+  step (it waits for every report before the next dispatch), for runs the ranks' own loop
+  period (records arrive in batches).
 
     python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
 
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
-from elastic.core.protocol import BuildReport, GroupProgress, Progress, RankTimes, RunEnd, StepRecord  # noqa: E402
+from elastic.core.protocol import BuildReport, GroupProgress, Progress, RunEnd, StepRecord  # noqa: E402
 
 RANKS_PER_GROUP = 4
 WARMUP_STEPS = 20
@@ -69,20 +70,21 @@ class NullRank:
     def run(self, spec):
         me = self.spec
         group_ranks = range(me.global_rank - me.group_rank, me.global_rank - me.group_rank + me.shard * me.tp)
-        records, cursor = [], spec.cursor
+        records, cursor, reported, run_started = [], spec.cursor, -1, time.perf_counter()
         for step in range(spec.first_step, spec.stop_step):
             started = time.perf_counter()
             share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
             time.sleep(self.step_s)
             wall = time.perf_counter() - started
-            times = RankTimes(0.0, self.step_s, 0.0, wall)
             records.append(StepRecord(step, me.group, 1.0, 0.0, 1.0, share.global_samples, share.group_samples,
-                                      share.next_cursor, dict.fromkeys(group_ranks, times), step_s=wall))
+                                      share.next_cursor, tuple(group_ranks), ((0.0, self.step_s, 0.0, wall),) * len(group_ranks),
+                                      step_s=wall))
             cursor = share.next_cursor
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
-            if me.group_rank == 0 and (last or len(records) >= spec.report_every):
+            interval = int((started - run_started) / spec.report_interval_s)
+            if me.group_rank == 0 and (last or interval > reported):
                 yield GroupProgress(me.group, tuple(records))
-                records = []
+                records, reported = [], interval
             if last:
                 yield RunEnd(me.global_rank, step + 1)
                 return
@@ -120,7 +122,7 @@ def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float
 
 
 def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float, float]:
-    from elastic.config import build_config
+    from elastic.config import build_config, on_cluster
     from elastic.controller import Controller
     from elastic.core.events import EventLog
     from elastic.core.goodput import TimeLedger
@@ -136,15 +138,18 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
         "checkpoint": {"every": 0},
         "stragglers": {"enabled": True},
     })
+    config = on_cluster(config, ray.cluster_resources())
     topology = Topology(RANKS_PER_GROUP, 1, groups)
     null_actor = ray.remote(concurrency_groups={"control": 1})(NullRank)
     fleet = Fleet(config, step_s, topology, Rendezvous.start(), actor_class=null_actor)
     clock = time.monotonic
-    marks = {}
+    marks, loop_s = {}, []
 
     def mark(record: dict) -> None:
         if record["step"] in (WARMUP_STEPS - 1, steps - 1):
             marks[record["step"]] = (time.process_time(), time.perf_counter())
+        if record["step"] >= WARMUP_STEPS:
+            loop_s.append(record["step_s"])
 
     controller = Controller(config, fleet, dataset_len=1_000_000, events=EventLog(clock), ledger=TimeLedger(clock),
                             clock=clock, on_step=[mark])
@@ -152,9 +157,10 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
         assert controller.run() == "completed"
     finally:
         fleet.shutdown()
-    (cpu0, wall0), (cpu1, wall1) = marks[WARMUP_STEPS - 1], marks[steps - 1]
-    measured = steps - WARMUP_STEPS
-    return (cpu1 - cpu0) / measured, (wall1 - wall0) / measured - step_s
+    (cpu0, _), (cpu1, _) = marks[WARMUP_STEPS - 1], marks[steps - 1]
+    # Records arrive in batches, so the driver's clock cannot time a step: the ranks' own loop
+    # period (from one step's start to the next's) can.
+    return (cpu1 - cpu0) / (steps - WARMUP_STEPS), sum(loop_s) / len(loop_s) - step_s
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,8 @@ from elastic.hooks import resolve_hooks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate, squared_gradient_norm, sum_across_groups  # noqa: E402
 
 SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine
-    "short": {"dim": 128, "layers": 2, "seq_len": 64, "global_batch": 8, "micro_batch": 4},
-    "long": {"dim": 256, "layers": 4, "seq_len": 256, "global_batch": 16, "micro_batch": 4},
+    "short": {"dim": 128, "layers": 2, "seq_len": 96, "global_batch": 8, "micro_batch": 4},
+    "long": {"dim": 256, "layers": 4, "seq_len": 192, "global_batch": 16, "micro_batch": 4},
 }
 
 

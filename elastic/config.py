@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from checkpointing.storage import StorageOptions, absolute_url
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from elastic.errors import ConfigError
 from elastic.presets import PRESETS
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -31,10 +32,6 @@ WEEK_S = 7 * DAY_S
 MAX_TP = 64
 MAX_STEPS = 1_000_000_000
 _RUN_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_.")
-
-
-class ConfigError(ValueError):
-    """Bad configuration or input, reported before any actor starts."""
 
 
 class Section(BaseModel):

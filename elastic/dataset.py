@@ -21,7 +21,7 @@ import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic.config import ConfigError
+from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
     from elastic.config import TrainConfig

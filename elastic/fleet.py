@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import ray
@@ -233,15 +234,20 @@ class Fleet:
         run = next(iter(specs.values())).run
         return RunStream(run, generators)
 
-    def next_messages(self, stream: RunStream, timeout: float) -> list[tuple[int, RunMessage | None]]:
+    def next_messages(self, stream: RunStream, timeout: float,
+                      ranks: Iterable[int] | None = None) -> list[tuple[int, RunMessage | None]]:
         """The messages that arrive within ``timeout`` (at least one unless it passes), one
-        per rank at most; ``None`` for a rank whose process is gone. A rank leaves the
-        stream with its ``RunEnd``."""
-        generators = list(stream.generators.values())
+        per rank at most, from ``ranks`` (default: every rank still in the stream); ``None``
+        for a rank whose process is gone. A rank leaves the stream with its ``RunEnd``."""
+        watched = stream.generators if ranks is None else {
+            rank: stream.generators[rank] for rank in ranks if rank in stream.generators}
+        generators = list(watched.values())
+        if not generators:
+            return []
         ready, rest = ray.wait(generators, num_returns=1, timeout=max(0.0, timeout))
         if ready and rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        rank_of = {id(generator): rank for rank, generator in stream.generators.items()}
+        rank_of = {id(generator): rank for rank, generator in watched.items()}
         arrived = []
         for generator in ready:
             rank = rank_of[id(generator)]

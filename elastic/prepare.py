@@ -23,7 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
 from checkpointing.storage import absolute_url
-from elastic.config import ConfigError
+from elastic.errors import ConfigError
 from elastic.dataset import TOKEN_DTYPES, list_files
 
 CHUNK = 1 << 20

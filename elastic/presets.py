@@ -4,15 +4,15 @@ memory one rank needs to train each.
 ``model.preset`` fills the shape fields the config leaves out (see ``ModelConfig``).
 ``memory_per_rank`` is arithmetic on the shapes and the layout, not a measurement: it
 counts what this code keeps alive at the peak of a training step (see docs/presets.md).
-``python -m elastic.presets`` prints the tables in docs/presets.md.
+``python -m elastic.preset_tables`` prints the tables in docs/presets.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-# elastic.config imports PRESETS from here, so this module imports it only where it is used.
+# elastic.config imports PRESETS from here, and this module needs its ModelConfig only as a
+# type: the tables that build configs live in elastic.preset_tables, above both.
 if TYPE_CHECKING:
     from elastic.config import ModelConfig
 
@@ -139,84 +139,3 @@ def memory_per_rank(
     memory = {name: size / GIB for name, size in held_bytes.items()}
     memory["total"] = sum(memory.values())
     return memory
-
-
-@dataclass(frozen=True)
-class Layout:
-    preset: str
-    shard: int
-    tp: int
-    seq_len: int
-    micro_batch: int
-    activation_checkpointing: Literal["none", "full"] = "none"
-
-
-DOC_LAYOUTS = [
-    Layout("tiny", shard=1, tp=1, seq_len=64, micro_batch=4),
-    Layout("llama-125m", shard=1, tp=1, seq_len=2048, micro_batch=8),
-    Layout("llama-125m", shard=8, tp=1, seq_len=2048, micro_batch=8),
-    Layout("llama3-1b", shard=8, tp=1, seq_len=4096, micro_batch=2),
-    Layout("llama3-1b", shard=8, tp=2, seq_len=4096, micro_batch=2),
-    Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1),
-    Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
-    Layout("llama3-8b", shard=8, tp=4, seq_len=8192, micro_batch=1),
-    Layout("llama3-8b", shard=32, tp=2, seq_len=8192, micro_batch=1),
-]
-
-
-def _format_count(count: int) -> str:
-    return f"{count / 1e9:.3g} B" if count >= 1e9 else f"{count / 1e6:.3g} M"
-
-
-def shapes_table() -> str:
-    from elastic.config import ModelConfig
-
-    lines = [
-        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | tie_embeddings |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
-    ]
-    for name in PRESETS:
-        model = ModelConfig(preset=name)
-        lines.append(
-            f"| `{name}` | {_format_count(parameter_count(model))} | {model.vocab_size} | {model.dim} | {model.n_layers} "
-            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} | {str(model.tie_embeddings).lower()} |"
-        )
-    return "\n".join(lines)
-
-
-def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
-    """One row per layout, each first validated as a full config (so tp divides the shapes)."""
-    from elastic.config import build_config
-
-    lines = [
-        "| preset | shard × tp | seq_len × micro_batch | activation checkpointing "
-        "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
-        "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
-    ]
-    for layout in layouts:
-        config = build_config({
-            "micro_batch": layout.micro_batch,
-            "global_batch": layout.micro_batch * layout.shard,
-            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp},
-            "model": {"preset": layout.preset},
-            "data": {"seq_len": layout.seq_len},
-            "compute": {"precision": "bf16", "activation_checkpointing": layout.activation_checkpointing},
-        })
-        memory = memory_per_rank(
-            config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
-            micro_batch=config.micro_batch, precision=config.compute.precision,
-            activation_checkpointing=config.compute.activation_checkpointing == "full",
-        )
-        states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
-        fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
-        lines.append(
-            f"| `{layout.preset}` | {layout.shard} × {layout.tp} "
-            f"| {layout.seq_len} × {layout.micro_batch} | {layout.activation_checkpointing} "
-            f"| {states:.2f} | {memory['unsharded']:.2f} | {memory['activations']:.2f} | {memory['logits']:.2f} "
-            f"| {memory['total']:.2f} | {fits} |"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(shapes_table(), memory_table(), sep="\n\n")

@@ -7,9 +7,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from elastic.core.data_plan import DataCursor
 from elastic.core.lr_schedule import LRSchedule
-from elastic.core.protocol import RankTimes, StepRecord
+from elastic.core.protocol import StepRecord
+
+DATA, COMPUTE, COMM, WALL = range(4)  # the columns of StepRecord.times
+
+
+@dataclass(frozen=True)
+class RankArrays:
+    """A committed step's per-rank figures, one row per rank (ascending), for the straggler
+    detector: arrays, so the driver's work per step stays a few array operations."""
+
+    ranks: np.ndarray
+    times: np.ndarray  # (ranks, 4): DATA, COMPUTE, COMM, WALL seconds
+    samples: np.ndarray  # each rank's group's share of the batch
 
 
 @dataclass
@@ -26,15 +40,22 @@ class RunProgress:
     has_state: bool = False  # the live groups hold a committed state (not only the seed's)
 
     def commit(self, records: dict[int, StepRecord], *, seq_len: int, schedule: LRSchedule, generation: int,
-               t: float) -> tuple[dict, dict[int, RankTimes]]:
+               t: float) -> tuple[dict, RankArrays]:
         """Record a step every group of a run committed (their votes agree on the loss, the
         norm and the clipping factor; each group reports its own ranks' times). Returns the
-        step's record and every rank's times."""
+        step's record and every rank's times as arrays."""
         first = records[min(records)]
-        times = {rank: rank_times for record in records.values() for rank, rank_times in record.ranks.items()}
-        ordered = sorted(times.items())
-        step_s = max(record.step_s for record in records.values())
+        ordered = [records[group] for group in sorted(records)]
+        arrays = RankArrays(
+            ranks=np.fromiter((rank for record in ordered for rank in record.ranks), np.int64),
+            times=np.array([row for record in ordered for row in record.times], dtype=np.float64).reshape(-1, 4),
+            samples=np.concatenate([np.full(len(record.ranks), first.group_samples[record.group], np.float64)
+                                    for record in ordered]),
+        )
+        step_s = max(record.step_s for record in ordered)
         tokens = first.global_samples * seq_len
+        names = [str(rank) for rank in arrays.ranks.tolist()]
+        rounded = np.round(arrays.times, 5)
         record = {
             "step": self.step,
             "t": t,
@@ -44,12 +65,12 @@ class RunProgress:
             "grad_clip_scale": first.clip_scale,
             "step_s": round(step_s, 5),
             "live_groups": len(first.group_samples),
-            "live_ranks": len(times),
+            "live_ranks": len(names),
             "generation": generation,
             "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "rank_step_s": {str(rank): round(rank_times.wall_s, 5) for rank, rank_times in ordered},
-            "rank_compute_s": {str(rank): round(rank_times.compute_s, 5) for rank, rank_times in ordered},
-            "rank_comm_s": {str(rank): round(rank_times.comm_s, 5) for rank, rank_times in ordered},
+            "rank_step_s": dict(zip(names, rounded[:, WALL].tolist())),
+            "rank_compute_s": dict(zip(names, rounded[:, COMPUTE].tolist())),
+            "rank_comm_s": dict(zip(names, rounded[:, COMM].tolist())),
             "group_samples": {str(group): samples for group, samples in first.group_samples.items()},
         }
         self.losses.append(first.loss)
@@ -58,7 +79,7 @@ class RunProgress:
         self.step_records.append(record)
         self.has_state = True
         self.step += 1
-        return record, times
+        return record, arrays
 
     def rewind(self, step: int, cursor: DataCursor) -> None:
         """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);

@@ -3,8 +3,8 @@ hang, and, when a step failed, the abort, the drain and the diagnosis.
 
 The driver is off the steps' path: it reads what the groups' first ranks send (batches of
 ``StepRecord``s) and hands each step on once every group of the run has reported it. A
-group that stays silent longer than the step deadline (plus the time its batch takes to
-fill) is probed like a step past its deadline; the same ``least_progressed`` names the hung
+group that stays silent longer than the step deadline plus the interval between its batches
+is probed like a step past its deadline; the same ``least_progressed`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
 aborts the others,
@@ -80,18 +80,30 @@ class RunWatch:
                 state["next"] += 1
                 state["committed_until"] = self.clock()
 
+        # Between polls of every rank, the wait is on the groups' first ranks only (they carry
+        # the records; a peer's death or failure reaches them through the group's collectives),
+        # so the driver's work per message does not grow with the group's size.
+        leaders = [self.topology.global_ranks(group)[0] for group in groups]
+        polled_at = started
         hung: list[int] = []
         failed = False
         while stream.generators and not failed:
-            silence_s = spec.deadline_s + spec.report_every * self.collection.deadline.typical_s()
+            silence_s = spec.deadline_s + spec.report_interval_s
             running = {group_of[rank] for rank in stream.generators}
             now = self.clock()
             if any(now - heard_at[group] >= silence_s for group in running):
                 hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
                 failed = True
                 break
-            wait_s = min(WATCH_POLL_S, *(silence_s - (now - heard_at[group]) for group in running))
-            failed = receive_into(file(self.fleet.next_messages(stream, wait_s)), ends, dead)
+            if now - polled_at >= WATCH_POLL_S:
+                polled_at = now
+                arrived = self.fleet.next_messages(stream, 0.0)
+            else:
+                wait_s = min(WATCH_POLL_S - (now - polled_at), *(silence_s - (now - heard_at[g]) for g in running))
+                # once a first rank has ended its run, the others' ends follow: wait on all
+                arrived = self.fleet.next_messages(
+                    stream, wait_s, leaders if all(rank in stream.generators for rank in leaders) else None)
+            failed = receive_into(file(arrived), ends, dead)
             commit_complete()
             if not failed:
                 between()

@@ -283,10 +283,10 @@ class ElasticTrainer:
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling
         wall = ledger.wall()
-        tokens = controller.tokens_committed if controller else 0
-        losses = controller.losses if controller else []
-        evals = controller.eval_records if controller else []
-        records = controller.step_records if controller else []
+        tokens = controller.progress.tokens_committed if controller else 0
+        losses = controller.progress.losses if controller else []
+        evals = controller.progress.eval_records if controller else []
+        records = controller.progress.step_records if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
@@ -296,10 +296,10 @@ class ElasticTrainer:
             "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
             "resumed_from_step": resumed,
-            "first_step": controller.first_step if controller else 0,
+            "first_step": controller.progress.first_step if controller else 0,
             "steps_committed": len(losses),
-            "steps_discarded": controller.steps_discarded if controller else 0,
-            "steps_rolled_back": controller.steps_rolled_back if controller else 0,
+            "steps_discarded": controller.progress.steps_discarded if controller else 0,
+            "steps_rolled_back": controller.progress.steps_rolled_back if controller else 0,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "final_lr": records[-1]["lr"] if records else None,

@@ -22,7 +22,6 @@ from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
     Progress,
-    RankTimes,
     RunEnd,
     RunSpec,
     StepRecord,
@@ -199,17 +198,18 @@ class FakeFleet:
         self.run = FakeRun(self, spec, sorted(specs))
         return RunStream(spec.run, dict.fromkeys(specs))
 
-    def next_messages(self, stream: RunStream, timeout: float) -> list:
+    def next_messages(self, stream: RunStream, timeout: float, ranks=None) -> list:
         run = self.run
         run.advance(self.clock())
-        earliest = run.next_event_at(set(stream.generators))
+        watched = set(stream.generators) if ranks is None else set(ranks) & set(stream.generators)
+        earliest = run.next_event_at(watched)
         if earliest > self.clock() + timeout:
             self.clock.sleep(max(0.0, timeout))
             run.advance(self.clock())
             return []
         self.clock.now = max(self.clock.now, earliest)
         run.advance(self.clock())
-        arrived = run.deliver(self.clock(), set(stream.generators))
+        arrived = run.deliver(self.clock(), watched)
         for rank, message in arrived:
             if not isinstance(message, GroupProgress):
                 del stream.generators[rank]
@@ -325,6 +325,7 @@ class FakeRun:
         self.queue: list[Call] = []  # messages not yet delivered, in the order they were sent
         self.buffered: dict[int, list[StepRecord]] = {group: [] for group in self.groups}
         self.pause_at: float | None = None
+        self.reported: dict[int, float] = {}  # when each group's first rank last sent its records
         self.step = spec.first_step
         self.cursor = spec.cursor
         self.over = False  # ended or failed: no further step starts
@@ -386,12 +387,14 @@ class FakeRun:
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
         ends = step + 1 >= spec.stop_step or (self.pause_at is not None and self.pause_at <= at)
         for group in self.groups:
-            ranks = {rank: RankTimes(0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
-                     for rank in self.topology.global_ranks(group)}
+            ranks = tuple(self.topology.global_ranks(group))
+            times = tuple((0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
+                          for rank in ranks)
             self.buffered[group].append(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), plan.global_samples,
-                plan.group_samples, plan.next_cursor, ranks, step_s=at - self.started))
-            if ends or len(self.buffered[group]) >= spec.report_every:
+                plan.group_samples, plan.next_cursor, ranks, times, step_s=at - self.started))
+            if ends or at - self.reported.get(group, -NEVER) >= spec.report_interval_s:
+                self.reported[group] = at
                 leader = self.topology.global_ranks(group)[0]
                 self.queue.append(Call(at, (leader, GroupProgress(group, tuple(self.buffered[group])))))
                 self.buffered[group] = []

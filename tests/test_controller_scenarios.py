@@ -255,7 +255,7 @@ def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from
     [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
     assert restart["rolled_back_steps"] == 3 and sorted(restart["groups"]) == [0, 1]
     assert scenario.committed_steps() == [0, 1, 2, *range(12)]  # steps 0-2 rerun from the initial state
-    assert [record["step"] for record in scenario.controller.step_records] == list(range(12))
+    assert [record["step"] for record in scenario.controller.progress.step_records] == list(range(12))
 
 
 def test_both_copies_of_a_shard_lost_before_the_first_checkpoint_rerun_from_step_0(tmp_path):
@@ -339,7 +339,7 @@ def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
 def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=2, config={"eval__every": 5, "eval__samples": 24}, eval_len=100)
     assert scenario.run() == "completed"
-    evals = scenario.controller.eval_records
+    evals = scenario.controller.progress.eval_records
     assert [record["step"] for record in evals] == [5, 10, 12]
     assert all(record["samples"] == 24 for record in evals)
     eval_requests = scenario.fleet.evaluations
@@ -360,8 +360,8 @@ def test_a_failed_evaluation_recovers_and_runs_again_without_discarding_a_step(t
     assert scenario.run() == "completed"
     [discarded] = scenario.kinds(EventKind.EVAL_DISCARDED)
     assert discarded["step"] == 5 and discarded["cause"] == "death"
-    assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.steps_discarded == 0
-    assert [record["step"] for record in scenario.controller.eval_records] == [5, 10, 12]
+    assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.progress.steps_discarded == 0
+    assert [record["step"] for record in scenario.controller.progress.eval_records] == [5, 10, 12]
     assert scenario.committed_steps() == list(range(12))
 
 
@@ -397,10 +397,10 @@ class SampleLedger:
                    for index in micro_batch if index != PADDING_INDEX]
         share = rank_share(spec, step, cursor, spec.groups[0], 0, shard)
         self.trained[step] = (share.epoch, samples)
-        self.cursor_after[step] = controller.cursor
+        self.cursor_after[step] = controller.progress.cursor
 
     def committed(self) -> list[tuple[int, list[int]]]:
-        return [self.trained[record["step"]] for record in self.scenario.controller.step_records]
+        return [self.trained[record["step"]] for record in self.scenario.controller.progress.step_records]
 
 
 def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_and_a_resume(tmp_path):
@@ -426,7 +426,7 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
     resumed.fleet.faults = {36: [Kill(rank=2, after_s=0.5)]}
     second = SampleLedger(resumed)
     assert resumed.run() == "completed"
-    assert [record["step"] for record in resumed.controller.step_records] == list(range(30, 50))
+    assert [record["step"] for record in resumed.controller.progress.step_records] == list(range(30, 50))
 
     history = ledger.committed() + second.committed()
     assert len(history) == 50

@@ -53,6 +53,11 @@ def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
     assert imported_after(["elastic.controller", "tests.fake_fleet"], ("ray", "torch")) == []
 
 
+def test_the_layers_below_the_config_do_not_import_it():
+    # config imports presets and errors, and reads the data through dataset: never the reverse
+    assert imported_after(["elastic.dataset", "elastic.presets", "elastic.errors"], ("elastic.config",)) == []
+
+
 def test_topology_numbers_ranks_by_group_then_shard_then_tp():
     topology = Topology(shard=2, tp=3, max_groups=4)
     assert topology.ranks_per_group == 6 and topology.max_ranks == 24

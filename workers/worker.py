@@ -46,7 +46,6 @@ from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
     Progress,
-    RankTimes,
     RunEnd,
     RunMessage,
     RunSpec,
@@ -119,7 +118,7 @@ class Vote:
     loss: float
     pause: bool
     grad_sq_norm: float
-    times: list[RankTimes]  # by group rank
+    times: tuple[tuple[float, float, float, float], ...]  # by group rank: data, compute, comm, wall seconds
 
 
 class RankWorker:
@@ -318,12 +317,14 @@ class RankWorker:
 
     def run(self, spec: RunSpec) -> Iterator[RunMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves; the
-        group's first rank yields the committed records every ``spec.report_every`` steps,
+        group's first rank yields the committed records after the first step and then at most
+        every ``spec.report_interval_s``,
         and every rank yields its ``RunEnd`` last."""
         self._attempt = spec.run
         leads_group = self.spec.group_rank == 0
         records: list[StepRecord] = []
         lap = time.perf_counter()
+        started, reported = lap, -1  # the report interval last sent in, counted from the run's start
         share = self._share(spec, spec.first_step, spec.cursor)
         batches = self._prefetch(share)
         while True:
@@ -340,9 +341,12 @@ class RankWorker:
             records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
             lap = now
             ends = upcoming is None or pause
-            if leads_group and (ends or len(records) >= spec.report_every):
+            # Intervals counted from the run's start: the groups, in step, send at about the same
+            # step, so the driver wakes once for all of them.
+            interval = int((now - started) / spec.report_interval_s)
+            if leads_group and (ends or interval > reported):
                 yield GroupProgress(self.spec.group, tuple(records))
-                records = []
+                records, reported = [], interval
             if ends:
                 yield RunEnd(self.spec.global_rank, share.step + 1)
                 return
@@ -381,7 +385,7 @@ class RankWorker:
             sum_error, crossed = error, (0.0, 0.0)
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
-        times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started)
+        times = (data_s, compute_s, comm_s, time.perf_counter() - started)
         self._set_progress(step, "vote")
         try:
             vote = self._vote(sum_error is None, crossed, grad_sq_norm, times)
@@ -395,9 +399,9 @@ class RankWorker:
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale)
         self._set_progress(step, "done")
-        ranks = dict(zip(self.group_ranks, vote.times))
         record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, share.global_samples,
-                            share.group_samples, share.next_cursor, ranks, step_s=times.wall_s)
+                            share.group_samples, share.next_cursor, tuple(self.group_ranks), vote.times,
+                            step_s=times[3])
         return record, vote.pause
 
     def _cross_group_scalars(self, loss_share: float, pause_seen: bool, deadline: float) -> tuple[float, float]:
@@ -410,13 +414,14 @@ class RankWorker:
             scalars = on_device.cpu()
         return scalars[0].item(), scalars[1].item()
 
-    def _vote(self, succeeded: bool, crossed: tuple[float, float], grad_sq_norm: float, times: RankTimes) -> Vote:
+    def _vote(self, succeeded: bool, crossed: tuple[float, float], grad_sq_norm: float,
+              times: tuple[float, float, float, float]) -> Vote:
         """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
         and adds them up in rank order, so all decide the same: apply or discard, and whether
         to stop after this step (a pause every group saw the same, or an abort)."""
         leads_tp = self.spec.tp_index == 0
-        ballot = torch.tensor([float(succeeded), crossed[0] if leads_tp else 0.0, crossed[1], grad_sq_norm,
-                               times.data_s, times.compute_s, times.comm_s, times.wall_s], dtype=torch.float64)
+        ballot = torch.tensor([float(succeeded), crossed[0] if leads_tp else 0.0, crossed[1], grad_sq_norm, *times],
+                              dtype=torch.float64)
         if self.control_group is None:
             ballots = [ballot]
         else:
@@ -428,7 +433,7 @@ class RankWorker:
             loss=sum(row[1] for row in table),
             pause=any(row[2] > 0 for row in table),
             grad_sq_norm=sum(row[3] for row in table),
-            times=[RankTimes(*row[4:8]) for row in table],
+            times=tuple(tuple(row[4:8]) for row in table),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:

@@ -31,7 +31,7 @@ class Diagnosis:
     @property
     def cause(self) -> str:
         causes = set(self.culprits.values())
-        for cause in (DEATH, HANG, COLLECTIVE_ERROR):
+        for cause in (DEATH, HANG, COLLECTIVE_ERROR, CONTROL_ERROR):
             if cause in causes:
                 return cause
         return COLLECTIVE_ERROR
@@ -66,3 +66,25 @@ def diagnose(
     errors = {rank: describe_error(report.error, 300) for rank, report in reports.items() if not report.ok}
     stuck = tuple(sorted(rank for rank in stuck if rank not in culprits))
     return Diagnosis(culprits, frozenset(broken), errors, stuck)
+
+
+def diagnose_control_failure(*, failed_on: Iterable[int], dead: Iterable[int], left_state_intact: bool,
+                             group_of: Mapping[int, int], error: str) -> Diagnosis:
+    """A control call (heal, restore, rebuild, staging) failed on ``failed_on``: the ranks that
+    no longer answer (``dead``) are culprits, and so are the ranks it failed on, whose state is
+    now unknown, unless the call left state intact (a cross-group rebuild): then ranks that
+    waited on a dead peer are kept."""
+    dead = set(dead)
+    failed = set() if dead and left_state_intact else set(failed_on) - dead
+    culprits = {rank: DEATH if rank in dead else CONTROL_ERROR for rank in sorted(dead | failed)}
+    return Diagnosis(culprits, frozenset(group_of[rank] for rank in culprits), dict.fromkeys(culprits, error))
+
+
+def merged(diagnoses: Iterable[Diagnosis]) -> Diagnosis:
+    """One diagnosis of several failures seen together (groups that failed to start)."""
+    culprits, broken, errors = {}, set(), {}
+    for diagnosis in diagnoses:
+        culprits.update(diagnosis.culprits)
+        broken |= diagnosis.broken_groups
+        errors.update(diagnosis.errors)
+    return Diagnosis(culprits, frozenset(broken), errors)

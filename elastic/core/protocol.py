@@ -46,7 +46,7 @@ class RunSpec:
     schedule: LRSchedule
     clip_grad_norm: float | None
     deadline_s: float  # per step: no wait on peers outlasts it
-    report_every: int = 1  # a group's first rank sends its records every this many steps
+    report_interval_s: float = 1.0  # a group's first rank sends its records at most this often
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -125,17 +125,6 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class RankTimes:
-    """One rank's seconds in a step: waiting for its data, computing, in the cross-group
-    sum, and the whole step until its group's vote."""
-
-    data_s: float
-    compute_s: float
-    comm_s: float
-    wall_s: float
-
-
-@dataclass(frozen=True)
 class StepRecord:
     """A step one group committed, as every rank of the group decided it in its vote."""
 
@@ -147,7 +136,10 @@ class StepRecord:
     global_samples: int
     group_samples: dict[int, int]  # each live group's share of the batch
     next_cursor: DataCursor  # where the data order stands after this step
-    ranks: dict[int, RankTimes]  # by global rank, the group's ranks
+    ranks: tuple[int, ...]  # the group's global ranks, ascending
+    # per rank, in the order of ``ranks``: (data_s, compute_s, comm_s, wall_s), the seconds it
+    # waited for its data, computed, spent in the cross-group sum, and took until the vote
+    times: tuple[tuple[float, float, float, float], ...]
     step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
 
 

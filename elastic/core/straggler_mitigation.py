@@ -51,6 +51,10 @@ class StragglerActions:
 
 NO_ACTIONS = StragglerActions()
 
+# Whether the cluster has a slot for a replacement: asked (a call to the cluster) only when a
+# decision is being made, never on a step that flags nothing.
+SpareSlot = bool | Callable[[], bool]
+
 
 @dataclass
 class _Followup:
@@ -80,7 +84,7 @@ class StragglerMitigation:
         self.followups: list[_Followup] = []
 
     def on_step(self, step: int, reports: Mapping, group_of: Mapping[int, int], group_samples: Mapping[int, int],
-                spare_slot: bool, min_groups: int) -> StragglerActions:
+                spare_slot: SpareSlot, min_groups: int) -> StragglerActions:
         """One committed step: ``reports`` are the ranks' StepReports, ``group_samples`` the
         samples each live group was given."""
         ranks = sorted(reports)
@@ -98,7 +102,7 @@ class StragglerMitigation:
         )
 
     def on_step_arrays(self, step: int, ranks: np.ndarray, groups: np.ndarray, *, samples: np.ndarray,
-                       compute_s: np.ndarray, fixed_s: np.ndarray, step_s: float, spare_slot: bool,
+                       compute_s: np.ndarray, fixed_s: np.ndarray, step_s: float, spare_slot: SpareSlot,
                        min_groups: int) -> StragglerActions:
         """``on_step`` over parallel per-rank arrays (a driver with thousands of ranks);
         ``samples`` is each rank's group's share of the step."""
@@ -166,7 +170,7 @@ class StragglerMitigation:
             group_fixed_seconds=dict(zip(live, np.nan_to_num(fixed).tolist())),
             weights=self.weights,
             global_batch=self.global_batch,
-            spare_slots=int(spare_slot),
+            spare_slots=int(spare_slot() if callable(spare_slot) else spare_slot),
             min_groups=min_groups,
         )
 

@@ -1,0 +1,52 @@
+"""Held-out evaluation at a boundary: the loss of the committed state over the validation
+set's first ``eval.samples`` samples, split across the live groups by the step's rules (so
+the loss is the same whatever the number of groups), forward only, one call per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from elastic.config import TrainConfig
+from elastic.core.data_plan import group_weights, plan_eval
+from elastic.core.diagnosis import Diagnosis
+from elastic.core.events import EventKind, EventLog
+from elastic.core.goodput import TimeLedger
+from elastic.core.protocol import EvalRequest
+from elastic.step_collection import StepCollection
+
+
+class Evaluation:
+    def __init__(self, config: TrainConfig, collection: StepCollection, eval_len: int, events: EventLog,
+                 ledger: TimeLedger, clock: Callable[[], float]):
+        self.config = config
+        self.collection = collection
+        self.fleet = collection.fleet
+        self.topology = collection.topology
+        self.eval_len = eval_len
+        self.events = events
+        self.ledger = ledger
+        self.clock = clock
+
+    def run(self, step: int, live_groups: tuple[int, ...], attempt: int) -> tuple[dict | None, Diagnosis | None]:
+        """The evaluation's record (also emitted as an event), or the diagnosis of its failure."""
+        plan = plan_eval(step, dataset_len=self.eval_len, samples=self.config.eval.samples,
+                         group_weights=group_weights(live_groups, {}))
+        # Forward only, over a batch that may be larger than a training step's.
+        deadline_s = self.collection.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
+        started = self.clock()
+        pending = self.fleet.evaluate({
+            rank: EvalRequest(step, group_plan.micro_batches(self.topology.shard_index(rank), self.topology.shard,
+                                                             self.config.micro_batch),
+                              plan.global_samples * self.config.data.seq_len, attempt, deadline_s)
+            for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
+        })
+        reports, diagnosis = self.collection.collect(pending, step, attempt, started, deadline_s)
+        elapsed = self.clock() - started
+        self.ledger.charge("evaluation" if diagnosis is None else "discarded", elapsed)
+        if diagnosis is not None:
+            return None, diagnosis
+        # Each TP row's share once: its ranks compute the same replicated logits.
+        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+        record = {"step": step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
+        self.events.emit(EventKind.EVALUATED, **record)
+        return record, None

@@ -1,0 +1,260 @@
+"""The groups' way into the quorum and out of it, at step boundaries: reserve a placement,
+start the ranks, build the group's world, heal it from a live group (or restore the state
+when none is live), join it, rebuild the cross-group process groups; evict ranks and apply
+straggler actions. The controller decides when; this module does it through the fleet and
+keeps the membership's lifecycle (``elastic.core.membership``) in step with it.
+
+A group that fails to start or build is not handled here: its failure is kept as a
+``Diagnosis`` for the controller to recover from like any other failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from checkpointing.catalog import Restorable
+from elastic.checkpoint_coordinator import CheckpointCoordinator
+from elastic.config import TrainConfig
+from elastic.core.data_plan import DataCursor
+from elastic.core.diagnosis import DEATH, Diagnosis
+from elastic.core.events import EventKind, EventLog
+from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
+from elastic.core.policies import ScalingPolicy
+from elastic.core.protocol import describe_error
+from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
+from elastic.fleet_api import FleetApi, FleetError, Pending, RanksLost
+from elastic.progress import RunProgress
+from elastic.recovery_timing import RecoveryTiming
+
+# How often the boundary polls groups on their way into the quorum.
+JOIN_POLL_S = 0.05
+
+
+class TrainingStopped(RuntimeError):
+    """The job cannot go on (below minimum, no live peer, recoveries exhausted)."""
+
+
+class GroupKeeper:
+    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, progress: RunProgress,
+                 timing: RecoveryTiming, events: EventLog, clock: Callable[[], float], sleep: Callable[[float], None],
+                 checkpoints: CheckpointCoordinator | None, stragglers: StragglerMitigation | None):
+        self.config = config
+        self.fleet = fleet
+        self.topology = fleet.topology
+        self.membership = membership
+        self.progress = progress
+        self.timing = timing
+        self.events = events
+        self.clock = clock
+        self.sleep = sleep
+        self.checkpoints = checkpoints
+        self.stragglers = stragglers
+        self.scaling = ScalingPolicy(config.scaling.min_groups, config.scaling.max_groups)
+        self.world_generation = 0
+        self.replicas_stale = False  # the cross-group groups need a rebuild at the next boundary
+        self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
+        self.joining_since: dict[int, float] = {}
+        self.failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, for the controller
+
+    # on the way in
+
+    def reserve_group(self) -> int:
+        group = self.membership.add_group()
+        self.fleet.reserve(group)
+        self.events.emit(EventKind.GROUP_RESERVED, group=group)
+        return group
+
+    def joining(self) -> bool:
+        return any(record.stage is not GroupStage.LIVE for record in self.membership.groups.values())
+
+    def in_flight(self) -> bool:
+        return bool(self.membership.groups_in(GroupStage.STARTING) + self.membership.groups_in(GroupStage.BUILDING))
+
+    def advance_groups(self) -> None:
+        """Move every group on its way into the quorum one stage on, where it can go."""
+        for group, record in list(self.membership.groups.items()):
+            if record.stage in (GroupStage.LIVE, GroupStage.READY) or group in self.failed_starts:
+                continue
+            try:
+                self._advance(group)
+            except FleetError as error:
+                self.joining_calls.pop(group, None)
+                lost = error.ranks if isinstance(error, RanksLost) else [
+                    rank for rank in self.topology.global_ranks(group) if not self.fleet.alive(rank)
+                ]
+                self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=describe_error(error, 300))
+                self.failed_starts[group] = Diagnosis(
+                    culprits=dict.fromkeys(lost, DEATH), broken_groups=frozenset({group}),
+                    errors={rank: describe_error(error, 300) for rank in error.ranks},
+                )
+
+    def _advance(self, group: int) -> None:
+        self.joining_since.setdefault(group, self.clock())
+        if self.membership.stage_of(group) is GroupStage.PLACING and self.fleet.placed(group):
+            record = self.membership.apply(group, Placed())
+            self.joining_calls[group] = self.fleet.start(sorted(record.to_start))
+        if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
+            started = self.fleet.results(self.joining_calls[group])
+            if self.stragglers is not None:
+                for rank in started:
+                    self.stragglers.forget(rank)  # a fresh process: its speed is not the old one's
+            self.membership.apply(group, Started())
+            self.world_generation += 1
+            self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_generation)
+        if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
+            self.fleet.results(self.joining_calls.pop(group))
+            self.membership.apply(group, Built())
+            seconds = self.clock() - self.joining_since[group]
+            self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3))
+
+    def join_ready_groups(self) -> bool:
+        ready = list(self.membership.groups_in(GroupStage.READY))
+        if not ready:
+            return False
+        live = self.membership.live_groups()
+        if self.progress.has_state:
+            try:
+                if live:
+                    self._heal_from_peers(ready, live[0])
+                else:
+                    self._restore(ready)
+            except FleetError:
+                for group in ready:  # what they hold now is unknown: build them afresh
+                    self.membership.apply(group, Broken())
+                raise
+        for group in ready:
+            self.joining_since.pop(group, None)
+        self.membership.join(ready)
+        for group in ready:
+            self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
+        self.rebuild_replicas()
+        return True
+
+    def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
+        started = self.clock()
+        sources = self.topology.global_ranks(source_group)
+        self.fleet.copy_state([
+            pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
+        ])
+        seconds = self.clock() - started
+        self.timing.add("heal_s", seconds)
+        for group in groups:
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
+
+    def _restore(self, groups: list[int]) -> None:
+        """No live peer holds the state: roll back to the latest committed checkpoint or,
+        before the first one, to the initial state the seed determines, which groups that
+        were just built hold already."""
+        checkpoint = self.checkpoints.latest() if self.checkpoints else None
+        if checkpoint is not None:
+            self.restore_checkpoint(groups, checkpoint)
+        elif self.progress.first_step == 0:
+            rolled_back = self.rewind(None)
+            self.events.emit(EventKind.RESTORED_INITIAL_STATE, step=0, groups=groups, rolled_back_steps=rolled_back,
+                             seed=self.config.seed)
+        else:
+            positions = [self.topology.position_of(rank) for rank in self.topology.global_ranks(groups[0])]
+            raise TrainingStopped(
+                f"every copy of the state is lost (shard, tp positions {positions}): no live group holds it, "
+                f"no committed checkpoint is left, and the run resumed from step {self.progress.first_step}, so "
+                "the initial state is not its state; run with more replica groups (--groups) or checkpoint more "
+                "often (--checkpoint-every N)"
+            )
+
+    def restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
+        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
+        self.timing.add("heal_s", seconds)
+        rolled_back = self.rewind(checkpoint)
+        self.events.emit(
+            EventKind.RESTORED_FROM_CHECKPOINT, step=checkpoint.step, groups=groups, rolled_back_steps=rolled_back,
+            seconds=round(seconds, 4),
+        )
+
+    def rewind(self, checkpoint: Restorable | None) -> int:
+        """Continue from a checkpoint's step and cursor (``None``: the initial state's);
+        returns the committed steps rolled back."""
+        rolled_back = self.progress.step - (checkpoint.step if checkpoint else 0)
+        self.progress.rewind(checkpoint.step if checkpoint else 0,
+                             DataCursor(**checkpoint.manifest.cursor) if checkpoint else DataCursor())
+        self.progress.steps_rolled_back += max(0, rolled_back)
+        return rolled_back
+
+    def rebuild_replicas(self) -> None:
+        self.replicas_stale = True
+        started = self.clock()
+        quorum = self.membership.quorum()
+        assignments = {
+            rank: (quorum.generation, quorum.replica_rank(group), len(quorum.groups))
+            for group in quorum.groups
+            for rank in self.topology.global_ranks(group)
+        }
+        self.fleet.join_replicas(assignments)
+        self.replicas_stale = False
+        seconds = self.clock() - started
+        self.timing.add("rebuild_s", seconds)
+        self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, groups=list(quorum.groups),
+                         ranks=len(assignments), seconds=round(seconds, 4))
+
+    def settle(self) -> None:
+        """Grow toward max groups, move joining groups along, and hold below the minimum
+        (returns early when a group failed to start: the controller recovers first)."""
+        if self.scaling.wants_more(len(self.membership.groups), self.clock()):
+            self.reserve_group()
+        waited_from = self.clock()
+        while not self.failed_starts:
+            self.advance_groups()
+            self.join_ready_groups()
+            live = len(self.membership.live_groups())
+            if live and not self.scaling.below_minimum(live):
+                return
+            waited = self.clock() - waited_from
+            limit = self.config.fault_tolerance.capacity_timeout_s + (
+                0 if self.progress.has_state else self.config.fault_tolerance.first_step_deadline_s
+            )
+            if waited > limit:
+                raise TrainingStopped(
+                    f"below the minimum of {self.scaling.min_groups} live replica group(s) "
+                    f"({live} live) for {waited:.0f}s; groups waiting: {self.membership.waiting_groups()} "
+                    "('placing' means the cluster cannot place shard x tp ranks); "
+                    "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
+                )
+            self.sleep(JOIN_POLL_S)
+
+    # on the way out
+
+    def evict(self, rank: int, cause: str) -> int:
+        """Kill the rank's process; its group leaves the quorum to replace it. Returns the group."""
+        self.fleet.kill(rank)
+        group = self.topology.group_of(rank)
+        self.joining_calls.pop(group, None)
+        self.failed_starts.pop(group, None)
+        self.membership.lose_rank(rank)
+        self.events.emit(EventKind.RANK_EVICTED, rank=rank, group=group, cause=cause)
+        return group
+
+    def rebuild(self, group: int) -> None:
+        """The group's world is gone: it builds again (its live processes are kept)."""
+        self.joining_calls.pop(group, None)
+        self.failed_starts.pop(group, None)
+        self.membership.apply(group, Broken())
+
+    def apply_straggler_actions(self, actions: StragglerActions) -> None:
+        live = set(self.membership.live_groups())
+        changed = False
+        for rank in actions.replace:
+            if self.topology.group_of(rank) in live:  # else its group left since the decision
+                self.evict(rank, "straggler")
+                changed = True
+        for group in actions.evict_groups:
+            if group not in live:
+                continue
+            self.fleet.kill_group(group)
+            self.membership.remove_group(group)
+            for rank in self.topology.global_ranks(group):
+                self.stragglers.forget(rank)
+            cooldown_s = self.config.stragglers.regrow_cooldown_s
+            self.scaling.hold_back_one(self.clock() + cooldown_s)
+            self.events.emit(EventKind.GROUP_EVICTED, group=group, cause="straggler", regrow_after_s=cooldown_s)
+            changed = True
+        if changed and self.membership.live_groups():
+            self.rebuild_replicas()
