@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 from elastic.core.diagnosis import Diagnosis, diagnose
 from elastic.core.protocol import GroupProgress, RunEnd, RunSpec, StepRecord, StepReport
 from elastic.fleet_api import FleetApi, RunStream
-from elastic.step_collection import StepCollection, drain, receive_into
+from elastic.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
-# groups joining, a pause to request) while nothing arrives.
+# groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
 WATCH_POLL_S = 0.25
+TICK_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -89,17 +90,20 @@ class RunWatch:
         failed = False
         while stream.generators and not failed:
             silence_s = spec.deadline_s + spec.report_interval_s
-            running = {group_of[rank] for rank in stream.generators}
             now = self.clock()
-            if any(now - heard_at[group] >= silence_s for group in running):
+            # what is left of each group's allowed silence, and of the time to the next poll (a
+            # remainder under TICK_S counts as none: the clock may not move by less)
+            silent_for = min(silence_s - (now - heard_at[group_of[rank]]) for rank in stream.generators)
+            if silent_for < TICK_S:
                 hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
                 failed = True
                 break
-            if now - polled_at >= WATCH_POLL_S:
+            to_poll = WATCH_POLL_S - (now - polled_at)
+            if to_poll < TICK_S:
                 polled_at = now
                 arrived = self.fleet.next_messages(stream, 0.0)
             else:
-                wait_s = min(WATCH_POLL_S - (now - polled_at), *(silence_s - (now - heard_at[g]) for g in running))
+                wait_s = min(to_poll, silent_for)
                 # once a first rank has ended its run, the others' ends follow: wait on all
                 arrived = self.fleet.next_messages(
                     stream, wait_s, leaders if all(rank in stream.generators for rank in leaders) else None)
@@ -109,6 +113,13 @@ class RunWatch:
                 between()
         if not failed:
             return RunOutcome(state["next"], None, state["committed_until"])
+        if not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok):
+            # Only victims have reported so far. A peer that died tells it through its own
+            # stream, which the wait on first ranks skipped: read every stream for that long.
+            settle_until = self.clock() + ABORT_SETTLE_S
+            while stream.generators and not dead and self.clock() < settle_until:
+                receive_into(file(self.fleet.next_messages(stream, settle_until - self.clock())), ends, dead)
+                commit_complete()
         if not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok):
             # Ranks gave up waiting on a peer at the step's deadline before the silence was
             # long enough here: the same probe names the peer they waited for.
