@@ -12,14 +12,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from tests.events import on_events
+from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
 
 def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):
-    # Long enough for the node and the group's actors to start (the group joins near step 50
-    # on a loaded 2-core machine), short enough that float drift from the reference's
-    # reduction order stays far below 1e-5 (it passes 1e-5 near step 300).
+    # Long enough for the node and the group's actors to start, short enough that float drift
+    # from the reference's reduction order stays far below 1e-5 (it passes 1e-5 near step 300).
+    # Ranks step on their own, so the steps are paced (0.1 s, about 20 s of training): the
+    # node and the group's actors take about 10 s to start on a loaded 2-core machine.
     steps = 200
     config = tiny_config(tmp_path, groups=2, min_groups=1, shard=2, steps=steps, scaling__cpus_per_rank=0.5,
                          checkpoint__every=20, stragglers__enabled=False)
@@ -33,7 +35,7 @@ def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):
 
     try:
         with on_events({EventKind.CHECKPOINT_COMMITTED: add_node}):
-            result = ElasticTrainer(config).fit()
+            result = ElasticTrainer(config, model_fn=paced_model(config, 0.1)).fit()
     finally:
         remove_placement_group(hold)
         for node in nodes:

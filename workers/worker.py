@@ -316,10 +316,9 @@ class RankWorker:
         self._pause_run = run
 
     def run(self, spec: RunSpec) -> Iterator[RunMessage]:
-        """Train ``spec``'s steps, each a transaction the ranks decide among themselves; the
-        group's first rank yields the committed records after the first step and then at most
-        every ``spec.report_interval_s``,
-        and every rank yields its ``RunEnd`` last."""
+        """Train ``spec``'s steps, each a transaction the ranks decide among themselves. The
+        group's first rank yields the committed records after the first step, then at most
+        every ``spec.report_interval_s`` and with the last; every rank yields its ``RunEnd`` last."""
         self._attempt = spec.run
         leads_group = self.spec.group_rank == 0
         records: list[StepRecord] = []
@@ -338,7 +337,8 @@ class RankWorker:
                 yield RunEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
                 return
             now = time.perf_counter()
-            records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
+            if leads_group:  # the group's records: every rank decided the same
+                records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
             lap = now
             ends = upcoming is None or pause
             # Intervals counted from the run's start: the groups, in step, send at about the same
