@@ -21,7 +21,6 @@ background upload on a third, while training goes on.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import threading
 import time
@@ -40,7 +39,7 @@ from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
-from elastic.core.gradient_clipping import clip_coefficient
+from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
@@ -117,7 +116,7 @@ class Vote:
     every_rank_succeeded: bool
     loss: float
     pause: bool
-    grad_sq_norm: float
+    grad_norm: float  # the global gradient norm (after the cross-group sum, one group's parts make it)
     times: tuple[tuple[float, float, float, float], ...]  # by group rank: data, compute, comm, wall seconds
 
 
@@ -395,7 +394,7 @@ class RankWorker:
             raise sum_error
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.spec.global_rank}: step {step} discarded: a peer's cross-group sum failed")
-        norm = math.sqrt(vote.grad_sq_norm)
+        norm = vote.grad_norm
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale)
         self._set_progress(step, "done")
@@ -432,7 +431,7 @@ class RankWorker:
             every_rank_succeeded=all(row[0] == 1.0 for row in table),
             loss=sum(row[1] for row in table),
             pause=any(row[2] > 0 for row in table),
-            grad_sq_norm=sum(row[3] for row in table),
+            grad_norm=global_norm({group_rank: row[3] for group_rank, row in enumerate(table)}),
             times=tuple(tuple(row[4:8]) for row in table),
         )
 

@@ -1,11 +1,10 @@
-"""Gradient clipping by the global norm, decided on the driver.
+"""Gradient clipping by the global norm, decided by every rank from its group's vote.
 
 After the cross-group sum every replica group holds the same gradients, so one group's
-ranks describe the whole: each reports its part of the squared norm (every element counted
-on exactly one rank, see ``workers.train_step.squared_gradient_norm``), and the driver adds
-the parts of the lowest-numbered group in rank order. The norm is then the same whatever the
-number of live groups, and costs no collective; the clipping factor goes out with the step's
-commit.
+ranks describe the whole: each puts its part of the squared norm (every element counted on
+exactly one rank, see ``workers.train_step.squared_gradient_norm``) in its ballot, and every
+rank of the group adds the parts in rank order. The norm is then the same whatever the number
+of live groups, and every rank computes the same clipping factor with ``clip_coefficient``.
 """
 
 from __future__ import annotations

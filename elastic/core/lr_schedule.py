@@ -2,8 +2,8 @@
 
 Linear warmup from ``1 / (warmup_steps + 1)`` of the peak to the peak, then a constant,
 cosine or linear decay to ``min_ratio`` of the peak at ``decay_steps``, and ``min_ratio``
-after it. The driver computes the factor for each step and sends it with the step's commit,
-so the schedule depends on nothing but the step: not on the number of live groups, the
+after it. Every rank computes the factor of each step it applies (the schedule travels in the
+run's spec), so the schedule depends on nothing but the step: not on the number of live groups, the
 faults on the way, or a resume (the checkpoint's step is where it continues).
 """
 
