@@ -263,8 +263,7 @@ class Controller:
         joining groups on, and ask the ranks to pause when something needs a boundary."""
         if self.checkpoints is not None:
             self.checkpoints.poll()
-        if self.groups.scaling.wants_more(len(self.membership.groups), self.clock()):
-            self.groups.reserve_group()
+        self.groups.grow()
         if self.groups.joining():
             self.groups.advance_groups()
         if not self.pause_requested and self.boundary_needed():

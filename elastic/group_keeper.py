@@ -195,11 +195,15 @@ class GroupKeeper:
         self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, groups=list(quorum.groups),
                          ranks=len(assignments), seconds=round(seconds, 4))
 
+    def grow(self) -> None:
+        """Reserve one more group while the scaling policy wants more."""
+        if self.scaling.wants_more(len(self.membership.groups), self.clock()):
+            self.reserve_group()
+
     def settle(self) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
         (returns early when a group failed to start: the controller recovers first)."""
-        if self.scaling.wants_more(len(self.membership.groups), self.clock()):
-            self.reserve_group()
+        self.grow()
         waited_from = self.clock()
         while not self.failed_starts:
             self.advance_groups()

@@ -7,8 +7,7 @@ group that stays silent longer than the step deadline plus the interval between 
 is probed like a step past its deadline; the same ``least_progressed`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
-aborts the others,
-which are drained with the evaluations' rules (``step_collection.drain``) before
+aborts the others, which are drained with the evaluations' rules (``step_collection.drain``) before
 ``diagnose`` names the culprits.
 
 After a failure, only the groups that stay healthy say what is committed: the run's next
@@ -75,11 +74,17 @@ class RunWatch:
                 finals.append((rank, message))
             return finals
 
+        def commit_next() -> None:
+            on_step(records.pop(state["next"]))
+            state["next"] += 1
+            state["committed_until"] = self.clock()
+
         def commit_complete() -> None:
             while len(records.get(state["next"], ())) == len(groups):
-                on_step(records.pop(state["next"]))
-                state["next"] += 1
-                state["committed_until"] = self.clock()
+                commit_next()
+
+        def only_victims_reported() -> bool:
+            return not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok)
 
         # Between polls of every rank, the wait is on the groups' first ranks only (they carry
         # the records; a peer's death or failure reaches them through the group's collectives),
@@ -113,14 +118,14 @@ class RunWatch:
                 between()
         if not failed:
             return RunOutcome(state["next"], None, state["committed_until"])
-        if not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok):
+        if only_victims_reported():
             # Only victims have reported so far. A peer that died tells it through its own
             # stream, which the wait on first ranks skipped: read every stream for that long.
             settle_until = self.clock() + ABORT_SETTLE_S
             while stream.generators and not dead and self.clock() < settle_until:
                 receive_into(file(self.fleet.next_messages(stream, settle_until - self.clock())), ends, dead)
                 commit_complete()
-        if not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok):
+        if only_victims_reported():
             # Ranks gave up waiting on a peer at the step's deadline before the silence was
             # long enough here: the same probe names the peer they waited for.
             hung = self.collection.find_hung(stream.ranks, state["next"], spec.deadline_s)
@@ -131,7 +136,7 @@ class RunWatch:
             stream.generators.pop(rank, None)
 
         def receive(ranks: list[int], timeout: float):
-            arrived = file(self.fleet.next_messages(stream, timeout))
+            arrived = file(self.fleet.next_messages(stream, timeout, ranks))
             commit_complete()
             return arrived
 
@@ -143,8 +148,6 @@ class RunWatch:
         reached = max(healthy.values(), default=state["next"])
         behind = {group for group, step in healthy.items() if step < reached}
         while state["next"] < reached:  # steps a healthy group committed that a broken one never reported
-            on_step(records.pop(state["next"]))
-            state["next"] += 1
-            state["committed_until"] = self.clock()
+            commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
         return RunOutcome(state["next"], diagnosis, state["committed_until"])

@@ -329,7 +329,7 @@ class RankWorker:
             upcoming = self._share(spec, share.step + 1, share.next_cursor) if share.step + 1 < spec.stop_step else None
             upcoming_batches = self._prefetch(upcoming) if upcoming is not None else None
             try:
-                record, pause = self._transaction(spec, share, batches, upcoming)
+                record, pause = self._transaction(spec, share, batches)
             except Exception as error:  # the step is discarded; the driver decides who is evicted
                 if records:
                     yield GroupProgress(self.spec.group, tuple(records))
@@ -358,8 +358,7 @@ class RankWorker:
         """Read the step's samples on the loader thread while the current step computes."""
         return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
 
-    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future,
-                     upcoming: RankShare | None) -> tuple[StepRecord, bool]:
+    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future) -> tuple[StepRecord, bool]:
         """One step: compute, sum across groups, vote; then every rank of the group applies
         it or every rank discards it. Returns the committed record and whether to pause."""
         started = time.perf_counter()
@@ -399,8 +398,7 @@ class RankWorker:
         self._apply(spec.schedule.factor(step), clip_scale)
         self._set_progress(step, "done")
         record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, share.global_samples,
-                            share.group_samples, share.next_cursor, tuple(self.group_ranks), vote.times,
-                            step_s=times[3])
+                            share.group_samples, share.next_cursor, tuple(self.group_ranks), vote.times)
         return record, vote.pause
 
     def _cross_group_scalars(self, loss_share: float, pause_seen: bool, deadline: float) -> tuple[float, float]:
