@@ -35,6 +35,7 @@ from checkpointing.manifest import (
     verify,
     write_manifest,
 )
+from checkpointing.safe_loading import check_metadata
 from checkpointing.storage import StorageOptions, join_url
 
 log = logging.getLogger("elastic.checkpoint")
@@ -140,6 +141,7 @@ class CheckpointCatalog:
         for manifest, path in candidates:
             try:
                 verify(fs, path, manifest)
+                check_metadata(fs, path)
             except CorruptCheckpoint as problem:
                 corrupt.append((manifest.step, str(problem)))
                 continue
@@ -175,7 +177,7 @@ class CheckpointCatalog:
 
     def commit(self, step: int, cursor: dict, topology: dict, config_hash: str,
                files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None,
-               rng: dict[str, dict[str, str]] | None = None) -> Manifest:
+               rng: dict[str, dict[str, str]] | None = None, data: dict[str, str] | None = None) -> Manifest:
         manifest = Manifest(
             step=step,
             sequence=self._next_sequence(),
@@ -183,6 +185,7 @@ class CheckpointCatalog:
             topology=topology,
             config_hash=config_hash,
             config=config or {},
+            data=data or {},
             lease_generation=self.generation,
             files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,

@@ -4,40 +4,74 @@ Layout::
 
     <run>/lease/00000003.json   {"generation": 3, "holder": ..., "expires_at": ..., "released": false}
 
-A driver acquires the run by creating the record of the next generation exclusively (an
-``O_EXCL`` create locally, an ``If-None-Match: *`` PUT on S3): of two drivers that race, one
-create succeeds and the other is refused. It is refused as well while the newest record is
-live: not released and not past its expiry. The holder renews its own record well before it
-expires, and a driver that dies stops renewing, so its lease ends ``ttl_s`` later.
+A driver acquires the run by creating the record of the next generation exclusively (locally,
+a hard link of a complete temporary file, which fails if the name exists; elsewhere an
+``If-None-Match: *`` PUT): of two drivers that race, one create succeeds and the other is
+refused. Not every S3-compatible server honours ``If-None-Match``, so a driver first creates
+a probe object twice, and refuses to start (``LeaseUnsafe``) where the second create goes
+through: there two drivers could both take the run. A driver is refused as well while the
+newest record is live: not released and not past its expiry. The holder renews its own record
+well before it expires, and a driver that dies stops renewing, so its lease ends ``ttl_s``
+later.
 
-A holder that sees a newer generation, or fails to renew before its own expiry, has lost the
-run: it must commit nothing and delete nothing from then on (``ensure_held``). Expiry is
-wall-clock time written by the holder, so the drivers' clocks must agree to well within
-``ttl_s`` (NTP does that). Storage calls only, no Ray, no torch.
+Every write is whole or nothing (a temporary file renamed over the record locally, a single
+PUT on S3): a crash mid-renewal leaves the previous record, never a truncated one. A record
+that cannot be read all the same (damaged, written by hand) stops the next driver with
+``LeaseCorrupt`` naming the file, and ``break_lease`` recovers the run when that is safe.
+
+A holder that sees a newer generation, finds its own record naming another holder, or fails
+to renew before its own expiry, has lost the run: it must commit nothing and delete nothing
+from then on (``ensure_held``). Expiry is wall-clock time written by the holder, so the
+drivers' clocks must agree to well within ``ttl_s`` (NTP does that). Storage calls only, no
+Ray, no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import secrets
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+
+from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.storage import StorageOptions, join_url
 
 log = logging.getLogger("elastic.lease")
 
 RECORD = re.compile(r"^(\d{8})\.json$")
+FIELD_TYPES = {"generation": int, "holder": str, "expires_at": (int, float), "released": bool}
 
 
-class LeaseHeld(RuntimeError):
+class LeaseRefused(RuntimeError):
+    """This driver may not take the run; the message says why and what to do."""
+
+
+class LeaseHeld(LeaseRefused):
     """Another driver holds the run."""
+
+
+class LeaseCorrupt(LeaseRefused):
+    """The newest lease record cannot be read, so whether a driver holds the run is unknown."""
+
+    def __init__(self, url: str, problem: str):
+        super().__init__(
+            f"the run's lease record {url} is unreadable ({problem}); once no other driver of this run is "
+            "running (its job stopped or gone), run again with --break-lease"
+        )
+
+
+class LeaseUnsafe(LeaseRefused):
+    """The storage lets a second exclusive create through: it cannot keep one driver per run."""
 
 
 class LeaseLost(RuntimeError):
@@ -52,10 +86,200 @@ def default_holder() -> str:
     return f"{socket.gethostname()} pid {os.getpid()} ({secrets.token_hex(3)})"
 
 
+def lease_url(run_url: str) -> str:
+    return join_url(run_url, "lease")
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    generation: int
+    holder: str
+    expires_at: float
+    released: bool
+
+    def live(self, now: float) -> bool:
+        return not self.released and self.expires_at > now
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def parse_record(data: bytes, url: str, generation: int) -> LeaseRecord:
+    """The record of ``generation`` stored at ``url``; ``LeaseCorrupt`` says what is wrong."""
+    try:
+        fields = json.loads(data)
+    except ValueError as error:  # not JSON, or not text at all
+        raise LeaseCorrupt(url, "empty" if not data.strip() else f"not JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise LeaseCorrupt(url, "not a JSON object")
+    wrong = [name for name, kind in FIELD_TYPES.items() if not isinstance(fields.get(name), kind)]
+    if wrong:
+        raise LeaseCorrupt(url, f"missing or mistyped: {', '.join(wrong)}")
+    if fields["generation"] != generation:
+        raise LeaseCorrupt(url, f"its generation field says {fields['generation']}")
+    return LeaseRecord(generation, fields["holder"], float(fields["expires_at"]), fields["released"])
+
+
+class LeaseDirectory:
+    """A run's lease records in storage, opened for one operation."""
+
+    def __init__(self, root_url: str, options: StorageOptions):
+        self.root_url = root_url
+        self.fs, self.root = options.filesystem(root_url)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    @staticmethod
+    def _name(generation: int) -> str:
+        return f"{generation:08d}.json"
+
+    def generations(self) -> list[int]:
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = (RECORD.match(entry.rstrip("/").rsplit("/", 1)[-1]) for entry in entries)
+        return sorted(int(match.group(1)) for match in found if match)
+
+    def read(self, generation: int) -> LeaseRecord:
+        name = self._name(generation)
+        return parse_record(self.fs.cat_file(self._path(name)), f"{self.root_url}/{name}", generation)
+
+    def create(self, record: LeaseRecord) -> bool:
+        """Create ``record`` whole, only if its generation has none; False if one exists."""
+        return self._create(self._path(self._name(record.generation)), record.encode())
+
+    def replace(self, record: LeaseRecord) -> None:
+        """Overwrite ``record``'s file whole: a reader sees the old record or the new one."""
+        path = self._path(self._name(record.generation))
+        if not self.local:
+            self.fs.pipe_file(path, record.encode())  # one PUT: an object is replaced whole
+            return
+        temporary = _synced_temporary(self.root, record.encode())
+        try:
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        _sync_directory(self.root)
+
+    def remove(self, generation: int) -> None:
+        self._remove(self._path(self._name(generation)))
+
+    def honours_exclusive_create(self) -> bool:
+        """Whether creating a name that exists fails here, as the lease needs: some
+        S3-compatible servers ignore ``If-None-Match`` and overwrite. One probe object,
+        created twice, tells."""
+        probe = self._path(f".probe-{secrets.token_hex(8)}")
+        try:
+            self._create(probe, b"probe")
+            return not self._create(probe, b"probe")
+        finally:
+            self._remove(probe)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        if not self.local:
+            try:
+                self.fs.pipe_file(path, data, mode="create")  # If-None-Match: * on S3
+            except FileExistsError:
+                return False
+            return True
+        self.fs.makedirs(self.root, exist_ok=True)
+        temporary = _synced_temporary(self.root, data)
+        try:
+            os.link(temporary, path)  # atomic, and refused if the name exists
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temporary)
+        _sync_directory(self.root)
+        return True
+
+    def _remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):  # another driver removed it first
+            self.fs.rm(path)
+
+
+def _synced_temporary(directory: str, data: bytes) -> str:
+    """A file of ``data`` on disk beside the records, to be linked or renamed into place."""
+    descriptor, path = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+def _sync_directory(directory: str) -> None:
+    # The link or rename itself reaches the disk only with its directory.
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _create_next(records: LeaseDirectory, record_for: Callable[[int], LeaseRecord], now: Callable[[], float],
+                 corrupt_ok: bool = False) -> tuple[LeaseRecord, list[int]]:
+    """Create the record of the generation after the newest, unless the newest is live
+    (``LeaseHeld``) or unreadable (``LeaseCorrupt``, unless ``corrupt_ok``). Returns it and the
+    generations that were there before it."""
+    while True:
+        generations = records.generations()
+        newest = generations[-1] if generations else 0
+        if newest:
+            _refuse_if_live(records, newest, now(), corrupt_ok)
+        record = record_for(newest + 1)
+        if records.create(record):
+            return record, generations
+        # another driver created this generation first: its record now decides
+
+
+def _refuse_if_live(records: LeaseDirectory, generation: int, now: float, corrupt_ok: bool) -> None:
+    try:
+        record = records.read(generation)
+    except LeaseCorrupt:
+        if corrupt_ok:
+            return
+        raise
+    if record.live(now):
+        raise LeaseHeld(
+            f"another driver holds this run: {record.holder} (lease generation {generation}), until "
+            f"{_utc(record.expires_at)} (in {record.expires_at - now:.0f} s) unless it renews. "
+            "Wait for it to end or stop it (ray job stop), or use another run name (--run-name)"
+        )
+
+
+def break_lease(run_url: str, options: StorageOptions, clock: Callable[[], float] = time.time) -> int:
+    """End the run's lease when its newest record is unreadable (``LeaseCorrupt``), so that
+    the next driver can take the run; returns the generation of the record written.
+
+    Safe only when no other driver of this run is running: its job is stopped or gone (``ray
+    job status``/``ray job stop``, the RayJob deleted). A live driver's record cannot be told
+    apart from a dead one's once it is unreadable, and a driver still running under it would
+    go on committing until its next renewal, which then finds the newer generation and stops
+    it. A record that can be read is never broken while it is live (``LeaseHeld``).
+
+    The record written is the next generation's, marked released, rather than the bad one
+    deleted: generations only ever increase, and the catalog tells which driver's partial
+    checkpoints it may delete by them."""
+    records = LeaseDirectory(lease_url(run_url), options)
+    holder = f"lease broken by {default_holder()}"
+    record, _ = _create_next(records, lambda generation: LeaseRecord(generation, holder, clock(), True), clock,
+                             corrupt_ok=True)
+    return record.generation
+
+
 class RunLease:
     def __init__(self, run_url: str, options: StorageOptions, ttl_s: float, holder: str | None = None,
                  clock: Callable[[], float] = time.time):
-        self.root_url = join_url(run_url, "lease")
+        self.root_url = lease_url(run_url)
         self.options = options
         self.ttl_s = ttl_s
         self.holder = holder or default_holder()
@@ -65,82 +289,61 @@ class RunLease:
         self.lost: str | None = None
         self._lock = threading.Lock()
 
-    # storage
+    def _records(self) -> LeaseDirectory:
+        return LeaseDirectory(self.root_url, self.options)
 
-    def _path(self, root: str, generation: int) -> str:
-        return f"{root}/{generation:08d}.json"
-
-    def _generations(self, fs, root: str) -> list[int]:
-        try:
-            entries = fs.ls(root, detail=False)
-        except FileNotFoundError:
-            return []
-        found = (RECORD.match(entry.rstrip("/").rsplit("/", 1)[-1]) for entry in entries)
-        return sorted(int(match.group(1)) for match in found if match)
-
-    def _read(self, fs, root: str, generation: int) -> dict:
-        return json.loads(fs.cat_file(self._path(root, generation)))
-
-    def _write(self, fs, root: str, expires_at: float, released: bool) -> None:
-        with fs.open(self._path(root, self.generation), "wb") as handle:
-            handle.write(self._record(expires_at, released))
-
-    def _record(self, expires_at: float, released: bool) -> bytes:
-        return json.dumps({"generation": self.generation, "holder": self.holder,
-                           "expires_at": expires_at, "released": released}).encode()
-
-    def _create(self, fs, path: str, data: bytes) -> bool:
-        """Create ``path`` only if it does not exist; False if another driver created it first."""
-        try:
-            if "://" in self.root_url:  # an If-None-Match PUT on S3; elsewhere the best the store offers
-                fs.pipe_file(path, data, mode="create")
-                return True
-            fs.makedirs(os.path.dirname(path), exist_ok=True)
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return True
+    def _record(self, expires_at: float, released: bool) -> LeaseRecord:
+        return LeaseRecord(self.generation, self.holder, expires_at, released)
 
     # protocol
 
     def acquire(self) -> int:
-        """Take the run, or raise ``LeaseHeld`` naming the holder and when its lease ends."""
-        fs, root = self.options.filesystem(self.root_url)
-        generations = self._generations(fs, root)
-        newest = generations[-1] if generations else 0
-        if newest:
-            record = self._read(fs, root, newest)
-            now = self.clock()
-            if not record["released"] and record["expires_at"] > now:
-                raise LeaseHeld(
-                    f"another driver holds this run: {record['holder']} (lease generation {newest}), until "
-                    f"{_utc(record['expires_at'])} (in {record['expires_at'] - now:.0f} s) unless it renews. "
-                    "Wait for it to end or stop it (ray job stop), or use another run name (--run-name)"
-                )
-        self.generation = newest + 1
-        self.expires_at = self.clock() + self.ttl_s
-        if not self._create(fs, self._path(root, self.generation), self._record(self.expires_at, False)):
-            self.generation = None
-            return self.acquire()  # another driver won this generation: its record now refuses us
+        """Take the run, or raise ``LeaseHeld`` naming the holder and when its lease ends,
+        ``LeaseCorrupt`` if the newest record is unreadable, ``LeaseUnsafe`` on a store that
+        does not honour exclusive creates."""
+        records = self._records()
+        if not records.honours_exclusive_create():
+            raise LeaseUnsafe(
+                f"the storage of {self.root_url} ignores exclusive creates (If-None-Match): a second create of "
+                "one object succeeded, so two drivers could both take this run; use a store (or a version of it) "
+                "that honours conditional writes, such as AWS S3"
+            )
+        record, generations = _create_next(
+            records, lambda generation: LeaseRecord(generation, self.holder, self.clock() + self.ttl_s, False),
+            self.clock)
+        self.generation, self.expires_at = record.generation, record.expires_at
         for old in generations[:-1]:  # keep the previous holder's record for the history
-            fs.rm(self._path(root, old))
+            records.remove(old)
         return self.generation
 
     def renew(self) -> None:
         """Extend the lease; raises ``LeaseLost`` if it expired or another driver took the run."""
         with self._lock:
             self.ensure_held()
-            fs, root = self.options.filesystem(self.root_url)
-            newer = [g for g in self._generations(fs, root) if g > self.generation]
-            if newer:
-                self._lose(f"lease generation {newer[-1]} was taken by {self._read(fs, root, newer[-1])['holder']}")
+            records = self._records()
+            self._ensure_still_ours(records)
             expires_at = self.clock() + self.ttl_s
-            self._write(fs, root, expires_at, released=False)
+            records.replace(self._record(expires_at, released=False))
             self.expires_at = expires_at
+
+    def _ensure_still_ours(self, records: LeaseDirectory) -> None:
+        """Raise ``LeaseLost`` if another driver took the run: it created a newer generation,
+        or overwrote this one's record (a store that let its create through)."""
+        newer = [generation for generation in records.generations() if generation > self.generation]
+        if newer:
+            self._lose(f"lease generation {newer[-1]} was taken by {self._holder_of(records, newer[-1])}")
+        holder = self._holder_of(records, self.generation)
+        if holder != self.holder:
+            self._lose(f"its lease generation {self.generation} was taken over by {holder}")
+
+    @staticmethod
+    def _holder_of(records: LeaseDirectory, generation: int) -> str:
+        try:
+            return records.read(generation).holder
+        except LeaseCorrupt:
+            return "an unknown driver (the record is unreadable)"
+        except FileNotFoundError:
+            return "an unknown driver (the record is gone)"
 
     def ensure_held(self) -> None:
         """Before a commit or a deletion: raise ``LeaseLost`` unless the lease is surely ours.
@@ -159,8 +362,12 @@ class RunLease:
         if self.generation is None or self.lost:
             return
         with self._lock:
-            fs, root = self.options.filesystem(self.root_url)
-            self._write(fs, root, self.clock(), released=True)
+            records = self._records()
+            try:
+                self._ensure_still_ours(records)
+            except LeaseLost:
+                return  # no longer this driver's to end
+            records.replace(self._record(self.clock(), released=True))
             self.expires_at = self.clock()
 
     def keep_renewed(self, stop: threading.Event, on_lost: Callable[[str], None]) -> threading.Thread:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import threading
 import time
 from concurrent.futures import Future
@@ -34,12 +35,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
 from checkpointing.digests import DigestingFileSystem
+from checkpointing.safe_loading import UnsafeCheckpoint, load_metadata
 from checkpointing.staging_arena import StagingArena
 from checkpointing.storage import StorageOptions
 from checkpointing.upload_process import UploadProcess, WriteRequest
@@ -55,6 +60,36 @@ class UploadResult:
     files: dict[str, tuple[int, str]] = field(default_factory=dict)
     error: str | None = None
     rng: dict[str, bytes] | None = None  # the rank's generator states at the save (see workers.rng)
+
+
+class SafeReader(FsspecReader):
+    """DCP's fsspec reader with ``.metadata`` read by ``safe_loading.load_metadata``: no
+    class but DCP's metadata classes is unpickled."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs["rank"]) if "rank" in kwargs else self._get_metadata_path()
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner with its non-tensor items (the optimizer's hyperparameters)
+    loaded as weights only: plain values and containers, nothing that runs code."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpoint(f"the checkpoint item {read_item.dest_index.fqn} is not plain data: refused "
+                                   f"({error})") from error
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def training_state(model: nn.Module, optimizer) -> dict:
@@ -89,8 +124,9 @@ class RankCheckpointIO:
         in seconds. Raises if staging fails: the next save stages into fresh buffers. ``rng``
         travels back to the driver with the upload's result, for the manifest."""
         started = time.perf_counter()
-        if self.uploading:
-            raise RuntimeError("a checkpoint upload is still in flight")
+        if self.uploading:  # only an abandoned upload that is stuck on this rank's thread
+            raise RuntimeError(
+                "the upload of an earlier save is still stuck in storage; this rank saves again once it ends")
         state = training_state(model, optimizer)
         leaves = _flat_state(state)
         with torch.no_grad():  # a parameter's local shard, not an autograd view of it
@@ -114,14 +150,17 @@ class RankCheckpointIO:
 
     def wait(self) -> UploadResult:
         """Block until this rank's upload is done; report the files it wrote, with digests."""
-        if self.upload is None:
+        upload = self.upload
+        if upload is None:
             return UploadResult(self.global_rank, ok=False, error="no upload in flight")
         try:
-            files, upload_s = self.upload.result()
+            files, upload_s = upload.result()
         except (Exception, CheckpointException) as error:  # the driver decides: a failed upload is not committed
             return UploadResult(self.global_rank, ok=False, error=_describe(error)[:1000])
         finally:
-            self.upload = None
+            # An abandoned upload may end long after its save, when the next one is in flight.
+            if self.upload is upload:
+                self.upload = None
         return UploadResult(self.global_rank, ok=True, upload_s=upload_s, files=files, rng=self.rng)
 
     def settle(self, timeout_s: float) -> None:
@@ -133,11 +172,21 @@ class RankCheckpointIO:
         try:
             self.upload.result(timeout=timeout_s)
         except TimeoutError:
-            self._stop_uploader(timeout_s=0.0)
-            self.arena = None
+            self.abandon()
         except (Exception, CheckpointException):  # failed: the driver never commits it
             pass
         self.upload = None
+
+    def abandon(self) -> None:
+        """Give up on the upload in flight (the driver's deadline for it passed). Its upload
+        process is killed, which fails a write stuck in storage and so ends the upload; the
+        next save starts another process and stages into a fresh arena, not one the stuck
+        upload may still read. A write stuck on this process's own thread cannot be stopped:
+        the upload stays in flight, and this rank refuses to save until it ends."""
+        if not self.uploading:
+            return
+        self._stop_uploader(timeout_s=0.0)
+        self.arena = None
 
     def close(self) -> None:
         """Stop the upload process (abandoning an upload in flight) and free the staging memory."""
@@ -148,7 +197,8 @@ class RankCheckpointIO:
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
         state = training_state(model, optimizer)
-        dcp.load(state, storage_reader=FsspecReader(url, **self.options.for_url(url)), process_group=self.process_group)
+        dcp.load(state, storage_reader=SafeReader(url, **self.options.for_url(url)), planner=SafeLoadPlanner(),
+                 process_group=self.process_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return time.perf_counter() - started
 

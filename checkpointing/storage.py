@@ -30,6 +30,49 @@ def absolute_url(url: str) -> str:
     return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
+def check_writable(url: str) -> None:
+    """Raise ValueError naming the fix when runs cannot be kept at ``url``: a protocol that
+    ``check_protocol`` refuses, or a local directory that cannot be created or written."""
+    check_protocol(url)
+    if "://" in url:  # a remote store is not probed: that needs its credentials and a round trip
+        return
+    path = os.path.abspath(url)
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{existing} is a file, not a directory; give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"cannot create or write {path}: {existing} is not writable; give a directory this process can write"
+        )
+
+
+def check_protocol(url: str) -> None:
+    """Raise ValueError naming the fix when fsspec does not know a protocol of ``url`` or lacks
+    the package for it; a local path has none."""
+    if "://" not in url:
+        return
+    import fsspec
+
+    for protocol in url.split("://", 1)[0].split("::"):  # a chained URL: cache::s3://...
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as error:
+            raise ValueError(
+                f"protocol {protocol!r} needs a package that is not installed ({error}); install it"
+            ) from None
+        except ValueError:
+            raise ValueError(
+                f"unknown protocol {protocol!r}; give a local path or an fsspec URL such as s3://bucket/prefix"
+            ) from None
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its closest ancestor that exists: where creating it would start."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def is_s3(url: str) -> bool:
     return url.startswith(("s3://", "s3a://"))
 

@@ -29,6 +29,8 @@ from checkpointing.digests import DigestingFileSystem
 from checkpointing.staging_arena import StagingArena
 from checkpointing.storage import StorageOptions
 
+KILLED_EXIT_WAIT_S = 5.0
+
 
 @dataclass
 class MapArena:
@@ -114,7 +116,9 @@ class UploadProcess:
                 self.lock.release()
         if self.process.is_alive():
             self.process.kill()
-        self.process.join()
+        # A process killed inside a write to a hung mount dies only once that write returns:
+        # waiting for it longer would hang the caller too. The next process started reaps it.
+        self.process.join(KILLED_EXIT_WAIT_S)
 
 
 def serve(connection, parent_pid: int) -> None:

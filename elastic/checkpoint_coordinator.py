@@ -8,7 +8,10 @@ in flight at a time: a save that falls due meanwhile is deferred (and counted) u
 boundary after the upload ends. A failed save (staging, upload or manifest), or a saving
 group that breaks, is never committed: it is counted, and the next due boundary tries again
 (never the very next step). ``max_consecutive_failures`` failures in a row stop the run.
-A driver commits and deletes only while it holds the run's lease (``LeaseLost`` otherwise).
+An upload still running ``upload_timeout_s`` after it started (or at the final checkpoint's
+deadline) fails the same way: its ranks kill their uploads and its partial files are deleted,
+so a stalled storage mount cannot hold back every later save unnoticed. A driver stages,
+commits and deletes only while it holds the run's lease (``LeaseLost`` otherwise).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class SaveInFlight:
 
 class CheckpointCoordinator:
     def __init__(self, catalog: CheckpointCatalog, fleet: FleetApi, events: EventLog, ledger: TimeLedger,
-                 topology: Topology, config_hash: str, max_consecutive_failures: int, clock=time.monotonic,
-                 config_record: dict | None = None, start_fresh: bool = False, lease: RunLease | None = None):
+                 topology: Topology, config_hash: str, max_consecutive_failures: int, upload_timeout_s: float,
+                 clock=time.monotonic, config_record: dict | None = None, start_fresh: bool = False,
+                 lease: RunLease | None = None, data_identity: dict[str, str] | None = None):
         self.catalog = catalog
         self.lease = lease
         self.fleet = fleet
@@ -57,6 +61,7 @@ class CheckpointCoordinator:
         self.topology = topology
         self.config_hash = config_hash
         self.config_record = config_record or {}
+        self.data_identity = data_identity or {}  # what the data is: recorded with every checkpoint
         self.start_fresh = start_fresh
         self.restored_step: int | None = None  # the checkpoint the run resumed or rolled back to
         self.clock = clock
@@ -66,6 +71,7 @@ class CheckpointCoordinator:
         self.last_committed_step: int | None = None
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
+        self.upload_timeout_s = upload_timeout_s
 
     @property
     def last_committed_url(self) -> str | None:
@@ -117,6 +123,7 @@ class CheckpointCoordinator:
 
     def start(self, step: int, cursor: DataCursor, group: int, ranks: list[int]) -> bool:
         """Stage the committed state of ``group`` and start its upload (the only stall)."""
+        self._ensure_held()  # a driver that lost the run writes nothing more, not even files
         self.due = False
         self.deferred_counted = False
         try:
@@ -142,6 +149,10 @@ class CheckpointCoordinator:
         if save is None:
             return
         if not self.fleet.done(save.uploads, timeout):
+            if self.clock() - save.started_at >= self.upload_timeout_s:
+                self._abandon(
+                    f"the upload did not end within checkpoint.upload_timeout_s ({self.upload_timeout_s:g} s): check "
+                    "that the storage answers, or raise checkpoint.upload_timeout_s if uploads take longer")
             return
         self.in_flight = None
         try:
@@ -165,6 +176,7 @@ class CheckpointCoordinator:
                 save.step, asdict(save.cursor), self.topology.record(), self.config_hash, files,
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
                 config=self.config_record,
+                data=self.data_identity,
                 rng={
                     str(self.topology.shard_index(result.global_rank)): {
                         name: base64.b64encode(state).decode() for name, state in result.rng.items()
@@ -214,6 +226,17 @@ class CheckpointCoordinator:
                 "and run again: the run resumes from its last committed checkpoint"
             )
 
+    def _abandon(self, why: str) -> None:
+        """Fail the save in flight, whose upload will not end: its ranks kill their uploads
+        and its partial directory is deleted, so the next due save starts clean."""
+        save, self.in_flight = self.in_flight, None
+        try:
+            self.fleet.abandon_saves(save.ranks)
+        except FleetError as error:  # a rank gone or stuck: its failure surfaces where it runs
+            why += f"; ranks {error.ranks} did not confirm they stopped it: {describe_error(error)}"
+        self.prune()
+        self._failed(save.step, why)
+
     def abandon_if_lost(self, lost_groups: set[int]) -> None:
         """A save whose group broke can never complete; forget it so the next one can start."""
         if self.in_flight is not None and self.in_flight.group in lost_groups:
@@ -227,11 +250,15 @@ class CheckpointCoordinator:
         self._wait_in_flight(deadline)
         if self.last_committed_step == step:
             return True
-        if self.in_flight is not None or not self.start(step, cursor, group, ranks):
+        if self.clock() >= deadline or not self.start(step, cursor, group, ranks):
             return False
         self._wait_in_flight(deadline)
         return self.last_committed_step == step
 
     def _wait_in_flight(self, deadline: float) -> None:
+        """Until the save in flight ends; one still uploading at ``deadline`` fails."""
         while self.in_flight is not None and self.clock() < deadline:
             self.poll(timeout=min(0.5, max(0.0, deadline - self.clock())))
+        if self.in_flight is not None:
+            self._abandon("the upload did not end before the final checkpoint's deadline: check that the storage "
+                          "answers, or raise checkpoint.grace_s if uploads take longer")

@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 
-from checkpointing.lease import LeaseHeld
+from checkpointing.lease import LeaseRefused, break_lease
+from checkpointing.storage import join_url
 from elastic.config import ConfigError, load_config
-from elastic.core.events import redact_credentials
+from elastic.core.events import RedactingFormatter, redact_credentials
 from elastic.presets import PRESETS
 
 
@@ -43,6 +44,7 @@ TRAIN_FLAGS = {
     "compile": "compute.compile",
     "activation_checkpointing": "compute.activation_checkpointing",
     "start_fresh": "checkpoint.start_fresh",
+    "accept_changed_data": "checkpoint.accept_changed_data",
     "preset": "model.preset",
     "lr": "optimizer.lr",
     "lr_schedule": "optimizer.schedule",
@@ -87,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--keep", type=int, help="committed checkpoints to keep")
     train.add_argument("--start-fresh", action="store_true", default=None,
                        help="when every checkpoint of the run fails verification, move them aside and train from step 0")
+    train.add_argument("--break-lease", action="store_true",
+                       help="first end the run's lease when its record is unreadable; only when no other driver of "
+                            "the run is running (needs --run-name)")
+    train.add_argument("--accept-changed-data", action="store_true", default=None,
+                       help="resume although the data files changed since the checkpoint: a new epoch over them")
     train.add_argument("--inject", help='faults, e.g. "kill:rank=3,step=7;hang:rank=2,step=22"')
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run")
@@ -118,11 +125,15 @@ def exit_code(exit_reason: str) -> int:
     return 143 if exit_reason.startswith("preempted") else 1
 
 
-
 def run_train(args: argparse.Namespace) -> int:
-    from elastic.trainer import ElasticTrainer
-
     config = load_config(args.config, train_overrides(args))
+    if args.break_lease:
+        if not config.run_name:
+            raise ConfigError("--break-lease: name the run whose lease to end with --run-name (or run_name)")
+        generation = break_lease(join_url(config.storage, config.run_name), config.checkpoint.storage_options())
+        print(f"run {config.run_name}: lease ended (generation {generation} written, released)")
+    from elastic.trainer import ElasticTrainer  # after the config: a refusal need not wait for torch and Ray
+
     trainer = ElasticTrainer(config, progress=not args.quiet)
     result = trainer.fit()
     summary = result.summary
@@ -149,8 +160,16 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def fail(error: Exception, exit_status: int) -> int:
+    """The error on stderr, redacted: errors quote the user's input, URLs and their secrets included."""
+    print(f"elastic: {redact_credentials(str(error))}", file=sys.stderr)
+    return exit_status
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("elastic.events").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
@@ -162,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main([args.run] + (["--output", args.output] if args.output else []))
     except ConfigError as error:
-        print(f"elastic: {error}", file=sys.stderr)
-        return 2
-    except LeaseHeld as error:
-        print(f"elastic: {redact_credentials(str(error))}", file=sys.stderr)
-        return 1
+        return fail(error, 2)
+    except LeaseRefused as error:
+        return fail(error, 1)

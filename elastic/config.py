@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from checkpointing.storage import StorageOptions, absolute_url
+from checkpointing.storage import StorageOptions, absolute_url, check_writable
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.errors import ConfigError
@@ -177,6 +177,9 @@ class OptimizerConfig(Section):
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     # clip gradients to this global norm (over every shard, TP rank and replica group); None: no clipping
     clip_grad_norm: PositiveFloat | None = None
+    # A step whose loss or gradient norm is not finite is discarded and tried again; this many
+    # in a row end the run as diverged.
+    max_nonfinite_steps: PositiveInt = Field(3, le=1000)
 
 
 class EvalConfig(Section):
@@ -205,6 +208,10 @@ class CheckpointConfig(Section):
     # Saves that fail in a row before the run stops: past this, storage is not coming back
     # soon, and every step trained is a step that a failure would lose.
     max_consecutive_failures: PositiveInt = Field(5, le=1000)
+    # An upload still running this long after it started has stalled (a hung mount, a
+    # storage endpoint that stopped answering): the save fails and counts as above, instead
+    # of blocking every later save while training goes on with nothing new to fall back to.
+    upload_timeout_s: PositiveFloat = Field(1800.0, le=DAY_S)
     # Where each rank writes its files: a process of its own (no GIL shared with training),
     # or a thread of the rank (no process to start: small models, CPU ranks). auto: process
     # on CUDA, thread on CPU.
@@ -212,6 +219,10 @@ class CheckpointConfig(Section):
     # When the run has checkpoints and every one fails verification: stop (false), or move
     # them aside and train from step 0 (true).
     start_fresh: bool = False
+    # A resume whose data files changed under the same path (checkpoint manifests record
+    # each file's size and fingerprint): stop, naming them (false), or resume the model and
+    # start a new epoch over the new data (true).
+    accept_changed_data: bool = False
     # One driver per run: a driver renews its lease every third of this; one that dies
     # leaves the run to the next driver this long after its last renewal.
     lease_ttl_s: float = Field(60.0, ge=3.0, le=DAY_S)
@@ -237,15 +248,8 @@ class FaultToleranceConfig(Section):
     first_step_deadline_s: PositiveFloat = Field(120.0, le=DAY_S)
     capacity_timeout_s: NonNegativeFloat = Field(60.0, le=WEEK_S)
     max_recoveries: NonNegativeInt = Field(100, le=1_000_000)
+    # checked by TrainConfig: a fault's rank or group is numbered over the whole layout
     inject: str = ""
-
-    @field_validator("inject")
-    @classmethod
-    def _faults_parse(cls, inject: str) -> str:
-        from elastic.core.faults import parse_faults
-
-        parse_faults(inject)
-        return inject
 
 
 class StragglerConfig(Section):
@@ -336,6 +340,25 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _storage_writable(self) -> TrainConfig:
+        # Only a storage the config names: a config is also built for its defaults alone,
+        # in whatever directory the process happens to run.
+        if "storage" in self.model_fields_set:
+            try:
+                check_writable(self.storage)
+            except ValueError as error:
+                raise ValueError(f"storage: {error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _faults_within_layout(self) -> TrainConfig:
+        from elastic.core.faults import check_targets, parse_faults
+
+        scaling = self.scaling
+        check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups, scaling.ranks_per_group)
+        return self
+
+    @model_validator(mode="after")
     def _data_readable(self) -> TrainConfig:
         # Here, not in DataConfig: s3:// data is read with the run's S3 settings (checkpoint.s3_*).
         from elastic.dataset import check_readable
@@ -376,7 +399,8 @@ def describe(error: ValidationError) -> str:
             message = f"{message}; use a shorter one"
         # A check over several sections names its fields itself.
         lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
-    return "invalid config:\n  " + "\n  ".join(lines)
+    # One problem, one line: the line a terminal or a job's log shows first.
+    return "invalid config:" + ("\n  " if len(lines) > 1 else " ") + "\n  ".join(lines)
 
 
 def build_config(values: dict[str, Any]) -> TrainConfig:
@@ -388,18 +412,26 @@ def build_config(values: dict[str, Any]) -> TrainConfig:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.suffix not in {".toml", ".yaml", ".yml"}:
+        raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # TOML is UTF-8 by its spec; whatever the locale says
     except OSError as error:
         raise ConfigError(f"--config: cannot read {path}: {error.strerror}; give an existing file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"--config: {path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
+        ) from None
     try:
-        if path.suffix == ".toml":
-            return tomllib.loads(text)
-        if path.suffix in {".yaml", ".yml"}:
-            return yaml.safe_load(text) or {}
+        values = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text) or {}
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as error:
         raise ConfigError(f"--config: {path} does not parse: {error}") from None
-    raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"--config: {path} holds a {type(values).__name__} at its top level; "
+            "write fields and sections as keys, e.g. 'steps: 60'"
+        )
+    return values
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
-from elastic.core.policies import FailurePolicy, StepDeadline
+from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
 from elastic.core.protocol import RunSpec, StepRecord, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
@@ -98,7 +98,7 @@ class Recovering:
 
 @dataclass(frozen=True)
 class Stopping:
-    reason: str  # completed | preempted
+    reason: str  # completed | preempted | diverged: why
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,7 @@ class Controller:
         ft = config.fault_tolerance
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
+        self.divergence = DivergencePolicy(config.optimizer.max_nonfinite_steps)
         self.collection = StepCollection(fleet, self.topology, self.deadline, events, clock)
         self.watch = RunWatch(self.collection)
         self.evaluation = Evaluation(config, self.collection, eval_len, events, ledger, clock)
@@ -228,9 +229,15 @@ class Controller:
         self.pause_requested = False
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
         self.ledger.charge("committed", outcome.committed_until - started)
-        self.ledger.charge("discarded" if outcome.diagnosis else "committed", self.clock() - outcome.committed_until)
+        discarded = outcome.diagnosis is not None or outcome.nonfinite is not None
+        self.ledger.charge("discarded" if discarded else "committed", self.clock() - outcome.committed_until)
         if outcome.diagnosis is not None:
             return Recovering(outcome.diagnosis, "step", outcome.committed_until, self.collection.failure_seen_at)
+        if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
+            step, self.progress.steps_discarded = outcome.nonfinite, self.progress.steps_discarded + 1
+            self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm))
+            diverged = self.divergence.diverged(step)
+            return Stopping(diverged) if diverged else AtBoundary()
         self.maybe_checkpoint()
         return AtBoundary()
 
@@ -247,16 +254,9 @@ class Controller:
         )
 
     def next_boundary(self) -> int:
-        """The step before which the run pauses: the end, the next checkpoint or evaluation
-        due, or an injected fault's step."""
-        step = self.progress.step
-        stops = [self.config.steps]
-        for every in (self.checkpoints.catalog.every if self.checkpoints else 0, self.config.eval.every):
-            if every:
-                stops.append((step // every + 1) * every)
-        if self.faults is not None and (fault_step := self.faults.next_step_after(step)) is not None:
-            stops.append(fault_step)
-        return max(step + 1, min(stops))
+        every = (self.checkpoints.catalog.every if self.checkpoints else 0, self.config.eval.every)
+        fault_step = self.faults.next_step_after(self.progress.step) if self.faults is not None else None
+        return run_boundary(self.progress.step, self.config.steps, every, fault_step)
 
     def between_steps(self, stream: RunStream) -> None:
         """The driver's own duties while a run goes on: commit a finished upload, move
@@ -288,6 +288,7 @@ class Controller:
             records, seq_len=self.config.data.seq_len, schedule=self.config.lr_schedule,
             generation=self.membership.generation, t=round(self.clock() - self.events.started_at, 4))
         self.deadline.record(record["step_s"])
+        self.divergence.committed()
         if self.stragglers is not None:
             actions = self.stragglers.on_step_arrays(
                 step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
@@ -337,9 +338,9 @@ class Controller:
     def recover(self, failure: Recovering) -> None:
         diagnosis, step = failure.diagnosis, self.progress.step
         drained = self.clock()
-        if not self.failures.allow_recovery():
-            raise TrainingStopped(f"{failure.describe(step)} after {self.config.fault_tolerance.max_recoveries} "
-                                  "recoveries; raise fault_tolerance.max_recoveries")
+        refusal = self.failures.refusal(step, diagnosis)
+        if refusal is not None:
+            raise TrainingStopped(f"{failure.describe(step)}: {refusal}")
         if failure.failed == "control call" and self.resume is not None and not self.progress.has_state:
             # Failed before the resume's restore began: every group is rebuilt and restores it.
             self.progress.first_step = self.resume.step

@@ -11,6 +11,7 @@ tokens with no header (nanoGPT / Megatron ``.bin``), written by ``elastic prepar
 
 from __future__ import annotations
 
+import hashlib
 import random
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -41,6 +42,12 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 # default); unmapping drops them from the process's RSS (they stay in the page cache), so a
 # rank that reads a file far larger than memory stays at about this many times 64 KiB.
 _WINDOWS_PER_MAP = 256
+
+# Bytes at each end of a file that its fingerprint hashes.
+_FINGERPRINT_BYTES = 65_536
+
+# Printable ASCII and whitespace: what a text file is made of.
+_TEXT_BYTES = bytes(range(32, 127)) + b"\t\n\r"
 
 # The held-out corpus made beside the generated default one: another seed, a tenth of the size.
 _VALIDATION_SEED_OFFSET = 1_000_003
@@ -84,16 +91,44 @@ def resolve_text_files(path: str, storage_options: dict | None = None) -> list[s
     return [fs.unstrip_protocol(p) for p in files]
 
 
+def fingerprint(fs: fsspec.AbstractFileSystem, file: str) -> str:
+    """What a file is, cheaply: its size and its ETag where the store keeps one (S3), else a
+    sha256 of its first and last 64 KiB."""
+    info = fs.info(file)
+    size = int(info["size"])
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return f"{size} bytes, etag {str(etag).strip(chr(34))}"
+    ends = fs.cat_file(file, start=0, end=min(size, _FINGERPRINT_BYTES))
+    if size > _FINGERPRINT_BYTES:
+        ends += fs.cat_file(file, start=max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES), end=size)
+    return f"{size} bytes, sha256 of the ends {hashlib.sha256(ends).hexdigest()[:16]}"
+
+
+def data_identity(dataset) -> dict[str, str]:
+    """Each file of a dataset read from files, and its fingerprint; empty for the generated
+    corpus (its settings say what it is) and for a dataset of the user's own."""
+    identity = getattr(dataset, "identity", None)
+    return identity() if callable(identity) else {}
+
+
+class DataError(ValueError):
+    """The data itself is wrong, not the storage it is read from: every read of it fails the
+    same way, so no retry or fresh process helps (a rank reports it as ``own-data``)."""
+
+
 class TokenWindows:
     """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
 
     A subclass gives the stream's length (``n_tokens``) and reads a range of it (``read``,
     an integer array of any width); sample ``i`` is the tokens ``[i * seq_len, i * seq_len +
     seq_len + 1)``, widened to int64 one window at a time. Attributes named in ``_transient``
-    are caches, left out of a pickle.
+    are caches, left out of a pickle. With ``vocab_size`` set (the model's), every window is
+    checked to hold only ids below it: one ``max`` a window.
     """
 
     _transient: tuple[str, ...] = ()
+    vocab_size: int | None = None
 
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
@@ -116,7 +151,22 @@ class TokenWindows:
         tokens = self.read(index * self.seq_len, self.seq_len + 1)
         if len(tokens) != self.seq_len + 1:
             raise OSError(f"sample {index} read {len(tokens)} of {self.seq_len + 1} tokens: did the data change?")
+        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
+            position = int(np.argmax(tokens >= self.vocab_size))
+            raise DataError(
+                f"sample {index} holds token id {int(tokens[position])} (token {index * self.seq_len + position} "
+                f"of the data), not below model.vocab_size {self.vocab_size}: the data was tokenized for another "
+                "vocabulary, or is not a token file"
+            )
         return torch.from_numpy(tokens.astype(np.int64))
+
+    def check_token_ids(self, windows: int = 64) -> None:
+        """Raise ``DataError`` if one of ``windows`` samples spread over the data holds an id
+        at or above ``vocab_size``: a cheap look before training; the ranks check the rest
+        as they read it."""
+        n = len(self)
+        for index in sorted({i * (n - 1) // max(1, windows - 1) for i in range(windows)}):
+            self[index]
 
     def __getstate__(self) -> dict:
         return {key: value for key, value in self.__dict__.items() if key not in self._transient}
@@ -169,6 +219,9 @@ class TextFiles(TokenWindows):
     @cached_property
     def _fs(self) -> fsspec.AbstractFileSystem:
         return url_to_fs(self.path, **self.storage_options)[0]
+
+    def identity(self) -> dict[str, str]:
+        return {file: fingerprint(self._fs, file) for file in self._layout[0]}
 
     @cached_property
     def _handles(self) -> dict:
@@ -237,6 +290,18 @@ class TokenFile(TokenWindows):
             )
         return size // itemsize
 
+    def identity(self) -> dict[str, str]:
+        fs, file = self._filesystem
+        return {file: fingerprint(fs, file)}
+
+    def looks_like_text(self, sample_bytes: int = 65_536) -> bool:
+        """Whether the file's first bytes are text (printable ASCII and whitespace, no NUL),
+        which token ids almost never are: a text file named ``*.bin``."""
+        fs, file = self._filesystem
+        head = fs.cat_file(file, start=0, end=min(sample_bytes, fs.size(file)))
+        printable = sum(head.count(bytes([byte])) for byte in _TEXT_BYTES)
+        return bool(head) and b"\0" not in head and printable >= 0.95 * len(head)
+
     @cached_property
     def _map(self) -> np.memmap:
         return np.memmap(self._filesystem[1], dtype=TOKEN_DTYPES[self.dtype], mode="r", shape=(self._n_tokens,))
@@ -270,6 +335,9 @@ class SampleRange:
     @property
     def seq_len(self) -> int:
         return self.dataset.seq_len
+
+    def identity(self) -> dict[str, str]:
+        return data_identity(self.dataset)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -305,7 +373,11 @@ def check_readable(config: TrainConfig) -> None:
             continue
         try:
             if config.data.format_of(path) == "tokens":
-                file_dataset(config, path).n_tokens()
+                tokens = file_dataset(config, path)
+                tokens.n_tokens()
+                if tokens.looks_like_text():
+                    raise ValueError(f"{path} looks like text, not {config.data.token_dtype} token ids; train on "
+                                     "it as text (data.format = \"text\") or tokenize it with `elastic prepare`")
             else:
                 resolve_text_files(path, config.checkpoint.storage_options().for_url(path))
         except OSError as error:
@@ -314,20 +386,33 @@ def check_readable(config: TrainConfig) -> None:
             raise ValueError(f"data.{field}: {error}") from None
 
 
-def default_datasets(config: TrainConfig) -> tuple[TokenWindows | SampleRange, TokenWindows | SampleRange | None]:
+def bounded(dataset: TokenWindows, vocab_size: int | None, field: str) -> TokenWindows:
+    """``dataset`` checked against ``vocab_size`` (None: unchecked), a sample of it now."""
+    dataset.vocab_size = vocab_size
+    if vocab_size is not None:
+        try:
+            dataset.check_token_ids()
+        except DataError as error:
+            raise ConfigError(f"{field}: {error}; point it at data tokenized for model.vocab_size") from None
+    return dataset
+
+
+def default_datasets(config: TrainConfig, vocab_size: int | None = None,
+                     ) -> tuple[TokenWindows | SampleRange, TokenWindows | SampleRange | None]:
     """(train, validation) from ``config.data``; validation is None when the config asks for none.
 
     Validation comes from ``data.validation_path``, or else the training data's last
     ``data.validation_fraction``; the generated default corpus always has one (a held-out
-    corpus of its own).
+    corpus of its own). With ``vocab_size`` (the reference model's), a sample of windows of
+    each file is checked now and every window as a rank reads it.
     """
     data = config.data
     if data.path:
-        train = file_dataset(config, data.path)
+        train = bounded(file_dataset(config, data.path), vocab_size, "data.path")
     else:
         train = GeneratedCorpus(data.seq_len, data.corpus_tokens, config.seed)
     if data.validation_path:
-        return train, file_dataset(config, data.validation_path)
+        return train, bounded(file_dataset(config, data.validation_path), vocab_size, "data.validation_path")
     if data.validation_fraction:
         try:
             return held_out_split(train, data.validation_fraction)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -53,22 +54,31 @@ CONTROL_MARGIN_S = 30.0
 class Rendezvous:
     """The TCPStore every process group rendezvouses on, hosted by the driver.
 
-    torch's store server has neither authentication nor a bind address (it listens on every
-    interface), so the run's processes keep every key under a secret prefix that reaches
-    them only through Ray (token-authenticated on the KubeRay manifests): a process that
-    connects without it cannot find, join or disturb any of the run's process groups. The
-    NetworkPolicy in ``deploy/kuberay`` keeps other pods from connecting at all.
+    It listens only on the address the ranks reach the driver at: loopback for a local run
+    (Ray's node address there), the driver node's cluster address on a cluster. torch's store
+    server takes no bind address, so it is handed a socket bound there. It has no
+    authentication either, and any client that reaches the port can list every key: the
+    ranks bind each key and value to a secret that reaches them only through Ray
+    (``workers.keyed_store``), so a client without it finds nothing usable and can plant
+    nothing a rank trusts. The NetworkPolicy in ``deploy/kuberay`` keeps other pods from
+    connecting at all.
     """
 
     host: str
     store: dist.TCPStore
-    prefix: str
+    secret: str  # hex
 
     @classmethod
-    def start(cls) -> Rendezvous:
-        host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-        return cls(host, store, f"{secrets.token_hex(16)}/")
+    def start(cls, host: str | None = None) -> Rendezvous:
+        host = host or ray.util.get_node_ip_address()
+        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+                              master_listen_fd=listener.detach())
+        return cls(host, store, secrets.token_hex(32))
 
     @property
     def port(self) -> int:
@@ -133,7 +143,7 @@ class Fleet:
             use_gpu=self.scaling.uses_gpu,
             store_host=self.rendezvous.host,
             store_port=self.rendezvous.port,
-            store_prefix=self.rendezvous.prefix,
+            store_secret=self.rendezvous.secret,
             collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
             storage=self.config.checkpoint.storage_options(),
             upload_in_process=self.config.checkpoint.upload_in_process(self.scaling.uses_gpu),
@@ -341,6 +351,12 @@ class Fleet:
 
     def finish_saves(self, ranks) -> Pending:
         return self._call(ranks, "finish_checkpoint")
+
+    def abandon_saves(self, ranks) -> None:
+        """End the ranks' uploads of a save given up on: each kills its upload process."""
+        self.results(Pending({
+            rank: self.actors[rank].abandon_checkpoint.remote() for rank in ranks if rank in self.actors
+        }), self.quick_call_s, "abandon_checkpoint")
 
     def restore(self, ranks, url: str, step: int, generators: dict[int, dict[str, bytes] | None]) -> None:
         """Load the checkpoint at ``url`` (of ``step``) into the ranks, each with its saved

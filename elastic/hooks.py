@@ -88,7 +88,8 @@ def resolve_hooks(
     ``eval_dataset`` is given."""
     optimizer = config.optimizer
     if dataset is None:
-        dataset, default_eval = default_datasets(config)
+        # the reference model's vocabulary bounds the ids; a custom model's is its own
+        dataset, default_eval = default_datasets(config, config.model.vocab_size if model_fn is None else None)
         eval_dataset = default_eval if eval_dataset is None else eval_dataset
     return TrainHooks(
         model_fn=model_fn or ReferenceModel(model_args(config)),

@@ -47,6 +47,9 @@ class Metrics:
         self.step = Gauge("elastic_step", "Last committed step", **labels)
         self.steps_committed = Counter("elastic_steps_committed", "Steps committed", **labels)
         self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
+        self.nonfinite_steps = Counter(
+            "elastic_nonfinite_steps", "Steps discarded for a loss or gradient norm that is not finite", **labels
+        )
         self.steps_rolled_back = Counter(
             "elastic_steps_rolled_back", "Committed steps rerun after restoring a checkpoint (no live peer)", **labels
         )
@@ -107,6 +110,9 @@ class Metrics:
             self.evictions.labels(cause=event["cause"]).inc()
         elif kind == EventKind.STEP_DISCARDED:
             self.steps_discarded.inc()
+        elif kind == EventKind.NONFINITE_STEP:
+            self.steps_discarded.inc()
+            self.nonfinite_steps.inc()
         elif kind == EventKind.EVALUATED:
             self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:

@@ -22,7 +22,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
-from checkpointing.storage import absolute_url
+from checkpointing.storage import absolute_url, check_protocol
 from elastic.errors import ConfigError
 from elastic.dataset import TOKEN_DTYPES, list_files
 
@@ -60,6 +60,10 @@ def prepare_tokens(
     """
     if not inputs:
         raise ConfigError("inputs: none given; give at least one text file, glob or fsspec URL")
+    try:
+        check_protocol(output)
+    except ValueError as error:
+        raise ConfigError(f"output {output!r}: {error}") from None
     sources = [(fs, file) for pattern in inputs for fs, file in _input_files(pattern)]
     vocabulary = BYTE_VOCABULARY if tokenizer is None else _vocabulary(tokenizer)
     dtype = _output_dtype(dtype, vocabulary, eos)
@@ -167,10 +171,9 @@ def _written_whole(output: str) -> Iterator[BinaryIO]:
     """
     fs, path = url_to_fs(absolute_url(output))
     if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         partial = f"{path}.partial-{os.getpid()}"
         try:
-            with open(partial, "wb") as handle:
+            with _open_for_writing(partial, output) as handle:
                 yield handle
             os.replace(partial, path)
         finally:
@@ -185,3 +188,15 @@ def _written_whole(output: str) -> Iterator[BinaryIO]:
         handle.discard()
         raise
     handle.commit()
+
+
+def _open_for_writing(path: str, output: str) -> BinaryIO:
+    """``path`` opened for writing, its directory created; a place that cannot take it is the
+    user's ``output`` to change."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "wb")
+    except OSError as error:
+        raise ConfigError(
+            f"output {output!r}: cannot write there ({error.strerror}); give a path in a writable directory"
+        ) from None

@@ -19,7 +19,7 @@ from typing import Any
 
 import fsspec
 
-from elastic.core.events import EventKind as K
+from elastic.core.events import EventKind as K, redact_credentials
 from elastic.core.goodput import CATEGORIES
 
 SUMMARY_NAME = "summary.json"
@@ -479,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         path, breakdown = report(args.run, args.output)
     except (FileNotFoundError, ValueError) as err:
-        print(f"elastic report: error: {err}", file=sys.stderr)
+        print(f"elastic report: error: {redact_credentials(str(err))}", file=sys.stderr)
         return 1
     print(format_breakdown(breakdown))
     print(f"timeline: {path}")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from elastic.core.diagnosis import Diagnosis, diagnose
-from elastic.core.protocol import GroupProgress, RunEnd, RunSpec, StepRecord, StepReport
+from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunSpec, StepRecord, StepReport
 from elastic.fleet_api import FleetApi, RunStream
 from elastic.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
 
@@ -37,6 +37,7 @@ class RunOutcome:
     next_step: int  # the first step that no group left healthy committed
     diagnosis: Diagnosis | None  # None: the run paused at next_step as planned or asked
     committed_until: float  # clock time of the last committed step (or of the run's start)
+    nonfinite: NonFinite | None = None  # the run stopped on a step whose loss or norm was not finite
 
 
 class RunWatch:
@@ -58,7 +59,7 @@ class RunWatch:
         next_steps: dict[int, int] = {}
         dead: set[int] = set()
         heard_at = dict.fromkeys(groups, started)
-        state = {"next": spec.first_step, "committed_until": started}
+        state = {"next": spec.first_step, "committed_until": started, "nonfinite": None}
 
         def file(arrived) -> list[tuple[int, StepReport | None]]:
             finals = []
@@ -70,6 +71,7 @@ class RunWatch:
                     continue
                 if isinstance(message, RunEnd):
                     next_steps[rank] = message.next_step
+                    state["nonfinite"] = state["nonfinite"] or message.nonfinite
                     message = message.failure or StepReport(rank, message.next_step)
                 finals.append((rank, message))
             return finals
@@ -117,7 +119,7 @@ class RunWatch:
             if not failed:
                 between()
         if not failed:
-            return RunOutcome(state["next"], None, state["committed_until"])
+            return RunOutcome(state["next"], None, state["committed_until"], state["nonfinite"])
         if only_victims_reported():
             # Only victims have reported so far. A peer that died tells it through its own
             # stream, which the wait on first ranks skipped: read every stream for that long.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -24,9 +25,10 @@ from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFai
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
 from elastic.core.events import EventKind, EventLog, redact_credentials
-from elastic.core.faults import FaultSchedule, check_targets, parse_faults, resolve_random_targets
+from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
+from elastic.dataset import data_identity
 from elastic.fleet import Fleet, Rendezvous
 from elastic.hooks import resolve_hooks
 from elastic.metrics import Metrics
@@ -89,6 +91,29 @@ def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> No
         )
 
 
+def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, identity: dict[str, str],
+                     events: EventLog) -> Restorable:
+    """The checkpoint to resume from, given the data as it is now. Data changed under the same
+    path is refused, naming the files: the saved cursor indexes an order over other data, and
+    would skip some samples and train others twice. With ``checkpoint.accept_changed_data``
+    the model resumes and the data starts a new epoch."""
+    saved = checkpoint.manifest.data
+    changed = sorted(file for file in saved.keys() | identity.keys() if saved.get(file) != identity.get(file))
+    if not saved or not changed:
+        return checkpoint
+    described = "; ".join(f"{file}: {saved.get(file, 'absent')} -> {identity.get(file, 'absent')}"
+                          for file in changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+    if not config.checkpoint.accept_changed_data:
+        raise ConfigError(
+            f"run {run!r} resumes from step {checkpoint.step}, but its data changed since: {described}; its data "
+            "cursor would skip some samples and train others twice. Restore the data, or pass --accept-changed-data "
+            "(checkpoint.accept_changed_data = true) to resume the model with a new epoch over the data"
+        )
+    cursor = {"epoch": checkpoint.manifest.cursor.get("epoch", 0) + 1, "position": 0}
+    events.emit(EventKind.DATA_CHANGED, step=checkpoint.step, files=changed, cursor=cursor)
+    return replace(checkpoint, manifest=checkpoint.manifest.model_copy(update={"cursor": cursor}))
+
+
 @dataclass
 class RunResult:
     run: str
@@ -113,6 +138,18 @@ class RunResult:
     @property
     def last_checkpoint(self) -> str | None:
         return self.summary["last_checkpoint"]
+
+
+def strict_json(value):
+    """``value`` with every float that is not finite written as its name ("nan", "inf"):
+    strict JSON parsers reject the bare ``NaN`` that Python writes."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def connect_ray() -> bool:
@@ -155,7 +192,6 @@ class ElasticTrainer:
         self.faults = resolve_random_targets(
             parse_faults(self.config.fault_tolerance.inject), self.config.seed, scaling.max_groups, scaling.ranks_per_group
         )
-        check_targets(self.faults, scaling.max_groups, scaling.ranks_per_group)
         try:
             self.dataset_len = len(self.hooks.dataset)
         except Exception as error:
@@ -166,6 +202,7 @@ class ElasticTrainer:
                 "lower global_batch or give more data"
             )
         self.eval_len = self._eval_len()
+        self.data_identity = data_identity(self.hooks.dataset)
         self.run_name = self.config.run_name or default_run_name()
         self.run_dir = join_url(self.config.storage, self.run_name)
 
@@ -219,6 +256,7 @@ class ElasticTrainer:
             resume = checkpoints.latest()
             if resume is not None:
                 check_resumable(self.config, self.run_name, resume)
+                resume = resume_over_data(self.config, self.run_name, resume, self.data_identity, events)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
@@ -263,8 +301,9 @@ class ElasticTrainer:
         catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep,
                                     generation=lease.generation, signing_key=signing_key_from_environment())
         return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
-                                     settings.max_consecutive_failures, clock, config_record=config_record(self.config),
-                                     start_fresh=settings.start_fresh, lease=lease)
+                                     settings.max_consecutive_failures, settings.upload_timeout_s, clock,
+                                     config_record=config_record(self.config),
+                                     start_fresh=settings.start_fresh, lease=lease, data_identity=self.data_identity)
 
     @staticmethod
     def _lease_lost(why: str, events: EventLog, stop: threading.Event) -> None:
@@ -314,7 +353,7 @@ class ElasticTrainer:
             "events": events.events,
             "exit": exit_reason,
         }
-        return json.loads(redact_credentials(json.dumps(summary, default=str)))
+        return json.loads(redact_credentials(json.dumps(strict_json(summary), default=str, allow_nan=False)))
 
     def _save_summary(self, summary: dict) -> str | None:
         """Write the summary; a failed write fails the run, and never hides why it ended."""
@@ -329,7 +368,7 @@ class ElasticTrainer:
         fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)
         fs.makedirs(path, exist_ok=True)
         with fs.open(f"{path}/summary.json", "w") as handle:
-            json.dump(summary, handle, indent=1, default=str)
+            json.dump(summary, handle, indent=1, default=str, allow_nan=False)
         return join_url(self.run_dir, "summary.json")
 
 

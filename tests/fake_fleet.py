@@ -13,6 +13,7 @@ ends the run after that step, as the ranks' votes would decide.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from elastic.core.gradient_clipping import clip_coefficient
 from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
+    NonFinite,
     Progress,
     RunEnd,
     RunSpec,
@@ -33,6 +35,12 @@ from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 NEVER = float("inf")
 NOTICE_S = 0.05  # a peer notices a dead rank's closed connection
 RETURN_S = 0.01  # a waiting rank returns after the driver's abort
+
+# pickle.dumps(torch.distributed.checkpoint.metadata.Metadata(state_dict_metadata={})): the
+# metadata of an empty DCP checkpoint, as bytes, so that this module imports no torch
+EMPTY_DCP_METADATA = (b"\x80\x04\x95\x91\x00\x00\x00\x00\x00\x00\x00\x8c%torch.distributed.checkpoint.metadata\x94"
+                      b"\x8c\x08Metadata\x94\x93\x94)\x81\x94}\x94(\x8c\x13state_dict_metadata\x94}\x94\x8c\x0cplanner_data"
+                      b"\x94N\x8c\x0cstorage_data\x94N\x8c\x0cstorage_meta\x94N\x8c\x07version\x94Nub.")
 
 
 class FakeClock:
@@ -98,11 +106,13 @@ class FakeFleet:
         self.grad_sq_norm = grad_sq_norm  # each rank's part of the squared gradient norm
         self.unplaceable: set[int] = set()
         self.faults: dict[int, list] = {}  # step -> faults fired at its first dispatch
+        self.nonfinite: dict[int, int] = {}  # step -> how many more tries of it sum to a NaN loss
         self.slow: dict[int, float] = {}
         # control call -> [(rank, "die" | "raise")], fired once, the next time the call runs
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.fail_uploads = False
         self.fail_staging = False
+        self.stuck_steps: set[int] = set()  # saves of these steps write their file, then never end
         self.reserved: list[int] = []
         self.alive_ranks: set[int] = set()
         self.aborted_at: float | None = None
@@ -115,6 +125,7 @@ class FakeFleet:
         self.evaluations: list[dict[int, EvalRequest]] = []
         self.pauses: list[tuple[int, float]] = []  # (run, fake time) of each pause request
         self.saves: list[str] = []
+        self.abandoned: list[tuple[int, ...]] = []  # the ranks of each save given up on
         self.restored_generators: list[dict] = []
 
     # placement
@@ -293,14 +304,24 @@ class FakeFleet:
             if self.fail_uploads:
                 results[rank] = Upload(rank, ok=False, error="OSError: storage unreachable")
                 continue
-            name, data = f"__{rank}_0.distcp", f"state of rank {rank}".encode()
+            written = {f"__{rank}_0.distcp": f"state of rank {rank}".encode()}
+            if rank == ranks[0]:  # DCP's coordinator rank writes the metadata
+                written[".metadata"] = EMPTY_DCP_METADATA
             os.makedirs(self.saves[-1], exist_ok=True)
-            with open(os.path.join(self.saves[-1], name), "wb") as handle:
-                handle.write(data)
+            for name, data in written.items():
+                with open(os.path.join(self.saves[-1], name), "wb") as handle:
+                    handle.write(data)
             results[rank] = Upload(rank, ok=True, upload_s=self.upload_s,
-                                   files={name: (len(data), hashlib.sha256(data).hexdigest())},
+                                   files={name: (len(data), hashlib.sha256(data).hexdigest())
+                                          for name, data in written.items()},
                                    rng={"cpu": f"generator of rank {rank}".encode()})
+        if int(self.saves[-1].rsplit("step-", 1)[1]) in self.stuck_steps:
+            at = NEVER
         return Pending({rank: Call(at, results[rank]) for rank in ranks})
+
+    def abandon_saves(self, ranks) -> None:
+        self._control("abandon_checkpoint")
+        self.abandoned.append(tuple(ranks))
 
     def restore(self, ranks, url: str, step: int, generators) -> None:
         self._control("load_checkpoint")
@@ -383,6 +404,9 @@ class FakeRun:
         """The step's votes: every group commits it; a pause asked before them, or the run's
         last step, ends the run here."""
         fleet, spec, step, at = self.fleet, self.spec, self.step, self.ends_at
+        if fleet.nonfinite.get(step):
+            self._discard_nonfinite(step, at)
+            return
         plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
         ends = step + 1 >= spec.stop_step or (self.pause_at is not None and self.pause_at <= at)
@@ -405,6 +429,17 @@ class FakeRun:
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
             fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))
                                for rank in self.ranks}
+
+    def _discard_nonfinite(self, step: int, at: float) -> None:
+        """Every rank's vote sums a NaN loss: the records held go out, then every rank ends
+        the run on the step."""
+        self.fleet.nonfinite[step] -= 1
+        self.over = True
+        for group, records in self.buffered.items():
+            if records:
+                self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, tuple(records)))))
+        nonfinite = NonFinite(step, math.nan, math.nan)
+        self.queue.extend(Call(at, (rank, RunEnd(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
 
     def advance(self, now: float) -> None:
         while not self.over and self.ends_at <= now:

@@ -12,6 +12,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def own_outside_address() -> str:
+    """This machine's address on its outward interface, to knock on our listeners as an
+    outsider would (a UDP connect picks the route and sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))
+        return probe.getsockname()[0]
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     """Poll until ``predicate()`` is truthy and return its value; fail naming ``what``."""
     deadline = time.monotonic() + timeout

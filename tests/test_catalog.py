@@ -2,17 +2,21 @@
 
 import hashlib
 import json
+import pickle
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.storage import StorageOptions
 
+METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
 
-def save(catalog, step, commit=True):
+
+def save(catalog, step, commit=True, metadata=METADATA):
     directory = catalog.root_url + f"/step-{step:08d}"
     files = {}
-    for name, payload in ((".metadata", b"meta"), ("__0_0.distcp", bytes([step % 256]) * 1000)):
+    for name, payload in ((".metadata", metadata), ("__0_0.distcp", bytes([step % 256]) * 1000)):
         path = f"{directory}/{name}"
         fs, _ = catalog.options.filesystem(path)
         fs.makedirs(directory, exist_ok=True)
@@ -147,3 +151,27 @@ def test_with_a_signing_key_only_manifests_signed_with_it_are_loaded(tmp_path):
         other_key.latest()
     stored = b"".join(p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file())
     assert key not in stored, "the key is never stored beside the checkpoints"
+
+
+class RunsCode:
+    """What an attacker with write access to the bucket puts in ``.metadata``."""
+
+    def __reduce__(self):
+        return (print, ("code from storage ran",))
+
+
+@pytest.mark.parametrize("payload", [pickle.dumps(RunsCode()), pickle.dumps({"not": "metadata"})])
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_and_moved_aside(tmp_path, capsys, payload):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    save(catalog, 5)
+    save(catalog, 10, metadata=payload)  # digests recomputed: the manifest matches the poisoned file
+    skipped = []
+    found = catalog.latest(on_skip=lambda step, reason: skipped.append((step, reason)))
+    assert found.step == 5
+    [(step, reason)] = skipped
+    assert step == 10 and "refused" in reason
+    assert "code from storage ran" not in capsys.readouterr().out
+    with pytest.raises(NoUsableCheckpoint, match="refused"):
+        only = CheckpointCatalog(str(tmp_path / "other"), StorageOptions(), every=5, keep=10)
+        save(only, 5, metadata=payload)
+        only.latest()

@@ -1,10 +1,13 @@
-"""`elastic train` with no arguments: the embedded default, end to end."""
+"""The `elastic` command: `elastic train` with no arguments runs the embedded default end to
+end; bad input is refused before any actor starts, with one line and exit code 2."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
@@ -30,3 +33,89 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     final = Path(summary["last_checkpoint"])
     assert final.is_relative_to(tmp_path / "runs")
     assert (final / "manifest.json").exists() and (final / ".metadata").exists()
+
+
+# `elastic` in a process where Ray cannot even be imported: these inputs must be refused
+# before any actor starts, and a check that slipped past that would fail here, not start Ray.
+WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from elastic.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def elastic(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_RAY, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def refusal(completed: subprocess.CompletedProcess) -> str:
+    """The one line an input refused before the run starts gives, checked for its form."""
+    assert completed.returncode == 2, completed.stderr
+    assert "Traceback" not in completed.stderr
+    [line] = completed.stderr.splitlines()
+    assert line.startswith("elastic: ") and not completed.stdout
+    return line
+
+
+def test_a_fault_on_a_rank_beyond_the_layout_is_refused(tmp_path):
+    line = refusal(elastic("train", "--inject", "kill:rank=99,step=1", cwd=tmp_path))
+    assert "fault_tolerance.inject: rank=99" in line and "from 0 to 7" in line, line
+
+
+def test_a_yaml_config_that_is_a_list_is_refused(tmp_path):
+    (tmp_path / "job.yaml").write_text("- steps: 5\n- seed: 1\n")
+    line = refusal(elastic("train", "--config", "job.yaml", cwd=tmp_path))
+    assert "--config: job.yaml holds a list at its top level" in line, line
+
+
+def test_a_config_that_is_not_utf8_is_refused(tmp_path):
+    (tmp_path / "job.toml").write_bytes("steps = 5\n# caf\xe9\n".encode("latin-1"))
+    line = refusal(elastic("train", "--config", "job.toml", cwd=tmp_path))
+    assert "--config: job.toml is not UTF-8" in line and "save it as UTF-8" in line, line
+
+
+def test_storage_of_an_unknown_protocol_is_refused(tmp_path):
+    line = refusal(elastic("train", "--storage", "foo://bar", cwd=tmp_path))
+    assert "storage: unknown protocol 'foo'" in line, line
+
+
+def test_storage_that_cannot_be_created_is_refused(tmp_path):
+    line = refusal(elastic("train", "--storage", "/proc/1/runs", cwd=tmp_path))
+    assert "storage: cannot create or write /proc/1/runs" in line, line
+
+
+def test_a_prepare_output_that_cannot_be_written_is_refused(tmp_path):
+    (tmp_path / "in.txt").write_text("hello\n")
+    line = refusal(elastic("prepare", "in.txt", "--output", "/proc/x.bin", cwd=tmp_path))
+    assert "output '/proc/x.bin': cannot write there" in line, line
+
+
+PRESIGNED = ("https://127.0.0.1:9/bucket/x.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+             "&X-Amz-Credential=AKIAEXAMPLEKEY%2F20240101%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Date=20240101T000000Z"
+             "&X-Amz-Expires=3600&X-Amz-Security-Token=SESSIONTOKEN&X-Amz-Signature=0123abcd&X-Amz-SignedHeaders=host")
+
+
+@pytest.mark.parametrize("url,secrets", [
+    # port 9 refuses the connection at once: the data check fails without a network
+    ("https://alice:hunter2@127.0.0.1:9/x.txt", ["alice", "hunter2"]),
+    (PRESIGNED, ["AKIAEXAMPLEKEY", "SESSIONTOKEN", "0123abcd"]),
+])
+def test_credentials_in_a_data_url_are_never_printed(tmp_path, url, secrets):
+    completed = elastic("train", "--data", url, cwd=tmp_path)
+    line = refusal(completed)
+    assert "data.path" in line and "***" in line, line
+    for secret in secrets:
+        assert secret not in completed.stdout + completed.stderr
+
+
+def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_the_run(tmp_path):
+    from checkpointing.lease import RunLease
+    from checkpointing.storage import StorageOptions
+
+    RunLease(str(tmp_path / "runs" / "r1"), StorageOptions(), 60.0).acquire()
+    [record] = (tmp_path / "runs" / "r1" / "lease").iterdir()
+    record.write_text("")  # what a crash mid-write left before records were written whole
+    completed = subprocess.run([sys.executable, "-m", "elastic", "train", "--storage", str(tmp_path / "runs"),
+                                "--run-name", "r1"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr
+    [line] = [line for line in completed.stderr.splitlines() if line.startswith("elastic: ")]
+    assert str(record) in line and "--break-lease" in line, line
+    line = refusal(elastic("train", "--break-lease", "--storage", str(tmp_path / "runs"), cwd=tmp_path))
+    assert "--break-lease: name the run" in line and "--run-name" in line

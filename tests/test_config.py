@@ -58,6 +58,23 @@ def test_bad_fault_spec():
     fails({"fault_tolerance": {"inject": "kill:step=2"}}, "needs rank=N")
 
 
+def test_fault_targets_must_lie_in_the_layout():
+    layout = {"scaling": {"max_groups": 2, "shard": 2, "tp": 2}}
+    fails({**layout, "fault_tolerance": {"inject": "kill:rank=8,step=1"}},
+          "invalid config: fault_tolerance.inject: rank=8 is outside the run's 8 ranks", "from 0 to 7")
+    fails({**layout, "fault_tolerance": {"inject": "kill-group:group=2,step=1"}}, "group=2", "from 0 to 1")
+    inject = "kill:rank=7,step=1;kill-group:group=1,step=2;kill:rank=random,step=3;kill-group:group=random,step=4"
+    assert build_config({**layout, "fault_tolerance": {"inject": inject}}).fault_tolerance.inject == inject
+
+
+def test_storage_must_be_a_directory_this_process_can_write(tmp_path):
+    (tmp_path / "file").write_text("")
+    fails({"storage": str(tmp_path / "file" / "runs")}, "storage: ", "is a file, not a directory")
+    fails({"storage": "foo://bar"}, "storage: unknown protocol 'foo'")
+    assert build_config({"storage": str(tmp_path / "new" / "runs")}).storage == str(tmp_path / "new" / "runs")
+    assert not (tmp_path / "new").exists()  # checked, not created: that is the run's to do
+
+
 def test_file_and_flags_merge(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('steps = 7\n[scaling]\nshard = 1\ntp = 1\n')
@@ -72,6 +89,17 @@ def test_file_and_flags_merge(tmp_path):
 def test_unreadable_config_file(tmp_path):
     with pytest.raises(ConfigError, match="--config: cannot read"):
         load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("job.yaml", b"- steps: 5\n", "holds a list at its top level"),
+    ("job.yml", b"just text\n", "holds a str at its top level"),
+    ("job.toml", "steps = 5 # caf\xe9\n".encode("utf-16"), "is not UTF-8 text"),
+])
+def test_config_files_must_be_utf8_mappings(tmp_path, name, content, problem):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=f"--config: .*{name} {problem}"):
+        load_config(tmp_path / name)
 
 
 def test_device_follows_the_cluster():

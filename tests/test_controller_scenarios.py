@@ -55,7 +55,9 @@ class Scenario:
         if checkpoint_every:
             catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), checkpoint_every, keep=10)
             self.checkpoints = CheckpointCoordinator(catalog, self.fleet, self.events, self.ledger, self.topology,
-                                                     "hash", max_consecutive_failures, self.clock, lease=self.lease)
+                                                     "hash", max_consecutive_failures,
+                                                     self.config.checkpoint.upload_timeout_s, self.clock,
+                                                     lease=self.lease)
         self.controller = Controller(self.config, self.fleet, dataset_len, self.events, self.ledger,
                                      clock=self.clock, sleep=self.clock.sleep, on_step=[self.records.append],
                                      checkpoints=self.checkpoints, eval_len=eval_len,
@@ -240,6 +242,60 @@ def test_a_driver_that_lost_its_lease_commits_nothing_more(tmp_path):
     assert scenario.committed_steps()[-1] < 12  # it stopped at the first commit after the expiry
     committed = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if (p / "manifest.json").exists()]
     assert committed == ["step-00000004"]
+
+
+def test_an_upload_that_never_ends_fails_its_save_at_the_deadline_and_the_next_due_save_goes_ahead(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, steps=60, checkpoint_every=10,
+                        config={"checkpoint__upload_timeout_s": 15.0})
+    scenario.fleet.stuck_steps = {20}  # as a stalled mount: the upload writes part of its files, then hangs
+    assert scenario.run() == "completed"
+
+    [failed] = scenario.kinds(EventKind.CHECKPOINT_FAILED)
+    started = next(e for e in scenario.kinds(EventKind.CHECKPOINT_STARTED) if e["step"] == 20)
+    assert (failed["step"], failed["consecutive"]) == (20, 1)
+    assert "checkpoint.upload_timeout_s (15 s)" in failed["error"]
+    assert 15.0 <= failed["t"] - started["t"] < 16.0  # seen between steps, not at the next boundary
+    assert scenario.fleet.abandoned == [(0, 1)]  # the saving group's ranks killed their uploads
+    assert scenario.kinds(EventKind.CHECKPOINTS_DELETED)[0]["steps"] == [20]
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000020").exists()
+    # 30 fell due while 20 hung; once 20 failed, the next due save started
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_DEFERRED)] == [30]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_STARTED)] == [10, 20, 40, 50, 60]
+    assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == [10, 40, 50, 60]
+
+
+def test_uploads_that_keep_hanging_stop_the_run_after_max_consecutive_failures(tmp_path):
+    scenario = Scenario(tmp_path, groups=1, steps=100, checkpoint_every=10, max_consecutive_failures=3,
+                        config={"checkpoint__upload_timeout_s": 5.0})
+    scenario.fleet.stuck_steps = set(range(10, 101, 10))
+    scenario.fleet.control_faults = {"abandon_checkpoint": [(0, "raise")]}  # the first abandon is not confirmed
+    with pytest.raises(CheckpointsFailing, match="3 checkpoint saves failed in a row, the last at step 30"):
+        scenario.run()
+    failed = scenario.kinds(EventKind.CHECKPOINT_FAILED)
+    assert [(e["step"], e["consecutive"]) for e in failed] == [(10, 1), (20, 2), (30, 3)]
+    assert all("checkpoint.upload_timeout_s (5 s)" in e["error"] for e in failed)
+    assert "ranks [0] did not confirm they stopped it" in failed[0]["error"]
+    assert scenario.fleet.abandoned == [(0,)] * 2
+    assert scenario.kinds(EventKind.CHECKPOINT_COMMITTED) == []
+
+
+def test_an_upload_hanging_past_the_grace_period_fails_the_final_checkpoint_with_a_failed_save(tmp_path):
+    scenario = Scenario(tmp_path, groups=1, steps=12, checkpoint_every=10,
+                        config={"checkpoint__upload_timeout_s": 600.0, "checkpoint__grace_s": 5.0})
+    scenario.fleet.stuck_steps = {10}
+    assert scenario.run().startswith("completed, final checkpoint missed (step 12): see the checkpoint-failed events")
+    [failed] = scenario.kinds(EventKind.CHECKPOINT_FAILED)
+    assert failed["step"] == 10 and "checkpoint.grace_s" in failed["error"]
+    assert scenario.fleet.abandoned == [(0,)]
+    assert [e["step"] for e in scenario.kinds(EventKind.FINAL_CHECKPOINT_MISSED)] == [12]
+
+
+def test_a_driver_that_lost_its_lease_stages_and_uploads_nothing(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=30, checkpoint_every=4, lease_ttl_s=3.5)
+    with pytest.raises(LeaseLost, match="expired"):
+        scenario.run()  # the lease ran out before the first save was due
+    assert scenario.fleet.saves == [] and scenario.kinds(EventKind.CHECKPOINT_STARTED) == []
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from_the_initial_state(tmp_path):

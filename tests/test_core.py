@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
-from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, Diagnosis
+from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, OWN_DATA, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
 from elastic.core.membership import (
@@ -156,7 +156,28 @@ def test_step_deadline_follows_recent_steps():
 
 def test_failure_policy_allows_its_budget_of_recoveries():
     policy = FailurePolicy(max_recoveries=2)
-    assert [policy.allow_recovery() for _ in range(3)] == [True, True, False]
+    dead = Diagnosis({3: "death"}, frozenset({1}), {})
+    assert [policy.refusal(step, dead) for step in range(2)] == [None, None]
+    assert policy.refusal(2, dead) == "after 2 recoveries; raise fault_tolerance.max_recoveries"
+
+
+def test_an_error_no_fresh_process_would_avoid_stops_the_run_instead_of_a_recovery():
+    index_error = "IndexError: index out of range in self"
+    one_rank = Diagnosis({2: COLLECTIVE_ERROR}, frozenset({1}), {2: index_error})
+    policy = FailurePolicy(max_recoveries=100)
+    assert policy.refusal(7, one_rank) is None  # a first error: the rank is replaced
+    assert policy.refusal(7, one_rank) == (f"the same error again on fresh processes: {index_error} (the code or "
+                                           "the data, not the cluster; fix it and resume)")
+    assert FailurePolicy(100).refusal(7, Diagnosis({0: COLLECTIVE_ERROR, 3: COLLECTIVE_ERROR}, frozenset({0, 1}),
+                                                   {0: index_error, 3: index_error})).startswith(
+        f"ranks [0, 3] raised the same error: {index_error}")
+    data = Diagnosis({3: OWN_DATA, 1: DEATH}, frozenset({0, 1}), {3: "DataError: sample 9 holds token id 300"})
+    assert FailurePolicy(100).refusal(0, data).startswith("rank 3's data failed: DataError: sample 9 holds token id")
+    # the same error at another step, or another error at the same step, is a fault like any other
+    policy = FailurePolicy(max_recoveries=100)
+    assert policy.refusal(7, one_rank) is None
+    assert policy.refusal(8, one_rank) is None
+    assert policy.refusal(8, Diagnosis({2: COLLECTIVE_ERROR}, frozenset({1}), {2: "RuntimeError: ECC error"})) is None
 
 
 def test_a_new_group_gets_a_typical_weight():

@@ -429,6 +429,15 @@ def test_pods_get_s3_credentials_from_a_secret():
             assert env["AWS_ENDPOINT_URL"]["valueFrom"]["secretKeyRef"].get("optional") is True
 
 
+def test_the_driver_signs_checkpoints_with_a_key_from_a_secret():
+    from checkpointing.manifest import SIGNING_KEY_ENV
+
+    for cluster in (rayjob()["spec"]["rayClusterSpec"], raycluster()["spec"]):
+        env = env_names(head_container(cluster))  # the driver runs on the head
+        ref = env[SIGNING_KEY_ENV]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "elastic-checkpoint-key" and not ref.get("optional")
+
+
 def test_raycluster_has_the_rayjob_shape():
     job_cluster = rayjob()["spec"]["rayClusterSpec"]
     cluster = raycluster()["spec"]

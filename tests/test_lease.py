@@ -4,11 +4,21 @@ server), the catalog's generation marks, and a second driver refused before anyt
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import s3fs
 
 from checkpointing.catalog import CheckpointCatalog
-from checkpointing.lease import LeaseHeld, LeaseLost, RunLease
+from checkpointing.lease import (
+    LeaseCorrupt,
+    LeaseDirectory,
+    LeaseHeld,
+    LeaseLost,
+    LeaseUnsafe,
+    RunLease,
+    break_lease,
+)
 from checkpointing.storage import StorageOptions
 from elastic.cli import main as cli_main
 from elastic.trainer import ElasticTrainer
@@ -59,23 +69,24 @@ def test_a_dead_drivers_lease_expires_and_the_next_driver_takes_over(run_url):
     assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 2
 
 
-def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url):
+def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url, monkeypatch):
     url, options = run_url
     clock = FakeClock()
     winner = RunLease(url, options, ttl_s=60, holder="winner", clock=clock)
     loser = RunLease(url, options, ttl_s=60, holder="loser", clock=clock)
-    listings = []
-    listing = loser._generations
-
-    def stale_first(fs, root):  # the loser listed the leases before the winner's create landed
-        listings.append(root)
-        return [] if len(listings) == 1 else listing(fs, root)
-
-    loser._generations = stale_first
     assert winner.acquire() == 1
+    listings = []
+    listing = LeaseDirectory.generations
+
+    def stale_first(records):  # the loser listed the leases before the winner's create landed
+        listings.append(records.root)
+        return [] if len(listings) == 1 else listing(records)
+
+    monkeypatch.setattr(LeaseDirectory, "generations", stale_first)
     with pytest.raises(LeaseHeld, match="winner"):
         loser.acquire()  # its exclusive create of generation 1 fails; it looks again and is refused
     assert len(listings) == 2
+    assert loser.generation is None
 
 
 def test_a_driver_whose_lease_was_taken_commits_and_deletes_nothing(tmp_path):
@@ -103,6 +114,96 @@ def test_a_renewal_that_finds_a_newer_generation_loses_the_run(tmp_path):
         json.dumps({"generation": 2, "holder": "usurper", "expires_at": clock.now + 60, "released": False}))
     with pytest.raises(LeaseLost, match="generation 2 was taken by usurper"):
         old.renew()
+
+
+def write_record(url: str, options: StorageOptions, generation: int, data: bytes) -> None:
+    fs, path = options.filesystem(f"{url}/lease/{generation:08d}.json")
+    fs.pipe_file(path, data)
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b"", "(empty)"),  # a crash between create and write, on a store without atomic writes
+    (json.dumps({"generation": 1, "holder": "crashed", "expires_at": 1.0}).encode(), "missing or mistyped: released"),
+    (b"\x00\xff{garbage", "not JSON"),
+])
+def test_an_unreadable_record_is_named_in_one_line_and_break_lease_recovers_the_run(run_url, data, problem):
+    url, options = run_url
+    clock = FakeClock()
+    RunLease(url, options, ttl_s=60, holder="crashed", clock=clock).acquire()
+    write_record(url, options, 1, data)
+    next_driver = RunLease(url, options, ttl_s=60, holder="next", clock=clock)
+    with pytest.raises(LeaseCorrupt) as refused:
+        next_driver.acquire()  # every retry would fail the same way, until the record is dealt with
+    message = str(refused.value)
+    assert f"{url}/lease/00000001.json is unreadable" in message and problem in message
+    assert "--break-lease" in message and "\n" not in message
+    assert next_driver.generation is None
+
+    assert break_lease(url, options, clock=clock) == 2  # the next generation, released
+    assert next_driver.acquire() == 3
+    fs, root = options.filesystem(f"{url}/lease")
+    assert sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)) == ["00000002.json", "00000003.json"]
+
+
+def test_break_lease_never_breaks_a_live_lease(tmp_path):
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock()
+    holder = RunLease(url, options, ttl_s=60, holder="alive", clock=clock)
+    holder.acquire()
+    with pytest.raises(LeaseHeld, match="alive"):
+        break_lease(url, options, clock=clock)
+    holder.renew()  # still its run
+
+
+def test_a_crash_mid_renewal_leaves_the_previous_record_whole(tmp_path, monkeypatch):
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock()
+    lease = RunLease(url, options, ttl_s=60, holder="renewing", clock=clock)
+    lease.acquire()
+    before = (tmp_path / "run" / "lease" / "00000001.json").read_bytes()
+
+    def crash(descriptor):
+        raise KeyboardInterrupt("the process dies while the new record is being written")
+
+    clock.now += 20
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", crash)
+        with pytest.raises(KeyboardInterrupt):
+            lease.renew()
+    assert os.listdir(tmp_path / "run" / "lease") == ["00000001.json"]  # no temporary file left behind
+    assert (tmp_path / "run" / "lease" / "00000001.json").read_bytes() == before
+    lease.renew()
+    assert json.loads((tmp_path / "run" / "lease" / "00000001.json").read_text())["expires_at"] == clock.now + 60
+
+
+def test_a_renewal_that_finds_its_record_overwritten_loses_the_run(run_url):
+    url, options = run_url
+    clock = FakeClock()
+    first = RunLease(url, options, ttl_s=60, holder="first", clock=clock)
+    first.acquire()
+    # what a store that ignores If-None-Match lets a racing driver do: create generation 1 over it
+    write_record(url, options, 1, json.dumps(
+        {"generation": 1, "holder": "second", "expires_at": clock.now + 60, "released": False}).encode())
+    with pytest.raises(LeaseLost, match="generation 1 was taken over by second"):
+        first.renew()
+    with pytest.raises(LeaseLost):
+        first.ensure_held()
+    first.release()  # not its record to end
+    fs, path = options.filesystem(f"{url}/lease/00000001.json")
+    assert json.loads(fs.cat_file(path))["holder"] == "second"
+
+
+def test_a_store_that_ignores_if_none_match_is_refused_before_anything_is_written(s3_server, monkeypatch):
+    original = s3fs.S3FileSystem._pipe_file
+
+    async def ignoring_the_condition(self, path, data, mode="overwrite", **kwargs):
+        return await original(self, path, data, **kwargs)  # as a server that drops If-None-Match
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", ignoring_the_condition)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their methods when made
+    url, options = s3_server.url("runs", "run"), StorageOptions(endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(LeaseUnsafe, match=r"ignores exclusive creates \(If-None-Match\).*two drivers could both"):
+        RunLease(url, options, ttl_s=60, holder="first").acquire()
+    fs, root = options.filesystem(f"{url}/lease")
+    assert not fs.exists(root) or fs.ls(root, detail=False) == []  # no record, and the probe removed
 
 
 def test_partials_are_pruned_by_generation_and_commits_carry_it(tmp_path):

@@ -253,6 +253,50 @@ def test_settle_stops_an_upload_process_that_does_not_answer(rank, in_process, t
     assert not process.is_alive() and in_process.uploader is None and in_process.upload is None
 
 
+def stalled_directory(path) -> str:
+    """A save directory on a stalled mount: opening its data file for writing never returns
+    (a FIFO no one reads)."""
+    path.mkdir()
+    os.mkfifo(path / "__0_0.distcp")
+    return str(path)
+
+
+def test_abandon_kills_an_upload_stuck_in_storage_and_the_next_save_goes_ahead(rank, in_process, tmp_path):
+    in_process.save(rank.model, rank.optimizer, stalled_directory(tmp_path / "stalled"))
+    process = in_process.uploader.process
+    with pytest.raises(TimeoutError):
+        in_process.upload.result(timeout=1.0)  # stuck, as it would be for good
+    in_process.abandon()
+    assert in_process.upload.exception(timeout=30) is not None  # the kill ended it
+    result = in_process.wait()
+    assert not result.ok and "upload process lost" in result.error
+    assert not process.is_alive() and in_process.arena is None
+
+    expected = rank.snapshot()
+    url = str(tmp_path / "next")
+    in_process.save(rank.model, rank.optimizer, url)
+    assert in_process.wait().ok
+    assert in_process.uploader.process is not process
+    assert_same(loaded(in_process, url), expected)
+
+
+def test_an_abandoned_upload_stuck_on_the_ranks_thread_refuses_saves_until_it_ends(rank, world, tmp_path):
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0, upload_in_process=False)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
+    stalled = stalled_directory(tmp_path / "stalled")
+    checkpoint_io.save(rank.model, rank.optimizer, stalled)
+    checkpoint_io.abandon()  # no process to kill: the thread stays stuck
+    with pytest.raises(RuntimeError, match="still stuck in storage"):
+        checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / "refused"))
+
+    with open(os.path.join(stalled, "__0_0.distcp"), "rb") as reader:  # the mount comes back
+        reader.read()
+    checkpoint_io.upload.exception(timeout=30)
+    checkpoint_io.save(rank.model, rank.optimizer, str(tmp_path / "next"))
+    assert checkpoint_io.wait().ok
+    checkpoint_io.close()
+
+
 @pytest.mark.parametrize("upload_in_process", [False, True])
 def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch, upload_in_process):
     for key, value in TEST_CREDENTIALS.items():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import socket
+
 import pytest
 
 from checkpointing.catalog import Restorable
@@ -66,21 +68,89 @@ def test_a_summary_that_cannot_be_written_fails_the_run_and_keeps_why_it_ended(t
     assert exit_code(summary["exit"]) == 1
 
 
-def test_the_rendezvous_keys_are_hidden_under_a_secret_per_run_prefix():
-    import datetime
+def test_the_rendezvous_store_refuses_an_outsider_on_this_machines_own_address():
+    from elastic.fleet import Rendezvous
+    from tests.loopback import own_outside_address
 
+    rendezvous = Rendezvous.start("127.0.0.1")  # a local run's node address
+    outside = own_outside_address()
+    assert outside != "127.0.0.1"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((outside, rendezvous.port), timeout=5).close()
+    socket.create_connection(("127.0.0.1", rendezvous.port), timeout=5).close()
+
+
+def test_an_outsider_who_lists_the_rendezvous_keys_finds_nothing_usable():
+    import datetime
+    import threading
+
+    import torch
     import torch.distributed as dist
 
     from elastic.fleet import Rendezvous
+    from workers.keyed_store import KeyedStore, StoreTampered
 
-    run, other_run = Rendezvous.start(), Rendezvous.start()
-    assert run.prefix != other_run.prefix and len(run.prefix) >= 32
+    run, other_run = Rendezvous.start("127.0.0.1"), Rendezvous.start("127.0.0.1")
+    assert run.secret != other_run.secret and len(run.secret) >= 64
 
-    def client(prefix: str = ""):
-        store = dist.TCPStore(run.host, run.port, is_master=False, timeout=datetime.timedelta(seconds=5))
-        return dist.PrefixStore(prefix, store) if prefix else store
+    def client():
+        return dist.TCPStore(run.host, run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
 
-    client(run.prefix).set("gen1/group0/rank0", "address of rank 0")  # what a rank's rendezvous writes
+    # the ranks' own rendezvous over the keyed store works: two ranks of a gloo group sum
+    sums = {}
+
+    def rank(index: int) -> None:
+        keyed = KeyedStore(client(), run.secret)  # referenced while torch uses it, as a rank does
+        group = dist.ProcessGroupGloo(dist.PrefixStore("gen1/group0/", keyed), index, 2,
+                                      datetime.timedelta(seconds=10))
+        tensor = torch.tensor([index + 1.0])
+        group.allreduce([tensor]).wait()
+        sums[index] = tensor.item()
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sums == {0: 3.0, 1: 3.0}
+
+    ranks_view = KeyedStore(client(), run.secret)
+    ranks_view.set("gen2/group0/rank0", "10.0.0.7:29500")
     outsider = client()
-    assert not outsider.check(["gen1/group0/rank0"]), "a process without the prefix sees the run's keys"
-    assert client(run.prefix).get("gen1/group0/rank0") == b"address of rank 0"
+    keys = outsider.list_keys()
+    assert keys and not any(word in key for key in keys for word in ("gen", "group", "rank", "replicate"))
+    assert not outsider.check(["gen2/group0/rank0"])
+    for key in keys:  # overwrite whatever it found: a rank trusts none of it
+        outsider.set(key, "attacker:1")
+    with pytest.raises(StoreTampered, match="not written by this run"):
+        ranks_view.get("gen2/group0/rank0")
+    assert KeyedStore(client(), other_run.secret).check(["gen2/group0/rank0"]) is False
+
+def test_a_resume_over_changed_data_is_refused_naming_the_file_unless_accepted(tmp_path):
+    import numpy as np
+
+    from elastic.core.events import EventKind
+    from elastic.trainer import resume_over_data
+
+    path = tmp_path / "train.bin"
+    np.arange(4_000, dtype="<u2").tofile(path)
+    config = tiny_config(tmp_path, data__path=str(path), data__validation_fraction=0.0, eval__every=0)
+    trained_on = ElasticTrainer(config, model_fn=lambda: None).data_identity
+    assert list(trained_on) == [str(path)] and trained_on[str(path)].startswith("8000 bytes, sha256 of the ends ")
+    manifest = Manifest(step=4, cursor={"epoch": 2, "position": 24}, topology={"shard": 1, "tp": 1},
+                        config_hash="h", data=trained_on, files=(FileRecord(name=".metadata", size=1, sha256="0" * 64),))
+    checkpoint = Restorable("file:///run/checkpoints/step-00000004", manifest)
+    events = EventLog(lambda: 0.0)
+    assert resume_over_data(config, "r", checkpoint, trained_on, events) is checkpoint
+
+    np.arange(8_000, dtype="<u2").tofile(path)  # the corpus doubled under the same path
+    now = ElasticTrainer(config, model_fn=lambda: None).data_identity
+    with pytest.raises(ConfigError, match=rf"resumes from step 4, but its data changed since: {path}: 8000 bytes.* -> "
+                                          r"16000 bytes.*--accept-changed-data"):
+        resume_over_data(config, "r", checkpoint, now, events)
+    accepted = tiny_config(tmp_path, data__path=str(path), data__validation_fraction=0.0, eval__every=0,
+                           checkpoint__accept_changed_data=True)
+    resumed = resume_over_data(accepted, "r", checkpoint, now, events)
+    assert resumed.step == 4 and resumed.manifest.cursor == {"epoch": 3, "position": 0}  # a new epoch, cleanly
+    [event] = events.of_kind(EventKind.DATA_CHANGED)
+    assert event["files"] == [str(path)]

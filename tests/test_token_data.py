@@ -17,7 +17,7 @@ from elastic.cli import main
 from elastic.config import ConfigError, build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.dataset import (
-    GeneratedCorpus, SampleRange, TextFiles, TokenFile, default_datasets, generate_corpus, held_out_split,
+    GeneratedCorpus, SampleRange, TextFiles, TokenFile, default_datasets, generate_corpus,
 )
 from elastic.hooks import resolve_hooks
 from elastic.prepare import prepare_tokens
@@ -432,3 +432,62 @@ def test_a_run_trains_on_a_token_file_in_s3(ray_cluster, tmp_path, s3_server):
     assert result.ok, result.exit
     assert result.summary["steps_committed"] == 6
     assert all(math.isfinite(loss) for loss in result.losses) and result.losses[-1] < result.losses[0]
+
+
+# --- data that is wrong, not unreachable -----------------------------------------------------
+
+
+def test_token_ids_beyond_the_vocab_are_refused_before_any_rank_starts(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 256, size=64 * 32 + 1)
+    tokens[40 * 32 + 5] = 50_039  # in a window the check samples
+    path = write_tokens(tmp_path / "train.bin", tokens, "uint16")
+    config = tiny_config(tmp_path, data__path=path, data__validation_fraction=0.0, eval__every=0)
+    with pytest.raises(ConfigError, match=r"^data.path: sample \d+ holds token id 50039 .* not below model.vocab_size "
+                                          r"256: the data was tokenized for another vocabulary"):
+        ElasticTrainer(config)
+    # a custom model brings its own vocabulary: the ids are its business
+    ElasticTrainer(config, model_fn=lambda: torch.nn.Embedding(60_000, 8))
+
+
+def test_a_text_file_named_bin_is_refused_as_tokens(tmp_path):
+    (tmp_path / "notes.bin").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    with pytest.raises(ConfigError, match=r"notes.bin looks like text, not uint16 token ids; .*data.format = \"text\""):
+        build_config({"data": {"path": str(tmp_path / "notes.bin"), "seq_len": 8}})
+    text = default_datasets(build_config({"data": {"path": str(tmp_path / "notes.bin"), "seq_len": 8,
+                                                   "format": "text"}}))[0]
+    assert isinstance(text, TextFiles)
+
+
+def test_a_rank_that_reads_an_id_beyond_the_vocab_stops_the_run_with_it_and_evicts_nobody(ray_cluster, tmp_path):
+    seq_len, n_windows = 32, 200
+    tokens = np.random.default_rng(1).integers(0, 256, size=n_windows * seq_len + 1)
+    sampled = {i * (n_windows - 1) // 63 for i in range(64)}
+    unsampled = next(i for i in range(n_windows // 2, n_windows) if i not in sampled and i + 1 not in sampled)
+    tokens[unsampled * seq_len + 3] = 300  # found only when a rank reads it
+    path = write_tokens(tmp_path / "train.bin", tokens, "uint16")
+    config = tiny_config(tmp_path, groups=2, min_groups=2, steps=30, data__path=path,
+                         data__validation_fraction=0.0, eval__every=0)
+    result = ElasticTrainer(config).fit()
+    assert result.exit.startswith("stopped: step "), result.exit
+    assert "own-data" in result.exit and f"DataError: sample {unsampled} holds token id 300" in result.exit
+    kinds = [event["kind"] for event in result.summary["events"]]
+    assert "rank-evicted" not in kinds and "rank-failed" not in kinds and "group-joined" in kinds
+    assert kinds.count("group-built") == 2  # the two groups of the start: no process was replaced
+
+
+def test_a_run_resumed_over_a_corpus_that_doubled_is_refused_then_starts_a_new_epoch(ray_cluster, tmp_path):
+    path = tmp_path / "train.bin"
+    tokens = np.random.default_rng(2).integers(0, 256, size=40 * 32 + 1)
+    write_tokens(path, tokens, "uint16")
+    settings = dict(data__path=str(path), data__validation_fraction=0.0, eval__every=0, checkpoint__every=2,
+                    run_name="changing-data")
+    first = ElasticTrainer(tiny_config(tmp_path, steps=4, **settings)).fit()
+    assert first.ok, first.exit
+    write_tokens(path, np.concatenate([tokens, tokens]), "uint16")  # doubled under the same path
+    with pytest.raises(ConfigError, match=r"resumes from step 4, but its data changed since: .*train.bin"):
+        ElasticTrainer(tiny_config(tmp_path, steps=8, **settings)).fit()
+    accepted = ElasticTrainer(tiny_config(tmp_path, steps=8, checkpoint__accept_changed_data=True, **settings)).fit()
+    assert accepted.ok, accepted.exit
+    [changed] = [event for event in accepted.summary["events"] if event["kind"] == "data-changed"]
+    assert changed["cursor"] == {"epoch": 1, "position": 0}
+    assert accepted.summary["steps_committed"] == 4  # steps 4..7, from the resumed model

@@ -54,3 +54,20 @@ def test_compiled_blocks_train_the_same_model(ray_cluster, tmp_path, reference):
     assert result.ok, result.exit
     # Inductor's fused kernels sum in another order than eager ones.
     assert max_relative_difference(result.losses, reference) <= 1e-4
+
+
+def test_a_diverging_run_stops_as_diverged_and_commits_no_nonfinite_step(ray_cluster, tmp_path):
+    import json
+    import math
+
+    # two groups of two: the ranks of every group discard the same step, together
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=8, optimizer__lr=1e30,
+                         optimizer__max_nonfinite_steps=2, run_name="diverging")
+    result = ElasticTrainer(config).fit()
+    assert result.exit.startswith("diverged: 2 steps in a row"), result.exit
+    assert result.summary["steps_committed"] < 8
+    assert all(math.isfinite(loss) for loss in result.losses)
+    nonfinite = [event for event in result.summary["events"] if event["kind"] == "nonfinite-step"]
+    assert len(nonfinite) == 2 and nonfinite[0]["step"] == nonfinite[1]["step"] == result.summary["steps_committed"]
+    with open(result.summary_path) as handle:
+        json.loads(handle.read(), parse_constant=lambda name: pytest.fail(f"summary.json holds a bare {name}"))

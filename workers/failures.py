@@ -75,4 +75,6 @@ def classify(error: BaseException, phase: str) -> Failure:
         return Failure.OWN_COMPUTE
     if raised_in_collective(error):
         return Failure.COLLECTIVE
-    return Failure.OWN_IO if phase == "data" else Failure.OWN_COMPUTE
+    if phase == "data":  # storage may recover; the data or the dataset's code will not
+        return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
+    return Failure.OWN_COMPUTE

@@ -20,7 +20,7 @@ class RankSpec:
     use_gpu: bool
     store_host: str
     store_port: int
-    store_prefix: str  # the run's secret key prefix on the rendezvous store
+    store_secret: str  # hex: the run's key for its rendezvous keys and values (workers.keyed_store)
     collective_timeout_s: float
     storage: StorageOptions = StorageOptions()
     upload_in_process: bool = False

@@ -21,6 +21,7 @@ background upload on a third, while training goes on.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 import time
@@ -44,6 +45,7 @@ from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
     GroupProgress,
+    NonFinite,
     Progress,
     RunEnd,
     RunMessage,
@@ -61,6 +63,7 @@ from workers.failures import (
     VoteFailed,
     classify,
 )
+from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 from workers.train_step import (
     accumulate_gradients,
@@ -136,9 +139,9 @@ class RankWorker:
         self.compute_timer = ComputeTimer(spec.use_gpu)
         self.replicate_dtype = torch.bfloat16 if spec.replicate_dtype == "bf16" else torch.float32
         self.timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
-        self.store = dist.PrefixStore(spec.store_prefix, dist.TCPStore(
+        self.store = KeyedStore(dist.TCPStore(
             spec.store_host, spec.store_port, is_master=False, timeout=self.timeout, wait_for_workers=False
-        ))
+        ), spec.store_secret)
         self.model = None
         self.optimizer = None
         self.replicate_group = None
@@ -335,6 +338,11 @@ class RankWorker:
                     yield GroupProgress(self.spec.group, tuple(records))
                 yield RunEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
                 return
+            if isinstance(record, NonFinite):  # every rank of every group saw the same sums
+                if records:
+                    yield GroupProgress(self.spec.group, tuple(records))
+                yield RunEnd(self.spec.global_rank, share.step, nonfinite=record)
+                return
             now = time.perf_counter()
             if leads_group:  # the group's records: every rank decided the same
                 records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
@@ -358,9 +366,11 @@ class RankWorker:
         """Read the step's samples on the loader thread while the current step computes."""
         return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
 
-    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future) -> tuple[StepRecord, bool]:
+    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future) -> tuple[StepRecord | NonFinite, bool]:
         """One step: compute, sum across groups, vote; then every rank of the group applies
-        it or every rank discards it. Returns the committed record and whether to pause."""
+        it or every rank discards it. Returns the committed record and whether to pause, or
+        the step discarded because its loss or norm is not finite (the same in every group:
+        both are sums over every group's contributions)."""
         started = time.perf_counter()
         step = share.step
         self._set_progress(step, "data")
@@ -394,6 +404,10 @@ class RankWorker:
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.spec.global_rank}: step {step} discarded: a peer's cross-group sum failed")
         norm = vote.grad_norm
+        if not (math.isfinite(vote.loss) and math.isfinite(norm)):
+            self._discard_uncommitted()
+            self._set_progress(step, "done")
+            return NonFinite(step, vote.loss, norm), True
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale)
         self._set_progress(step, "done")
@@ -514,6 +528,13 @@ class RankWorker:
     @ray.method(concurrency_group="checkpoint")
     def finish_checkpoint(self) -> UploadResult:
         return self.checkpoint_io.wait()
+
+    # Not in the checkpoint group: that one is held by the finish_checkpoint waiting on the
+    # stuck upload.
+    @ray.method(concurrency_group="control")
+    def abandon_checkpoint(self) -> None:
+        """The driver failed this save: its upload ran past ``checkpoint.upload_timeout_s``."""
+        self.checkpoint_io.abandon()
 
     def load_checkpoint(self, url: str, step: int, generators: rng.RngState | None) -> float:
         """Load the committed state of ``step``; ``generators``: the states saved for this

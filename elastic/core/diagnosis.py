@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from elastic.core.protocol import Progress, StepReport, describe_error
+from elastic.core.protocol import Failure, Progress, StepReport, describe_error
 
 DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
+# The rank's data (or the dataset's code) failed: no fresh process reads it differently.
+OWN_DATA = "own-data"
 # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
 # still answers: it is replaced like any failed rank.
 CONTROL_ERROR = "control-error"
@@ -31,7 +33,7 @@ class Diagnosis:
     @property
     def cause(self) -> str:
         causes = set(self.culprits.values())
-        for cause in (DEATH, HANG, COLLECTIVE_ERROR, CONTROL_ERROR):
+        for cause in (DEATH, HANG, OWN_DATA, COLLECTIVE_ERROR, CONTROL_ERROR):
             if cause in causes:
                 return cause
         return COLLECTIVE_ERROR
@@ -58,7 +60,7 @@ def diagnose(
     culprits.update({rank: HANG for rank in hung if rank not in culprits})
     for rank, report in reports.items():
         if not report.ok and not report.blames_peers and rank not in culprits:
-            culprits[rank] = COLLECTIVE_ERROR
+            culprits[rank] = OWN_DATA if report.failure == Failure.OWN_DATA else COLLECTIVE_ERROR
     broken = {group_of[rank] for rank in culprits}
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
     broken |= {group_of[rank] for rank in stuck}

@@ -13,13 +13,33 @@ from typing import Any
 
 log = logging.getLogger("elastic.events")
 
-# ``scheme://user:password@host``: the credentials part of a URL.
-_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s\"']+@")
+# ``scheme://user:password@host``: the credentials part of a URL. Up to the authority's last
+# ``@``, so a password holding an unescaped ``@`` is hidden whole.
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s\"']*@")
+# Query parameters that carry a secret or the key it was signed with: presigned S3 URLs
+# (SigV4 and V2), GCS signed URLs (V4 and V2), Azure SAS tokens, and bearer tokens. A value
+# runs to the next parameter or the URL's end: better a trailing comma hidden than part of a
+# secret shown.
+_SECRET_PARAMETERS = (
+    "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "AWSAccessKeyId", "Signature",
+    "X-Goog-Signature", "X-Goog-Credential", "GoogleAccessId", "sig", "token", "access_token",
+)
+_SECRET_QUERY = re.compile(
+    rf"(?<=[?&])({'|'.join(map(re.escape, _SECRET_PARAMETERS))})=[^&#\s\"']*", re.IGNORECASE
+)
 
 
 def redact_credentials(text: str) -> str:
-    """``text`` with the credentials of every URL in it replaced by ``***``."""
-    return _URL_CREDENTIALS.sub("***@", text)
+    """``text`` with the credentials of every URL in it, and the values of its secret query
+    parameters, replaced by ``***``."""
+    return _SECRET_QUERY.sub(r"\1=***", _URL_CREDENTIALS.sub("***@", text))
+
+
+class RedactingFormatter(logging.Formatter):
+    """Log lines with credentials redacted: message, arguments and traceback alike."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_credentials(super().format(record))
 
 
 class EventKind(StrEnum):
@@ -28,6 +48,7 @@ class EventKind(StrEnum):
     RUN_STARTED = "run-started"
     RUN_FINISHED = "run-finished"
     RESUMED = "resumed"
+    DATA_CHANGED = "data-changed"
     STOP_REQUESTED = "stop-requested"
     LEASE_LOST = "lease-lost"
     METRICS_SERVING = "metrics-serving"
@@ -45,6 +66,7 @@ class EventKind(StrEnum):
     RANK_FAILED = "rank-failed"
     RANK_EVICTED = "rank-evicted"
     STEP_DISCARDED = "step-discarded"
+    NONFINITE_STEP = "nonfinite-step"
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
     RESTORED_INITIAL_STATE = "restored-initial-state"
     RECOVERED = "recovered"

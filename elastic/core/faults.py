@@ -119,15 +119,17 @@ def resolve_random_targets(faults: list[Fault], seed: int, n_groups: int, ranks_
 
 
 def check_targets(faults: list[Fault], n_groups: int, ranks_per_group: int) -> None:
+    n_ranks = n_groups * ranks_per_group
     for fault in faults:
-        if fault.rank is not None and not 0 <= fault.rank < n_groups * ranks_per_group:
+        if fault.rank is not None and not fault.random_target and not 0 <= fault.rank < n_ranks:
             raise FaultSpecError(
-                f"fault_tolerance.inject: rank={fault.rank} is outside the run's "
-                f"{n_groups * ranks_per_group} ranks (0..{n_groups * ranks_per_group - 1})"
+                f"fault_tolerance.inject: rank={fault.rank} is outside the run's {n_ranks} ranks "
+                f"(scaling.max_groups x shard x tp); name a rank from 0 to {n_ranks - 1}"
             )
-        if fault.group is not None and not 0 <= fault.group < n_groups:
+        if fault.group is not None and not fault.random_target and not 0 <= fault.group < n_groups:
             raise FaultSpecError(
-                f"fault_tolerance.inject: group={fault.group} is outside the run's {n_groups} groups"
+                f"fault_tolerance.inject: group={fault.group} is outside the run's {n_groups} groups "
+                f"(scaling.max_groups); name a group from 0 to {n_groups - 1}"
             )
 
 

@@ -23,4 +23,6 @@ def clip_coefficient(norm: float, max_norm: float | None) -> float:
     ``clip_grad_norm_`` formula); 1.0 without clipping."""
     if max_norm is None:
         return 1.0
+    if math.isnan(norm):  # min() would return 1.0: no factor makes NaN gradients fine
+        return math.nan
     return min(1.0, max_norm / (norm + 1e-6))

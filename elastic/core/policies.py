@@ -6,6 +6,18 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from elastic.core.diagnosis import COLLECTIVE_ERROR, OWN_DATA, Diagnosis
+from elastic.core.protocol import NonFinite
+
+
+def run_boundary(step: int, steps: int, every: tuple[int, ...], fault_step: int | None) -> int:
+    """The step before which a run from ``step`` pauses: the end, the next checkpoint or
+    evaluation due (``every``, 0 for off), or an injected fault's step."""
+    stops = [steps, *((step // interval + 1) * interval for interval in every if interval)]
+    if fault_step is not None:
+        stops.append(fault_step)
+    return max(step + 1, min(stops))
+
 
 class StepDeadline:
     """Deadline for a step, derived from recent step times (a hang detector)."""
@@ -28,15 +40,58 @@ class StepDeadline:
 
 
 @dataclass
+class DivergencePolicy:
+    """Steps whose loss or gradient norm is not finite are discarded; this many in a row
+    (nothing committed between them) mean the run has diverged."""
+
+    max_nonfinite_steps: int
+    in_a_row: int = 0
+
+    def diverged(self, step: NonFinite) -> str | None:
+        """Count one more discarded step: the run's exit once it has diverged, else None."""
+        self.in_a_row += 1
+        if self.in_a_row < self.max_nonfinite_steps:
+            return None
+        return (f"diverged: {self.in_a_row} steps in a row with a loss or gradient norm that is not finite "
+                f"(step {step.step}: loss {step.loss}, grad norm {step.grad_norm}); lower optimizer.lr, set "
+                "optimizer.clip_grad_norm, or check the data")
+
+    def committed(self) -> None:
+        self.in_a_row = 0
+
+
+@dataclass
 class FailurePolicy:
-    """Keep recovering in place until the budget of recoveries is spent."""
+    """Recover in place, unless no fresh process would fail differently or the budget of
+    recoveries is spent. An error that is the data's or the code's, not the cluster's:
+    a rank's own-data error, the same own error on several ranks at once, or the same own
+    error at the same step again after the ranks that raised it were replaced."""
 
     max_recoveries: int
     recoveries: int = 0
+    last_errors: tuple[int, frozenset[str]] = (-1, frozenset())  # the last failure's step and own errors
 
-    def allow_recovery(self) -> bool:
+    def refusal(self, step: int, diagnosis: Diagnosis) -> str | None:
+        """None: recover; else why the run stops instead (no rank is evicted then)."""
+        own = {rank: diagnosis.errors.get(rank, "?") for rank, cause in diagnosis.culprits.items()
+               if cause in (OWN_DATA, COLLECTIVE_ERROR)}
+        errors = frozenset(own.values())
+        again = errors & self.last_errors[1] if self.last_errors[0] == step else frozenset()
+        self.last_errors = (step, errors)
+        data = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == OWN_DATA)
+        if data:
+            return (f"rank {data[0]}'s data failed: {own[data[0]]} (own-data: the data or the dataset's code, "
+                    "not the cluster; fix it and resume)")
+        if len(own) > 1 and len(errors) == 1:
+            return (f"ranks {sorted(own)} raised the same error: {next(iter(errors))} (the code or the data, "
+                    "not the cluster; fix it and resume)")
+        if again:
+            return (f"the same error again on fresh processes: {min(again)} (the code or the data, not the "
+                    "cluster; fix it and resume)")
         self.recoveries += 1
-        return self.recoveries <= self.max_recoveries
+        if self.recoveries > self.max_recoveries:
+            return f"after {self.max_recoveries} recoveries; raise fault_tolerance.max_recoveries"
+        return None
 
 
 @dataclass

@@ -68,6 +68,7 @@ class Failure(StrEnum):
     """What a failed step points at (``workers.failures.classify`` decides)."""
 
     OWN_IO = "own-io"
+    OWN_DATA = "own-data"  # the data itself (or the dataset's code): the same on every read
     OWN_COMPUTE = "own-compute"
     COLLECTIVE = "collective"
     RELEASED = "released"
@@ -152,13 +153,24 @@ class GroupProgress:
 
 
 @dataclass(frozen=True)
+class NonFinite:
+    """A step every rank discarded because its loss or gradient norm was not finite."""
+
+    step: int
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
 class RunEnd:
     """How a rank's run ended: ``next_step`` is the first step it has not committed;
-    ``failure`` the report of the step that failed, ``None`` when the run paused."""
+    ``failure`` the report of the step that failed, ``None`` when the run paused;
+    ``nonfinite`` the step it discarded as not finite, where the run stopped on one."""
 
     global_rank: int
     next_step: int
     failure: StepReport | None = None
+    nonfinite: NonFinite | None = None
 
 
 RunMessage = GroupProgress | RunEnd
