@@ -332,7 +332,13 @@ class RunLease:
         newer = [generation for generation in records.generations() if generation > self.generation]
         if newer:
             self._lose(f"lease generation {newer[-1]} was taken by {self._holder_of(records, newer[-1])}")
-        holder = self._holder_of(records, self.generation)
+        # A record that does not come back is not proof of a takeover: an object store that
+        # is briefly unreachable answers reads as missing. The renewal then fails and is
+        # retried, and the lease ends at its expiry if storage stays away.
+        try:
+            holder = records.read(self.generation).holder
+        except LeaseCorrupt:
+            holder = "an unknown driver (the record is unreadable)"
         if holder != self.holder:
             self._lose(f"its lease generation {self.generation} was taken over by {holder}")
 

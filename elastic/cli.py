@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tomllib
 
 from checkpointing.lease import LeaseRefused, break_lease
 from checkpointing.storage import join_url
@@ -21,6 +22,19 @@ def parse_groups(text: str) -> dict[str, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--groups {text!r}: use N or MIN:MAX, e.g. 2 or 1:4") from None
     return {"scaling.min_groups": low_n, "scaling.max_groups": high_n}
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """``section.field=value``: the value read as a TOML value (numbers, booleans, strings in
+    quotes, arrays), else taken as a string (paths, URLs, names)."""
+    field, sep, value = text.partition("=")
+    if not sep or not field.strip():
+        raise argparse.ArgumentTypeError(f"--set {text!r}: use SECTION.FIELD=VALUE, e.g. data.seq_len=256")
+    try:
+        parsed = tomllib.loads(f"value = {value}")["value"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return field.strip(), parsed
 
 
 # flag -> config field; None values are left to the file or the defaults
@@ -55,9 +69,12 @@ TRAIN_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant, elastic FSDP2 + TP training on Ray")
+    # No abbreviations: "--step 5" must not silently mean "--steps 5".
+    parser = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant, elastic FSDP2 + TP training on Ray",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a model (the embedded default needs no arguments)")
+    train = commands.add_parser("train", help="train a model (the embedded default needs no arguments)",
+                                allow_abbrev=False)
     train.add_argument("--config", help="TOML or YAML config file")
     train.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}; model fields the config gives override it "
                                         "(GPU memory per rank: docs/presets.md)")
@@ -95,11 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--accept-changed-data", action="store_true", default=None,
                        help="resume although the data files changed since the checkpoint: a new epoch over them")
     train.add_argument("--inject", help='faults, e.g. "kill:rank=3,step=7;hang:rank=2,step=22"')
+    train.add_argument("--set", action="append", default=[], type=parse_setting, metavar="SECTION.FIELD=VALUE",
+                       help="any config field, e.g. --set data.seq_len=256 --set optimizer.beta2=0.99 (repeatable; "
+                            "VALUE as in TOML, else a string)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
-    report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run")
+    report = commands.add_parser("report", help="timeline PNG and goodput breakdown of a run", allow_abbrev=False)
     report.add_argument("run", help="a run directory or storage URL")
-    report.add_argument("--output", help="PNG path")
-    prepare = commands.add_parser("prepare", help="write text as a byte-level token file to train on (data.format = tokens)")
+    report.add_argument("-o", "--output", help="PNG path")
+    prepare = commands.add_parser("prepare", help="write text as a byte-level token file to train on (data.format = tokens)",
+                                  allow_abbrev=False)
     prepare.add_argument("inputs", nargs="+", metavar="TEXT", help="text files: paths, globs or fsspec URLs, in order")
     prepare.add_argument("--output", required=True, help="the token file: a path or fsspec URL, e.g. train.bin")
     prepare.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
@@ -113,6 +134,7 @@ def train_overrides(args: argparse.Namespace) -> dict:
     overrides = {field: getattr(args, flag) for flag, field in TRAIN_FLAGS.items() if getattr(args, flag) is not None}
     if args.groups:
         overrides.update(args.groups)
+    overrides.update(args.set)  # last: --set says exactly which field it means
     return overrides
 
 

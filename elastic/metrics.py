@@ -44,7 +44,10 @@ class Metrics:
         self.live_groups = Gauge("elastic_live_groups", "Replica groups in the quorum", **labels)
         self.live_ranks = Gauge("elastic_live_ranks", "Ranks in the quorum", **labels)
         self.generation = Gauge("elastic_generation", "Membership generation", **labels)
-        self.step = Gauge("elastic_step", "Last committed step", **labels)
+        # A count, like elastic_steps_committed_total (steps are numbered from 0): after steps
+        # 0..2 both read 3, and after a resume this one counts the resumed steps too.
+        self.step = Gauge("elastic_step", "Steps the run has committed, resumed ones included (the next step)",
+                          **labels)
         self.steps_committed = Counter("elastic_steps_committed", "Steps committed", **labels)
         self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
         self.nonfinite_steps = Counter(
@@ -149,7 +152,7 @@ class Metrics:
             self.rank_communication_seconds.labels(rank=rank).set(seconds)
         self.straggler_scores(record.get("rank_straggler_score", {}))
         self.steps_committed.inc()
-        self.step.set(record["step"])
+        self.step.set(record["step"] + 1)
         self.loss.set(record["loss"])
         self.learning_rate.set(record["lr"])
         self.grad_norm.set(record["grad_norm"])

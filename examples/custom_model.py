@@ -49,8 +49,8 @@ def smoothed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch
 
 
 def main() -> None:
-    config = load_config(overrides={"steps": 30, "scaling.max_groups": 2, "scaling.shard": 1, "scaling.tp": 2,
-                                    "run_name": "custom-mlp"})
+    # No run name: each run of the example is a new run (the same name would resume the last one)
+    config = load_config(overrides={"steps": 30, "scaling.max_groups": 2, "scaling.shard": 1, "scaling.tp": 2})
     result = ElasticTrainer(
         config,
         model_fn=ByteMLP,

@@ -119,3 +119,27 @@ def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_
     assert str(record) in line and "--break-lease" in line, line
     line = refusal(elastic("train", "--break-lease", "--storage", str(tmp_path / "runs"), cwd=tmp_path))
     assert "--break-lease: name the run" in line and "--run-name" in line
+
+
+def test_any_config_field_is_settable_with_set_and_wins_over_the_file(tmp_path):
+    from elastic.cli import build_parser, train_overrides
+    from elastic.config import load_config
+
+    (tmp_path / "run.toml").write_text('[data]\nseq_len = 32\n')
+    args = build_parser().parse_args([
+        "train", "--config", str(tmp_path / "run.toml"), "--set", "data.seq_len=128", "--set", "optimizer.beta2=0.99",
+        "--set", "data.validation_fraction=0.1", "--set", "compute.compile=true", "--set", "run_name=nightly-7",
+    ])
+    config = load_config(args.config, train_overrides(args))
+    assert (config.data.seq_len, config.optimizer.beta2, config.data.validation_fraction) == (128, 0.99, 0.1)
+    assert config.compute.compile is True and config.run_name == "nightly-7"
+    line = refusal(elastic("train", "--set", "data.seq_lenn=64", cwd=tmp_path))
+    assert "seq_lenn" in line, line
+
+
+def test_abbreviated_flags_are_refused_not_guessed(tmp_path):
+    completed = elastic("train", "--step", "5", cwd=tmp_path)
+    assert completed.returncode == 2 and "unrecognized arguments: --step 5" in completed.stderr
+    from elastic.cli import build_parser
+
+    assert build_parser().parse_args(["report", "runs/r1", "-o", "t.png"]).output == "t.png"

@@ -410,7 +410,7 @@ def test_cluster_shape_fits_the_training_layout():
     groups_per_pod = gpus // group_gpus
     assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
     assert workers["minReplicas"] * groups_per_pod >= scaling.min_groups
-    assert workers["maxReplicas"] * groups_per_pod >= scaling.max_groups
+    assert workers["maxReplicas"] * groups_per_pod == scaling.max_groups  # more pods would hold no group
     cpus = float(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     assert cpus >= groups_per_pod * scaling.shard * scaling.tp * scaling.cpus_per_rank
 

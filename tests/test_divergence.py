@@ -59,3 +59,4 @@ def test_the_summary_is_strict_json_whatever_floats_it_holds():
 def test_clipping_does_not_pass_a_nan_norm_off_as_fine():
     assert math.isnan(clip_coefficient(math.nan, 1.0))
     assert clip_coefficient(math.inf, 1.0) == 0.0
+

@@ -121,3 +121,17 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
     scraped = set(prometheus.api("label/__name__/values"))
     used = set().union(*(metric_names(expr) for _, expr in dashboard_queries()))
     assert used <= scraped, f"the dashboard uses metrics the run did not export: {sorted(used - scraped)}"
+
+
+def test_the_step_gauge_and_the_committed_counter_agree(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from elastic.metrics import Metrics
+    from tests.test_controller_scenarios import Scenario
+
+    scenario = Scenario(tmp_path, steps=3)
+    registry = CollectorRegistry()
+    metrics = Metrics("t", registry)
+    scenario.controller.step_listeners.append(lambda record: metrics.on_step(record, scenario.ledger))
+    assert scenario.run() == "completed"
+    assert registry.get_sample_value("elastic_step") == registry.get_sample_value("elastic_steps_committed_total") == 3

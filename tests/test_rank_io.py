@@ -229,6 +229,15 @@ def test_the_upload_process_shares_the_arena_instead_of_a_copy(rank, in_process,
     assert staging_mappings(in_process.uploader.process.pid) == 1
 
 
+def assert_the_next_save_restarts_the_process(rank, in_process, lost_process, tmp_path) -> None:
+    expected = rank.snapshot()
+    url = str(tmp_path / "next")
+    in_process.save(rank.model, rank.optimizer, url)
+    assert in_process.wait().ok
+    assert in_process.uploader.process is not lost_process
+    assert_same(loaded(in_process, url), expected)
+
+
 def test_a_lost_upload_process_fails_its_upload_and_the_next_save_restarts_it(rank, in_process, tmp_path):
     process = in_process.uploader.process
     os.kill(process.pid, signal.SIGSTOP)  # frozen, then killed mid-upload
@@ -237,12 +246,7 @@ def test_a_lost_upload_process_fails_its_upload_and_the_next_save_restarts_it(ra
     result = in_process.wait()
     assert not result.ok and "upload process lost" in result.error
 
-    expected = rank.snapshot()
-    url = str(tmp_path / "next")
-    in_process.save(rank.model, rank.optimizer, url)
-    assert in_process.wait().ok
-    assert in_process.uploader.process is not process
-    assert_same(loaded(in_process, url), expected)
+    assert_the_next_save_restarts_the_process(rank, in_process, process, tmp_path)
 
 
 def test_settle_stops_an_upload_process_that_does_not_answer(rank, in_process, tmp_path):
@@ -272,12 +276,7 @@ def test_abandon_kills_an_upload_stuck_in_storage_and_the_next_save_goes_ahead(r
     assert not result.ok and "upload process lost" in result.error
     assert not process.is_alive() and in_process.arena is None
 
-    expected = rank.snapshot()
-    url = str(tmp_path / "next")
-    in_process.save(rank.model, rank.optimizer, url)
-    assert in_process.wait().ok
-    assert in_process.uploader.process is not process
-    assert_same(loaded(in_process, url), expected)
+    assert_the_next_save_restarts_the_process(rank, in_process, process, tmp_path)
 
 
 def test_an_abandoned_upload_stuck_on_the_ranks_thread_refuses_saves_until_it_ends(rank, world, tmp_path):
