@@ -10,6 +10,7 @@ and B/A, measured in one run, for two jobs:
   step 15, mid-way between Ray Train's checkpoints (every 10), while the other ranks are
   computing their own share. Target: A under 2 step times and B/A >= 10.
 
+    pip install -e ".[bench]"   # Ray Train, which the product itself does not need
     python bench/recovery.py [--jobs tiny,real]
 
 Both train the reference model (elastic: one replica group of shard 1 per rank; Ray Train:

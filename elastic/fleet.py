@@ -55,7 +55,7 @@ class Rendezvous:
     """The TCPStore every process group rendezvouses on, hosted by the driver.
 
     It listens only on the address the ranks reach the driver at: loopback for a local run
-    (Ray's node address there), the driver node's cluster address on a cluster. torch's store
+    (a Ray the driver started), the driver node's address on a cluster. torch's store
     server takes no bind address, so it is handed a socket bound there. It has no
     authentication either, and any client that reaches the port can list every key: the
     ranks bind each key and value to a secret that reaches them only through Ray

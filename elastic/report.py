@@ -243,7 +243,11 @@ def _live_series(steps: list[dict[str, Any]], events: list[dict[str, Any]], key:
 def plot_timeline(summary: dict[str, Any], path: str) -> str:
     """Draw the run timeline to a PNG at ``path`` (local path or fsspec URL); returns ``path``."""
     # Draw on an Agg canvas directly: no pyplot, no global backend switch, no display needed.
-    import matplotlib
+    # matplotlib is the "report" extra: training never needs it.
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("the timeline is drawn with matplotlib: pip install 'elastic-trainer[report]'") from None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D

@@ -11,6 +11,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -180,10 +181,17 @@ def start_local_ray(**options) -> None:
 
 
 class ElasticTrainer:
+    """Train a run. ``on_step`` callables get each committed step's record (the dict
+    ``summary.json`` keeps under ``steps``: step, loss, lr, grad_norm, tokens_per_s, ...) as it
+    is committed; ``on_event`` callables get every event (evaluations are ``evaluated``
+    events, with their loss), on the driver. An exception a callable raises stops the run."""
+
     def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, loss_fn=None,
                  dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
-                 keep_final_state: bool = False):
+                 keep_final_state: bool = False, on_step: Iterable[Callable[[dict], None]] = (),
+                 on_event: Iterable[Callable[[dict], None]] = ()):
         self.config = config or TrainConfig()
+        self.on_step, self.on_event = list(on_step), list(on_event)
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn)
         self.progress = progress
@@ -246,11 +254,14 @@ class ElasticTrainer:
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
-            events.listeners.append(metrics.on_event)
+            events.listeners += [metrics.on_event, *self.on_event]
             scaling = self.config.scaling
             topology = Topology(scaling.shard, scaling.tp, scaling.max_groups)
             injects = bool(self.faults) or self.config.stragglers.noise > 0
-            fleet = Fleet(self.config, self.hooks, topology, Rendezvous.start(),
+            # A Ray this driver started is this machine's alone: its ranks reach the store on
+            # loopback (Ray's own node address is the routable one even then).
+            rendezvous = Rendezvous.start("127.0.0.1" if started_ray else None)
+            fleet = Fleet(self.config, self.hooks, topology, rendezvous,
                           actor_class=FaultInjectingRankActor if injects else RankActor)
             checkpoints = self._checkpoints(fleet, events, ledger, topology, clock, lease)
             resume = checkpoints.latest()
@@ -262,7 +273,7 @@ class ElasticTrainer:
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
                 controller = Controller(
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
-                    on_step=[bar.update, lambda record: metrics.on_step(record, ledger)],
+                    on_step=[bar.update, lambda record: metrics.on_step(record, ledger), *self.on_step],
                     checkpoints=checkpoints, resume=resume, stop_requested=stop,
                     faults=schedule if injects else None, eval_len=self.eval_len,
                 )

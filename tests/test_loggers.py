@@ -1,0 +1,72 @@
+"""The trainer's callbacks and the experiment trackers built on them. A tracker's test runs
+only where its package (its extra) is installed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elastic import ElasticTrainer
+from elastic.loggers import eval_scalars, step_scalars
+from tests.tiny import tiny_config
+
+RECORD = {"step": 7, "loss": 2.5, "lr": 3e-3, "grad_norm": math.nan, "grad_clip_scale": 1.0, "tokens_per_s": 9e4,
+          "step_s": 0.2, "live_groups": 2, "live_ranks": 4, "rank_step_s": {"0": 0.2}}
+
+
+def test_a_step_record_gives_its_finite_numbers_under_their_chart_names():
+    assert step_scalars(RECORD) == {"train/loss": 2.5, "train/lr": 3e-3, "train/grad_clip_scale": 1.0,
+                                    "throughput/tokens_per_s": 9e4, "throughput/step_s": 0.2,
+                                    "elastic/live_groups": 2.0, "elastic/live_ranks": 4.0}
+    assert eval_scalars({"kind": "evaluated", "step": 8, "loss": 1.5}) == {"eval/loss": 1.5}
+    assert eval_scalars({"kind": "rank-failed", "step": 8}) == {}
+
+
+def test_callbacks_get_every_committed_step_and_every_event(ray_cluster, tmp_path):
+    steps, events = [], []
+    config = tiny_config(tmp_path, steps=4, eval__every=2, data__validation_fraction=0.1)
+    result = ElasticTrainer(config, on_step=[steps.append], on_event=[events.append]).fit()
+    assert result.ok, result.exit
+    assert [record["step"] for record in steps] == [0, 1, 2, 3] and steps == result.summary["steps"]
+    assert [event["step"] for event in events if event["kind"] == "evaluated"] == [2, 4]
+    assert events[-1]["kind"] == "run-finished"
+
+
+def test_tensorboard_logger_writes_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from elastic.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(str(tmp_path))
+    logger.on_step(RECORD)
+    logger.on_event({"kind": "evaluated", "step": 8, "loss": 1.5})
+    logger.writer.close()
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    assert [(s.step, s.value) for s in accumulator.Scalars("train/loss")] == [(7, 2.5)]
+    assert [(s.step, s.value) for s in accumulator.Scalars("eval/loss")] == [(8, 1.5)]
+
+
+def test_wandb_logger_logs_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from elastic.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger("elastic-test", dir=str(tmp_path))
+    logger.on_step(RECORD)
+    assert logger.run.summary["train/loss"] == 2.5
+    logger.run.finish()
+
+
+def test_mlflow_logger_logs_to_a_local_store(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    from elastic.loggers import MLflowLogger
+
+    mlflow.set_tracking_uri(f"file://{tmp_path}")
+    logger = MLflowLogger("elastic-test")
+    logger.on_step(RECORD)
+    mlflow.end_run()
+    history = mlflow.tracking.MlflowClient().get_metric_history(logger.run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(7, 2.5)]
