@@ -76,9 +76,9 @@ class NullRank:
             share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
             time.sleep(self.step_s)
             wall = time.perf_counter() - started
-            records.append(StepRecord(step, me.group, 1.0, 0.0, 1.0, share.global_samples, share.group_samples,
-                                      share.next_cursor, tuple(group_ranks), ((0.0, self.step_s, 0.0, wall),) * len(group_ranks),
-                                      step_s=wall))
+            records.append(StepRecord(step, me.group, 1.0, 0.0, 1.0, spec.schedule.lr(step), share.global_samples,
+                                      share.group_samples, share.next_cursor, tuple(group_ranks),
+                                      ((0.0, self.step_s, 0.0, wall),) * len(group_ranks), step_s=wall))
             cursor = share.next_cursor
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
             interval = int((started - run_started) / spec.report_interval_s)

@@ -284,9 +284,9 @@ class Controller:
         """A step every group of the run committed: record it, feed the straggler detector
         and the deadline, close an open recovery, tell the listeners."""
         step = self.progress.step
-        record, ranks = self.progress.commit(
-            records, seq_len=self.config.data.seq_len, schedule=self.config.lr_schedule,
-            generation=self.membership.generation, t=round(self.clock() - self.events.started_at, 4))
+        record, ranks = self.progress.commit(records, seq_len=self.config.data.seq_len,
+                                             generation=self.membership.generation,
+                                             t=round(self.clock() - self.events.started_at, 4))
         self.deadline.record(record["step_s"])
         self.divergence.committed()
         if self.stragglers is not None:

@@ -11,9 +11,13 @@ from torch import nn
 
 from elastic.config import TrainConfig
 from elastic.dataset import default_datasets
+from elastic.errors import ConfigError
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
 from workers.train_step import token_cross_entropy
+
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,13 @@ def model_args(config: TrainConfig) -> ModelArgs:
     )
 
 
-def default_parallelize(config: TrainConfig) -> Parallelize:
+def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
     compute = config.compute
     return Parallelize(
         precision=compute.precision,
         activation_checkpointing=compute.activation_checkpointing == "full",
         compile=compute.compile,
+        tp_plan=tp_plan,
     )
 
 
@@ -82,6 +87,7 @@ def resolve_hooks(
     dataset=None,
     eval_dataset=None,
     optimizer_fn=None,
+    tp_plan=None,
 ) -> TrainHooks:
     """The given hooks, defaults for the rest. A given ``dataset`` comes with its own
     ``eval_dataset`` (or none); otherwise both are made from ``config.data``, unless an
@@ -93,10 +99,30 @@ def resolve_hooks(
         eval_dataset = default_eval if eval_dataset is None else eval_dataset
     return TrainHooks(
         model_fn=model_fn or ReferenceModel(model_args(config)),
-        parallelize_fn=parallelize_fn or default_parallelize(config),
+        parallelize_fn=parallelize_fn or default_parallelize(config, tp_plan),
         loss_fn=loss_fn or token_cross_entropy,
         dataset=dataset,
         optimizer_fn=optimizer_fn
         or AdamW(optimizer.lr, optimizer.weight_decay, (optimizer.beta1, optimizer.beta2), optimizer.eps),
         eval_dataset=eval_dataset,
     )
+
+
+def check_hooks(config: TrainConfig, hooks: TrainHooks, *, custom_model: bool, custom_parallelize: bool) -> None:
+    """What the ranks would fail on, found on the driver before any actor starts: a first
+    sample that is not ``seq_len + 1`` integer token ids, and ``scaling.tp > 1`` for a custom
+    model with no tensor-parallel plan (its model is built on the meta device to tell)."""
+    seq_len = config.data.seq_len
+    sample = hooks.dataset[0]
+    if not (isinstance(sample, torch.Tensor) and sample.dtype in INTEGER_DTYPES and sample.shape == (seq_len + 1,)):
+        described = (f"a tensor of dtype {sample.dtype} and shape {tuple(sample.shape)}"
+                     if isinstance(sample, torch.Tensor) else f"a {type(sample).__name__}")
+        raise ConfigError(f"dataset: sample 0 is {described}; each sample must be a 1-D integer tensor of "
+                          f"data.seq_len + 1 = {seq_len + 1} token ids (inputs and the next-token targets)")
+    if config.scaling.tp > 1 and custom_model and not custom_parallelize and not hooks.parallelize_fn.tp_plan:
+        with torch.device("meta"):
+            model = hooks.model_fn()
+        if not isinstance(model, Transformer):
+            raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
+                              f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
+                              "scaling.tp = 1")

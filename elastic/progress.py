@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic.core.data_plan import DataCursor
-from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import StepRecord
 
 DATA, COMPUTE, COMM, WALL = range(4)  # the columns of StepRecord.times
@@ -39,7 +38,7 @@ class RunProgress:
     tokens_committed: int = 0
     has_state: bool = False  # the live groups hold a committed state (not only the seed's)
 
-    def commit(self, records: dict[int, StepRecord], *, seq_len: int, schedule: LRSchedule, generation: int,
+    def commit(self, records: dict[int, StepRecord], *, seq_len: int, generation: int,
                t: float) -> tuple[dict, RankArrays]:
         """Record a step every group of a run committed (their votes agree on the loss, the
         norm and the clipping factor; each group reports its own ranks' times). Returns the
@@ -60,7 +59,7 @@ class RunProgress:
             "step": self.step,
             "t": t,
             "loss": first.loss,
-            "lr": schedule.lr(self.step),
+            "lr": first.lr,  # as the ranks applied it: a custom optimizer's own rate times the factor
             "grad_norm": first.grad_norm,
             "grad_clip_scale": first.clip_scale,
             "step_s": round(step_s, 5),

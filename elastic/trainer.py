@@ -31,7 +31,7 @@ from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.dataset import data_identity
 from elastic.fleet import Fleet, Rendezvous
-from elastic.hooks import resolve_hooks
+from elastic.hooks import check_hooks, resolve_hooks
 from elastic.metrics import Metrics
 from workers.fault_injection import FaultInjectingRankActor
 from elastic.core.protocol import describe_error
@@ -186,14 +186,18 @@ class ElasticTrainer:
     is committed; ``on_event`` callables get every event (evaluations are ``evaluated``
     events, with their loss), on the driver. An exception a callable raises stops the run."""
 
-    def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, loss_fn=None,
-                 dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
+    def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, tp_plan=None,
+                 loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
                  keep_final_state: bool = False, on_step: Iterable[Callable[[dict], None]] = (),
                  on_event: Iterable[Callable[[dict], None]] = ()):
         self.config = config or TrainConfig()
         self.on_step, self.on_event = list(on_step), list(on_event)
+        if tp_plan is not None and parallelize_fn is not None:
+            raise ConfigError("tp_plan: give it or parallelize_fn, not both (tp_plan is the default "
+                              "parallelize's tensor-parallel step)")
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
-                                   dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn)
+                                   dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
+                                   tp_plan=tp_plan)
         self.progress = progress
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
@@ -209,6 +213,8 @@ class ElasticTrainer:
                 f"global_batch={self.config.global_batch} exceeds the dataset's {self.dataset_len} samples; "
                 "lower global_batch or give more data"
             )
+        check_hooks(self.config, self.hooks, custom_model=model_fn is not None,
+                    custom_parallelize=parallelize_fn is not None)
         self.eval_len = self._eval_len()
         self.data_identity = data_identity(self.hooks.dataset)
         self.run_name = self.config.run_name or default_run_name()

@@ -2,9 +2,10 @@
 
     python examples/custom_model.py
 
-A small MLP language model over bytes: the token embedding is split by vocabulary rows, the
-hidden layers column- then row-wise, and FSDP2 shards the rest; every hook but the dataset
-is the user's.
+A small MLP language model over bytes with its own tensor-parallel plan: the token embedding
+split by vocabulary rows, the hidden layers column- then row-wise. FSDP2, the precision
+(``compute.precision``) and the rest stay the trainer's; every other hook but the dataset is
+the user's.
 """
 
 import torch
@@ -13,7 +14,6 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from elastic import ElasticTrainer, load_config
-from workers.parallelize import fully_shard_model
 
 
 class ByteMLP(nn.Module):
@@ -30,16 +30,13 @@ class ByteMLP(nn.Module):
         return self.head(h)
 
 
-def parallelize_mlp(model: ByteMLP, mesh) -> ByteMLP:
-    if mesh["tp"].size() > 1:
-        parallelize_module(model, mesh["tp"], {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "up": ColwiseParallel(),
-            "down": RowwiseParallel(),
-            "head": ColwiseParallel(output_layouts=Replicate()),
-        })
-    fully_shard_model(model, mesh["shard"], blocks=[])
-    return model
+def tensor_parallel_plan(model: ByteMLP, tp_mesh) -> None:
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    })
 
 
 def smoothed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -54,7 +51,7 @@ def main() -> None:
     result = ElasticTrainer(
         config,
         model_fn=ByteMLP,
-        parallelize_fn=parallelize_mlp,
+        tp_plan=tensor_parallel_plan,
         loss_fn=smoothed_cross_entropy,
         optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-2),
         progress=True,

@@ -415,8 +415,8 @@ class FakeRun:
             times = tuple((0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
                           for rank in ranks)
             self.buffered[group].append(StepRecord(
-                step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), plan.global_samples,
-                plan.group_samples, plan.next_cursor, ranks, times, step_s=at - self.started))
+                step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
+                plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times, step_s=at - self.started))
             if ends or at - self.reported.get(group, -NEVER) >= spec.report_interval_s:
                 self.reported[group] = at
                 leader = self.topology.global_ranks(group)[0]

@@ -23,12 +23,17 @@ def test_a_step_record_gives_its_finite_numbers_under_their_chart_names():
     assert eval_scalars({"kind": "rank-failed", "step": 8}) == {}
 
 
-def test_callbacks_get_every_committed_step_and_every_event(ray_cluster, tmp_path):
+def test_callbacks_get_every_committed_step_with_the_rate_it_applied_and_every_event(ray_cluster, tmp_path):
+    import torch
+
     steps, events = [], []
     config = tiny_config(tmp_path, steps=4, eval__every=2, data__validation_fraction=0.1)
-    result = ElasticTrainer(config, on_step=[steps.append], on_event=[events.append]).fit()
+    result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.5),
+                            on_step=[steps.append], on_event=[events.append]).fit()
     assert result.ok, result.exit
     assert [record["step"] for record in steps] == [0, 1, 2, 3] and steps == result.summary["steps"]
+    # the optimizer's own rate (times the constant schedule's factor 1), not optimizer.lr
+    assert [record["lr"] for record in steps] == [0.5] * 4 and result.summary["final_lr"] == 0.5
     assert [event["step"] for event in events if event["kind"] == "evaluated"] == [2, 4]
     assert events[-1]["kind"] == "run-finished"
 

@@ -154,3 +154,37 @@ def test_a_resume_over_changed_data_is_refused_naming_the_file_unless_accepted(t
     assert resumed.step == 4 and resumed.manifest.cursor == {"epoch": 3, "position": 0}  # a new epoch, cleanly
     [event] = events.of_kind(EventKind.DATA_CHANGED)
     assert event["files"] == [str(path)]
+
+
+def test_a_dataset_of_other_samples_is_refused_before_any_actor_starts(tmp_path):
+    import torch
+
+    class HuggingFaceStyle:
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, index):
+            return {"input_ids": torch.zeros(33, dtype=torch.int64)}
+
+    with pytest.raises(ConfigError, match=r"^dataset: sample 0 is a dict; each sample must be a 1-D integer tensor of "
+                                          r"data.seq_len \+ 1 = 33 token ids"):
+        ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=HuggingFaceStyle())
+    floats = [torch.zeros(33)] * 100
+    with pytest.raises(ConfigError, match=r"sample 0 is a tensor of dtype torch.float32 and shape \(33,\)"):
+        ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=floats)
+
+
+def test_tensor_parallelism_for_a_custom_model_without_a_plan_is_refused_up_front(tmp_path):
+    import torch
+
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
+
+    with pytest.raises(ConfigError, match=r"^scaling.tp = 2 needs a tensor-parallel plan for Sequential: pass "
+                                          r"tp_plan\(model, tp_mesh\)"):
+        ElasticTrainer(tiny_config(tmp_path, tp=2), model_fn=model_fn)
+    ElasticTrainer(tiny_config(tmp_path, tp=2), model_fn=model_fn, tp_plan=lambda model, mesh: None)
+    ElasticTrainer(tiny_config(tmp_path, tp=2))  # the reference model has its own plan
+    with pytest.raises(ConfigError, match="tp_plan: give it or parallelize_fn, not both"):
+        ElasticTrainer(tiny_config(tmp_path, tp=2), model_fn=model_fn, tp_plan=lambda model, mesh: None,
+                       parallelize_fn=lambda model, mesh: model)

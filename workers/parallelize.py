@@ -17,6 +17,7 @@ reduction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -103,20 +104,24 @@ def wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_bloc
 
 @dataclass(frozen=True)
 class Parallelize:
-    """The default ``parallelize_fn``: TP (reference model only), per-block activation
-    checkpointing and compile, then FSDP2 with the configured precision."""
+    """The default ``parallelize_fn``: TP (the reference model's plan, or a custom model's
+    ``tp_plan(model, tp_mesh)``), per-block activation checkpointing and compile (reference
+    model), then FSDP2 with the configured precision."""
 
     precision: Precision = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
+    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if mesh["tp"].size() > 1:
-            if not isinstance(model, Transformer):
-                raise ValueError(
-                    "scaling.tp > 1 needs a tensor-parallel plan: pass parallelize_fn for a custom model"
-                )
-            tensor_parallelize_transformer(model, mesh["tp"])
+            if self.tp_plan is not None:
+                self.tp_plan(model, mesh["tp"])
+            elif isinstance(model, Transformer):
+                tensor_parallelize_transformer(model, mesh["tp"])
+            else:
+                raise ValueError("scaling.tp > 1 needs a tensor-parallel plan for a custom model: pass tp_plan "
+                                 "(FSDP2 and the precision stay the config's) or parallelize_fn")
         blocks = []
         if isinstance(model, Transformer):
             blocks = wrap_blocks(model, self.activation_checkpointing, self.compile)

@@ -411,8 +411,9 @@ class RankWorker:
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale)
         self._set_progress(step, "done")
-        record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, share.global_samples,
-                            share.group_samples, share.next_cursor, tuple(self.group_ranks), vote.times)
+        record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
+                            share.global_samples, share.group_samples, share.next_cursor, tuple(self.group_ranks),
+                            vote.times)
         return record, vote.pause
 
     def _cross_group_scalars(self, loss_share: float, pause_seen: bool, deadline: float) -> tuple[float, float]:

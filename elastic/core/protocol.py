@@ -134,6 +134,7 @@ class StepRecord:
     loss: float  # the global batch's loss (every group's shares)
     grad_norm: float  # the global gradient norm, before clipping
     clip_scale: float
+    lr: float  # the optimizer's first parameter group's rate, as the step applied it
     global_samples: int
     group_samples: dict[int, int]  # each live group's share of the batch
     next_cursor: DataCursor  # where the data order stands after this step
