@@ -25,7 +25,7 @@ from checkpointing.storage import join_url
 from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.controller import Controller, TrainingStopped
-from elastic.core.events import EventKind, EventLog, redact_credentials
+from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
@@ -277,6 +277,7 @@ class ElasticTrainer:
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
+                events.listeners.append(bar.on_event)
                 controller = Controller(
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
                     on_step=[bar.update, lambda record: metrics.on_step(record, ledger), *self.on_step],
@@ -438,6 +439,12 @@ class ProgressBar:
         self.bar.set_postfix(
             loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", ranks=record["live_ranks"], refresh=False
         )
+
+    def on_event(self, event: dict) -> None:
+        """Faults and recoveries as one line each above the bar."""
+        line = console_line(event) if self.bar is not None else None
+        if line:
+            self.bar.write(redact_credentials(line))
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:

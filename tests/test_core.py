@@ -230,3 +230,25 @@ def test_fault_specs_refuse_nan_and_inf_naming_the_spec(spec, key):
     message = str(caught.value)
     assert f"{key}=" in message and repr(spec) in message, message
     assert "finite number" in message or "is not a number" in message, message
+
+
+def test_faults_and_recoveries_read_as_one_line_each():
+    from elastic.core.events import console_line
+
+    lines = [console_line(event) for event in (
+        {"kind": "step-discarded", "step": 7, "cause": "death", "culprits": {3: "death"},
+         "errors": {1: "RuntimeError: Connection closed by peer"}},
+        {"kind": "rank-evicted", "rank": 3, "group": 1, "cause": "death"},
+        {"kind": "recovered", "cause": "death", "step": 7, "total_s": 2.104},
+        {"kind": "group-joined", "group": 1, "generation": 4},
+        {"kind": "nonfinite-step", "step": 9, "loss": "nan", "grad_norm": "inf"},
+        {"kind": "run-started", "run": "r"},
+    )]
+    assert lines == [
+        "step 7 failed (death, ranks [3]): RuntimeError: Connection closed by peer",
+        "rank 3 of group 1 replaced (death)",
+        "recovered from death at step 7 in 2.1s",
+        "group 1 joined (generation 4)",
+        "step 9 discarded: loss nan, grad norm inf (not finite); run again",
+        None,
+    ]

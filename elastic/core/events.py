@@ -110,3 +110,24 @@ class EventLog:
     def of_kind(self, kind: EventKind) -> list[Event]:
         kind = EventKind(kind).value
         return [event for event in self.events if event["kind"] == kind]
+
+
+def console_line(event: Event) -> str | None:
+    """A fault, a recovery or a change of the quorum as one line for a person watching the
+    console; None for events that are not one (every event stays in the log and the summary)."""
+    kind, step = event.get("kind"), event.get("step")
+    if kind == EventKind.STEP_DISCARDED:
+        errors = event.get("errors") or {}
+        first = f": {next(iter(errors.values()))}" if errors else ""
+        return f"step {step} failed ({event['cause']}, ranks {sorted(event['culprits'])}){first}"
+    if kind == EventKind.RANK_EVICTED:
+        return f"rank {event['rank']} of group {event['group']} replaced ({event['cause']})"
+    if kind == EventKind.RECOVERED:
+        return f"recovered from {event['cause']} at step {step} in {event['total_s']:.1f}s"
+    if kind == EventKind.GROUP_JOINED:
+        return f"group {event['group']} joined (generation {event['generation']})"
+    if kind == EventKind.NONFINITE_STEP:
+        return f"step {step} discarded: loss {event['loss']}, grad norm {event['grad_norm']} (not finite); run again"
+    if kind == EventKind.CHECKPOINT_FAILED:
+        return f"checkpoint of step {step} failed: {event['error']}"
+    return None
