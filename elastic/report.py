@@ -204,6 +204,19 @@ def _event_label(event: dict[str, Any]) -> str | None:
     return None
 
 
+def merged_labels(labels: list[tuple[float, str, str]], within_s: float) -> list[tuple[float, list[str], str]]:
+    """Event labels ``(t, text, colour)`` in time order, those within ``within_s`` of the first
+    of a run of them joined into one (each text once): drawn one under another, not on top."""
+    merged: list[tuple[float, list[str], str]] = []
+    for t, label, colour in labels:
+        if merged and t - merged[-1][0] <= within_s:
+            if label not in merged[-1][1]:
+                merged[-1][1].append(label)
+        else:
+            merged.append((t, [label], colour))
+    return merged
+
+
 def _live_series(steps: list[dict[str, Any]], events: list[dict[str, Any]], key: str, wall: float,
                  lose_on_failure: bool) -> tuple[list[float], list[float]]:
     """A post-style step series of ``key`` (live_ranks / live_groups): each step's value holds from
@@ -252,6 +265,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     steps = sorted((s for s in summary.get("steps") or [] if s.get("t") is not None), key=lambda s: s["t"])
     events = [e for e in summary.get("events") or [] if e.get("t") is not None]
@@ -280,6 +294,9 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     # (1) per-rank step time -------------------------------------------------------------------
     ranks, matrix = _rank_matrix(steps)
     times = [float(s["t"]) for s in steps]
+    # start-up: until the first committed step began (ranks placed, built, the first step run)
+    startup_end = max(0.0, times[0] - float(steps[0].get("step_s") or 0.0)) if steps else wall
+    failed_ranks = {str(e.get("rank")) for e in events if e.get("kind") == K.RANK_FAILED}
     if not steps:
         ax_rank.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=ax_rank.transAxes)
         side_top.axis("off")
@@ -323,8 +340,11 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
                                 zorder=1, label="step (slowest)")
         handles = []
         for i, rank in enumerate(ranks):
-            (line,) = ax_rank.plot(xs, series(matrix[i]), marker="o", markersize=2.5, linewidth=1.0,
-                                   color=cmap(i % cmap.N), zorder=2, label=f"rank {rank}")
+            failed = str(rank) in failed_ranks
+            (line,) = ax_rank.plot(xs, series(matrix[i]), marker="X" if failed else "o",
+                                   markersize=4.5 if failed else 2.5, linewidth=2.4 if failed else 1.0,
+                                   color=cmap(i % cmap.N), zorder=4 if failed else 2,
+                                   label=f"rank {rank} (failed)" if failed else f"rank {rank}")
             handles.append(line)
         handles.append(total)
         ax_rank.set_ylabel("step time (s)")
@@ -363,23 +383,31 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         ax_groups = ax_live.twinx()
         ax_groups.step(gx, gy, where="post", color="#8c564b", linewidth=1.0, linestyle="--")
         ax_groups.set_ylim(0, max(gy) * 1.15 + 0.5)
+        ax_groups.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax_groups.set_ylabel("live groups", color="#8c564b")
         ax_groups.tick_params(axis="y", colors="#8c564b")
     if topo_ranks:
         ax_live.axhline(topo_ranks, color="#999999", linewidth=0.8, linestyle=":")
         if not xs:
             ax_live.set_ylim(0, topo_ranks * 1.15 + 0.5)
+    ax_live.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_live.set_ylabel("live ranks", color="#17becf")
     ax_live.set_xlabel("seconds since run start")
     ax_live.set_title("live ranks (solid) and groups (dashed)", fontsize=10, loc="left")
 
     # events -------------------------------------------------------------------------------------
+    for ax in axes:
+        ax.axvspan(0, startup_end, color="#bbbbbb", alpha=0.18, zorder=0)
+    if startup_end > 0:
+        ax_rank.text(startup_end / 2, 0.5, f"start-up\n{startup_end:.0f} s", transform=ax_rank.get_xaxis_transform(),
+                     ha="center", va="center", fontsize=9, color="#666666")
     present: list[str] = []
-    labelled = 0
+    labels: list[tuple[float, str, str]] = []  # (time, text, colour), merged below
     for event in sorted(events, key=lambda e: e["t"]):
         category = _CATEGORY_OF_KIND.get(event.get("kind"))
-        if category is None:
-            continue
+        if category is None or (category == "recovery" and event.get("kind") != K.RECOVERED
+                                and float(event["t"]) <= startup_end):
+            continue  # the groups joining at the start are start-up, not a recovery
         if category not in present:
             present.append(category)
         _, colour, style, _ = EVENT_CATEGORIES[category]
@@ -391,11 +419,13 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
             for ax in axes:
                 ax.axvspan(t - float(event["total_s"]), t, color=colour, alpha=0.08, zorder=0)
         label = _event_label(event)
-        if label and labelled < 24:
-            labelled += 1
-            ax_live.annotate(label, xy=(t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                             textcoords="offset points", rotation=90, va="top", ha="left",
-                             fontsize=7, color=colour)
+        if label:
+            labels.append((t, label, colour))
+    for t, texts, colour in merged_labels(labels, 0.02 * max(wall, 1e-9))[:24]:
+        ax_rank.annotate("\n".join(texts[:3]) + (f"\n(+{len(texts) - 3} more)" if len(texts) > 3 else ""),
+                         xy=(t, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                         textcoords="offset points", va="top", ha="left", fontsize=8, color=colour,
+                         bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8, "linewidth": 0})
     order = list(EVENT_CATEGORIES)
     present.sort(key=order.index)
     if present:

@@ -251,3 +251,14 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
     for category in ("startup", "committed", "discarded", "recovery", "evaluation"):
         assert parts[category] > 0, f"{category}: {parts}"
     assert [e["step"] for e in result.summary["eval"]] == [6, 12]
+
+
+def test_event_labels_close_in_time_read_as_one():
+    from elastic.report import merged_labels
+
+    labels = [(75.1, "rank 3 death", "red"), (75.2, "rank 3 death evicted", "red"), (75.2, "rank 3 death", "red"),
+              (75.4, "rank 0 stuck-in-collective evicted", "red"), (90.0, "ckpt failed", "red")]
+    assert merged_labels(labels, 2.0) == [
+        (75.1, ["rank 3 death", "rank 3 death evicted", "rank 0 stuck-in-collective evicted"], "red"),
+        (90.0, ["ckpt failed"], "red"),
+    ]
