@@ -294,9 +294,14 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     # (1) per-rank step time -------------------------------------------------------------------
     ranks, matrix = _rank_matrix(steps)
     times = [float(s["t"]) for s in steps]
-    # start-up: until the first committed step began (ranks placed, built, the first step run)
-    startup_end = max(0.0, times[0] - float(steps[0].get("step_s") or 0.0)) if steps else wall
+    # start-up: the ledger's (placing and building the ranks); without one, until the first
+    # committed step began (a rollback to step 0 drops the earlier steps' records)
+    if breakdown and breakdown.get("startup"):
+        startup_end = float(breakdown["startup"])
+    else:
+        startup_end = max(0.0, times[0] - float(steps[0].get("step_s") or 0.0)) if steps else wall
     failed_ranks = {str(e.get("rank")) for e in events if e.get("kind") == K.RANK_FAILED}
+    first_failure = min((float(e["t"]) for e in events if e.get("kind") == K.RANK_FAILED), default=math.inf)
     if not steps:
         ax_rank.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=ax_rank.transAxes)
         side_top.axis("off")
@@ -406,8 +411,8 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     for event in sorted(events, key=lambda e: e["t"]):
         category = _CATEGORY_OF_KIND.get(event.get("kind"))
         if category is None or (category == "recovery" and event.get("kind") != K.RECOVERED
-                                and float(event["t"]) <= startup_end):
-            continue  # the groups joining at the start are start-up, not a recovery
+                                and float(event["t"]) < first_failure):
+            continue  # groups joining before anything failed are the start, not a recovery
         if category not in present:
             present.append(category)
         _, colour, style, _ = EVENT_CATEGORIES[category]
