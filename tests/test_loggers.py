@@ -23,18 +23,32 @@ def test_a_step_record_gives_its_finite_numbers_under_their_chart_names():
     assert eval_scalars({"kind": "rank-failed", "step": 8}) == {}
 
 
-def test_callbacks_get_every_committed_step_with_the_rate_it_applied_and_every_event(ray_cluster, tmp_path):
+def test_the_custom_model_example_trains_under_its_tp_plan_and_callbacks_see_every_step_and_event(
+        ray_cluster, tmp_path):
+    """examples/custom_model.py's hooks (tp_plan, bf16 from the config, its own AdamW at lr
+    1e-2): each committed step reaches on_step with the rate the optimizer applied (not
+    optimizer.lr), and every event reaches on_event, evaluations included."""
+    import importlib.util
+    from pathlib import Path
+
     import torch
 
+    path = Path(__file__).parent.parent / "examples" / "custom_model.py"
+    spec = importlib.util.spec_from_file_location("custom_model_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     steps, events = [], []
-    config = tiny_config(tmp_path, steps=4, eval__every=2, data__validation_fraction=0.1)
-    result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.5),
+    config = tiny_config(tmp_path, tp=2, steps=12, eval__every=6, data__validation_fraction=0.1,
+                         compute__precision="bf16")
+    result = ElasticTrainer(config, model_fn=example.ByteMLP, tp_plan=example.tensor_parallel_plan,
+                            loss_fn=example.smoothed_cross_entropy,
+                            optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-2),
                             on_step=[steps.append], on_event=[events.append]).fit()
     assert result.ok, result.exit
-    assert [record["step"] for record in steps] == [0, 1, 2, 3] and steps == result.summary["steps"]
-    # the optimizer's own rate (times the constant schedule's factor 1), not optimizer.lr
-    assert [record["lr"] for record in steps] == [0.5] * 4 and result.summary["final_lr"] == 0.5
-    assert [event["step"] for event in events if event["kind"] == "evaluated"] == [2, 4]
+    assert result.losses[-1] < result.losses[0] - 0.5
+    assert [record["step"] for record in steps] == list(range(12)) and steps == result.summary["steps"]
+    assert [record["lr"] for record in steps] == [1e-2] * 12 and result.summary["final_lr"] == 1e-2
+    assert [event["step"] for event in events if event["kind"] == "evaluated"] == [6, 12]
     assert events[-1]["kind"] == "run-finished"
 
 

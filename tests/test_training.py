@@ -72,20 +72,3 @@ def test_a_diverging_run_stops_as_diverged_and_commits_no_nonfinite_step(ray_clu
     with open(result.summary_path) as handle:
         json.loads(handle.read(), parse_constant=lambda name: pytest.fail(f"summary.json holds a bare {name}"))
 
-
-def test_the_custom_model_example_trains_with_its_tp_plan_under_the_configured_precision(ray_cluster, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    import torch
-
-    path = Path(__file__).parent.parent / "examples" / "custom_model.py"
-    spec = importlib.util.spec_from_file_location("custom_model_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    config = tiny_config(tmp_path, groups=1, tp=2, steps=12, compute__precision="bf16", run_name="example")
-    result = ElasticTrainer(config, model_fn=example.ByteMLP, tp_plan=example.tensor_parallel_plan,
-                            loss_fn=example.smoothed_cross_entropy,
-                            optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-2)).fit()
-    assert result.ok, result.exit
-    assert result.losses[-1] < result.losses[0] - 0.5
