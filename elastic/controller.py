@@ -234,7 +234,8 @@ class Controller:
         if outcome.diagnosis is not None:
             return Recovering(outcome.diagnosis, "step", outcome.committed_until, self.collection.failure_seen_at)
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
-            step, self.progress.steps_discarded = outcome.nonfinite, self.progress.steps_discarded + 1
+            step = outcome.nonfinite
+            self.progress.steps_discarded += 1
             self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm))
             diverged = self.divergence.diverged(step)
             return Stopping(diverged) if diverged else AtBoundary()

@@ -108,7 +108,7 @@ def resolve_hooks(
     )
 
 
-def check_hooks(config: TrainConfig, hooks: TrainHooks, *, custom_model: bool, custom_parallelize: bool) -> None:
+def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     """What the ranks would fail on, found on the driver before any actor starts: a first
     sample that is not ``seq_len + 1`` integer token ids, and ``scaling.tp > 1`` for a custom
     model with no tensor-parallel plan (its model is built on the meta device to tell)."""
@@ -119,7 +119,9 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks, *, custom_model: bool, c
                      if isinstance(sample, torch.Tensor) else f"a {type(sample).__name__}")
         raise ConfigError(f"dataset: sample 0 is {described}; each sample must be a 1-D integer tensor of "
                           f"data.seq_len + 1 = {seq_len + 1} token ids (inputs and the next-token targets)")
-    if config.scaling.tp > 1 and custom_model and not custom_parallelize and not hooks.parallelize_fn.tp_plan:
+    parallelize = hooks.parallelize_fn
+    planless = isinstance(parallelize, Parallelize) and parallelize.tp_plan is None  # the default, no tp_plan
+    if config.scaling.tp > 1 and planless and not isinstance(hooks.model_fn, ReferenceModel):
         with torch.device("meta"):
             model = hooks.model_fn()
         if not isinstance(model, Transformer):

@@ -98,7 +98,7 @@ def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, iden
     path is refused, naming the files: the saved cursor indexes an order over other data, and
     would skip some samples and train others twice. With ``checkpoint.accept_changed_data``
     the model resumes and the data starts a new epoch."""
-    saved = checkpoint.manifest.data
+    saved = checkpoint.manifest.data  # empty: the data was generated, or the user's own
     changed = sorted(file for file in saved.keys() | identity.keys() if saved.get(file) != identity.get(file))
     if not saved or not changed:
         return checkpoint
@@ -213,8 +213,7 @@ class ElasticTrainer:
                 f"global_batch={self.config.global_batch} exceeds the dataset's {self.dataset_len} samples; "
                 "lower global_batch or give more data"
             )
-        check_hooks(self.config, self.hooks, custom_model=model_fn is not None,
-                    custom_parallelize=parallelize_fn is not None)
+        check_hooks(self.config, self.hooks)
         self.eval_len = self._eval_len()
         self.data_identity = data_identity(self.hooks.dataset)
         self.run_name = self.config.run_name or default_run_name()
