@@ -89,11 +89,12 @@ class Recovering:
     events: dict = field(default_factory=dict)  # extra fields of its rank-failed events
 
     def describe(self, step: int) -> str:
+        """What failed, for a stop reason that goes on to name the error."""
         if self.failed == "control call":
             return f"a control call failed while {self.events['during']} ({self.error})"
         if self.failed == "group start":
-            return f"groups {sorted(self.diagnosis.broken_groups)} failed to start ({self.error})"
-        return f"step {step} failed ({self.diagnosis.cause}: {self.diagnosis.culprits})"
+            return f"groups {sorted(self.diagnosis.broken_groups)} failed to start"
+        return f"{self.failed} {step} failed ({self.diagnosis.cause}, ranks {sorted(self.diagnosis.culprits)})"
 
 
 @dataclass(frozen=True)

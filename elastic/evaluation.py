@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from elastic.config import TrainConfig
-from elastic.core.data_plan import group_weights, plan_eval
+from elastic.core.data_plan import group_weights, plan_eval, token_rescale
 from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
@@ -33,11 +33,12 @@ class Evaluation:
                          group_weights=group_weights(live_groups, {}))
         # Forward only, over a batch that may be larger than a training step's.
         deadline_s = self.collection.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
+        global_tokens = plan.global_samples * self.config.data.seq_len
         started = self.clock()
         pending = self.fleet.evaluate({
             rank: EvalRequest(step, group_plan.micro_batches(self.topology.shard_index(rank), self.topology.shard,
                                                              self.config.micro_batch),
-                              plan.global_samples * self.config.data.seq_len, attempt, deadline_s)
+                              global_tokens, attempt, deadline_s)
             for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
         })
         reports, diagnosis = self.collection.collect(pending, step, attempt, started, deadline_s)
@@ -46,7 +47,9 @@ class Evaluation:
         if diagnosis is not None:
             return None, diagnosis
         # Each TP row's share once: its ranks compute the same replicated logits.
-        loss = sum(report.loss_share for rank, report in reports.items() if self.topology.leads_tp(rank))
+        leading = [report for rank, report in reports.items() if self.topology.leads_tp(rank)]
+        loss = sum(report.loss_share for report in leading) * token_rescale(
+            global_tokens, sum(report.counted_tokens for report in leading))
         record = {"step": step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
         self.events.emit(EventKind.EVALUATED, **record)
         return record, None

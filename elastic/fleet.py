@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ray
 import torch.distributed as dist
 from ray import ObjectRefGenerator
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -31,6 +31,7 @@ from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 from elastic.core.topology import Topology
 from elastic.core.protocol import (
     EvalRequest,
+    HookFailed,
     GroupProgress,
     Failure,
     Progress,
@@ -93,7 +94,7 @@ class Fleet:
         self.topology = topology
         self.rendezvous = rendezvous
         self.actor_class = actor_class
-        self.hooks_ref = ray.put(hooks)
+        self.hooks_ref = ray.put(ray.cloudpickle.dumps(hooks))  # bytes: each rank unpickles them itself
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.placements: dict[int, PlacementGroup] = {}
         # One readiness reference per placement group: each ready() call submits a new task,
@@ -215,7 +216,7 @@ class Fleet:
         refs = list(pending.refs.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         ready = set(ready)
-        results, lost, failed = {}, {}, {}
+        results, lost, failed, hooks_failed = {}, {}, {}, {}
         for rank, ref in pending.refs.items():
             if ref not in ready:
                 failed[rank] = f"no answer within {timeout:.0f}s"
@@ -224,12 +225,18 @@ class Fleet:
                 results[rank] = ray.get(ref, timeout=0)
             except RayActorError as error:
                 lost[rank] = describe_error(error, 300)
+            except RayTaskError as error:
+                if isinstance(error.cause, HookFailed):  # its own one line, not Ray's traceback
+                    failed[rank] = hooks_failed[rank] = str(error.cause)
+                else:
+                    failed[rank] = describe_error(error, 500)
             except (RayError, GetTimeoutError) as error:
                 failed[rank] = describe_error(error, 500)
         if lost:
             raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())), call)
         if failed:
-            raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call)
+            raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call,
+                             hooks_failed)
         return results
 
     # runs

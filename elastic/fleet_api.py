@@ -33,7 +33,12 @@ class RanksLost(FleetError):
 
 
 class CallFailed(FleetError):
-    """These ranks raised, or did not answer in time; their processes may live."""
+    """These ranks raised, or did not answer in time; their processes may live.
+    ``hooks_failed``: the ranks whose own hooks raised (``HookFailed``), with its message."""
+
+    def __init__(self, ranks: list[int], message: str, call: str = "", hooks_failed: dict[int, str] | None = None):
+        super().__init__(ranks, message, call)
+        self.hooks_failed = dict(hooks_failed or {})
 
 
 @dataclass

@@ -16,13 +16,13 @@ from checkpointing.catalog import Restorable
 from elastic.checkpoint_coordinator import CheckpointCoordinator
 from elastic.config import TrainConfig
 from elastic.core.data_plan import DataCursor
-from elastic.core.diagnosis import DEATH, Diagnosis
+from elastic.core.diagnosis import DEATH, OWN_ERROR, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
-from elastic.fleet_api import FleetApi, FleetError, Pending, RanksLost
+from elastic.fleet_api import CallFailed, FleetApi, FleetError, Pending, RanksLost
 from elastic.progress import RunProgress
 from elastic.recovery_timing import RecoveryTiming
 
@@ -82,10 +82,12 @@ class GroupKeeper:
                 lost = error.ranks if isinstance(error, RanksLost) else [
                     rank for rank in self.topology.global_ranks(group) if not self.fleet.alive(rank)
                 ]
+                hooks_failed = error.hooks_failed if isinstance(error, CallFailed) else {}
                 self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=describe_error(error, 300))
                 self.failed_starts[group] = Diagnosis(
-                    culprits=dict.fromkeys(lost, DEATH), broken_groups=frozenset({group}),
-                    errors={rank: describe_error(error, 300) for rank in error.ranks},
+                    culprits={**dict.fromkeys(lost, DEATH), **dict.fromkeys(hooks_failed, OWN_ERROR)},
+                    broken_groups=frozenset({group}),
+                    errors={rank: hooks_failed.get(rank, describe_error(error, 300)) for rank in error.ranks},
                 )
 
     def _advance(self, group: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ from elastic.dataset import default_datasets
 from elastic.errors import ConfigError
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
-from workers.train_step import token_cross_entropy
+from workers.train_step import IGNORE_INDEX, sample_ids, token_cross_entropy
 
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -108,17 +108,42 @@ def resolve_hooks(
     )
 
 
+SAMPLE_FORMS = ("each sample must be a 1-D integer tensor of data.seq_len + 1 = {n} token ids (inputs and the "
+                "next-token targets), or a dict with input_ids of that shape and optional labels beside them "
+                "({ignore} where no loss is taken)")
+
+
+def check_sample(sample, seq_len: int, vocab_size: int | None) -> None:
+    """``sample`` as the ranks read it, or a ``ConfigError`` naming what is wrong with it."""
+    forms = SAMPLE_FORMS.format(n=seq_len + 1, ignore=IGNORE_INDEX)
+    if isinstance(sample, Mapping) and "input_ids" not in sample:
+        raise ConfigError(f"dataset: sample 0 is a dict with keys {sorted(sample)} and no input_ids; {forms}")
+    try:
+        ids, labels = sample_ids(sample)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ConfigError(f"dataset: sample 0 cannot be read as token ids ({error}); {forms}") from None
+    for name, tensor in (("input_ids", ids), ("labels", labels)):
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype in INTEGER_DTYPES and tensor.shape == (seq_len + 1,)):
+            described = (f"a tensor of dtype {tensor.dtype} and shape {tuple(tensor.shape)}"
+                         if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}")
+            where = "sample 0" if tensor is sample else f"sample 0's {name}"
+            raise ConfigError(f"dataset: {where} is {described}; {forms}")
+    targets = labels[labels != IGNORE_INDEX]
+    for name, tensor in (("token id", ids), ("label", targets)):
+        if tensor.numel() and tensor.min() < 0:
+            raise ConfigError(f"dataset: sample 0 has a negative {name} ({tensor.min().item()}); {forms}")
+        if vocab_size is not None and tensor.numel() and tensor.max() >= vocab_size:
+            raise ConfigError(f"dataset: sample 0 has {name} {tensor.max().item()}, outside the model's vocabulary "
+                              f"of {vocab_size}: raise model.vocab_size or re-tokenize")
+
+
 def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     """What the ranks would fail on, found on the driver before any actor starts: a first
-    sample that is not ``seq_len + 1`` integer token ids, and ``scaling.tp > 1`` for a custom
-    model with no tensor-parallel plan (its model is built on the meta device to tell)."""
-    seq_len = config.data.seq_len
-    sample = hooks.dataset[0]
-    if not (isinstance(sample, torch.Tensor) and sample.dtype in INTEGER_DTYPES and sample.shape == (seq_len + 1,)):
-        described = (f"a tensor of dtype {sample.dtype} and shape {tuple(sample.shape)}"
-                     if isinstance(sample, torch.Tensor) else f"a {type(sample).__name__}")
-        raise ConfigError(f"dataset: sample 0 is {described}; each sample must be a 1-D integer tensor of "
-                          f"data.seq_len + 1 = {seq_len + 1} token ids (inputs and the next-token targets)")
+    sample that is not ``seq_len + 1`` integer token ids (or a dict of them), ids outside the
+    reference model's vocabulary, and ``scaling.tp > 1`` for a custom model with no
+    tensor-parallel plan (its model is built on the meta device to tell)."""
+    check_sample(hooks.dataset[0], config.data.seq_len,
+                 hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
     parallelize = hooks.parallelize_fn
     planless = isinstance(parallelize, Parallelize) and parallelize.tp_plan is None  # the default, no tp_plan
     if config.scaling.tp > 1 and planless and not isinstance(hooks.model_fn, ReferenceModel):

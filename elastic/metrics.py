@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from elastic.core.diagnosis import COLLECTIVE_ERROR, CONTROL_ERROR, DEATH, HANG
+from elastic.core.diagnosis import COLLECTIVE_ERROR, CONTROL_ERROR, DEATH, HANG, OWN_ERROR
 from elastic.core.events import Event, EventKind
 from elastic.core.goodput import CATEGORIES, TimeLedger
 from elastic.core.recovery import STUCK_IN_COLLECTIVE
@@ -18,7 +18,7 @@ from elastic.core.straggler_policy import ACTIONS
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
 # series misses the first failure, and panels would show "no data" instead of 0.
-RECOVERY_CAUSES = (DEATH, HANG, COLLECTIVE_ERROR, CONTROL_ERROR)
+RECOVERY_CAUSES = (DEATH, HANG, OWN_ERROR, COLLECTIVE_ERROR, CONTROL_ERROR)
 EVICTION_CAUSES = (*RECOVERY_CAUSES, STUCK_IN_COLLECTIVE, "straggler")
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)

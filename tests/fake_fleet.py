@@ -110,6 +110,7 @@ class FakeFleet:
         self.slow: dict[int, float] = {}
         # control call -> [(rank, "die" | "raise")], fired once, the next time the call runs
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
+        self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
         self.fail_uploads = False
         self.fail_staging = False
         self.stuck_steps: set[int] = set()  # saves of these steps write their file, then never end
@@ -155,6 +156,11 @@ class FakeFleet:
         return Pending({rank: Call(self.clock() + self.start_s) for rank in ranks})
 
     def build(self, ranks, generation: int) -> Pending:
+        hooks_failed = {rank: self.hook_errors[rank] for rank in ranks if rank in self.hook_errors}
+        if hooks_failed:
+            raise CallFailed(list(hooks_failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(hooks_failed.items())),
+                             "build", hooks_failed)
+        self._control("build")
         return Pending({rank: Call(self.clock()) for rank in ranks})
 
     def alive(self, rank: int, timeout: float = 5.0) -> bool:

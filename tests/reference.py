@@ -24,10 +24,20 @@ class ReferenceTrace:
     params: list[torch.Tensor]
 
 
-def reference_trace(config: TrainConfig, steps: int, chunks: int = 1) -> ReferenceTrace:
+def huggingface_loss(model, samples: list[dict]) -> torch.Tensor:
+    """The mean next-token loss over the labels that are not -100, as HuggingFace's causal
+    language models compute it: none of the trainer's code."""
+    ids = torch.stack([torch.as_tensor(sample["input_ids"]) for sample in samples])
+    labels = torch.stack([torch.as_tensor(sample["labels"]) for sample in samples])
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def reference_trace(config: TrainConfig, steps: int, chunks: int = 1, dataset=None) -> ReferenceTrace:
     """``chunks`` > 1 accumulates the gradient over that many slices of each global batch:
-    the same math summed in another order, as replica groups do."""
-    hooks = resolve_hooks(config)
+    the same math summed in another order, as replica groups do. A ``dataset`` of dict samples
+    with labels is trained with ``huggingface_loss`` over each whole batch."""
+    hooks = resolve_hooks(config, dataset=dataset)
     torch.manual_seed(config.seed)
     model = hooks.model_fn()
     optimizer = hooks.optimizer_fn(model.parameters())
@@ -38,8 +48,13 @@ def reference_trace(config: TrainConfig, steps: int, chunks: int = 1) -> Referen
     cursor, trace = DataCursor(), ReferenceTrace([], [], [], [])
     for step in range(steps):
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
-        batches = [collate(dataset, part.tolist(), torch.device("cpu")) for part in np.array_split(indices, chunks)]
-        trace.losses.append(accumulate_gradients(model, hooks.loss_fn, batches, len(indices) * config.data.seq_len))
+        if isinstance(dataset[0], dict):
+            loss = huggingface_loss(model, [dataset[i] for i in indices.tolist()])
+            loss.backward()
+            trace.losses.append(loss.item())
+        else:
+            batches = [collate(dataset, part.tolist(), torch.device("cpu")) for part in np.array_split(indices, chunks)]
+            trace.losses.append(accumulate_gradients(model, hooks.loss_fn, batches, len(indices) * config.data.seq_len))
         trace.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         for group, base_lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base_lr * schedule.factor(step)

@@ -136,9 +136,9 @@ def test_a_collective_error_evicts_the_rank_that_raised_it(tmp_path):
     scenario.fleet.faults = {2: [CollectiveError(rank=1)]}
     assert scenario.run() == "completed"
 
-    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_FAILED)] == [(1, "collective-error")]
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_FAILED)] == [(1, "own-error")]
     [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
-    assert discarded["culprits"] == {1: "collective-error"} and discarded["broken_groups"] == [1]
+    assert discarded["culprits"] == {1: "own-error"} and discarded["broken_groups"] == [1]
     assert "bad collective" in discarded["errors"][1]
     assert scenario.fleet.copies == [(0, 1)]
 
@@ -361,6 +361,39 @@ def test_every_control_call_failing_is_bounded_by_the_recovery_budget(tmp_path):
     with pytest.raises(TrainingStopped, match="a control call failed while .* after 3 recoveries"):
         scenario.run()
     assert len(scenario.kinds(EventKind.RANK_FAILED)) == 3  # the kill, then two failed heals
+
+
+HOOK_ERROR = "AttributeError: 'Transformer' object has no attribute 'blocks' (at train.py:12 in parallelize)"
+
+
+def test_hooks_that_fail_on_every_rank_stop_the_run_at_once_evicting_no_one(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.hook_errors = dict.fromkeys(range(4), HOOK_ERROR)
+    with pytest.raises(TrainingStopped) as stopped:
+        scenario.run()
+    assert str(stopped.value) == (f"groups [0, 1] failed to start: ranks [0, 1, 2, 3] raised the same error: "
+                                  f"{HOOK_ERROR} (the code or the data, not the cluster; fix it and resume)")
+    assert scenario.fleet.starts == [0, 1, 2, 3] and scenario.fleet.kills == []
+    assert scenario.kinds(EventKind.RANK_FAILED) == [] and scenario.clock() - 1000 < 5  # no retries, no waiting
+
+
+def test_a_hook_that_fails_on_one_rank_stops_when_its_fresh_process_fails_the_same_way(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=1)
+    scenario.fleet.hook_errors = {1: HOOK_ERROR}
+    with pytest.raises(TrainingStopped, match=r"^groups \[1\] failed to start: the same error again on fresh "
+                                              r"processes: AttributeError"):
+        scenario.run()
+    assert scenario.fleet.starts.count(1) == 2  # replaced once, as any failed rank is
+
+
+def test_a_group_whose_rendezvous_fails_is_started_again(tmp_path):
+    """A failed build that is not the hooks' (a rendezvous timing out on a loaded node) is
+    retried like any failure, not taken for an error in the user's code."""
+    scenario = Scenario(tmp_path, groups=2, shard=1)
+    scenario.fleet.control_faults = {"build": [(0, "raise")]}
+    assert scenario.run() == "completed"
+    assert [event["group"] for event in scenario.kinds(EventKind.GROUP_START_FAILED)] == [0]
+    assert scenario.committed_steps() == list(range(12))
 
 
 def test_each_commit_carries_its_steps_scheduled_lr_and_clipping_factor(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
-from elastic.core.diagnosis import COLLECTIVE_ERROR, DEATH, HANG, OWN_DATA, Diagnosis
+from elastic.core.diagnosis import DEATH, HANG, OWN_DATA, OWN_ERROR, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
 from elastic.core.membership import (
@@ -138,7 +138,7 @@ def test_recovery_plan_evicts_culprits_then_stuck_ranks_and_keeps_healthy_groups
 
 def test_recovery_plan_with_every_group_affected_has_no_survivors():
     membership = live_membership(2, shard=1)
-    diagnosis = Diagnosis(culprits={0: HANG, 1: COLLECTIVE_ERROR}, broken_groups=frozenset({0, 1}), errors={})
+    diagnosis = Diagnosis(culprits={0: HANG, 1: OWN_ERROR}, broken_groups=frozenset({0, 1}), errors={})
     plan = plan_recovery(diagnosis, membership.topology, membership.live_groups())
     assert plan.survivors == () and plan.affected_groups == {0, 1} and plan.cause == HANG
 
@@ -163,12 +163,12 @@ def test_failure_policy_allows_its_budget_of_recoveries():
 
 def test_an_error_no_fresh_process_would_avoid_stops_the_run_instead_of_a_recovery():
     index_error = "IndexError: index out of range in self"
-    one_rank = Diagnosis({2: COLLECTIVE_ERROR}, frozenset({1}), {2: index_error})
+    one_rank = Diagnosis({2: OWN_ERROR}, frozenset({1}), {2: index_error})
     policy = FailurePolicy(max_recoveries=100)
     assert policy.refusal(7, one_rank) is None  # a first error: the rank is replaced
     assert policy.refusal(7, one_rank) == (f"the same error again on fresh processes: {index_error} (the code or "
                                            "the data, not the cluster; fix it and resume)")
-    assert FailurePolicy(100).refusal(7, Diagnosis({0: COLLECTIVE_ERROR, 3: COLLECTIVE_ERROR}, frozenset({0, 1}),
+    assert FailurePolicy(100).refusal(7, Diagnosis({0: OWN_ERROR, 3: OWN_ERROR}, frozenset({0, 1}),
                                                    {0: index_error, 3: index_error})).startswith(
         f"ranks [0, 3] raised the same error: {index_error}")
     data = Diagnosis({3: OWN_DATA, 1: DEATH}, frozenset({0, 1}), {3: "DataError: sample 9 holds token id 300"})
@@ -177,7 +177,7 @@ def test_an_error_no_fresh_process_would_avoid_stops_the_run_instead_of_a_recove
     policy = FailurePolicy(max_recoveries=100)
     assert policy.refusal(7, one_rank) is None
     assert policy.refusal(8, one_rank) is None
-    assert policy.refusal(8, Diagnosis({2: COLLECTIVE_ERROR}, frozenset({1}), {2: "RuntimeError: ECC error"})) is None
+    assert policy.refusal(8, Diagnosis({2: OWN_ERROR}, frozenset({1}), {2: "RuntimeError: ECC error"})) is None
 
 
 def test_a_new_group_gets_a_typical_weight():

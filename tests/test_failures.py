@@ -97,3 +97,25 @@ def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layo
             process.join(10)
             if process.is_alive():
                 process.kill()
+
+
+def users_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits, targets)  # a user's bug: (batch, seq, vocab) logits
+
+
+def test_a_failure_names_the_frame_in_the_users_code_not_torchs():
+    from workers.failures import describe_failure
+
+    error = raised_by(lambda: users_loss(torch.zeros(2, 3, 4), torch.zeros(2, 5, dtype=torch.long)))
+    line = users_loss.__code__.co_firstlineno + 1
+    assert describe_failure(error).startswith("RuntimeError: Expected target size")
+    assert describe_failure(error).endswith(f" (at {__file__}:{line} in users_loss)")
+    assert describe_failure(ValueError("no traceback")) == "ValueError: no traceback"
+
+
+def raised_by(call) -> BaseException:
+    try:
+        call()
+    except BaseException as caught:
+        return caught
+    raise AssertionError("it did not raise")

@@ -20,7 +20,7 @@ def failed(summary):
     "inject,culprit,cause",
     [
         ("kill:rank=3,step=5", 3, "death"),
-        ("fail-collective:rank=2,step=5", 2, "collective-error"),
+        ("fail-collective:rank=2,step=5", 2, "own-error"),
         ("hang:rank=1,step=5", 1, "hang"),
     ],
 )

@@ -159,19 +159,26 @@ def test_a_resume_over_changed_data_is_refused_naming_the_file_unless_accepted(t
 def test_a_dataset_of_other_samples_is_refused_before_any_actor_starts(tmp_path):
     import torch
 
-    class HuggingFaceStyle:
-        def __len__(self):
-            return 100
+    def refused(sample, message):
+        with pytest.raises(ConfigError, match=message):
+            ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=[sample] * 100)
 
-        def __getitem__(self, index):
-            return {"input_ids": torch.zeros(33, dtype=torch.int64)}
-
-    with pytest.raises(ConfigError, match=r"^dataset: sample 0 is a dict; each sample must be a 1-D integer tensor of "
-                                          r"data.seq_len \+ 1 = 33 token ids"):
-        ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=HuggingFaceStyle())
-    floats = [torch.zeros(33)] * 100
-    with pytest.raises(ConfigError, match=r"sample 0 is a tensor of dtype torch.float32 and shape \(33,\)"):
-        ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=floats)
+    ids = torch.zeros(33, dtype=torch.int64)
+    forms = r"each sample must be a 1-D integer tensor of data.seq_len \+ 1 = 33 token ids"
+    refused({"text": "a"}, rf"^dataset: sample 0 is a dict with keys \['text'\] and no input_ids; {forms}")
+    refused(torch.zeros(33), rf"^dataset: sample 0 is a tensor of dtype torch.float32 and shape \(33,\); {forms}")
+    refused({"input_ids": ids[:-1]}, r"^dataset: sample 0's input_ids is a tensor of dtype torch.int64 and shape "
+                                      r"\(32,\)")
+    refused({"input_ids": ids, "labels": ids[:-1]}, r"^dataset: sample 0's labels is a tensor .* shape \(32,\)")
+    refused({"input_ids": ids, "labels": torch.full((33,), -5)}, r"^dataset: sample 0 has a negative label \(-5\)")
+    refused(ids + 256, r"^dataset: sample 0 has token id 256, outside the model's vocabulary of 256: raise "
+                         r"model.vocab_size or re-tokenize$")
+    refused("some text", rf"^dataset: sample 0 is a str; {forms}")
+    refused({"input_ids": "some text"}, rf"^dataset: sample 0 cannot be read as token ids \(.*\); {forms}")
+    # HuggingFace's forms are taken: tensors, or lists as a dataset without a torch format gives them
+    masked = torch.cat([torch.full((10,), -100), ids[10:]])
+    ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=[{"input_ids": ids, "labels": masked}] * 100)
+    ElasticTrainer(tiny_config(tmp_path, eval__every=0), dataset=[{"input_ids": ids.tolist()}] * 100)
 
 
 def test_tensor_parallelism_for_a_custom_model_without_a_plan_is_refused_up_front(tmp_path):

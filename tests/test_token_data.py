@@ -313,10 +313,10 @@ def test_reading_a_token_file_keeps_rss_flat(tmp_path):
     cursor, touched = DataCursor(), set()
     for _ in range(steps):
         indices, cursor = take_global_batch(cursor, dataset_len, global_batch, seed=0)
-        tokens, mask = collate(rank_side, indices.tolist(), torch.device("cpu"))
-        assert tokens.shape == (global_batch, seq_len + 1) and mask.all()
+        batch = collate(rank_side, indices.tolist(), torch.device("cpu"))
+        assert batch.inputs.shape == (global_batch, seq_len) and batch.counted_tokens == global_batch * seq_len
         touched.update(indices.tolist())
-    tokens, _ = collate(rank_side, list(real), torch.device("cpu"))
+    batch = collate(rank_side, list(real), torch.device("cpu"))
     growth = rss_bytes(field) - before
     elapsed = time.monotonic() - started
     print(f"\n{field} growth {growth / 2**20:.1f} MiB reading {len(touched)} windows of a {size >> 20} MiB "
@@ -324,8 +324,8 @@ def test_reading_a_token_file_keeps_rss_flat(tmp_path):
     assert len(touched) == steps * global_batch
     assert min(touched) < dataset_len // 100 and max(touched) > dataset_len * 99 // 100  # the whole file
     assert growth < 64 << 20, f"{field} grew {growth / 2**20:.0f} MiB reading a {size >> 20} MiB token file"
-    for row, expected in zip(tokens, real.values()):
-        assert torch.equal(row, torch.from_numpy(expected.astype(np.int64)))
+    for inputs, targets, expected in zip(batch.inputs, batch.targets, real.values()):
+        assert torch.equal(torch.cat([inputs, targets[-1:]]), torch.from_numpy(expected.astype(np.int64)))
 
 
 # --- held-out data -----------------------------------------------------------------------

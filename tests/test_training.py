@@ -1,6 +1,9 @@
 """End-to-end training on real Ray actors with real gloo process groups."""
 
+import re
+
 import pytest
+import torch
 
 from elastic import ElasticTrainer
 from tests.reference import max_relative_difference, reference_run
@@ -72,3 +75,61 @@ def test_a_diverging_run_stops_as_diverged_and_commits_no_nonfinite_step(ray_clu
     with open(result.summary_path) as handle:
         json.loads(handle.read(), parse_constant=lambda name: pytest.fail(f"summary.json holds a bare {name}"))
 
+
+
+def test_huggingface_style_samples_with_ignored_labels_train_the_huggingface_mean_loss(ray_cluster, tmp_path):
+    """Dict samples whose prompts are ignored (-100), split over 2 groups of 2 shards: every
+    step's loss, and the held-out loss at the end, are HuggingFace's mean over the labels
+    that count, as one process computes it over the whole batch."""
+    import torch
+
+    from elastic.hooks import model_args
+    from tests.reference import huggingface_loss, reference_trace
+    from tests.test_train_step import PromptAndAnswer
+    from workers.model import Transformer
+
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=8, data__seq_len=16, eval__every=8,
+                         eval__samples=12)
+    train, held_out = PromptAndAnswer(64, seed=1), PromptAndAnswer(12, seed=2)
+    result = ElasticTrainer(config, dataset=train, eval_dataset=held_out).fit()
+    assert result.ok, result.exit
+    reference = reference_trace(config, 8, dataset=train)
+    assert max_relative_difference(result.losses, reference.losses) <= 1e-5
+    model = Transformer(model_args(config))
+    with torch.no_grad():
+        for param, trained in zip(model.parameters(), reference.params):
+            param.copy_(trained)
+        expected = huggingface_loss(model, [held_out[i] for i in range(12)]).item()
+    [evaluation] = result.summary["eval"]
+    assert abs(evaluation["loss"] - expected) <= 1e-5 * expected
+
+
+
+def test_an_error_in_the_users_loss_stops_the_run_with_it_and_its_frame_evicting_nobody(ray_cluster, tmp_path):
+    from tests.test_train_step import broken_loss
+
+    config = tiny_config(tmp_path, groups=2, min_groups=2, steps=4)
+    result = ElasticTrainer(config, loss_fn=broken_loss).fit()
+    where = f"{broken_loss.__code__.co_filename}:{broken_loss.__code__.co_firstlineno + 1} in broken_loss"
+    assert result.exit.startswith("stopped: step 0 failed (own-error, ranks [0, 1]): ranks [0, 1] raised the same "
+                                  "error: RuntimeError: Expected target size"), result.exit
+    assert result.exit.endswith(f"(at {where}) (the code or the data, not the cluster; fix it and resume)"), result.exit
+    kinds = [event["kind"] for event in result.summary["events"]]
+    assert "rank-failed" not in kinds and kinds.count("group-built") == 2
+
+
+def loss_the_ranks_cannot_import(logits, targets):
+    """Defined in a module pytest imports as ``test_training``, a name the ranks cannot import:
+    as a script's function is, when the job does not ship the script's directory."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+
+def test_hooks_the_ranks_cannot_import_stop_the_run_in_seconds_saying_so(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, groups=2, min_groups=2, steps=4)
+    result = ElasticTrainer(config, loss_fn=loss_the_ranks_cannot_import).fit()
+    # both groups fail together, or one first and the other on its fresh processes
+    assert re.match(r"stopped: groups \[[0-1, ]+\] failed to start: (ranks \[0, 1\] raised the same error|the same "
+                    r"error again on fresh processes): ImportError: No module named 'test_training': the ranks cannot "
+                    r"import the code that defines the hooks; ship it with the job", result.exit), result.exit
+    kinds = [event["kind"] for event in result.summary["events"]]
+    assert kinds.count("group-start-failed") <= 3 and "group-built" not in kinds

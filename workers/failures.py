@@ -19,12 +19,17 @@ hung or failed on its own.
 
 from __future__ import annotations
 
+import os
+import sysconfig
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from elastic.core.protocol import Failure
+import checkpointing
+import elastic
+import workers
+from elastic.core.protocol import Failure, describe_error
 
 
 class CollectiveAborted(RuntimeError):
@@ -65,6 +70,34 @@ def raised_in_collective(error: BaseException) -> bool:
         return True
     frames = traceback.extract_tb(error.__traceback__)
     return any(frame.filename.replace("\\", "/").endswith(COLLECTIVE_CODE) for frame in frames)
+
+
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.realpath(module.__file__)) + os.sep
+
+
+# Frames in these are not the user's: Python's own library, installed packages, torch and
+# this trainer's packages (installed or not).
+NOT_USER_CODE = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
+                       if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                      | {_package_dir(module) for module in (torch, elastic, workers, checkpointing)})
+
+
+def user_frame(error: BaseException) -> str | None:
+    """Where in the user's own code ``error`` was raised: the innermost frame outside the
+    libraries, as ``file:line in function``; None when it came from no user code."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.realpath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(NOT_USER_CODE) or os.sep + "site-packages" + os.sep in path:
+            continue
+        return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return None
+
+
+def describe_failure(error: BaseException) -> str:
+    """The error's type and message, and the frame in the user's code it came from."""
+    frame = user_frame(error)
+    return describe_error(error) if frame is None else f"{describe_error(error)} (at {frame})"
 
 
 def classify(error: BaseException, phase: str) -> Failure:

@@ -33,8 +33,8 @@ def burn_cpu(seconds: float) -> None:
 
 
 class FaultInjectingWorker(RankWorker):
-    def __init__(self, spec: RankSpec, hooks):
-        super().__init__(spec, hooks)
+    def __init__(self, spec: RankSpec, pickled_hooks: bytes):
+        super().__init__(spec, pickled_hooks)
         self.slow_factor = 1.0
         self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
         self.fail_next_collective = False

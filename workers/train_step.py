@@ -2,12 +2,15 @@
 
 The loss of a step is the sum of per-token losses over the whole global batch divided by
 the global token count. Each rank adds its share of that sum, so the gradient is the same
-however the driver splits the batch across groups, ranks and micro-batches.
+however the driver splits the batch across groups, ranks and micro-batches. Where labels
+are ignored, the ranks also sum the targets that count, and the step is rescaled to the mean
+over those (``token_rescale``) once every share is in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,32 +29,60 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     )
 
 
-def collate(dataset, indices: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples into (tokens, sample mask); padding rows carry zero weight."""
+IGNORE_INDEX = -100  # a label that takes no part in the loss, as HuggingFace's labels mark them
+
+
+def sample_ids(sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's ``seq_len + 1`` token ids and its labels, aligned with them. A sample is a
+    1-D tensor of ids (its labels are the ids), or a dict as HuggingFace datasets give: its
+    ``input_ids`` and, optionally, its ``labels``, where ``IGNORE_INDEX`` marks the positions
+    that are not trained on (prompts, padding)."""
+    if isinstance(sample, Mapping):
+        ids = torch.as_tensor(sample["input_ids"])
+        return ids, torch.as_tensor(sample["labels"]) if "labels" in sample else ids
+    return sample, sample
+
+
+class Batch(NamedTuple):
+    """A micro-batch: inputs and next-token targets of shape (batch, seq), each target's weight
+    (0 for padding rows and ignored labels), and how many targets count."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+    counted_tokens: int
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.inputs.to(device), self.targets.to(device), self.weights.to(device), self.counted_tokens)
+
+
+def collate(dataset, indices: Sequence[int], device: torch.device) -> Batch:
+    """Stack samples into a batch; padding rows carry zero weight."""
     real = [i for i in indices if i != PADDING_INDEX]
-    template = dataset[real[0]] if real else dataset[0]
-    rows = [dataset[i] if i != PADDING_INDEX else torch.zeros_like(template) for i in indices]
-    tokens = torch.stack(rows).to(device)
-    mask = torch.tensor([i != PADDING_INDEX for i in indices], dtype=torch.float32, device=device)
-    return tokens, mask
-
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+    template = sample_ids(dataset[real[0]] if real else dataset[0])
+    rows = [sample_ids(dataset[i]) if i != PADDING_INDEX else tuple(map(torch.zeros_like, template)) for i in indices]
+    ids = torch.stack([row[0] for row in rows])
+    targets = torch.stack([row[1] for row in rows])[:, 1:]
+    ignored = targets == IGNORE_INDEX
+    padding = torch.tensor([i == PADDING_INDEX for i in indices])
+    weights = (~(ignored | padding[:, None])).float()
+    # A loss_fn need not know IGNORE_INDEX: an ignored target is a valid id weighted 0.
+    targets = targets.masked_fill(ignored, 0)
+    return Batch(ids[:, :-1], targets, weights, int(weights.sum().item())).to(device)
 
 
 def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
-    """The micro-batch's share of the global loss: its token losses summed over real samples,
-    over the global token count."""
-    tokens, mask = batch
-    token_losses = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-    return (token_losses.float() * mask[:, None]).sum() / global_tokens
+    """The micro-batch's share of the global loss: its weighted token losses summed, over the
+    global token count."""
+    token_losses = loss_fn(model(batch.inputs), batch.targets)
+    return (token_losses.float() * batch.weights).sum() / global_tokens
 
 
 def _loss_share(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
                 on_micro_batch: Callable[[int], None], backward: bool) -> float:
     """The micro-batches' summed loss shares, summed on the device and read once, so the host
     never waits for the device between micro-batches."""
-    loss_share = torch.zeros((), device=batches[0][0].device)
+    loss_share = torch.zeros((), device=batches[0].inputs.device)
     for index, batch in enumerate(batches):
         on_micro_batch(index)
         loss = micro_batch_loss(model, loss_fn, batch, global_tokens)
@@ -59,6 +90,10 @@ def _loss_share(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], glo
             loss.backward()
         loss_share += loss.detach()
     return loss_share.item()
+
+
+def counted_tokens(batches: Sequence[Batch]) -> int:
+    return sum(batch.counted_tokens for batch in batches)
 
 
 def accumulate_gradients(

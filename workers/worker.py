@@ -39,12 +39,13 @@ from torch.distributed.fsdp import FSDPModule
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
-from elastic.core.data_plan import DataCursor, RankShare, rank_share
+from elastic.core.data_plan import DataCursor, RankShare, rank_share, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
     GroupProgress,
+    HookFailed,
     NonFinite,
     Progress,
     RunEnd,
@@ -52,7 +53,6 @@ from elastic.core.protocol import (
     RunSpec,
     StepRecord,
     StepReport,
-    describe_error,
 )
 from workers.failures import (
     CollectiveAborted,
@@ -62,12 +62,15 @@ from workers.failures import (
     StepInterrupted,
     VoteFailed,
     classify,
+    describe_failure,
+    raised_in_collective,
 )
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 from workers.train_step import (
     accumulate_gradients,
     collate,
+    counted_tokens,
     evaluate_loss,
     scale_gradients,
     squared_gradient_norm,
@@ -113,20 +116,41 @@ def abort_process_groups_on_gpu(group=None) -> None:
 
 
 @dataclass(frozen=True)
+class CrossGroupScalars:
+    """One position's sums over the groups."""
+
+    loss_share: float
+    counted_tokens: float
+    pause: float
+
+
+@dataclass(frozen=True)
 class Vote:
     """What every rank of a group decided together about a step."""
 
     every_rank_succeeded: bool
-    loss: float
+    loss: float  # the step's loss over the global token count (before ``token_rescale``)
+    counted_tokens: int  # the targets that count, over the whole step
     pause: bool
     grad_norm: float  # the global gradient norm (after the cross-group sum, one group's parts make it)
     times: tuple[tuple[float, float, float, float], ...]  # by group rank: data, compute, comm, wall seconds
 
 
+def load_hooks(pickled_hooks: bytes):
+    """The user's hooks, unpickled by the rank, not by Ray as it creates the actor: an error
+    here (code the ranks cannot import) is the hooks' own, and stops the run."""
+    try:
+        return ray.cloudpickle.loads(pickled_hooks)
+    except ImportError as error:
+        raise ImportError(f"{error}: the ranks cannot import the code that defines the hooks; ship it with the job "
+                          "(ray job submit --working-dir, or runtime_env py_modules)") from error
+
+
 class RankWorker:
-    def __init__(self, spec: RankSpec, hooks):
+    def __init__(self, spec: RankSpec, pickled_hooks: bytes):
         self.spec = spec
-        self.hooks = hooks
+        self.pickled_hooks = pickled_hooks
+        self.hooks = None  # loaded by the first build
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if spec.use_gpu:
             torch.cuda.set_device(self.device)
@@ -270,10 +294,17 @@ class RankWorker:
         # Its own group: the checkpoint upload thread must not interleave with these.
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if spec.shard * spec.tp > 1 else None
         torch.manual_seed(spec.seed)  # every rank builds the same initial model
-        with self.device:
-            model = self.hooks.model_fn()
-        self.model = self.hooks.parallelize_fn(model, mesh) or model
-        self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
+        try:
+            if self.hooks is None:
+                self.hooks = load_hooks(self.pickled_hooks)
+            with self.device:
+                model = self.hooks.model_fn()
+            self.model = self.hooks.parallelize_fn(model, mesh) or model
+            self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
+        except Exception as error:
+            if raised_in_collective(error):  # a peer or the transport: worth another try
+                raise
+            raise HookFailed(describe_failure(error)) from error
         # The schedule scales these; the optimizer's own lr changes every step, and a heal or
         # restore loads the lr a peer last stepped with.
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -374,7 +405,7 @@ class RankWorker:
         started = time.perf_counter()
         step = share.step
         self._set_progress(step, "data")
-        on_device = [(tokens.to(self.device), mask.to(self.device)) for tokens, mask in batches.result()]
+        on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
         self._set_progress(step, "compute")
         self._rng_before_step = rng.capture(self.spec.use_gpu)
@@ -384,13 +415,14 @@ class RankWorker:
         sum_error = None
         try:
             self._reduce_across_groups(spec, started + spec.deadline_s)
-            crossed = self._cross_group_scalars(loss_share, self._pause_run == spec.run, started + spec.deadline_s)
+            crossed = self._cross_group_scalars(loss_share, counted_tokens(on_device), self._pause_run == spec.run,
+                                                started + spec.deadline_s)
             # An abort the driver sent (a step failed elsewhere) ends this group's run after
             # this step, which every contribution reached: a group that stops earlier than
             # another leaves the other's next cross-group sum to be aborted and discarded.
-            crossed = (crossed[0], crossed[1] + float(self._abort_requested()))
+            crossed = replace(crossed, pause=crossed.pause + float(self._abort_requested()))
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
-            sum_error, crossed = error, (0.0, 0.0)
+            sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = (data_s, compute_s, comm_s, time.perf_counter() - started)
@@ -403,37 +435,40 @@ class RankWorker:
             raise sum_error
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.spec.global_rank}: step {step} discarded: a peer's cross-group sum failed")
-        norm = vote.grad_norm
-        if not (math.isfinite(vote.loss) and math.isfinite(norm)):
+        rescale = token_rescale(share.global_tokens, vote.counted_tokens)
+        loss, norm = vote.loss * rescale, vote.grad_norm * rescale
+        if not (math.isfinite(loss) and math.isfinite(norm)):
             self._discard_uncommitted()
             self._set_progress(step, "done")
-            return NonFinite(step, vote.loss, norm), True
+            return NonFinite(step, loss, norm), True
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
-        self._apply(spec.schedule.factor(step), clip_scale)
+        self._apply(spec.schedule.factor(step), clip_scale * rescale)
         self._set_progress(step, "done")
-        record = StepRecord(step, self.spec.group, vote.loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
+        record = StepRecord(step, self.spec.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, tuple(self.group_ranks),
                             vote.times)
         return record, vote.pause
 
-    def _cross_group_scalars(self, loss_share: float, pause_seen: bool, deadline: float) -> tuple[float, float]:
-        """The loss shares and pause requests of this position summed over the groups, in
-        float64: identical at this position in every group."""
-        scalars = torch.tensor([loss_share, float(pause_seen)], dtype=torch.float64)
+    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool,
+                             deadline: float) -> CrossGroupScalars:
+        """The loss shares, counted tokens and pause requests of this position summed over the
+        groups, in float64: identical at this position in every group."""
+        scalars = torch.tensor([loss_share, float(counted), float(pause_seen)], dtype=torch.float64)
         if self.replicate_group is not None:
             on_device = scalars.to(self.device)
             self._wait_replicate(self.replicate_group.allreduce([on_device]), deadline)
             scalars = on_device.cpu()
-        return scalars[0].item(), scalars[1].item()
+        return CrossGroupScalars(*scalars.tolist())
 
-    def _vote(self, succeeded: bool, crossed: tuple[float, float], grad_sq_norm: float,
+    def _vote(self, succeeded: bool, crossed: CrossGroupScalars, grad_sq_norm: float,
               times: tuple[float, float, float, float]) -> Vote:
         """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
         and adds them up in rank order, so all decide the same: apply or discard, and whether
         to stop after this step (a pause every group saw the same, or an abort)."""
         leads_tp = self.spec.tp_index == 0
-        ballot = torch.tensor([float(succeeded), crossed[0] if leads_tp else 0.0, crossed[1], grad_sq_norm, *times],
-                              dtype=torch.float64)
+        # A TP row's ranks hold the same samples: its first rank counts them.
+        sums = [crossed.loss_share, crossed.counted_tokens] if leads_tp else [0.0, 0.0]
+        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, grad_sq_norm, *times], dtype=torch.float64)
         if self.control_group is None:
             ballots = [ballot]
         else:
@@ -443,9 +478,10 @@ class RankWorker:
         return Vote(
             every_rank_succeeded=all(row[0] == 1.0 for row in table),
             loss=sum(row[1] for row in table),
-            pause=any(row[2] > 0 for row in table),
-            grad_norm=global_norm({group_rank: row[3] for group_rank, row in enumerate(table)}),
-            times=tuple(tuple(row[4:8]) for row in table),
+            counted_tokens=round(sum(row[2] for row in table)),
+            pause=any(row[3] > 0 for row in table),
+            grad_norm=global_norm({group_rank: row[4] for group_rank, row in enumerate(table)}),
+            times=tuple(tuple(row[5:9]) for row in table),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:
@@ -470,7 +506,7 @@ class RankWorker:
         self._leave_replicas()
         self._discard_uncommitted()
         self._set_progress(step, "failed")
-        return StepReport(self.spec.global_rank, step, error=describe_error(error), failure=failure,
+        return StepReport(self.spec.global_rank, step, error=describe_failure(error), failure=failure,
                           group_broken=group_broken)
 
     def evaluate(self, request: EvalRequest) -> StepReport:
@@ -489,8 +525,9 @@ class RankWorker:
                                            on_micro_batch=lambda index: self._at_micro_batch(request.step, index))
                 compute_s = self.compute_timer.seconds()
             self._set_progress(request.step, "done")
-            return StepReport(self.spec.global_rank, request.step, loss_share=loss_share, data_s=data_s,
-                              compute_s=compute_s, wall_s=time.perf_counter() - started)
+            return StepReport(self.spec.global_rank, request.step, loss_share=loss_share,
+                              counted_tokens=counted_tokens(batches), data_s=data_s, compute_s=compute_s,
+                              wall_s=time.perf_counter() - started)
         except Exception as error:
             return self._failed(request.step, error)
 

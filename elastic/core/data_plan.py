@@ -171,6 +171,12 @@ def group_weights(groups: Iterable[int], decided: Mapping[int, float]) -> dict[i
     return {group: decided.get(group, 1.0) for group in groups}
 
 
+def token_rescale(global_tokens: int, counted: int) -> float:
+    """What turns a sum over the global token count into the mean over the targets that count
+    (fewer, where labels are ignored): exactly 1.0 when every target counts."""
+    return global_tokens / counted if counted else 1.0
+
+
 @dataclass(frozen=True)
 class RankShare:
     """One rank's part of one step of a run, and what the step means for the whole batch."""

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 
 from elastic.core.protocol import Failure, Progress, StepReport, describe_error
 
-DEATH, COLLECTIVE_ERROR, HANG = "death", "collective-error", "hang"
+DEATH, HANG = "death", "hang"
+# The rank raised about itself: its own compute, I/O or hooks (the user's code, or the device).
+OWN_ERROR = "own-error"
 # The rank's data (or the dataset's code) failed: no fresh process reads it differently.
 OWN_DATA = "own-data"
+# Every rank that failed blames a peer, and none died or hung: the transport itself.
+COLLECTIVE_ERROR = "collective-error"
 # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
 # still answers: it is replaced like any failed rank.
 CONTROL_ERROR = "control-error"
@@ -33,7 +37,7 @@ class Diagnosis:
     @property
     def cause(self) -> str:
         causes = set(self.culprits.values())
-        for cause in (DEATH, HANG, OWN_DATA, COLLECTIVE_ERROR, CONTROL_ERROR):
+        for cause in (DEATH, HANG, OWN_DATA, OWN_ERROR, CONTROL_ERROR):
             if cause in causes:
                 return cause
         return COLLECTIVE_ERROR
@@ -60,7 +64,7 @@ def diagnose(
     culprits.update({rank: HANG for rank in hung if rank not in culprits})
     for rank, report in reports.items():
         if not report.ok and not report.blames_peers and rank not in culprits:
-            culprits[rank] = OWN_DATA if report.failure == Failure.OWN_DATA else COLLECTIVE_ERROR
+            culprits[rank] = OWN_DATA if report.failure == Failure.OWN_DATA else OWN_ERROR
     broken = {group_of[rank] for rank in culprits}
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
     broken |= {group_of[rank] for rank in stuck}

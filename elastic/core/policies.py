@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from elastic.core.diagnosis import COLLECTIVE_ERROR, OWN_DATA, Diagnosis
+from elastic.core.diagnosis import OWN_DATA, OWN_ERROR, Diagnosis
 from elastic.core.protocol import NonFinite
 
 
@@ -74,7 +74,7 @@ class FailurePolicy:
     def refusal(self, step: int, diagnosis: Diagnosis) -> str | None:
         """None: recover; else why the run stops instead (no rank is evicted then)."""
         own = {rank: diagnosis.errors.get(rank, "?") for rank, cause in diagnosis.culprits.items()
-               if cause in (OWN_DATA, COLLECTIVE_ERROR)}
+               if cause in (OWN_DATA, OWN_ERROR)}
         errors = frozenset(own.values())
         again = errors & self.last_errors[1] if self.last_errors[0] == step else frozenset()
         self.last_errors = (step, errors)
@@ -90,7 +90,8 @@ class FailurePolicy:
                     "cluster; fix it and resume)")
         self.recoveries += 1
         if self.recoveries > self.max_recoveries:
-            return f"after {self.max_recoveries} recoveries; raise fault_tolerance.max_recoveries"
+            last = f" (the last: {min(diagnosis.errors.values())})" if diagnosis.errors else ""
+            return f"after {self.max_recoveries} recoveries{last}; raise fault_tolerance.max_recoveries"
         return None
 
 

@@ -83,6 +83,7 @@ class StepReport:
     global_rank: int
     step: int
     loss_share: float = 0.0
+    counted_tokens: int = 0  # an evaluation's targets that count (ignored labels do not)
     data_s: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -175,6 +176,12 @@ class RunEnd:
 
 
 RunMessage = GroupProgress | RunEnd
+
+
+class HookFailed(RuntimeError):
+    """A rank's own hooks (model, parallelize, optimizer) raised while its group was built, in
+    no collective: a fresh process runs the same code. Its message is the error's type and
+    text and where in the user's code it was raised."""
 
 
 @dataclass
