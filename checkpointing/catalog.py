@@ -127,26 +127,7 @@ class CheckpointCatalog:
         ``NoUsableCheckpoint`` stops the run, unless ``start_fresh`` says to move them all
         aside and start from step 0."""
         fs, _ = self._filesystem()
-        candidates, corrupt, partial = [], [], []
-        for step, path in self._step_dirs().items():
-            if not fs.exists(f"{path}/{MANIFEST_NAME}"):
-                partial.append((step, "no manifest (the checkpoint was never committed)"))
-                continue
-            try:
-                candidates.append((self._read(fs, step, path), path))
-            except CorruptCheckpoint as problem:
-                corrupt.append((step, str(problem)))
-        candidates.sort(key=lambda item: (item[0].sequence, item[0].step), reverse=True)
-        found = None
-        for manifest, path in candidates:
-            try:
-                verify(fs, path, manifest)
-                check_metadata(fs, path)
-            except CorruptCheckpoint as problem:
-                corrupt.append((manifest.step, str(problem)))
-                continue
-            found = Restorable(self.url(manifest.step), manifest)
-            break
+        found, corrupt, partial = self._newest_verified(fs)
         if corrupt and found is None and not start_fresh:
             listed = "; ".join(f"step {step}: {reason}" for step, reason in sorted(corrupt))
             raise NoUsableCheckpoint(
@@ -159,6 +140,45 @@ class CheckpointCatalog:
         for step, reason in corrupt:
             log.warning("checkpoint at step %d is corrupt, moved aside: %s", step, reason)
             self._move_aside(fs, step)
+        return found
+
+    def _newest_verified(self, fs, step: int | None = None) -> tuple[Restorable | None, list, list]:
+        """The newest committed checkpoint (of ``step``, if given) whose files match its
+        manifest, and the (step, reason) of the corrupt ones and of those never committed."""
+        candidates, corrupt, partial = [], [], []
+        for dir_step, path in self._step_dirs().items():
+            if step is not None and dir_step != step:
+                continue
+            if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+                partial.append((dir_step, "no manifest (the checkpoint was never committed)"))
+                continue
+            try:
+                candidates.append((self._read(fs, dir_step, path), path))
+            except CorruptCheckpoint as problem:
+                corrupt.append((dir_step, str(problem)))
+        candidates.sort(key=lambda item: (item[0].sequence, item[0].step), reverse=True)
+        for manifest, path in candidates:
+            try:
+                verify(fs, path, manifest)
+                check_metadata(fs, path)
+            except CorruptCheckpoint as problem:
+                corrupt.append((manifest.step, str(problem)))
+                continue
+            return Restorable(self.url(manifest.step), manifest), corrupt, partial
+        return None, corrupt, partial
+
+    def find(self, step: int | None = None) -> Restorable:
+        """The newest committed checkpoint that passes verification, or ``step``'s, changing
+        nothing in storage (``latest`` moves the corrupt ones aside); ``NoUsableCheckpoint``
+        says why there is none."""
+        fs, _ = self._filesystem()
+        found, corrupt, partial = self._newest_verified(fs, step)
+        if found is None:
+            which = "the run" if step is None else f"step {step}"
+            problems = "; ".join(f"step {s}: {reason}" for s, reason in sorted(corrupt + partial))
+            steps = sorted(self._step_dirs())
+            raise NoUsableCheckpoint(f"no usable checkpoint of {which} under {self.root_url}"
+                                     + (f" ({problems})" if problems else f"; checkpoints there: {steps or 'none'}"))
         return found
 
     def _move_aside(self, fs, step: int) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import tomllib
 
 from checkpointing.lease import LeaseRefused, break_lease
 from checkpointing.storage import join_url
 from elastic.config import ConfigError, load_config
-from elastic.core.events import RedactingFormatter, redact_credentials
+from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
 from elastic.presets import PRESETS
 
 
@@ -125,8 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--output", required=True, help="the token file: a path or fsspec URL, e.g. train.bin")
     prepare.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
                          help="token width (auto: uint16 when every token fits)")
-    prepare.add_argument("--eos", type=int, help="token id appended after each input file")
+    prepare.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                         help="a HuggingFace tokenizer: a Hub name or a local directory (the tokenizer extra); "
+                              "default: bytes")
+    prepare.add_argument("--eos", type=int,
+                         help="token id appended after each input file (default: the tokenizer's end-of-text id)")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
+    export = commands.add_parser("export", allow_abbrev=False,
+                                 help="a run's checkpoint as one safetensors file, loadable on one device")
+    export.add_argument("run", help="the run's directory or storage URL (STORAGE/RUN_NAME)")
+    export.add_argument("--output", required=True, help="a local directory to write into")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
+    export.add_argument("--format", choices=["native", "huggingface"], default="native",
+                        help="native: the model's own names (Transformer.load_state_dict); huggingface: Llama's "
+                             "names and config.json (LlamaForCausalLM.from_pretrained; the reference model only)")
+    export.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="convert floating tensors (default: as stored, float32)")
     return parser
 
 
@@ -165,20 +180,51 @@ def run_train(args: argparse.Namespace) -> int:
         f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
         f"summary at {result.summary_path}"
     ))
+    linger_for_scrapes(summary["events"], config.metrics.linger_s)
     return exit_code(result.exit)
 
 
-def run_prepare(args: argparse.Namespace) -> int:
-    from elastic.prepare import BYTE_VOCABULARY, prepare_tokens
+def linger_for_scrapes(events: list[dict], seconds: float, sleep=time.sleep) -> None:
+    """Keep the process, and with it the metrics endpoint, up ``seconds`` after the run."""
+    serving = [event["address"] for event in events if event["kind"] == EventKind.METRICS_SERVING]
+    if not serving or seconds <= 0:
+        return
+    print(f"metrics stay up at http://{serving[-1]}/metrics for {seconds:.0f} s (metrics.linger_s); Ctrl-C ends them",
+          flush=True)
+    try:
+        sleep(seconds)
+    except KeyboardInterrupt:
+        pass
 
-    result = prepare_tokens(args.inputs, args.output, dtype=args.dtype, eos=args.eos, progress=not args.quiet)
-    needed = max(BYTE_VOCABULARY, (result.max_token or 0) + 1)
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from elastic.prepare import BYTE_VOCABULARY, HuggingFaceTokenizer, prepare_tokens
+
+    tokenizer = HuggingFaceTokenizer.load(args.tokenizer) if args.tokenizer else None
+    eos = args.eos if args.eos is not None or tokenizer is None else tokenizer.eos
+    result = prepare_tokens(args.inputs, args.output, tokenizer=tokenizer, dtype=args.dtype, eos=eos,
+                            progress=not args.quiet)
+    vocabulary = BYTE_VOCABULARY if tokenizer is None else tokenizer.vocab_size
+    needed = max(vocabulary, (result.max_token or 0) + 1)
     vocab_size = -(-needed // 64) * 64  # scaling.tp must divide it: a multiple of 64 suits any tp
     print(redact_credentials(
         f"wrote {result.tokens} {result.dtype} tokens to {result.output}; to train on it, in the config file:\n"
         f'[data]\npath = "{result.output}"\nformat = "tokens"\ntoken_dtype = "{result.dtype}"\n'
         f"[model]\nvocab_size = {vocab_size}  # at least {needed}: every token id must be below it"
     ))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from checkpointing.catalog import NoUsableCheckpoint
+    from elastic.export import export_checkpoint
+
+    try:
+        exported = export_checkpoint(args.run, args.output, step=args.step, layout=args.format, dtype=args.dtype)
+    except NoUsableCheckpoint as error:
+        raise ConfigError(f"{args.run}: {error}") from None
+    print(f"exported step {exported.step} ({exported.parameters:,} values) to {exported.directory}: "
+          f"{', '.join(exported.files)}")
     return 0
 
 
@@ -199,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_train(args)
         if args.command == "prepare":
             return run_prepare(args)
+        if args.command == "export":
+            return run_export(args)
         from elastic.report import main as report_main
 
         return report_main([args.run] + (["--output", args.output] if args.output else []))

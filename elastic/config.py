@@ -266,6 +266,9 @@ class StragglerConfig(Section):
 class MetricsConfig(Section):
     host: str = "127.0.0.1"
     port: NonNegativeInt = Field(0, le=65535)
+    # elastic train keeps serving the final values this long after the run ends, so that
+    # Prometheus scrapes them (a dashboard being set up sees the whole run); Ctrl-C ends it.
+    linger_s: NonNegativeFloat = Field(0.0, le=DAY_S)
 
 
 class TrainConfig(Section):

@@ -107,6 +107,37 @@ def _input_files(pattern: str) -> list[tuple[fsspec.AbstractFileSystem, str]]:
     return [(fs, file) for file in files]
 
 
+@dataclass(frozen=True)
+class HuggingFaceTokenizer:
+    """A HuggingFace tokenizer (a Hub name or a local directory) as ``prepare_tokens`` takes
+    one: it adds no special tokens inside the text; ``eos`` goes after each input file."""
+
+    tokenizer: Any
+
+    @classmethod
+    def load(cls, name_or_path: str) -> HuggingFaceTokenizer:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigError("--tokenizer needs HuggingFace transformers: pip install 'elastic-trainer[tokenizer]'") \
+                from None
+        try:
+            return cls(AutoTokenizer.from_pretrained(name_or_path))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--tokenizer {name_or_path!r}: {error}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)  # added tokens included, unlike its vocab_size
+
+    @property
+    def eos(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
 def _vocabulary(tokenizer) -> int | None:
     for name in ("vocab_size", "n_vocab"):
         size = getattr(tokenizer, name, None)

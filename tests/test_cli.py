@@ -143,3 +143,21 @@ def test_abbreviated_flags_are_refused_not_guessed(tmp_path):
     from elastic.cli import build_parser
 
     assert build_parser().parse_args(["report", "runs/r1", "-o", "t.png"]).output == "t.png"
+
+
+def test_the_cli_keeps_the_metrics_endpoint_up_for_linger_s_after_the_run(capsys):
+    from elastic.cli import linger_for_scrapes
+
+    served = [{"kind": "run-started"}, {"kind": "metrics-serving", "address": "127.0.0.1:9400"}]
+    slept = []
+    linger_for_scrapes(served, 600.0, sleep=slept.append)
+    assert slept == [600.0]
+    assert "metrics stay up at http://127.0.0.1:9400/metrics for 600 s" in capsys.readouterr().out
+    linger_for_scrapes(served, 0.0, sleep=slept.append)  # the default: the process ends with the run
+    linger_for_scrapes(served[:1], 600.0, sleep=slept.append)  # nothing served: nothing to keep up
+    assert slept == [600.0]
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    linger_for_scrapes(served, 600.0, sleep=interrupted)  # Ctrl-C ends the wait, not with a traceback

@@ -491,3 +491,30 @@ def test_a_run_resumed_over_a_corpus_that_doubled_is_refused_then_starts_a_new_e
     [changed] = [event for event in accepted.summary["events"] if event["kind"] == "data-changed"]
     assert changed["cursor"] == {"epoch": 1, "position": 0}
     assert accepted.summary["steps_committed"] == 4  # steps 4..7, from the resumed model
+
+
+def test_prepare_with_a_huggingface_tokenizer_from_a_local_directory(tmp_path, capsys):
+    """``elastic prepare --tokenizer DIR``: a HuggingFace tokenizer saved with save_pretrained,
+    as one downloaded from the Hub is; no special tokens inside the text, its eos after each
+    file, and the vocabulary to configure named."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    text = "the quick brown fox jumps over the lazy dog\n" * 20
+    model = tokenizers.models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(
+        sorted(set(text.split())))}}, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                         unk_token="[UNK]").save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text("lazy dog\n")
+    out = tmp_path / "train.bin"
+    assert main(["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--output", str(out),
+                     "--tokenizer", str(tmp_path / "tokenizer"), "--quiet"]) == 0
+    ids = {word: backend.token_to_id(word) for word in text.split()}
+    assert read_tokens(out) == [ids[w] for w in text.split()] + [2] + [ids["lazy"], ids["dog"], 2]
+    assert "vocab_size = 64  # at least 11" in capsys.readouterr().out
+    assert main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
+                     str(tmp_path / "missing")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err

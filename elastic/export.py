@@ -1,0 +1,168 @@
+"""``elastic export``: a run's committed checkpoint as one consolidated safetensors file.
+
+The checkpoint's model shards (FSDP and tensor-parallel pieces, in DCP's files) are read
+into whole tensors in one process, with no process group and no code run from storage
+(``rank_io.SafeReader``, ``SafeLoadPlanner``). Two layouts:
+
+- ``native``: the model's own parameter names, loadable with ``load_state_dict`` by the model
+  the run trained (``workers.model.Transformer`` for the reference model, whose
+  ``ModelArgs`` go beside it in ``model_args.json``);
+- ``huggingface`` (the reference model only): HuggingFace Llama's names and ``config.json``,
+  loadable by ``LlamaForCausalLM.from_pretrained``. The reference model rotates adjacent
+  pairs of each head's dimensions, Llama the two halves: the query and key projections'
+  rows are permuted to match, as Meta's own Llama conversion does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpointing.catalog import CheckpointCatalog
+from checkpointing.manifest import signing_key_from_environment
+from checkpointing.rank_io import SafeLoadPlanner, SafeReader
+from checkpointing.safe_loading import load_metadata
+from checkpointing.storage import StorageOptions
+from elastic.config import TrainConfig
+from elastic.errors import ConfigError
+from workers.model import ModelArgs
+
+WEIGHTS_NAME = "model.safetensors"
+MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optimizer": ...}, flattened
+
+
+@dataclass(frozen=True)
+class Exported:
+    step: int
+    directory: str
+    files: tuple[str, ...]
+    parameters: int
+
+
+def model_state(url: str, options: StorageOptions) -> dict[str, torch.Tensor]:
+    """The checkpoint's model state as whole tensors, by the model's own parameter names."""
+    fs, path = fsspec.core.url_to_fs(url, **options.for_url(url))
+    with fs.open(f"{path}/.metadata", "rb") as stream:
+        metadata = load_metadata(stream)
+    state = {name.removeprefix(MODEL_PREFIX): torch.empty(tuple(item.size), dtype=item.properties.dtype)
+             for name, item in metadata.state_dict_metadata.items()
+             if name.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)}
+    loaded = {"model": state}
+    with warnings.catch_warnings():  # that one process reads it all is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(loaded, storage_reader=SafeReader(url, **options.for_url(url)), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    return loaded["model"]
+
+
+def reference_model_args(manifest_config: dict) -> ModelArgs:
+    """The reference model's arguments as the run configured them (the manifest's record)."""
+    from elastic.hooks import model_args
+
+    config = TrainConfig.model_validate({"model": manifest_config["model"],
+                                         "data": {"seq_len": manifest_config["data"]["seq_len"]}})
+    return model_args(config)
+
+
+def is_reference_model(state: dict[str, torch.Tensor], args: ModelArgs) -> bool:
+    from workers.model import Transformer
+
+    with torch.device("meta"):
+        expected = Transformer(args).state_dict()
+    return set(state) == set(expected) and all(state[name].shape == expected[name].shape for name in expected)
+
+
+def _rotate_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a query or key projection, from adjacent-pair rotary order to halves order."""
+    rows, columns = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], dict]:
+    """The reference model's state under HuggingFace Llama's names, and its ``config.json``."""
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not args.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for layer in range(args.n_layers):
+        ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
+        out |= {
+            f"{theirs}self_attn.q_proj.weight": _rotate_halves(state[f"{ours}attention.wq.weight"], args.n_heads),
+            f"{theirs}self_attn.k_proj.weight": _rotate_halves(state[f"{ours}attention.wk.weight"], args.n_kv_heads),
+            f"{theirs}self_attn.v_proj.weight": state[f"{ours}attention.wv.weight"],
+            f"{theirs}self_attn.o_proj.weight": state[f"{ours}attention.wo.weight"],
+            f"{theirs}mlp.gate_proj.weight": state[f"{ours}feed_forward.w1.weight"],
+            f"{theirs}mlp.down_proj.weight": state[f"{ours}feed_forward.w2.weight"],
+            f"{theirs}mlp.up_proj.weight": state[f"{ours}feed_forward.w3.weight"],
+            f"{theirs}input_layernorm.weight": state[f"{ours}attention_norm.weight"],
+            f"{theirs}post_attention_layernorm.weight": state[f"{ours}ffn_norm.weight"],
+        }
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    return out, config
+
+
+def export_checkpoint(run: str, output: str, step: int | None = None,
+                      layout: Literal["native", "huggingface"] = "native", dtype: str | None = None,
+                      options: StorageOptions | None = None) -> Exported:
+    """Write the run's newest verified checkpoint (or ``step``'s) to the local directory
+    ``output``. ``dtype``: a torch dtype's name to convert floating tensors to (default: as
+    stored, float32)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("elastic export needs safetensors: pip install 'elastic-trainer[export]'") from None
+    options = options or StorageOptions()
+    catalog = CheckpointCatalog(run, options, every=1, keep=1, signing_key=signing_key_from_environment())
+    checkpoint = catalog.find(step)
+    state = model_state(checkpoint.url, options)
+    if dtype is not None:
+        state = {name: tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
+                 for name, tensor in state.items()}
+    args = reference_model_args(checkpoint.manifest.config) if checkpoint.manifest.config.get("model") else None
+    reference = args is not None and is_reference_model(state, args)
+    os.makedirs(output, exist_ok=True)
+    files = [WEIGHTS_NAME]
+    if layout == "huggingface":
+        if not reference:
+            raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
+                              "export --format native and load it with your model's load_state_dict")
+        state, config = huggingface_llama(state, args)
+        config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        _write_json(os.path.join(output, "config.json"), config)
+        files.append("config.json")
+    elif reference:
+        _write_json(os.path.join(output, "model_args.json"), asdict(args))
+        files.append("model_args.json")
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(output, WEIGHTS_NAME),
+              metadata={"format": "pt", "step": str(checkpoint.step)})
+    return Exported(checkpoint.step, output, tuple(files), sum(tensor.numel() for tensor in state.values()))
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(value, handle, indent=1)
+        handle.write("\n")

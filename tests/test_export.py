@@ -1,0 +1,68 @@
+"""``elastic export``: a run sharded over FSDP and tensor parallelism comes out as one
+safetensors file that the reference Transformer, and HuggingFace's Llama, load on one device
+and compute the run's own held-out loss with."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elastic import ElasticTrainer
+from elastic.cli import main
+from elastic.hooks import resolve_hooks
+from tests.tiny import tiny_config
+from workers.model import ModelArgs, Transformer
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster, tmp_path_factory):
+    """One group of shard 2 by tp 2, checkpoints at steps 3 and 6, held-out loss at the end."""
+    config = tiny_config(tmp_path_factory.mktemp("export"), shard=2, tp=2, steps=6, checkpoint__every=3, eval__every=6,
+                         eval__samples=16, model__n_kv_heads=2)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    return config, result
+
+
+def held_out_loss(model, config) -> float:
+    """The trainer's held-out loss, computed here: every target of the first eval.samples."""
+    held_out = resolve_hooks(config).eval_dataset
+    tokens = torch.stack([held_out[i] for i in range(min(config.eval.samples, len(held_out)))])
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+        logits = getattr(logits, "logits", logits)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
+
+
+def test_the_native_export_loads_into_the_transformer_and_gives_the_runs_held_out_loss(trained, tmp_path, capsys):
+    config, result = trained
+    assert main(["export", result.run_dir, "--output", str(tmp_path)]) == 0
+    assert "exported step 6" in capsys.readouterr().out
+    model = Transformer(ModelArgs(**json.loads((tmp_path / "model_args.json").read_text())))
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: every name, every shape
+    assert abs(held_out_loss(model, config) - result.summary["final_eval_loss"]) <= 1e-5
+
+
+def test_the_huggingface_export_loads_as_llama_with_the_same_logits(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config, result = trained
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "native")]) == 0
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 0
+    ours = Transformer(ModelArgs(**json.loads((tmp_path / "native" / "model_args.json").read_text())))
+    ours.load_state_dict(load_file(tmp_path / "native" / "model.safetensors"))
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    tokens = torch.randint(0, config.model.vocab_size, (2, config.data.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(llama(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    assert abs(held_out_loss(llama, config) - result.summary["final_eval_loss"]) <= 1e-4
+
+
+def test_an_earlier_step_exports_and_a_missing_one_is_refused_naming_those_there(trained, tmp_path, capsys):
+    _, result = trained
+    assert main(["export", result.run_dir, "--output", str(tmp_path), "--step", "3", "--dtype", "bfloat16"]) == 0
+    assert "exported step 3" in capsys.readouterr().out
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
+    assert main(["export", result.run_dir, "--output", str(tmp_path), "--step", "4"]) == 2
+    assert capsys.readouterr().err.strip().endswith("no usable checkpoint of step 4 under "
+                                                    f"{result.run_dir}/checkpoints; checkpoints there: [3, 6]")
