@@ -440,10 +440,15 @@ class ProgressBar:
         )
 
     def on_event(self, event: dict) -> None:
-        """Faults and recoveries as one line each above the bar."""
-        line = console_line(event) if self.bar is not None else None
-        if line:
+        """Faults and recoveries as one line each: above the bar, or logged without one."""
+        line = console_line(event)
+        if line is None:
+            return
+        if self.bar is not None:
             self.bar.write(redact_credentials(line))
+        else:  # a quorum that grows is no warning
+            log.log(logging.INFO if event["kind"] == EventKind.GROUP_JOINED else logging.WARNING, "%s",
+                    redact_credentials(line))
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:

@@ -237,7 +237,9 @@ def test_faults_and_recoveries_read_as_one_line_each():
 
     lines = [console_line(event) for event in (
         {"kind": "step-discarded", "step": 7, "cause": "death", "culprits": {3: "death"},
-         "errors": {1: "RuntimeError: Connection closed by peer"}},
+         "errors": {1: "RuntimeError: Connection closed by peer"}},  # a peer's: not the culprit's
+        {"kind": "step-discarded", "step": 8, "cause": "own-error", "culprits": {2: "own-error"},
+         "errors": {0: "RuntimeError: Connection closed by peer", 2: "ValueError: bad (at train.py:3 in f)"}},
         {"kind": "rank-evicted", "rank": 3, "group": 1, "cause": "death"},
         {"kind": "recovered", "cause": "death", "step": 7, "total_s": 2.104},
         {"kind": "group-joined", "group": 1, "generation": 4},
@@ -245,7 +247,8 @@ def test_faults_and_recoveries_read_as_one_line_each():
         {"kind": "run-started", "run": "r"},
     )]
     assert lines == [
-        "step 7 failed (death, ranks [3]): RuntimeError: Connection closed by peer",
+        "step 7 failed (death, ranks [3])",
+        "step 8 failed (own-error, ranks [2]): ValueError: bad (at train.py:3 in f)",
         "rank 3 of group 1 replaced (death)",
         "recovered from death at step 7 in 2.1s",
         "group 1 joined (generation 4)",

@@ -118,7 +118,9 @@ def console_line(event: Event) -> str | None:
     kind, step = event.get("kind"), event.get("step")
     if kind == EventKind.STEP_DISCARDED:
         errors = event.get("errors") or {}
-        first = f": {next(iter(errors.values()))}" if errors else ""
+        # the culprits' own errors: a dead rank has none, and its peers' only say it went away
+        own = [errors[rank] for rank in sorted(event["culprits"]) if rank in errors]
+        first = f": {own[0]}" if own else ""
         return f"step {step} failed ({event['cause']}, ranks {sorted(event['culprits'])}){first}"
     if kind == EventKind.RANK_EVICTED:
         return f"rank {event['rank']} of group {event['group']} replaced ({event['cause']})"
