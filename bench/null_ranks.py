@@ -41,10 +41,10 @@ WARMUP_STEPS = 20
 class NullRank:
     """A rank that speaks the run protocol and sleeps instead of computing."""
 
-    def __init__(self, spec, step_s: float):  # the fleet's ``hooks`` argument carries the step time
+    def __init__(self, spec, pickled_step_s: bytes):  # the fleet's pickled hooks carry the step time
         self.spec = spec
         self.pause_run = -1
-        self.step_s = step_s
+        self.step_s = ray.cloudpickle.loads(pickled_step_s)
 
     def node(self) -> dict:
         return {"pid": os.getpid(), "global_rank": self.spec.global_rank}
