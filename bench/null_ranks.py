@@ -3,16 +3,22 @@ of today (runs: ranks step on their own and stream their groups' records) agains
 pattern it replaced (one actor call per rank per step, collected one at a time), side by
 side at each scale.
 
-Null ranks speak the real protocol (``RunSpec`` in, ``GroupProgress`` / ``RunEnd`` out,
-planned with the real ``data_plan``) under the real ``Fleet`` and ``Controller``, but do no
-math and import no torch: a step is a sleep of ``--step-ms``. Printed per scale:
+Null ranks speak the real protocol (``RunSpec`` in, ``RunRecords`` / ``GroupProgress`` /
+``RunEnd`` out, planned with the real ``data_plan``) under the real ``Fleet`` and
+``Controller``, but do no math and import no torch: a step is a sleep of ``--step-ms``, and
+the run's first rank writes every group's records itself where real ranks gather them over
+their cross-group process group (at the same steps: about once per report interval). Real
+ranks keep in step through their collectives; null ranks end each step at the same instant
+of a schedule the run's first arrival writes to a file.
+Printed per scale:
 
 - driver CPU per step: the driver process's CPU time (every thread, Ray's included) over
   the steady-state steps, divided by their number;
 - rank wait per step: time per steady-state step beyond ``--step-ms``, the time the ranks
   spent not computing because of the driver: for the old pattern the driver's wall time per
-  step (it waits for every report before the next dispatch), for runs the ranks' own loop
-  period (records arrive in batches).
+  step (it waits for every report before the next dispatch), for runs the median of the
+  ranks' own loop period (records arrive in batches; the ranks call nothing on the driver,
+  so what shows here is the driver's CPU taken from them on a shared machine).
 
     python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
-from elastic.core.protocol import BuildReport, GroupProgress, Progress, RunEnd, StepRecord  # noqa: E402
+from elastic.core.protocol import BuildReport, GroupProgress, Progress, RunEnd, RunRecords, StepRecord  # noqa: E402
+from elastic.core.topology import Topology  # noqa: E402
 
 RANKS_PER_GROUP = 4
 WARMUP_STEPS = 20
@@ -41,10 +49,11 @@ WARMUP_STEPS = 20
 class NullRank:
     """A rank that speaks the run protocol and sleeps instead of computing."""
 
-    def __init__(self, spec, pickled_step_s: bytes):  # the fleet's pickled hooks carry the step time
+    def __init__(self, spec, pickled_pace: bytes):  # the fleet's pickled hooks: the step time, the schedule's folder
         self.spec = spec
         self.pause_run = -1
-        self.step_s = ray.cloudpickle.loads(pickled_step_s)
+        self.replica_rank = 0
+        self.step_s, self.schedules = ray.cloudpickle.loads(pickled_pace)
 
     def node(self) -> dict:
         return {"pid": os.getpid(), "global_rank": self.spec.global_rank}
@@ -53,6 +62,7 @@ class NullRank:
         return BuildReport(self.spec.global_rank, 0.0)
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
+        self.replica_rank = replica_rank
         return 0.0
 
     @ray.method(concurrency_group="control")
@@ -69,25 +79,52 @@ class NullRank:
 
     def run(self, spec):
         me = self.spec
-        group_ranks = range(me.global_rank - me.group_rank, me.global_rank - me.group_rank + me.shard * me.tp)
-        records, cursor, reported, run_started = [], spec.cursor, -1, time.perf_counter()
+        topology = Topology(me.shard, me.tp)
+        # the steps at which real ranks' first ranks agree to gather, about once per interval
+        every = max(1, round(spec.report_interval_s / self.step_s))
+        leads_group = me.group_rank == 0
+        held_groups = spec.groups if leads_group and self.replica_rank == 0 else (me.group,) if leads_group else ()
+        held = {group: [] for group in held_groups}
+        cursor = spec.cursor
+        run_starts = self.run_start(spec.run)
         for step in range(spec.first_step, spec.stop_step):
             started = time.perf_counter()
             share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
-            time.sleep(self.step_s)
+            time.sleep(max(0.0, run_starts + (step - spec.first_step + 1) * self.step_s - time.time()))
             wall = time.perf_counter() - started
-            records.append(StepRecord(step, me.group, 1.0, 0.0, 1.0, spec.schedule.lr(step), share.global_samples,
-                                      share.group_samples, share.next_cursor, tuple(group_ranks),
-                                      ((0.0, self.step_s, 0.0, wall),) * len(group_ranks), step_s=wall))
+            for group, records in held.items():
+                ranks = tuple(topology.global_ranks(group))
+                records.append(StepRecord(step, group, 1.0, 0.0, 1.0, spec.schedule.lr(step), share.global_samples,
+                                          share.group_samples, share.next_cursor, ranks,
+                                          ((0.0, self.step_s, 0.0, wall),) * len(ranks), step_s=wall))
             cursor = share.next_cursor
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
-            interval = int((started - run_started) / spec.report_interval_s)
-            if me.group_rank == 0 and (last or interval > reported):
-                yield GroupProgress(me.group, tuple(records))
-                records, reported = [], interval
+            if leads_group and (last or (step - spec.first_step) % every == 0):
+                if last or len(spec.groups) == 1:  # each group's first rank sends what it holds
+                    yield GroupProgress(me.group, tuple(held[me.group]))
+                elif len(held) > 1:
+                    yield RunRecords.of_groups(held)
+                held = {group: [] for group in held}
             if last:
                 yield RunEnd(me.global_rank, step + 1)
                 return
+
+
+    def run_start(self, run: int) -> float:
+        """The wall-clock instant every rank starts ``run`` at: the first to arrive sets it."""
+        path = os.path.join(self.schedules, f"run-{run}")
+        try:
+            with open(path, "x") as file:
+                file.write(repr(time.time() + 1.0))  # time for the others' calls to arrive
+        except FileExistsError:
+            pass
+        for _ in range(1000):
+            with open(path) as file:
+                text = file.read()
+            if text:
+                return float(text)
+            time.sleep(0.001)
+        raise TimeoutError(f"{path} stayed empty")
 
 
 class PerStepRank:
@@ -110,12 +147,13 @@ def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float
     for step in range(steps):
         if step == WARMUP_STEPS:
             cpu0, wall0 = time.process_time(), time.perf_counter()
+        if step == steps - WARMUP_STEPS:
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         refs = [actor.step.remote(step) for actor in actors]
         while refs:
             ready, refs = ray.wait(refs, num_returns=1)
             ray.get(ready)
-    measured = steps - WARMUP_STEPS
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    measured = steps - 2 * WARMUP_STEPS
     for actor in actors:
         ray.kill(actor)
     return cpu / measured, wall / measured - step_s
@@ -141,14 +179,14 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     config = on_cluster(config, ray.cluster_resources())
     topology = Topology(RANKS_PER_GROUP, 1, groups)
     null_actor = ray.remote(concurrency_groups={"control": 1})(NullRank)
-    fleet = Fleet(config, step_s, topology, Rendezvous.start(), actor_class=null_actor)
+    fleet = Fleet(config, (step_s, tempfile.mkdtemp(dir=tmp)), topology, Rendezvous.start(), actor_class=null_actor)
     clock = time.monotonic
     marks, loop_s = {}, []
 
     def mark(record: dict) -> None:
-        if record["step"] in (WARMUP_STEPS - 1, steps - 1):
+        if record["step"] in (WARMUP_STEPS - 1, steps - WARMUP_STEPS - 1):
             marks[record["step"]] = (time.process_time(), time.perf_counter())
-        if record["step"] >= WARMUP_STEPS:
+        if WARMUP_STEPS <= record["step"] < steps - WARMUP_STEPS:
             loop_s.append(record["step_s"])
 
     controller = Controller(config, fleet, dataset_len=1_000_000, events=EventLog(clock), ledger=TimeLedger(clock),
@@ -157,10 +195,10 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
         assert controller.run() == "completed"
     finally:
         fleet.shutdown()
-    (cpu0, _), (cpu1, _) = marks[WARMUP_STEPS - 1], marks[steps - 1]
+    (cpu0, _), (cpu1, _) = marks[WARMUP_STEPS - 1], marks[steps - WARMUP_STEPS - 1]
     # Records arrive in batches, so the driver's clock cannot time a step: the ranks' own loop
     # period (from one step's start to the next's) can.
-    return (cpu1 - cpu0) / (steps - WARMUP_STEPS), sum(loop_s) / len(loop_s) - step_s
+    return (cpu1 - cpu0) / (steps - 2 * WARMUP_STEPS), statistics.median(loop_s) - step_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=max(scales) + 2, include_dashboard=False, log_to_driver=False)
 
     print(f"null ranks, {RANKS_PER_GROUP} per group, steps of {args.step_ms:g} ms, "
-          f"{args.steps - WARMUP_STEPS} steady-state steps measured after {WARMUP_STEPS}")
+          f"{args.steps - 2 * WARMUP_STEPS} steady-state steps measured (not the first or last {WARMUP_STEPS})")
     print(f"{'ranks':>6} | {'driver CPU ms/step':>19} {'':>8} {'':>6} | {'rank wait ms/step':>18} {'':>8}")
     print(f"{'':>6} | {'per-step':>9} {'runs':>9} {'ratio':>6} {'':>7}| {'per-step':>9} {'runs':>9}")
     passed = True

@@ -37,13 +37,13 @@ from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
 from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
-from elastic.core.protocol import RunSpec, StepRecord, describe_error
+from elastic.core.protocol import RunSpec, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.evaluation import Evaluation
 from elastic.fleet_api import FleetApi, FleetError, RunStream
 from elastic.group_keeper import JOIN_POLL_S, GroupKeeper, TrainingStopped
-from elastic.progress import COMPUTE, DATA, WALL, RunProgress
+from elastic.progress import COMPUTE, DATA, WALL, CommittedStep, RunProgress
 from elastic.recovery_timing import RecoveryTiming
 from elastic.run_watch import RunWatch
 from elastic.step_collection import StepCollection
@@ -282,13 +282,14 @@ class Controller:
             or (self.faults is not None and self.faults.time_fault_due())
         )
 
-    def commit(self, records: dict[int, StepRecord]) -> None:
+    def commit(self, committed: CommittedStep) -> None:
         """A step every group of the run committed: record it, feed the straggler detector
         and the deadline, close an open recovery, tell the listeners."""
         step = self.progress.step
-        record, ranks = self.progress.commit(records, seq_len=self.config.data.seq_len,
-                                             generation=self.membership.generation,
-                                             t=round(self.clock() - self.events.started_at, 4))
+        record = self.progress.commit(committed, seq_len=self.config.data.seq_len,
+                                      generation=self.membership.generation,
+                                      t=round(self.clock() - self.events.started_at, 4))
+        ranks = committed.ranks
         self.deadline.record(record["step_s"])
         self.divergence.committed()
         if self.stragglers is not None:
@@ -299,7 +300,7 @@ class Controller:
             )
             if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
                 self.straggler_actions = actions
-            record["rank_straggler_score"] = {str(rank): round(s, 4) for rank, s in self.stragglers.scores().items()}
+            record["rank_straggler_score"] = {str(rank): s for rank, s in self.stragglers.scores(4).items()}
         self.timing.close(self.progress.step)
         for listener in self.step_listeners:
             listener(record)

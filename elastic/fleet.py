@@ -32,8 +32,8 @@ from elastic.core.topology import Topology
 from elastic.core.protocol import (
     EvalRequest,
     HookFailed,
-    GroupProgress,
     Failure,
+    PROGRESS_MESSAGES,
     Progress,
     RunEnd,
     RunMessage,
@@ -269,7 +269,7 @@ class Fleet:
         for generator in ready:
             rank = rank_of[id(generator)]
             message = self._next_message(rank, generator)
-            if not isinstance(message, GroupProgress):
+            if not isinstance(message, PROGRESS_MESSAGES):
                 del stream.generators[rank]
             arrived.append((rank, message))
         return arrived

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic.core.data_plan import DataCursor
-from elastic.core.protocol import StepRecord
+from elastic.core.protocol import RunRecords, StepRecord
+from elastic.core.topology import Topology
 
 DATA, COMPUTE, COMM, WALL = range(4)  # the columns of StepRecord.times
 
@@ -23,6 +24,43 @@ class RankArrays:
     ranks: np.ndarray
     times: np.ndarray  # (ranks, 4): DATA, COMPUTE, COMM, WALL seconds
     samples: np.ndarray  # each rank's group's share of the batch
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A step every group of a run committed: the values the groups decided together, and
+    each rank's figures."""
+
+    record: StepRecord  # the decided values (loss, norm, rate, shares, cursor), as one group sent them
+    ranks: RankArrays
+    step_s: float  # the slowest group's loop period
+
+    @classmethod
+    def of_groups(cls, records: dict[int, StepRecord]) -> CommittedStep:
+        """From each group's own record of the step."""
+        ordered = [records[group] for group in sorted(records)]
+        first = ordered[0]
+        return cls(first, RankArrays(
+            ranks=np.fromiter((rank for record in ordered for rank in record.ranks), np.int64),
+            times=np.array([row for record in ordered for row in record.times], dtype=np.float64).reshape(-1, 4),
+            samples=np.concatenate([np.full(len(record.ranks), first.group_samples[record.group], np.float64)
+                                    for record in ordered]),
+        ), max(record.step_s for record in ordered))
+
+    @classmethod
+    def of_run(cls, message: RunRecords, topology: Topology) -> list[CommittedStep]:
+        """The steps of a run's message, in order."""
+        ranks = np.asarray(topology.ranks_of(message.groups), np.int64)
+        per_group = topology.ranks_per_group
+        return [
+            cls(record, RankArrays(
+                ranks=ranks,
+                times=np.asarray(times, np.float64).reshape(-1, 4),
+                samples=np.repeat(np.fromiter((record.group_samples[group] for group in message.groups), np.float64,
+                                              len(message.groups)), per_group),
+            ), max(step_s))
+            for record, times, step_s in zip(message.records, message.times, message.step_s)
+        ]
 
 
 @dataclass
@@ -38,20 +76,11 @@ class RunProgress:
     tokens_committed: int = 0
     has_state: bool = False  # the live groups hold a committed state (not only the seed's)
 
-    def commit(self, records: dict[int, StepRecord], *, seq_len: int, generation: int,
-               t: float) -> tuple[dict, RankArrays]:
+    def commit(self, committed: CommittedStep, *, seq_len: int, generation: int, t: float) -> dict:
         """Record a step every group of a run committed (their votes agree on the loss, the
         norm and the clipping factor; each group reports its own ranks' times). Returns the
-        step's record and every rank's times as arrays."""
-        first = records[min(records)]
-        ordered = [records[group] for group in sorted(records)]
-        arrays = RankArrays(
-            ranks=np.fromiter((rank for record in ordered for rank in record.ranks), np.int64),
-            times=np.array([row for record in ordered for row in record.times], dtype=np.float64).reshape(-1, 4),
-            samples=np.concatenate([np.full(len(record.ranks), first.group_samples[record.group], np.float64)
-                                    for record in ordered]),
-        )
-        step_s = max(record.step_s for record in ordered)
+        step's record."""
+        first, arrays, step_s = committed.record, committed.ranks, committed.step_s
         tokens = first.global_samples * seq_len
         names = [str(rank) for rank in arrays.ranks.tolist()]
         rounded = np.round(arrays.times, 5)
@@ -78,7 +107,7 @@ class RunProgress:
         self.step_records.append(record)
         self.has_state = True
         self.step += 1
-        return record, arrays
+        return record
 
     def rewind(self, step: int, cursor: DataCursor) -> None:
         """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);

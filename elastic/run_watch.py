@@ -1,9 +1,10 @@
 """Watching a run: the groups' committed steps as they stream in, the silence that means a
 hang, and, when a step failed, the abort, the drain and the diagnosis.
 
-The driver is off the steps' path: it reads what the groups' first ranks send (batches of
-``StepRecord``s) and hands each step on once every group of the run has reported it. A
-group that stays silent longer than the step deadline plus the interval between its batches
+The driver is off the steps' path: it reads the run's messages (a ``RunRecords`` carries
+every group's committed steps since the last; a ``GroupProgress`` one group's, from a run of
+one group or a run's end) and hands each step on once every group of the run has reported
+it. A group that stays silent longer than the step deadline plus the interval between its batches
 is probed like a step past its deadline; the same ``least_progressed`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
@@ -22,14 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from elastic.core.diagnosis import Diagnosis, diagnose
-from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunSpec, StepRecord, StepReport
+from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
 from elastic.fleet_api import FleetApi, RunStream
+from elastic.progress import CommittedStep
 from elastic.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
 # groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
 WATCH_POLL_S = 0.25
 TICK_S = 1e-6
+# A wait can return a moment before its timeout: a poll due within this is due now, rather
+# than waited for in slivers.
+POLL_SLACK_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -47,14 +52,15 @@ class RunWatch:
         self.topology = collection.topology
         self.clock = collection.clock
 
-    def watch(self, stream: RunStream, spec: RunSpec, on_step: Callable[[dict[int, StepRecord]], None],
+    def watch(self, stream: RunStream, spec: RunSpec, on_step: Callable[[CommittedStep], None],
               between: Callable[[], None]) -> RunOutcome:
         """Hand on each step every group committed, call ``between`` while waiting, and
         return how the run ended."""
         started = self.clock()
         groups = spec.groups
         group_of = {rank: self.topology.group_of(rank) for rank in stream.ranks}
-        records: dict[int, dict[int, StepRecord]] = {}
+        records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
+        complete: dict[int, CommittedStep] = {}  # by step, from a RunRecords: every group's
         ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
         next_steps: dict[int, int] = {}
         dead: set[int] = set()
@@ -64,10 +70,19 @@ class RunWatch:
         def file(arrived) -> list[tuple[int, StepReport | None]]:
             finals = []
             for rank, message in arrived:
+                # A step can come twice: from the run's message, and from a group's own when
+                # its run ended before it heard that the gather went through.
+                if isinstance(message, RunRecords):
+                    heard_at.update(dict.fromkeys(message.groups, self.clock()))
+                    complete.update((committed.record.step, committed)
+                                    for committed in CommittedStep.of_run(message, self.topology)
+                                    if committed.record.step >= state["next"])
+                    continue
                 if isinstance(message, GroupProgress):
                     heard_at[message.group] = self.clock()
                     for record in message.records:
-                        records.setdefault(record.step, {})[message.group] = record
+                        if record.step >= state["next"]:
+                            records.setdefault(record.step, {})[message.group] = record
                     continue
                 if isinstance(message, RunEnd):
                     next_steps[rank] = message.next_step
@@ -77,12 +92,13 @@ class RunWatch:
             return finals
 
         def commit_next() -> None:
-            on_step(records.pop(state["next"]))
+            own = records.pop(state["next"], None)
+            on_step(complete.pop(state["next"], None) or CommittedStep.of_groups(own))
             state["next"] += 1
             state["committed_until"] = self.clock()
 
         def commit_complete() -> None:
-            while len(records.get(state["next"], ())) == len(groups):
+            while state["next"] in complete or len(records.get(state["next"], ())) == len(groups):
                 commit_next()
 
         def only_victims_reported() -> bool:
@@ -100,13 +116,13 @@ class RunWatch:
             now = self.clock()
             # what is left of each group's allowed silence, and of the time to the next poll (a
             # remainder under TICK_S counts as none: the clock may not move by less)
-            silent_for = min(silence_s - (now - heard_at[group_of[rank]]) for rank in stream.generators)
+            silent_for = silence_s - (now - min(heard_at[group] for group in {group_of[rank] for rank in stream.generators}))
             if silent_for < TICK_S:
                 hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
                 failed = True
                 break
             to_poll = WATCH_POLL_S - (now - polled_at)
-            if to_poll < TICK_S:
+            if to_poll < POLL_SLACK_S:
                 polled_at = now
                 arrived = self.fleet.next_messages(stream, 0.0)
             else:

@@ -22,9 +22,11 @@ from elastic.core.gradient_clipping import clip_coefficient
 from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
+    PROGRESS_MESSAGES,
     NonFinite,
     Progress,
     RunEnd,
+    RunRecords,
     RunSpec,
     StepRecord,
     StepReport,
@@ -112,6 +114,7 @@ class FakeFleet:
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
         self.fail_uploads = False
+        self.delivered: list[tuple[int, object]] = []  # every run message the driver read, in order
         self.fail_staging = False
         self.stuck_steps: set[int] = set()  # saves of these steps write their file, then never end
         self.reserved: list[int] = []
@@ -227,8 +230,9 @@ class FakeFleet:
         self.clock.now = max(self.clock.now, earliest)
         run.advance(self.clock())
         arrived = run.deliver(self.clock(), watched)
+        self.delivered.extend(arrived)
         for rank, message in arrived:
-            if not isinstance(message, GroupProgress):
+            if not isinstance(message, PROGRESS_MESSAGES):
                 del stream.generators[rank]
         return arrived
 
@@ -352,7 +356,7 @@ class FakeRun:
         self.queue: list[Call] = []  # messages not yet delivered, in the order they were sent
         self.buffered: dict[int, list[StepRecord]] = {group: [] for group in self.groups}
         self.pause_at: float | None = None
-        self.reported: dict[int, float] = {}  # when each group's first rank last sent its records
+        self.reported = -NEVER  # when the groups last sent their records
         self.step = spec.first_step
         self.cursor = spec.cursor
         self.over = False  # ended or failed: no further step starts
@@ -423,11 +427,15 @@ class FakeRun:
             self.buffered[group].append(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
                 plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times, step_s=at - self.started))
-            if ends or at - self.reported.get(group, -NEVER) >= spec.report_interval_s:
-                self.reported[group] = at
-                leader = self.topology.global_ranks(group)[0]
-                self.queue.append(Call(at, (leader, GroupProgress(group, tuple(self.buffered[group])))))
-                self.buffered[group] = []
+        if ends or at - self.reported >= spec.report_interval_s:
+            self.reported = at
+            if ends or len(self.groups) == 1:  # each group's first rank sends what it holds
+                for group, records in self.buffered.items():
+                    self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, tuple(records)))))
+            else:  # gathered at a step the groups agreed on: one message for the run
+                self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0],
+                                            RunRecords.of_groups(self.buffered))))
+            self.buffered = {group: [] for group in self.groups}
         self.cursor = plan.next_cursor
         self.step += 1
         if ends:

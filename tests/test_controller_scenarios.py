@@ -96,6 +96,38 @@ def test_fault_free_run_commits_every_step_once(tmp_path):
     assert [(spec.first_step, spec.stop_step) for spec in (runs[0] for runs in scenario.fleet.runs)] == [(0, 12)]
 
 
+def message_kinds(fleet) -> list[str]:
+    return [type(message).__name__ for _, message in fleet.delivered]
+
+
+def test_the_groups_records_reach_the_driver_in_one_message_per_interval_for_the_whole_run(tmp_path):
+    scenario = Scenario(tmp_path, groups=4, shard=2, steps=40, step_s=0.1)
+    assert scenario.run() == "completed"
+    assert scenario.committed_steps() == list(range(40))
+    kinds = message_kinds(scenario.fleet)
+    # after the first step, then about once a second (10 steps); each group's first rank sends
+    # what it holds when the run ends, and every rank its end
+    assert kinds.count("RunRecords") == 4
+    assert kinds.count("GroupProgress") == 4 and kinds.count("RunEnd") == 8
+    assert {rank for rank, message in scenario.fleet.delivered if type(message).__name__ == "RunRecords"} == {0}
+    for record in scenario.records:  # every rank's times, every step
+        assert sorted(record["rank_step_s"], key=int) == [str(rank) for rank in range(8)]
+        assert record["group_samples"] == scenario.records[0]["group_samples"]
+
+
+def test_a_failure_between_two_run_messages_commits_each_step_once_from_the_groups_own(tmp_path):
+    scenario = Scenario(tmp_path, groups=4, shard=2, steps=40, step_s=0.1)
+    scenario.fleet.faults = {15: [Kill(rank=5, after_s=0.05)]}
+    assert scenario.run() == "completed"
+    assert scenario.committed_steps() == list(range(40))
+    [failed] = scenario.kinds(EventKind.RANK_FAILED)
+    assert (failed["rank"], failed["step"]) == (5, 15)
+    # steps 11-14 reached the driver in the groups' own messages, the first run's last
+    first_run = message_kinds(scenario.fleet)[:message_kinds(scenario.fleet).index("RunEnd")]
+    assert "GroupProgress" in first_run
+    assert [record["live_ranks"] for record in scenario.records] == [8] * 40
+
+
 def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=2)
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}

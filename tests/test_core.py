@@ -255,3 +255,37 @@ def test_faults_and_recoveries_read_as_one_line_each():
         "step 9 discarded: loss nan, grad norm inf (not finite); run again",
         None,
     ]
+
+
+def step_record(step: int, group: int, ranks_per_group: int = 2):
+    from elastic.core.protocol import StepRecord
+
+    ranks = tuple(range(group * ranks_per_group, (group + 1) * ranks_per_group))
+    return StepRecord(step, group, 2.5, 1.0, 1.0, 0.1, 8, {0: 4, 2: 4}, DataCursor(0, 8 * (step + 1)), ranks,
+                      tuple((0.01 * rank, 0.5 + rank, 0.02, 0.6 + rank + step) for rank in ranks),
+                      step_s=0.7 + group + step)
+
+
+def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_would():
+    from elastic.core.protocol import RunRecords
+    from elastic.progress import CommittedStep
+
+    own = {group: [step_record(step, group) for step in (5, 6, 7)] for group in (2, 0)}
+    message = RunRecords.of_groups(own)
+    assert message.groups == (0, 2) and [record.step for record in message.records] == [5, 6, 7]
+    from_run = CommittedStep.of_run(message, Topology(2, 1, 3))
+    for index, step in enumerate((5, 6, 7)):
+        expected = CommittedStep.of_groups({group: records[index] for group, records in own.items()})
+        got = from_run[index]
+        assert got.record == expected.record and got.step_s == expected.step_s
+        for name in ("ranks", "times", "samples"):
+            assert getattr(got.ranks, name).tolist() == getattr(expected.ranks, name).tolist()
+
+
+def test_first_ranks_that_gathered_different_steps_are_refused():
+    from elastic.core.protocol import RunRecords, record_row
+
+    records = tuple(step_record(step, 0) for step in (5, 6))
+    rows = [[record_row(record) for record in records], [record_row(step_record(step, 1)) for step in (6, 7)]]
+    with pytest.raises(ValueError, match="different steps"):
+        RunRecords.from_rows(records, rows)

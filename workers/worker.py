@@ -50,9 +50,11 @@ from elastic.core.protocol import (
     Progress,
     RunEnd,
     RunMessage,
+    RunRecords,
     RunSpec,
     StepRecord,
     StepReport,
+    record_row,
 )
 from workers.failures import (
     CollectiveAborted,
@@ -122,6 +124,7 @@ class CrossGroupScalars:
     loss_share: float
     counted_tokens: float
     pause: float
+    report: float = 0.0  # the groups' first ranks: any whose report interval is over
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class RankWorker:
         self.model = None
         self.optimizer = None
         self.replicate_group = None
+        self.replica_rank = 0
         self.control_group = None
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = [spec.global_rank - spec.group_rank + rank for rank in range(spec.shard * spec.tp)]
@@ -255,15 +259,15 @@ class RankWorker:
         try:
             while not work.is_completed():
                 if self._abort_requested():
-                    raise CollectiveAborted(f"rank {rank}: replicate all-reduce aborted by the driver")
+                    raise CollectiveAborted(f"rank {rank}: cross-group collective aborted by the driver")
                 if time.perf_counter() > deadline:
-                    raise CollectiveTimedOut(f"rank {rank}: replicate all-reduce still open at the step's deadline")
+                    raise CollectiveTimedOut(f"rank {rank}: cross-group collective still open at the step's deadline")
                 self._abort.wait(REPLICATE_POLL_S)
             work.wait()
         except (CollectiveAborted, CollectiveTimedOut):
             raise
         except RuntimeError as error:
-            raise CollectiveFailed(f"rank {rank}: replicate all-reduce failed: {error}") from error
+            raise CollectiveFailed(f"rank {rank}: cross-group collective failed: {error}") from error
 
     # membership
 
@@ -330,6 +334,7 @@ class RankWorker:
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
         started = time.perf_counter()
         self._leave_replicas()
+        self.replica_rank = replica_rank
         if replica_size > 1:
             shard_index, tp_index = self.spec.position
             store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
@@ -350,8 +355,9 @@ class RankWorker:
 
     def run(self, spec: RunSpec) -> Iterator[RunMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves. The
-        group's first rank yields the committed records after the first step, then at most
-        every ``spec.report_interval_s`` and with the last; every rank yields its ``RunEnd`` last."""
+        run's records go out after the first step, then about every ``spec.report_interval_s``
+        (gathered by the groups' first ranks, sent by the run's first group), and each group's
+        first rank sends what it holds when its run ends; every rank yields its ``RunEnd`` last."""
         self._attempt = spec.run
         leads_group = self.spec.group_rank == 0
         records: list[StepRecord] = []
@@ -362,8 +368,9 @@ class RankWorker:
         while True:
             upcoming = self._share(spec, share.step + 1, share.next_cursor) if share.step + 1 < spec.stop_step else None
             upcoming_batches = self._prefetch(upcoming) if upcoming is not None else None
+            report_due = leads_group and int((time.perf_counter() - started) / spec.report_interval_s) > reported
             try:
-                record, pause = self._transaction(spec, share, batches)
+                record, pause, report = self._transaction(spec, share, batches, report_due)
             except Exception as error:  # the step is discarded; the driver decides who is evicted
                 if records:
                     yield GroupProgress(self.spec.group, tuple(records))
@@ -379,12 +386,11 @@ class RankWorker:
                 records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
             lap = now
             ends = upcoming is None or pause
-            # Intervals counted from the run's start: the groups, in step, send at about the same
-            # step, so the driver wakes once for all of them.
-            interval = int((now - started) / spec.report_interval_s)
-            if leads_group and (ends or interval > reported):
-                yield GroupProgress(self.spec.group, tuple(records))
-                records, reported = [], interval
+            if leads_group and (ends or report):
+                message = self._records_message(records, report and not ends, time.perf_counter() + spec.deadline_s)
+                if message is not None:
+                    yield message
+                records, reported = [], int((now - started) / spec.report_interval_s)
             if ends:
                 yield RunEnd(self.spec.global_rank, share.step + 1)
                 return
@@ -397,11 +403,33 @@ class RankWorker:
         """Read the step's samples on the loader thread while the current step computes."""
         return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
 
-    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future) -> tuple[StepRecord | NonFinite, bool]:
+    def _records_message(self, records: list[StepRecord], gather: bool, deadline: float) -> RunMessage | None:
+        """What the group's first rank sends of its records: with ``gather`` (the groups'
+        first ranks agreed to in the last step's cross-group sum), every group's, gathered,
+        from the run's first group (None from the others); else, or when the gather fails,
+        its group's own."""
+        own = GroupProgress(self.spec.group, tuple(records))
+        if not gather or self.replicate_group is None:
+            return own
+        rows = torch.tensor([record_row(record) for record in records], dtype=torch.float64).to(self.device)
+        gathered = [torch.empty_like(rows) for _ in range(self.replicate_group.size())]
+        try:
+            self._wait_replicate(self.replicate_group.allgather([gathered], [rows]), deadline)
+        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
+            # A peer group is gone: the next cross-group sum fails and ends the run as any
+            # failed sum does. The committed steps still reach the driver.
+            return own
+        if self.replica_rank != 0:
+            return None
+        return RunRecords.from_rows(tuple(records), [member.cpu().tolist() for member in gathered])
+
+    def _transaction(self, spec: RunSpec, share: RankShare, batches: Future,
+                     report_due: bool) -> tuple[StepRecord | NonFinite, bool, bool]:
         """One step: compute, sum across groups, vote; then every rank of the group applies
-        it or every rank discards it. Returns the committed record and whether to pause, or
-        the step discarded because its loss or norm is not finite (the same in every group:
-        both are sums over every group's contributions)."""
+        it or every rank discards it. Returns the committed record, whether to pause and
+        whether the groups' first ranks send their records now; or the step discarded
+        because its loss or norm is not finite (the same in every group: both are sums over
+        every group's contributions)."""
         started = time.perf_counter()
         step = share.step
         self._set_progress(step, "data")
@@ -416,7 +444,7 @@ class RankWorker:
         try:
             self._reduce_across_groups(spec, started + spec.deadline_s)
             crossed = self._cross_group_scalars(loss_share, counted_tokens(on_device), self._pause_run == spec.run,
-                                                started + spec.deadline_s)
+                                                report_due, started + spec.deadline_s)
             # An abort the driver sent (a step failed elsewhere) ends this group's run after
             # this step, which every contribution reached: a group that stops earlier than
             # another leaves the other's next cross-group sum to be aborted and discarded.
@@ -440,20 +468,20 @@ class RankWorker:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self._discard_uncommitted()
             self._set_progress(step, "done")
-            return NonFinite(step, loss, norm), True
+            return NonFinite(step, loss, norm), True, False
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale * rescale)
         self._set_progress(step, "done")
         record = StepRecord(step, self.spec.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, tuple(self.group_ranks),
                             vote.times)
-        return record, vote.pause
+        return record, vote.pause, crossed.report > 0
 
-    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool,
+    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool, report_due: bool,
                              deadline: float) -> CrossGroupScalars:
-        """The loss shares, counted tokens and pause requests of this position summed over the
-        groups, in float64: identical at this position in every group."""
-        scalars = torch.tensor([loss_share, float(counted), float(pause_seen)], dtype=torch.float64)
+        """The loss shares, counted tokens, pause requests and due reports of this position
+        summed over the groups, in float64: identical at this position in every group."""
+        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due)], dtype=torch.float64)
         if self.replicate_group is not None:
             on_device = scalars.to(self.device)
             self._wait_replicate(self.replicate_group.allreduce([on_device]), deadline)

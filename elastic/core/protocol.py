@@ -3,16 +3,20 @@
 A *run* is how ranks train while the membership is stable. The driver hands every live rank
 the same ``RunSpec``; each rank plans its own share of every step from it with the pure
 core (``data_plan``, ``lr_schedule``, ``gradient_clipping``), steps, and the ranks decide
-each step among themselves. The first rank of each group streams the group's committed
-``StepRecord``s back in batches (``GroupProgress``), and every rank ends its run with a
-``RunEnd``: paused at a step boundary, or failed with the ``StepReport`` of the step it
-failed. The driver's calls per rank happen at boundaries and failures only.
+each step among themselves. About once per ``report_interval_s``, at a step the groups agree
+on in their cross-group sum, the groups' first ranks gather their committed ``StepRecord``s
+and the run's first group sends them as one ``RunRecords``: one message for the whole run,
+however many groups. A run of one group, and a group whose run ends, sends its own
+(``GroupProgress``). Every rank ends its run with a ``RunEnd``: paused at a step boundary,
+or failed with the ``StepReport`` of the step it failed. The driver's calls per rank happen
+at boundaries and failures only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import chain
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.lr_schedule import LRSchedule
@@ -46,7 +50,7 @@ class RunSpec:
     schedule: LRSchedule
     clip_grad_norm: float | None
     deadline_s: float  # per step: no wait on peers outlasts it
-    report_interval_s: float = 1.0  # a group's first rank sends its records at most this often
+    report_interval_s: float = 1.0  # the run's records are sent about this often
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -148,10 +152,53 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class GroupProgress:
-    """A group's committed steps since its last message (at most one message per step)."""
+    """A group's committed steps that no ``RunRecords`` carried: a run of one group, or what a
+    group's first rank holds when its run ends."""
 
     group: int
     records: tuple[StepRecord, ...]
+
+
+# A group's first rank's row per committed step, in the gather: group, step, loop period, then
+# (data, compute, comm, wall) seconds of each of its ranks.
+ROW_HEAD = 3
+
+
+def record_row(record: StepRecord) -> list[float]:
+    return [float(record.group), float(record.step), record.step_s, *chain.from_iterable(record.times)]
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """Every group's committed steps since the run's last message. The decided values (loss,
+    norm, rate, shares, cursor) are every group's, so the sender's own records carry them;
+    each group adds its ranks' times and its loop period."""
+
+    records: tuple[StepRecord, ...]  # the sender's, one per step
+    groups: tuple[int, ...]
+    times: tuple[tuple[float, ...], ...]  # per step: (data, compute, comm, wall) of each group's ranks in turn, flat
+    step_s: tuple[tuple[float, ...], ...]  # per step: each group's loop period, in ``groups`` order
+
+    @classmethod
+    def from_rows(cls, records: tuple[StepRecord, ...], rows: list[list[list[float]]]) -> RunRecords:
+        """From the gathered rows: one list per group's first rank, one row per step."""
+        rows = sorted(rows, key=lambda member: member[0][0])
+        groups = tuple(int(member[0][0]) for member in rows)
+        if any([int(row[1]) for row in member] != [record.step for record in records] for member in rows):
+            raise ValueError(f"the groups' first ranks gathered different steps: "
+                             f"{[[int(row[1]) for row in member] for member in rows]}")
+        return cls(
+            records=records, groups=groups,
+            times=tuple(tuple(chain.from_iterable(member[index][ROW_HEAD:] for member in rows))
+                        for index in range(len(records))),
+            step_s=tuple(tuple(member[index][2] for member in rows) for index in range(len(records))),
+        )
+
+    @classmethod
+    def of_groups(cls, records: dict[int, list[StepRecord]]) -> RunRecords:
+        """From each group's own records of the same steps (what the gather assembles)."""
+        ordered = [records[group] for group in sorted(records)]
+        return cls.from_rows(tuple(ordered[0]), [[record_row(record) for record in member] for member in ordered])
 
 
 @dataclass(frozen=True)
@@ -175,7 +222,8 @@ class RunEnd:
     nonfinite: NonFinite | None = None
 
 
-RunMessage = GroupProgress | RunEnd
+RunMessage = GroupProgress | RunRecords | RunEnd
+PROGRESS_MESSAGES = (GroupProgress, RunRecords)  # a run's stream goes on after these
 
 
 class HookFailed(RuntimeError):

@@ -302,11 +302,13 @@ class StragglerDetector:
     def _known_rows(self) -> np.ndarray:
         return np.flatnonzero(self._rank_of[: self._rows_used] >= 0)
 
-    def scores(self) -> dict[int, float]:
-        """Latest score of every known rank that has been scored at least once."""
+    def scores(self, digits: int | None = None) -> dict[int, float]:
+        """Latest score of every known rank that has been scored at least once (rounded to
+        ``digits`` where given)."""
         rows = self._known_rows()
         rows = rows[np.isfinite(self._score[rows])]
-        return dict(zip(self._rank_of[rows].tolist(), self._score[rows].tolist()))
+        scores = self._score[rows] if digits is None else np.round(self._score[rows], digits)
+        return dict(zip(self._rank_of[rows].tolist(), scores.tolist()))
 
     def flagged(self) -> dict[int, float]:
         """Currently flagged rank -> its latest score."""

@@ -131,9 +131,9 @@ class StragglerMitigation:
         self.detector.forget(rank)
         self.group_of_flagged.pop(rank, None)
 
-    def scores(self) -> dict[int, float]:
+    def scores(self, digits: int | None = None) -> dict[int, float]:
         """Each scored rank's compute time over the median rank's (1.0 = typical)."""
-        return self.detector.scores()
+        return self.detector.scores(digits)
 
     def close(self) -> None:
         """The run ended: report the decisions still being measured with what was measured."""
