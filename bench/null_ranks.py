@@ -16,9 +16,9 @@ Printed per scale:
   the steady-state steps, divided by their number;
 - rank wait per step: time per steady-state step beyond ``--step-ms``, the time the ranks
   spent not computing because of the driver: for the old pattern the driver's wall time per
-  step (it waits for every report before the next dispatch), for runs the median of the
-  ranks' own loop period (records arrive in batches; the ranks call nothing on the driver,
-  so what shows here is the driver's CPU taken from them on a shared machine).
+  step (it waits for every report before the next dispatch), for runs the ranks' own loop
+  period (records arrive in batches). The ranks call nothing on the driver: what shows here
+  is how far they fall behind their schedule on a shared machine (negative: catching up).
 
     python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
 
@@ -198,7 +198,7 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     (cpu0, _), (cpu1, _) = marks[WARMUP_STEPS - 1], marks[steps - WARMUP_STEPS - 1]
     # Records arrive in batches, so the driver's clock cannot time a step: the ranks' own loop
     # period (from one step's start to the next's) can.
-    return (cpu1 - cpu0) / (steps - 2 * WARMUP_STEPS), statistics.median(loop_s) - step_s
+    return (cpu1 - cpu0) / (steps - 2 * WARMUP_STEPS), statistics.mean(loop_s) - step_s
 
 
 def main(argv: list[str] | None = None) -> int:
