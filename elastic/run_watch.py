@@ -116,7 +116,8 @@ class RunWatch:
             now = self.clock()
             # what is left of each group's allowed silence, and of the time to the next poll (a
             # remainder under TICK_S counts as none: the clock may not move by less)
-            silent_for = silence_s - (now - min(heard_at[group] for group in {group_of[rank] for rank in stream.generators}))
+            watched_groups = {group_of[rank] for rank in stream.generators}
+            silent_for = silence_s - (now - min(heard_at[group] for group in watched_groups))
             if silent_for < TICK_S:
                 hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
                 failed = True

@@ -431,7 +431,8 @@ class FakeRun:
             self.reported = at
             if ends or len(self.groups) == 1:  # each group's first rank sends what it holds
                 for group, records in self.buffered.items():
-                    self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, tuple(records)))))
+                    leader = self.topology.global_ranks(group)[0]
+                    self.queue.append(Call(at, (leader, GroupProgress(group, tuple(records)))))
             else:  # gathered at a step the groups agreed on: one message for the run
                 self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0],
                                             RunRecords.of_groups(self.buffered))))

@@ -161,6 +161,7 @@ class GroupProgress:
 
 # A group's first rank's row per committed step, in the gather: group, step, loop period, then
 # (data, compute, comm, wall) seconds of each of its ranks.
+ROW_GROUP, ROW_STEP, ROW_LOOP_S = range(3)
 ROW_HEAD = 3
 
 
@@ -182,16 +183,16 @@ class RunRecords:
     @classmethod
     def from_rows(cls, records: tuple[StepRecord, ...], rows: list[list[list[float]]]) -> RunRecords:
         """From the gathered rows: one list per group's first rank, one row per step."""
-        rows = sorted(rows, key=lambda member: member[0][0])
-        groups = tuple(int(member[0][0]) for member in rows)
-        if any([int(row[1]) for row in member] != [record.step for record in records] for member in rows):
-            raise ValueError(f"the groups' first ranks gathered different steps: "
-                             f"{[[int(row[1]) for row in member] for member in rows]}")
+        rows = sorted(rows, key=lambda member: member[0][ROW_GROUP])
+        groups = tuple(int(member[0][ROW_GROUP]) for member in rows)
+        steps = [[int(row[ROW_STEP]) for row in member] for member in rows]
+        if any(member_steps != [record.step for record in records] for member_steps in steps):
+            raise ValueError(f"the groups' first ranks gathered different steps: {steps}")
         return cls(
             records=records, groups=groups,
             times=tuple(tuple(chain.from_iterable(member[index][ROW_HEAD:] for member in rows))
                         for index in range(len(records))),
-            step_s=tuple(tuple(member[index][2] for member in rows) for index in range(len(records))),
+            step_s=tuple(tuple(member[index][ROW_LOOP_S] for member in rows) for index in range(len(records))),
         )
 
     @classmethod
