@@ -3,7 +3,7 @@ failure diagnosis and recovery plans, policies, straggler handling, goodput, eve
 fault schedules.
 
 Plain data in, decisions out, time from an injected clock. Nothing here imports Ray, torch,
-fsspec, pydantic or prometheus_client (``tests/test_core_purity.py`` checks), so each
-decision is tested in milliseconds without a cluster, and the controller and the fleet keep
-the side effects at the edge.
+fsspec, pydantic or prometheus_client, nor the layers above (``workers``, ``checkpointing``);
+``tests/test_core.py`` checks every module here. So each decision is tested in milliseconds
+without a cluster, and the controller and the fleet keep the side effects at the edge.
 """
