@@ -120,14 +120,15 @@ class CheckpointCatalog:
         return manifest
 
     def latest(self, on_skip: Callable[[int, str], None] = lambda step, reason: None,
-               start_fresh: bool = False) -> Restorable | None:
-        """The newest committed checkpoint (in commit order) whose files all match its manifest.
+               start_fresh: bool = False, at_most: int | None = None) -> Restorable | None:
+        """The newest committed checkpoint (in commit order) whose files all match its manifest
+        (of a step up to ``at_most``, if given).
 
         Committed checkpoints that fail verification are moved aside. When every one fails,
         ``NoUsableCheckpoint`` stops the run, unless ``start_fresh`` says to move them all
         aside and start from step 0."""
         fs, _ = self._filesystem()
-        found, corrupt, partial = self._newest_verified(fs)
+        found, corrupt, partial = self._newest_verified(fs, at_most=at_most)
         if corrupt and found is None and not start_fresh:
             listed = "; ".join(f"step {step}: {reason}" for step, reason in sorted(corrupt))
             raise NoUsableCheckpoint(
@@ -142,12 +143,14 @@ class CheckpointCatalog:
             self._move_aside(fs, step)
         return found
 
-    def _newest_verified(self, fs, step: int | None = None) -> tuple[Restorable | None, list, list]:
-        """The newest committed checkpoint (of ``step``, if given) whose files match its
-        manifest, and the (step, reason) of the corrupt ones and of those never committed."""
+    def _newest_verified(self, fs, step: int | None = None,
+                         at_most: int | None = None) -> tuple[Restorable | None, list, list]:
+        """The newest committed checkpoint (of ``step``, or up to ``at_most``, if given) whose
+        files match its manifest, and the (step, reason) of the corrupt ones and of those
+        never committed."""
         candidates, corrupt, partial = [], [], []
         for dir_step, path in self._step_dirs().items():
-            if step is not None and dir_step != step:
+            if step is not None and dir_step != step or at_most is not None and dir_step > at_most:
                 continue
             if not fs.exists(f"{path}/{MANIFEST_NAME}"):
                 partial.append((dir_step, "no manifest (the checkpoint was never committed)"))

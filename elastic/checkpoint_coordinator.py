@@ -79,11 +79,12 @@ class CheckpointCoordinator:
 
     # resume
 
-    def latest(self) -> Restorable | None:
+    def latest(self, at_most: int | None = None) -> Restorable | None:
+        """The newest usable checkpoint (of a step up to ``at_most``, if given)."""
         def skipped(step: int, reason: str) -> None:
             self.events.emit(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
 
-        return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh)
+        return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh, at_most=at_most)
 
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
         """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds.

@@ -238,6 +238,13 @@ class CheckpointConfig(Section):
         return StorageOptions(endpoint_url=self.s3_endpoint_url, region=self.s3_region, max_attempts=self.s3_max_attempts)
 
 
+class IntegrityConfig(Section):
+    # Every N steps, the replica groups compare fingerprints of their committed state (one
+    # integer per tensor) before the step is applied; a mismatch discards the step and heals
+    # the odd groups (0: never). Runs of one group have no replica to compare with.
+    every: NonNegativeInt = Field(10, le=MAX_STEPS)
+
+
 class FaultToleranceConfig(Section):
     collective_timeout_s: PositiveFloat = Field(30.0, le=DAY_S)
     # A control call that moves the state (heal, checkpoint staging, restore) that takes
@@ -287,6 +294,7 @@ class TrainConfig(Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    integrity: IntegrityConfig = IntegrityConfig()
     stragglers: StragglerConfig = StragglerConfig()
     metrics: MetricsConfig = MetricsConfig()
 

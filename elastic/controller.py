@@ -142,7 +142,7 @@ class Controller:
             if config.stragglers.enabled else None
         )
         self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
-        self.progress = RunProgress()
+        self.progress = RunProgress(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
         self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.timing, events, clock, sleep,
                                   checkpoints, self.stragglers)
@@ -253,6 +253,7 @@ class Controller:
                                         self.stragglers.weights if self.stragglers is not None else {}),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
             deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S,
+            integrity_every=self.config.integrity.every,
         )
 
     def next_boundary(self) -> int:
@@ -350,6 +351,8 @@ class Controller:
             self.groups.rewind(self.resume)
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
+        if diagnosis.corrupt:
+            self.groups.trusted_until = self.progress.verified_step
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         for eviction in plan.evictions:
             if eviction.failed_the_step:
@@ -375,13 +378,9 @@ class Controller:
 
     # checkpoints and the end of the run
 
-    def _saving_group(self) -> tuple[int, list[int]]:
-        group = self.membership.live_groups()[0]
-        return group, self.topology.ranks_of([group])
-
     def maybe_checkpoint(self) -> None:
         if self.checkpoints is not None and self.checkpoints.wants_save(self.progress.step):
-            self.checkpoints.start(self.progress.step, self.progress.cursor, *self._saving_group())
+            self.checkpoints.start(self.progress.step, self.progress.cursor, *self.groups.saving_group())
 
     def finish(self, reason: str) -> str:
         if self.stragglers is not None:
@@ -399,7 +398,7 @@ class Controller:
         committed = False
         if self.membership.live_groups():
             with self.ledger.timing("checkpoint_stall"):
-                committed = self.checkpoints.finish(self.progress.step, self.progress.cursor, *self._saving_group(),
+                committed = self.checkpoints.finish(self.progress.step, self.progress.cursor, *self.groups.saving_group(),
                                                     self.clock() + grace_s)
         if not committed:
             self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.progress.step, reason=reason, grace_s=grace_s)
@@ -407,6 +406,6 @@ class Controller:
 
     def final_state(self) -> dict[tuple[int, int], list]:
         """Committed local parameter shards of the first live group, by position."""
-        _, ranks = self._saving_group()
+        _, ranks = self.groups.saving_group()
         shards = self.fleet.local_parameters(ranks)
         return {self.topology.position_of(rank): shards[rank] for rank in ranks}

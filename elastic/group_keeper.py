@@ -55,6 +55,9 @@ class GroupKeeper:
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
         self.failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, for the controller
+        # After an integrity mismatch: the newest step a restore may take the state from (a
+        # later checkpoint may hold the corruption). None: the newest checkpoint.
+        self.trusted_until: int | None = None
 
     # on the way in
 
@@ -124,6 +127,7 @@ class GroupKeeper:
                 for group in ready:  # what they hold now is unknown: build them afresh
                     self.membership.apply(group, Broken())
                 raise
+        self.trusted_until = None
         for group in ready:
             self.joining_since.pop(group, None)
         self.membership.join(ready)
@@ -144,10 +148,10 @@ class GroupKeeper:
             self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
 
     def _restore(self, groups: list[int]) -> None:
-        """No live peer holds the state: roll back to the latest committed checkpoint or,
-        before the first one, to the initial state the seed determines, which groups that
-        were just built hold already."""
-        checkpoint = self.checkpoints.latest() if self.checkpoints else None
+        """No live peer holds the state: roll back to the latest committed checkpoint (the
+        latest the replicas' check verified, after a mismatch) or, before the first one, to
+        the initial state the seed determines, which groups that were just built hold already."""
+        checkpoint = self.checkpoints.latest(self.trusted_until) if self.checkpoints else None
         if checkpoint is not None:
             self.restore_checkpoint(groups, checkpoint)
         elif self.progress.first_step == 0:
@@ -225,6 +229,11 @@ class GroupKeeper:
                     "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
             self.sleep(JOIN_POLL_S)
+
+    def saving_group(self) -> tuple[int, list[int]]:
+        """The live group whose ranks save checkpoints (and report the final state), and its ranks."""
+        group = self.membership.live_groups()[0]
+        return group, self.topology.ranks_of([group])
 
     # on the way out
 

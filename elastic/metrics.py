@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from elastic.core.diagnosis import COLLECTIVE_ERROR, CONTROL_ERROR, DEATH, HANG, OWN_ERROR
+from elastic.core.diagnosis import COLLECTIVE_ERROR, CONTROL_ERROR, DEATH, HANG, INTEGRITY_MISMATCH, OWN_ERROR
 from elastic.core.events import Event, EventKind
 from elastic.core.goodput import CATEGORIES, TimeLedger
 from elastic.core.recovery import STUCK_IN_COLLECTIVE
@@ -18,8 +18,9 @@ from elastic.core.straggler_policy import ACTIONS
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
 # series misses the first failure, and panels would show "no data" instead of 0.
-RECOVERY_CAUSES = (DEATH, HANG, OWN_ERROR, COLLECTIVE_ERROR, CONTROL_ERROR)
-EVICTION_CAUSES = (*RECOVERY_CAUSES, STUCK_IN_COLLECTIVE, "straggler")
+RANK_FAILURES = (DEATH, HANG, OWN_ERROR, COLLECTIVE_ERROR, CONTROL_ERROR)
+RECOVERY_CAUSES = (*RANK_FAILURES, INTEGRITY_MISMATCH)  # a mismatch evicts no rank
+EVICTION_CAUSES = (*RANK_FAILURES, STUCK_IN_COLLECTIVE, "straggler")
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -52,6 +53,10 @@ class Metrics:
         self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
         self.nonfinite_steps = Counter(
             "elastic_nonfinite_steps", "Steps discarded for a loss or gradient norm that is not finite", **labels
+        )
+        self.integrity_mismatches = Counter(
+            "elastic_integrity_mismatches", "Positions whose replicas disagreed about their committed state",
+            **labels,
         )
         self.steps_rolled_back = Counter(
             "elastic_steps_rolled_back", "Committed steps rerun after restoring a checkpoint (no live peer)", **labels
@@ -116,6 +121,8 @@ class Metrics:
         elif kind == EventKind.NONFINITE_STEP:
             self.steps_discarded.inc()
             self.nonfinite_steps.inc()
+        elif kind == EventKind.INTEGRITY_MISMATCH:
+            self.integrity_mismatches.inc()
         elif kind == EventKind.EVALUATED:
             self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic.core.data_plan import DataCursor
+from elastic.core.integrity import check_due
 from elastic.core.protocol import RunRecords, StepRecord
 from elastic.core.topology import Topology
 
@@ -75,6 +76,10 @@ class RunProgress:
     steps_rolled_back: int = 0
     tokens_committed: int = 0
     has_state: bool = False  # the live groups hold a committed state (not only the seed's)
+    integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
+    # The newest state the replicas' check found identical (or that every group loaded): a
+    # corruption the check finds later arose after it.
+    verified_step: int = 0
 
     def commit(self, committed: CommittedStep, *, seq_len: int, generation: int, t: float) -> dict:
         """Record a step every group of a run committed (their votes agree on the loss, the
@@ -106,6 +111,8 @@ class RunProgress:
         self.tokens_committed += tokens
         self.step_records.append(record)
         self.has_state = True
+        if check_due(self.step, self.integrity_every) and len(first.group_samples) > 1:
+            self.verified_step = self.step
         self.step += 1
         return record
 
@@ -118,6 +125,7 @@ class RunProgress:
         del self.step_records[kept:]
         self.eval_records = [record for record in self.eval_records if record["step"] <= step]
         self.has_state = True
+        self.verified_step = step
 
     def eval_due(self, every: int, steps: int) -> bool:
         """Every ``every`` committed steps and after the last one, once per step."""

@@ -11,6 +11,9 @@ in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, th
 aborts the others, which are drained with the evaluations' rules (``step_collection.drain``) before
 ``diagnose`` names the culprits.
 
+A run every rank ended on a step the replicas' integrity check discarded is a failure
+without culprits: the positions that disagreed name the suspect groups, which heal.
+
 After a failure, only the groups that stay healthy say what is committed: the run's next
 step is the furthest a healthy group reached. A healthy group behind it (its last cross-group
 sum failed where another group's completed) is sent to rebuild and heal like a broken one,
@@ -22,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elastic.core.diagnosis import Diagnosis, diagnose
+from elastic.core.diagnosis import Diagnosis, diagnose, diagnose_mismatch
+from elastic.core.events import EventKind
+from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
 from elastic.fleet_api import FleetApi, RunStream
 from elastic.progress import CommittedStep
@@ -66,6 +71,7 @@ class RunWatch:
         dead: set[int] = set()
         heard_at = dict.fromkeys(groups, started)
         state = {"next": spec.first_step, "committed_until": started, "nonfinite": None}
+        mismatches: dict[tuple[int, int], IntegrityMismatch] = {}  # by position, from the ranks that found them
 
         def file(arrived) -> list[tuple[int, StepReport | None]]:
             finals = []
@@ -87,6 +93,8 @@ class RunWatch:
                 if isinstance(message, RunEnd):
                     next_steps[rank] = message.next_step
                     state["nonfinite"] = state["nonfinite"] or message.nonfinite
+                    if message.integrity is not None:
+                        mismatches[message.integrity.position] = message.integrity
                     message = message.failure or StepReport(rank, message.next_step)
                 finals.append((rank, message))
             return finals
@@ -135,6 +143,8 @@ class RunWatch:
             commit_complete()
             if not failed:
                 between()
+        if not failed and mismatches:
+            return self.integrity_failed(list(mismatches.values()), state["next"], state["committed_until"])
         if not failed:
             return RunOutcome(state["next"], None, state["committed_until"], state["nonfinite"])
         if only_victims_reported():
@@ -170,3 +180,13 @@ class RunWatch:
             commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
         return RunOutcome(state["next"], diagnosis, state["committed_until"])
+
+    def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
+                         committed_until: float) -> RunOutcome:
+        """Every rank discarded ``next_step``: replicas disagreed about the state it began from."""
+        self.collection.failure_seen_at = self.clock()
+        for mismatch in sorted(mismatches, key=lambda found: found.position):
+            self.collection.events.emit(EventKind.INTEGRITY_MISMATCH, step=mismatch.step,
+                                        position=list(mismatch.position), suspects=list(mismatch.suspects),
+                                        majority=list(mismatch.majority), tensors=list(mismatch.tensors))
+        return RunOutcome(next_step, diagnose_mismatch(mismatches), committed_until)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from elastic.core.data_plan import rank_share
 from elastic.core.gradient_clipping import clip_coefficient
+from elastic.core.integrity import IntegrityMismatch, check_due, compare
 from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
@@ -72,6 +73,14 @@ class CollectiveError:
     rank: int
 
 
+@dataclass(frozen=True)
+class Flip:
+    """A bit flips in the rank's state as the step starts: no error, only the integrity
+    check's fingerprints tell."""
+
+    rank: int
+
+
 @dataclass
 class Upload:
     global_rank: int
@@ -113,6 +122,7 @@ class FakeFleet:
         # control call -> [(rank, "die" | "raise")], fired once, the next time the call runs
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
+        self.corrupt: set[int] = set()  # ranks whose state differs from their replicas' (a Flip)
         self.fail_uploads = False
         self.delivered: list[tuple[int, object]] = []  # every run message the driver read, in order
         self.fail_staging = False
@@ -291,6 +301,8 @@ class FakeFleet:
     def copy_state(self, pairs) -> None:
         self._control("import_state")
         self.copies.extend(pairs)
+        for source, target in pairs:
+            (self.corrupt.add if source in self.corrupt else self.corrupt.discard)(target)
 
     def join_replicas(self, assignments) -> None:
         self._control("join_replicas")
@@ -335,6 +347,7 @@ class FakeFleet:
 
     def restore(self, ranks, url: str, step: int, generators) -> None:
         self._control("load_checkpoint")
+        self.corrupt -= set(ranks)
         self.restores.append((tuple(ranks), url))
         self.restored_generators.append(dict(generators))
 
@@ -371,9 +384,25 @@ class FakeRun:
         fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "replicate", 0, 9, 0.0))
                            for rank in self.ranks}
         faults = fleet.faults.pop(step, [])
+        fleet.corrupt |= {fault.rank for fault in faults if isinstance(fault, Flip)}
+        faults = [fault for fault in faults if not isinstance(fault, Flip)]
+        self.mismatches = self._integrity_check(step)
         if faults:
             self._fail(now, step, faults)
 
+    def _integrity_check(self, step: int) -> dict[int, IntegrityMismatch]:
+        """What the ranks at each position find as the step begins, by rank: a corrupt rank's
+        fingerprint differs from its replicas'."""
+        if len(self.groups) < 2 or not check_due(step, self.spec.integrity_every):
+            return {}
+        found = {}
+        for position in {self.topology.position_of(rank) for rank in self.fleet.corrupt & set(self.ranks)}:
+            replicas = {self.topology.group_of(rank): rank for rank in self.ranks
+                        if self.topology.position_of(rank) == position}
+            mismatch = compare(step, position, {group: (rank if rank in self.fleet.corrupt else -1,)
+                                                for group, rank in replicas.items()}, ["layers.0.weight"])
+            found.update(dict.fromkeys(replicas.values(), mismatch))
+        return found
     def _fail(self, now: float, step: int, faults: list) -> None:
         self.over = True
         fleet = self.fleet
@@ -414,8 +443,8 @@ class FakeRun:
         """The step's votes: every group commits it; a pause asked before them, or the run's
         last step, ends the run here."""
         fleet, spec, step, at = self.fleet, self.spec, self.step, self.ends_at
-        if fleet.nonfinite.get(step):
-            self._discard_nonfinite(step, at)
+        if fleet.nonfinite.get(step) or self.mismatches:
+            self._discard(step, at)
             return
         plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
@@ -445,14 +474,18 @@ class FakeRun:
             fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))
                                for rank in self.ranks}
 
-    def _discard_nonfinite(self, step: int, at: float) -> None:
-        """Every rank's vote sums a NaN loss: the records held go out, then every rank ends
-        the run on the step."""
-        self.fleet.nonfinite[step] -= 1
+    def _discard(self, step: int, at: float) -> None:
+        """Every rank's vote finds a mismatch, or else sums a NaN loss: the records held go
+        out, then every rank ends the run on the step."""
         self.over = True
         for group, records in self.buffered.items():
             if records:
                 self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, tuple(records)))))
+        if self.mismatches:
+            self.queue.extend(Call(at, (rank, RunEnd(rank, step, integrity=self.mismatches.get(rank))))
+                              for rank in self.ranks)
+            return
+        self.fleet.nonfinite[step] -= 1
         nonfinite = NonFinite(step, math.nan, math.nan)
         self.queue.extend(Call(at, (rank, RunEnd(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
 

@@ -23,7 +23,7 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.fleet_api import CallFailed
-from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Hang, Kill
+from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
 from tests.tiny import tiny_config
 
 DATASET_LEN = 10_000
@@ -354,6 +354,40 @@ def test_both_copies_of_a_shard_lost_before_the_first_checkpoint_rerun_from_step
     assert restart["rolled_back_steps"] == 3
     assert scenario.committed_steps() == [0, 1, 2, *range(12)]
     assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == [5, 10, 12]
+
+
+def test_a_flipped_bit_is_found_at_the_next_check_and_the_odd_group_heals_from_the_majority(tmp_path):
+    scenario = Scenario(tmp_path, groups=3, shard=2, steps=15, config={"integrity__every": 5})
+    scenario.fleet.faults = {7: [Flip(rank=3)]}  # group 1, position (1, 0)
+    assert scenario.run() == "completed"
+
+    [found] = scenario.kinds(EventKind.INTEGRITY_MISMATCH)
+    assert (found["step"], found["position"], found["suspects"], found["majority"]) == (10, [1, 0], [1], [0, 2])
+    [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
+    assert (discarded["step"], discarded["cause"], discarded["broken_groups"]) == (10, "integrity-mismatch", [1])
+    # every rank is healthy: none is evicted or restarted; group 1 rebuilds and heals from group 0
+    assert scenario.fleet.kills == [] and scenario.kinds(EventKind.RANK_FAILED) == []
+    assert scenario.fleet.copies == [(0, 2), (1, 3)] and scenario.fleet.corrupt == set()
+    assert scenario.fleet.restores == []
+    assert scenario.committed_steps() == list(range(15))  # step 10 ran again; nothing rolled back
+    [recovered] = scenario.kinds(EventKind.RECOVERED)
+    assert recovered["cause"] == "integrity-mismatch"
+
+
+def test_with_two_groups_both_are_suspect_and_restore_the_newest_checkpoint_the_check_verified(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, steps=14, checkpoint_every=4, config={"integrity__every": 5})
+    scenario.fleet.faults = {7: [Flip(rank=2)]}
+    assert scenario.run() == "completed"
+
+    [found] = scenario.kinds(EventKind.INTEGRITY_MISMATCH)
+    assert (found["step"], found["suspects"], found["majority"]) == (10, [0, 1], [])
+    # the check at step 5 passed, at step 10 it failed: the checkpoint of step 8 may hold the
+    # corruption (one group saved it, either may be the odd one), the one of step 4 cannot
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_CHECKPOINT)
+    assert (restored["step"], restored["rolled_back_steps"], sorted(restored["groups"])) == (4, 6, [0, 1])
+    assert scenario.fleet.corrupt == set() and scenario.fleet.kills == []
+    assert scenario.committed_steps() == [*range(10), *range(4, 14)]
+    assert scenario.controller.progress.steps_rolled_back == 6
 
 
 def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_path):

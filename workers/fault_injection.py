@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from elastic.core.faults import InjectedFault, InjectedRunSpec
+from workers.integrity import flip_bit
 from workers.rank_spec import RankSpec
 from workers.worker import RankWorker
 
@@ -59,6 +60,8 @@ class FaultInjectingWorker(RankWorker):
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
         if fault.kind == "fail-collective":
             self.fail_next_collective = True
+        if fault.kind == "flip":
+            flip_bit(self.model)
 
     def _compute(self, spec: InjectedRunSpec, step: int, batches, global_tokens: int) -> tuple[float, float]:
         loss_share, compute_s = super()._compute(spec, step, batches, global_tokens)

@@ -41,6 +41,7 @@ from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
+from elastic.core.integrity import IntegrityMismatch, check_due
 from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
@@ -67,6 +68,7 @@ from workers.failures import (
     describe_failure,
     raised_in_collective,
 )
+from workers.integrity import start_check
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -135,8 +137,19 @@ class Vote:
     loss: float  # the step's loss over the global token count (before ``token_rescale``)
     counted_tokens: int  # the targets that count, over the whole step
     pause: bool
+    integrity_mismatch: bool  # some position's replicas disagreed about the state the step began from
     grad_norm: float  # the global gradient norm (after the cross-group sum, one group's parts make it)
     times: tuple[tuple[float, float, float, float], ...]  # by group rank: data, compute, comm, wall seconds
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A step every rank of every group discarded, and why: its loss or norm was not finite
+    (the same sums everywhere), or replicas disagreed about the state it began from (every
+    group has a rank at the position that found it, and the vote tells the others)."""
+
+    nonfinite: NonFinite | None = None
+    integrity: IntegrityMismatch | None = None  # this rank's position's finding, if it has one
 
 
 def load_hooks(pickled_hooks: bytes):
@@ -376,10 +389,10 @@ class RankWorker:
                     yield GroupProgress(self.spec.group, tuple(records))
                 yield RunEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
                 return
-            if isinstance(record, NonFinite):  # every rank of every group saw the same sums
+            if isinstance(record, Discarded):
                 if records:
                     yield GroupProgress(self.spec.group, tuple(records))
-                yield RunEnd(self.spec.global_rank, share.step, nonfinite=record)
+                yield RunEnd(self.spec.global_rank, share.step, nonfinite=record.nonfinite, integrity=record.integrity)
                 return
             now = time.perf_counter()
             if leads_group:  # the group's records: every rank decided the same
@@ -424,14 +437,15 @@ class RankWorker:
         return RunRecords.from_rows(tuple(records), [member.cpu().tolist() for member in gathered])
 
     def _transaction(self, spec: RunSpec, share: RankShare, batches: Future,
-                     report_due: bool) -> tuple[StepRecord | NonFinite, bool, bool]:
+                     report_due: bool) -> tuple[StepRecord | Discarded, bool, bool]:
         """One step: compute, sum across groups, vote; then every rank of the group applies
         it or every rank discards it. Returns the committed record, whether to pause and
-        whether the groups' first ranks send their records now; or the step discarded
-        because its loss or norm is not finite (the same in every group: both are sums over
-        every group's contributions)."""
+        whether the groups' first ranks send their records now; or the step every group
+        discarded (``Discarded``)."""
         started = time.perf_counter()
         step = share.step
+        check = (start_check(step, self.spec.group, self.model, self.optimizer, self.replicate_group, self.device)
+                 if self.replicate_group is not None and check_due(step, spec.integrity_every) else None)
         self._set_progress(step, "data")
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
@@ -440,8 +454,11 @@ class RankWorker:
         loss_share, compute_s = self._compute(spec, step, on_device, share.global_tokens)
         self._set_progress(step, "replicate")
         comm_started = time.perf_counter()
-        sum_error = None
+        sum_error, mismatch = None, None
         try:
+            if check is not None:
+                self._wait_replicate(check.work, started + spec.deadline_s)
+                mismatch = check.verdict(self.spec.position)
             self._reduce_across_groups(spec, started + spec.deadline_s)
             crossed = self._cross_group_scalars(loss_share, counted_tokens(on_device), self._pause_run == spec.run,
                                                 report_due, started + spec.deadline_s)
@@ -456,7 +473,7 @@ class RankWorker:
         times = (data_s, compute_s, comm_s, time.perf_counter() - started)
         self._set_progress(step, "vote")
         try:
-            vote = self._vote(sum_error is None, crossed, grad_sq_norm, times)
+            vote = self._vote(sum_error is None, crossed, mismatch is not None, grad_sq_norm, times)
         except Exception as error:
             raise VoteFailed(f"rank {self.spec.global_rank}: the group's vote on step {step} failed: {error}") from error
         if sum_error is not None:
@@ -465,10 +482,12 @@ class RankWorker:
             raise StepDiscarded(f"rank {self.spec.global_rank}: step {step} discarded: a peer's cross-group sum failed")
         rescale = token_rescale(share.global_tokens, vote.counted_tokens)
         loss, norm = vote.loss * rescale, vote.grad_norm * rescale
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        if vote.integrity_mismatch or not (math.isfinite(loss) and math.isfinite(norm)):
             self._discard_uncommitted()
             self._set_progress(step, "done")
-            return NonFinite(step, loss, norm), True, False
+            if vote.integrity_mismatch:
+                return Discarded(integrity=mismatch), True, False
+            return Discarded(nonfinite=NonFinite(step, loss, norm)), True, False
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(step), clip_scale * rescale)
         self._set_progress(step, "done")
@@ -488,7 +507,7 @@ class RankWorker:
             scalars = on_device.cpu()
         return CrossGroupScalars(*scalars.tolist())
 
-    def _vote(self, succeeded: bool, crossed: CrossGroupScalars, grad_sq_norm: float,
+    def _vote(self, succeeded: bool, crossed: CrossGroupScalars, mismatch: bool, grad_sq_norm: float,
               times: tuple[float, float, float, float]) -> Vote:
         """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
         and adds them up in rank order, so all decide the same: apply or discard, and whether
@@ -496,7 +515,8 @@ class RankWorker:
         leads_tp = self.spec.tp_index == 0
         # A TP row's ranks hold the same samples: its first rank counts them.
         sums = [crossed.loss_share, crossed.counted_tokens] if leads_tp else [0.0, 0.0]
-        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, grad_sq_norm, *times], dtype=torch.float64)
+        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times],
+                              dtype=torch.float64)
         if self.control_group is None:
             ballots = [ballot]
         else:
@@ -508,8 +528,9 @@ class RankWorker:
             loss=sum(row[1] for row in table),
             counted_tokens=round(sum(row[2] for row in table)),
             pause=any(row[3] > 0 for row in table),
-            grad_norm=global_norm({group_rank: row[4] for group_rank, row in enumerate(table)}),
-            times=tuple(tuple(row[5:9]) for row in table),
+            integrity_mismatch=any(row[4] > 0 for row in table),
+            grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
+            times=tuple(tuple(row[6:10]) for row in table),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:

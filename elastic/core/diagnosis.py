@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from elastic.core.integrity import IntegrityMismatch, suspect_groups
 from elastic.core.protocol import Failure, Progress, StepReport, describe_error
 
 DEATH, HANG = "death", "hang"
@@ -25,6 +26,8 @@ COLLECTIVE_ERROR = "collective-error"
 # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
 # still answers: it is replaced like any failed rank.
 CONTROL_ERROR = "control-error"
+# Replicas disagreed about their committed state: the suspect groups heal, no rank is evicted.
+INTEGRITY_MISMATCH = "integrity-mismatch"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Diagnosis:
     broken_groups: frozenset[int]
     errors: dict[int, str]
     stuck: tuple[int, ...] = ()
+    corrupt: frozenset[int] = frozenset()  # groups whose state failed the integrity check
 
     @property
     def cause(self) -> str:
@@ -40,7 +44,7 @@ class Diagnosis:
         for cause in (DEATH, HANG, OWN_DATA, OWN_ERROR, CONTROL_ERROR):
             if cause in causes:
                 return cause
-        return COLLECTIVE_ERROR
+        return INTEGRITY_MISMATCH if self.corrupt else COLLECTIVE_ERROR
 
 
 def least_progressed(progress: Iterable[Progress]) -> list[int]:
@@ -84,6 +88,13 @@ def diagnose_control_failure(*, failed_on: Iterable[int], dead: Iterable[int], l
     failed = set() if dead and left_state_intact else set(failed_on) - dead
     culprits = {rank: DEATH if rank in dead else CONTROL_ERROR for rank in sorted(dead | failed)}
     return Diagnosis(culprits, frozenset(group_of[rank] for rank in culprits), dict.fromkeys(culprits, error))
+
+
+def diagnose_mismatch(mismatches: Iterable[IntegrityMismatch]) -> Diagnosis:
+    """Replicas disagreed: the suspect groups rebuild and heal from the others (or, when
+    every group is suspect, from a tier below); every rank is healthy, none is evicted."""
+    suspects = suspect_groups(mismatches)
+    return Diagnosis({}, suspects, {}, corrupt=suspects)
 
 
 def merged(diagnoses: Iterable[Diagnosis]) -> Diagnosis:

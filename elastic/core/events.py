@@ -67,6 +67,7 @@ class EventKind(StrEnum):
     RANK_EVICTED = "rank-evicted"
     STEP_DISCARDED = "step-discarded"
     NONFINITE_STEP = "nonfinite-step"
+    INTEGRITY_MISMATCH = "integrity-mismatch"
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
     RESTORED_INITIAL_STATE = "restored-initial-state"
     RECOVERED = "recovered"

@@ -8,7 +8,8 @@ into ``InjectedRunSpec``s, and ``workers.fault_injection`` fires them as the run
 step starts. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
-``kill-group``, ``hang``, ``slow`` and ``fail-collective``; keys are ``rank`` or ``group``
+``kill-group``, ``hang``, ``slow``, ``fail-collective`` and ``flip`` (one bit of one
+parameter, silently: the integrity check's to find); keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
 or ``at`` (seconds since training started), ``factor`` (for ``slow``) and ``after``
 (for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
@@ -27,8 +28,9 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
 from elastic.core.protocol import RunSpec
 
-KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective")
-_TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank"}
+KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective", "flip")
+_TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank",
+           "flip": "rank"}
 
 
 class FaultSpecError(ValueError):

@@ -19,6 +19,7 @@ from enum import StrEnum
 from itertools import chain
 
 from elastic.core.data_plan import DataCursor
+from elastic.core.integrity import IntegrityMismatch
 from elastic.core.lr_schedule import LRSchedule
 
 ERROR_CHARS = 2000
@@ -51,6 +52,7 @@ class RunSpec:
     clip_grad_norm: float | None
     deadline_s: float  # per step: no wait on peers outlasts it
     report_interval_s: float = 1.0  # the run's records are sent about this often
+    integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -215,12 +217,15 @@ class NonFinite:
 class RunEnd:
     """How a rank's run ended: ``next_step`` is the first step it has not committed;
     ``failure`` the report of the step that failed, ``None`` when the run paused;
-    ``nonfinite`` the step it discarded as not finite, where the run stopped on one."""
+    ``nonfinite`` the step it discarded as not finite, where the run stopped on one;
+    ``integrity`` what its position's replicas disagreed about, where the run stopped on a
+    mismatch (ranks at positions that agreed end on the same step with ``None``)."""
 
     global_rank: int
     next_step: int
     failure: StepReport | None = None
     nonfinite: NonFinite | None = None
+    integrity: IntegrityMismatch | None = None
 
 
 RunMessage = GroupProgress | RunRecords | RunEnd

@@ -1,0 +1,80 @@
+"""The rank's side of the integrity check (``elastic.core.integrity``): fingerprints of the
+committed state it holds, computed on the device and gathered across the replica groups as
+a step begins, so the gather overlaps the step's compute. And the fault that tests it: one
+flipped bit, as a bad memory cell would leave it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from elastic.core.integrity import IntegrityMismatch, compare
+
+# Integers of each element size: a tensor's bits are read as these, whatever its dtype.
+INTEGER_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """The committed state a replica holds, by name: each parameter's local shard, then its
+    optimizer state, in the model's order (the same in every group)."""
+    named = []
+    for name, param in model.named_parameters():
+        named.append((name, _local(param)))
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if torch.is_tensor(value):
+                named.append((f"{name}.{key}", _local(value)))
+    return named
+
+
+def fingerprints(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per tensor, the sum of its elements' bits read as integers, in int64 on ``device``.
+    Integer sums (wrapping at 2**64) are exact, so they do not depend on the order the
+    device adds in, and a flipped bit always changes its tensor's sum."""
+    sums = [
+        torch.sum(tensor.detach().reshape(-1).view(INTEGER_VIEWS[tensor.element_size()]), dtype=torch.int64)
+        for tensor in tensors
+    ]
+    return torch.stack([total.to(device) for total in sums])
+
+
+@dataclass
+class PendingCheck:
+    """One position's fingerprints, being gathered across the groups."""
+
+    step: int
+    names: list[str]
+    gathered: list[torch.Tensor]  # one row per group: the group, then its fingerprints
+    work: object  # the all-gather in flight
+
+    def verdict(self, position: tuple[int, int]) -> IntegrityMismatch | None:
+        rows = [row.cpu().tolist() for row in self.gathered]
+        return compare(self.step, position, {row[0]: row[1:] for row in rows}, self.names)
+
+
+def start_check(step: int, group: int, model: nn.Module, optimizer: torch.optim.Optimizer, replicate_group,
+                device: torch.device) -> PendingCheck:
+    """Fingerprint the committed state and start gathering it over ``replicate_group``."""
+    names, tensors = zip(*state_tensors(model, optimizer))
+    row = torch.cat([torch.tensor([group], dtype=torch.int64, device=device), fingerprints(list(tensors), device)])
+    gathered = [torch.empty_like(row) for _ in range(replicate_group.size())]
+    return PendingCheck(step, list(names), gathered, replicate_group.allgather([gathered], [row]))
+
+
+def flip_bit(model: nn.Module) -> None:
+    """Flip the highest mantissa bit of the first element this rank holds of the first
+    floating-point parameter: a value off by up to half of itself, no error anywhere."""
+    for param in model.parameters():
+        local = _local(param).detach()
+        if local.numel() and local.is_floating_point():
+            bit = round(-math.log2(torch.finfo(local.dtype).eps)) - 1
+            local.view(-1)[:1].view(INTEGER_VIEWS[local.element_size()]).bitwise_xor_(1 << bit)
+            return
