@@ -253,7 +253,7 @@ class Controller:
                                         self.stragglers.weights if self.stragglers is not None else {}),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
             deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S,
-            integrity_every=self.config.integrity.every,
+            integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
         )
 
     def next_boundary(self) -> int:

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic.config import TrainConfig
 from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
+from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.topology import Topology
 from elastic.core.protocol import (
     EvalRequest,
@@ -49,6 +50,8 @@ log = logging.getLogger("elastic.fleet")
 
 # A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0
+# A live rank answers what its memory tier holds on its control thread, in milliseconds.
+HOLDINGS_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -84,6 +87,29 @@ class Rendezvous:
     @property
     def port(self) -> int:
         return self.store.port
+
+
+def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int) -> RankSpec:
+    """What a rank's process is started with: its place in the layout, the store, its settings."""
+    shard_index, tp_index = topology.position_of(global_rank)
+    return RankSpec(
+        global_rank=global_rank,
+        group=topology.group_of(global_rank),
+        group_rank=topology.group_rank(global_rank),
+        shard_index=shard_index,
+        tp_index=tp_index,
+        shard=topology.shard,
+        tp=topology.tp,
+        seed=config.seed,
+        use_gpu=config.scaling.uses_gpu,
+        store_host=rendezvous.host,
+        store_port=rendezvous.port,
+        store_secret=rendezvous.secret,
+        collective_timeout_s=config.fault_tolerance.collective_timeout_s,
+        storage=config.checkpoint.storage_options(),
+        upload_in_process=config.checkpoint.upload_in_process(config.scaling.uses_gpu),
+        replicate_dtype=config.compute.replicate_precision,
+    )
 
 
 class Fleet:
@@ -130,27 +156,6 @@ class Fleet:
 
     # rank processes
 
-    def spec(self, global_rank: int) -> RankSpec:
-        shard_index, tp_index = self.topology.position_of(global_rank)
-        return RankSpec(
-            global_rank=global_rank,
-            group=self.topology.group_of(global_rank),
-            group_rank=self.topology.group_rank(global_rank),
-            shard_index=shard_index,
-            tp_index=tp_index,
-            shard=self.topology.shard,
-            tp=self.topology.tp,
-            seed=self.config.seed,
-            use_gpu=self.scaling.uses_gpu,
-            store_host=self.rendezvous.host,
-            store_port=self.rendezvous.port,
-            store_secret=self.rendezvous.secret,
-            collective_timeout_s=self.config.fault_tolerance.collective_timeout_s,
-            storage=self.config.checkpoint.storage_options(),
-            upload_in_process=self.config.checkpoint.upload_in_process(self.scaling.uses_gpu),
-            replicate_dtype=self.config.compute.replicate_precision,
-        )
-
     def start(self, ranks) -> Pending:
         """Start (or replace) the ranks' processes in their groups' bundles."""
         refs = {}
@@ -165,7 +170,7 @@ class Fleet:
                     placement_group=self.placements[self.topology.group_of(rank)],
                     placement_group_bundle_index=self.topology.group_rank(rank),
                 ),
-            ).remote(self.spec(rank), self.hooks_ref)
+            ).remote(rank_spec(self.config, self.topology, self.rendezvous, rank), self.hooks_ref)
             self.actors[rank] = actor
             refs[rank] = actor.node.remote()
         return Pending(refs)
@@ -178,13 +183,16 @@ class Fleet:
 
     def responsive(self, ranks, timeout: float = 5.0) -> set[int]:
         """The ranks whose processes answer within ``timeout``, asked all at once."""
-        refs = {self.actors[rank].node.remote(): rank for rank in ranks if rank in self.actors}
+        return set(self._answers(ranks, "node", timeout))
+
+    def _answers(self, ranks, method: str, timeout: float) -> dict[int, object]:
+        """What the ranks that answer ``method`` within ``timeout`` answered, asked all at once."""
+        refs = {getattr(self.actors[rank], method).remote(): rank for rank in ranks if rank in self.actors}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout) if refs else ([], [])
-        answered = set()
+        answered = {}
         for ref in ready:
             try:
-                ray.get(ref, timeout=0)
-                answered.add(refs[ref])
+                answered[refs[ref]] = ray.get(ref, timeout=0)
             except RayError:
                 continue
         return answered
@@ -349,6 +357,27 @@ class Fleet:
 
     def local_parameters(self, ranks) -> dict[int, list]:
         return self.results(self._call(ranks, "local_parameters"), self.state_call_s, "local_parameters")
+
+    # the memory tier
+
+    def set_buddies(self, buddies: dict[int, int | None]) -> None:
+        """Tell each rank which rank keeps the copies of its state in memory (None: none)."""
+        self.results(Pending({
+            rank: self.actors[rank].set_buddy.remote(buddy, None if buddy is None else self.actors[buddy])
+            for rank, buddy in buddies.items()
+        }), self.quick_call_s, "set_buddy")
+
+    def memory_holdings(self, ranks) -> dict[int, Holdings]:
+        """What each rank holds in host memory; a rank that is gone, or still starting (a fresh
+        process holds nothing), does not answer in time and is left out."""
+        return self._answers(ranks, "memory_holdings", HOLDINGS_TIMEOUT_S)
+
+    def restore_memory(self, plan: MemoryRestore) -> None:
+        """Every rank of ``plan`` back at its step: from its own copy, or a holder's copy of its state."""
+        own = {rank: self.actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
+        transfers = {owner: self.actors[owner].import_state.remote(self.actors[holder].export_held.remote(
+            owner, plan.step)) for holder, owner in plan.transfers}
+        self.results(Pending(own | transfers), self.state_call_s, "restore_memory")
 
     # checkpoints
 

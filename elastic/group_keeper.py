@@ -18,6 +18,7 @@ from elastic.config import TrainConfig
 from elastic.core.data_plan import DataCursor
 from elastic.core.diagnosis import DEATH, OWN_ERROR, Diagnosis
 from elastic.core.events import EventKind, EventLog
+from elastic.core.memory_tier import choose_buddies, plan_memory_restore
 from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
@@ -58,6 +59,7 @@ class GroupKeeper:
         # After an integrity mismatch: the newest step a restore may take the state from (a
         # later checkpoint may hold the corruption). None: the newest checkpoint.
         self.trusted_until: int | None = None
+        self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
 
     # on the way in
 
@@ -107,7 +109,8 @@ class GroupKeeper:
             self.world_generation += 1
             self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_generation)
         if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
-            self.fleet.results(self.joining_calls.pop(group))
+            built = self.fleet.results(self.joining_calls.pop(group))
+            self.node_of.update({rank: report.node_ip for rank, report in built.items() if report is not None})
             self.membership.apply(group, Built())
             seconds = self.clock() - self.joining_since[group]
             self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3))
@@ -151,6 +154,8 @@ class GroupKeeper:
         """No live peer holds the state: roll back to the latest committed checkpoint (the
         latest the replicas' check verified, after a mismatch) or, before the first one, to
         the initial state the seed determines, which groups that were just built hold already."""
+        if self._restore_from_memory(groups):
+            return
         checkpoint = self.checkpoints.latest(self.trusted_until) if self.checkpoints else None
         if checkpoint is not None:
             self.restore_checkpoint(groups, checkpoint)
@@ -167,6 +172,25 @@ class GroupKeeper:
                 "often (--checkpoint-every N)"
             )
 
+    def _restore_from_memory(self, groups: list[int]) -> bool:
+        """Every rank of ``groups`` back at the newest step the memory tier holds for all of
+        them (no newer than the last verified one, after a mismatch); False when it holds none."""
+        if not self.config.checkpoint.memory_every:
+            return False
+        # a rank's copy may be held in any group, one still on its way back included
+        holdings = self.fleet.memory_holdings(self.topology.ranks_of(self.membership.groups))
+        plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, self.trusted_until)
+        if plan is None:
+            return False
+        started = self.clock()
+        self.fleet.restore_memory(plan)
+        seconds = self.clock() - started
+        self.timing.add("heal_s", seconds)
+        rolled_back = self._rewind_to(plan.step, plan.cursor)
+        self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
+                         from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4))
+        return True
+
     def restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
         seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
         self.timing.add("heal_s", seconds)
@@ -179,9 +203,13 @@ class GroupKeeper:
     def rewind(self, checkpoint: Restorable | None) -> int:
         """Continue from a checkpoint's step and cursor (``None``: the initial state's);
         returns the committed steps rolled back."""
-        rolled_back = self.progress.step - (checkpoint.step if checkpoint else 0)
-        self.progress.rewind(checkpoint.step if checkpoint else 0,
-                             DataCursor(**checkpoint.manifest.cursor) if checkpoint else DataCursor())
+        if checkpoint is None:
+            return self._rewind_to(0, DataCursor())
+        return self._rewind_to(checkpoint.step, DataCursor(**checkpoint.manifest.cursor))
+
+    def _rewind_to(self, step: int, cursor: DataCursor) -> int:
+        rolled_back = self.progress.step - step
+        self.progress.rewind(step, cursor)
         self.progress.steps_rolled_back += max(0, rolled_back)
         return rolled_back
 
@@ -195,6 +223,9 @@ class GroupKeeper:
             for rank in self.topology.global_ranks(group)
         }
         self.fleet.join_replicas(assignments)
+        if self.config.checkpoint.memory_every:
+            buddies = choose_buddies(self.topology, quorum.groups, self.node_of)
+            self.fleet.set_buddies({rank: buddies.get(rank) for rank in assignments})
         self.replicas_stale = False
         seconds = self.clock() - started
         self.timing.add("rebuild_s", seconds)

@@ -127,7 +127,8 @@ class Metrics:
             self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:
             self.heal_seconds.observe(event["seconds"])
-        elif kind in (EventKind.RESTORED_FROM_CHECKPOINT, EventKind.RESTORED_INITIAL_STATE):
+        elif kind in (EventKind.RESTORED_FROM_CHECKPOINT, EventKind.RESTORED_INITIAL_STATE,
+                      EventKind.RESTORED_FROM_MEMORY):
             self.steps_rolled_back.inc(event["rolled_back_steps"])
         elif kind == EventKind.GROUPS_REBUILT:
             self.generation.set(event["generation"])

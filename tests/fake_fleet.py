@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from elastic.core.data_plan import rank_share
 from elastic.core.gradient_clipping import clip_coefficient
 from elastic.core.integrity import IntegrityMismatch, check_due, compare
+from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
     GroupProgress,
@@ -123,6 +124,12 @@ class FakeFleet:
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
         self.corrupt: set[int] = set()  # ranks whose state differs from their replicas' (a Flip)
+        # the memory tier: each live rank's own copies (step -> cursor, the newest two) and the
+        # copies it keeps for the ranks it is buddy to (owner -> (step, cursor))
+        self.buddies: dict[int, int | None] = {}
+        self.own_copies: dict[int, dict] = {}
+        self.held_copies: dict[int, dict] = {}
+        self.memory_restores: list = []
         self.fail_uploads = False
         self.delivered: list[tuple[int, object]] = []  # every run message the driver read, in order
         self.fail_staging = False
@@ -165,6 +172,7 @@ class FakeFleet:
         for rank in ranks:
             self.alive_ranks.add(rank)
             self.starts.append(rank)
+            self.own_copies[rank], self.held_copies[rank] = {}, {}  # a fresh process holds nothing
             self.slow.pop(rank, None)  # a fresh process on a healthy slot
         return Pending({rank: Call(self.clock() + self.start_s) for rank in ranks})
 
@@ -306,6 +314,32 @@ class FakeFleet:
 
     def join_replicas(self, assignments) -> None:
         self._control("join_replicas")
+
+    # the memory tier
+
+    def set_buddies(self, buddies) -> None:
+        self.buddies.update(buddies)
+
+    def snapshot(self, ranks, step: int, cursor) -> None:
+        """The ranks copy their state at ``step``; each buddy alive receives its copy at once."""
+        for rank in ranks:
+            own = self.own_copies.setdefault(rank, {})
+            own[step] = cursor
+            for old in sorted(own)[:-2]:
+                del own[old]
+            buddy = self.buddies.get(rank)
+            if buddy in self.alive_ranks:
+                self.held_copies.setdefault(buddy, {})[rank] = (step, cursor)
+
+    def memory_holdings(self, ranks) -> dict[int, Holdings]:
+        self._control("memory_holdings")
+        return {rank: Holdings(dict(self.own_copies.get(rank, {})), dict(self.held_copies.get(rank, {})))
+                for rank in ranks if rank in self.alive_ranks}
+
+    def restore_memory(self, plan: MemoryRestore) -> None:
+        self._control("restore_memory")
+        self.memory_restores.append(plan)
+        self.corrupt -= set(plan.ranks)
 
     def local_parameters(self, ranks) -> dict[int, list]:
         return {rank: [] for rank in ranks}
@@ -468,6 +502,8 @@ class FakeRun:
             self.buffered = {group: [] for group in self.groups}
         self.cursor = plan.next_cursor
         self.step += 1
+        if spec.memory_every and self.step % spec.memory_every == 0:
+            fleet.snapshot([rank for rank in self.ranks if rank in fleet.alive_ranks], self.step, self.cursor)
         if ends:
             self.over = True
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)

@@ -86,8 +86,9 @@ def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_serve
     assert continues_reference(resumed, config, 10)
 
 
-def test_single_group_recovers_from_the_latest_checkpoint(ray_cluster, tmp_path):
-    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5, fault_tolerance__inject="kill:rank=1,step=12")
+def test_single_group_recovers_from_the_latest_checkpoint_with_the_memory_tier_off(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5, checkpoint__memory_every=0,
+                         fault_tolerance__inject="kill:rank=1,step=12")
     # Steps of at least 0.3 s leave step 10's upload the time to commit before step 12.
     result = ElasticTrainer(config, model_fn=paced_model(config, 0.3)).fit()
     assert result.ok, result.exit

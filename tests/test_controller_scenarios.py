@@ -346,8 +346,8 @@ def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from
     assert [record["step"] for record in scenario.controller.progress.step_records] == list(range(12))
 
 
-def test_both_copies_of_a_shard_lost_before_the_first_checkpoint_rerun_from_step_0(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=5)
+def test_both_copies_of_a_shard_lost_with_the_memory_tier_off_rerun_from_step_0_before_a_checkpoint(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=5, config={"checkpoint__memory_every": 0})
     scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
     assert scenario.run() == "completed"
     [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
@@ -388,6 +388,46 @@ def test_with_two_groups_both_are_suspect_and_restore_the_newest_checkpoint_the_
     assert scenario.fleet.corrupt == set() and scenario.fleet.kills == []
     assert scenario.committed_steps() == [*range(10), *range(4, 14)]
     assert scenario.controller.progress.steps_rolled_back == 6
+
+
+def test_both_copies_of_a_shard_lost_come_back_from_their_buddies_memory_losing_no_step(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
+    assert scenario.run() == "completed"
+
+    assert scenario.fleet.buddies == {0: 3, 1: 2, 2: 1, 3: 0}  # another group, another position
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_MEMORY)
+    # the state at step 6 (after step 5): ranks 1 and 3 from their own copies, ranks 0 and 2
+    # (fresh processes) from their buddies' (3 and 1)
+    assert (restored["step"], restored["rolled_back_steps"], restored["from_buddies"]) == (6, 0, [0, 2])
+    [plan] = scenario.fleet.memory_restores
+    assert (plan.own, plan.transfers) == ((1, 3), ((3, 0), (1, 2)))
+    assert scenario.fleet.restores == []  # nothing read from storage
+    assert scenario.kinds(EventKind.RESTORED_FROM_CHECKPOINT) == []
+    assert scenario.committed_steps() == list(range(12))  # step 6 reran; none before it
+
+
+def test_a_single_group_that_loses_a_rank_rolls_back_at_most_memory_every_steps(tmp_path):
+    scenario = Scenario(tmp_path, groups=1, shard=2, steps=14, checkpoint_every=10,
+                        config={"checkpoint__memory_every": 4})
+    scenario.fleet.faults = {7: [Kill(rank=1, after_s=0.3)]}
+    assert scenario.run() == "completed"
+
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_MEMORY)
+    assert (restored["step"], restored["rolled_back_steps"], restored["from_buddies"]) == (4, 3, [1])
+    assert scenario.fleet.restores == []
+    assert scenario.committed_steps() == [*range(7), *range(4, 14)]
+
+
+def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    # rank 0's copy lives on rank 3: both gone, and rank 2 with them (group 1 broken too)
+    scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=3, after_s=0.4), Kill(rank=2, after_s=0.5)]}
+    assert scenario.run() == "completed"
+
+    assert scenario.kinds(EventKind.RESTORED_FROM_MEMORY) == []
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_CHECKPOINT)
+    assert restored["step"] == 4
 
 
 def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_path):
@@ -521,7 +561,7 @@ def test_a_failed_evaluation_recovers_and_runs_again_without_discarding_a_step(t
 
 
 def test_a_restore_gives_each_rank_the_generators_saved_at_its_position(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4, config={"checkpoint__memory_every": 0})
     scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
     assert scenario.run() == "completed"
     [restored] = scenario.kinds(EventKind.RESTORED_FROM_CHECKPOINT)

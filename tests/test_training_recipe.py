@@ -95,17 +95,24 @@ def test_dropout_stopped_and_resumed_commits_the_uninterrupted_losses_at_the_sch
     assert [r["lr"] for r in resumed.summary["steps"]] == [r["lr"] for r in uninterrupted["steps"][6:]]
 
 
-def test_dropout_restored_from_a_checkpoint_after_losing_every_copy_commits_the_uninterrupted_losses(
-        uninterrupted, tmp_path):
-    # Both copies of shard position 0 die at step 7: no peer holds it, so the run rolls back
-    # to the checkpoint of step 4, generators included, and reruns steps 4-6. Steps of at
-    # least 0.3 s leave that checkpoint's upload the time to commit before step 7 on a busy
-    # machine too.
+@pytest.mark.parametrize("memory_every,restored_kind,restored_steps", [
+    (0, EventKind.RESTORED_FROM_CHECKPOINT, (4,)),
+    # step 7's copies, or step 6's if a buddy's copy of step 7 was still on its way
+    (1, EventKind.RESTORED_FROM_MEMORY, (6, 7)),
+])
+def test_dropout_restored_after_losing_every_copy_commits_the_uninterrupted_losses(
+        uninterrupted, tmp_path, memory_every, restored_kind, restored_steps):
+    # Both copies of shard position 0 die at step 7: no peer holds it. With the memory tier
+    # the state of step 7 comes back from the buddies' and the survivors' host memory; without
+    # it the run rolls back to the checkpoint of step 4, and reruns steps 4-6. Generators
+    # included either way. Steps of at least 0.3 s leave that checkpoint's upload the time to
+    # commit before step 7 on a busy machine too.
     inject = "kill:rank=0,step=7;kill:rank=2,step=7"
-    config = tiny_config(tmp_path, steps=STEPS, fault_tolerance__inject=inject, checkpoint__every=4, **RECIPE)
+    config = tiny_config(tmp_path, steps=STEPS, fault_tolerance__inject=inject, checkpoint__every=4,
+                         checkpoint__memory_every=memory_every, **RECIPE)
     result = ElasticTrainer(config, model_fn=paced_model(config, 0.3)).fit()
     assert result.ok, result.exit
-    [restored] = [e for e in result.summary["events"] if e["kind"] == EventKind.RESTORED_FROM_CHECKPOINT]
-    assert restored["step"] == 4 and restored["rolled_back_steps"] == 3
+    [restored] = [e for e in result.summary["events"] if e["kind"] == restored_kind]
+    assert restored["step"] in restored_steps and restored["rolled_back_steps"] == 7 - restored["step"]
     assert not [e for e in result.summary["events"] if e["kind"] == EventKind.RNG_RESEEDED]
     assert max_relative_difference(result.losses, uninterrupted["losses"]) <= 1e-5

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from elastic.core.faults import InjectedFault, InjectedRunSpec
 from workers.integrity import flip_bit
 from workers.rank_spec import RankSpec
-from workers.worker import RankWorker
+from workers.worker import CONCURRENCY_GROUPS, RankWorker
 
 
 class InjectedCollectiveFailure(RuntimeError):
@@ -80,4 +80,4 @@ class FaultInjectingWorker(RankWorker):
         super()._reduce_across_groups(spec, deadline)
 
 
-FaultInjectingRankActor = ray.remote(concurrency_groups={"control": 1, "checkpoint": 1})(FaultInjectingWorker)
+FaultInjectingRankActor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(FaultInjectingWorker)

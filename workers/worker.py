@@ -42,6 +42,7 @@ from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
+from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
@@ -69,6 +70,7 @@ from workers.failures import (
     raised_in_collective,
 )
 from workers.integrity import start_check
+from workers.memory_tier import MemoryTier
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -203,6 +205,7 @@ class RankWorker:
         # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
         self.checkpoint_io = RankCheckpointIO(spec.storage, spec.global_rank, spec.upload_in_process)
+        self.memory = MemoryTier(spec.global_rank)
         self._set_progress(-1, "idle")
 
     # progress, read by the control thread
@@ -394,6 +397,9 @@ class RankWorker:
                     yield GroupProgress(self.spec.group, tuple(records))
                 yield RunEnd(self.spec.global_rank, share.step, nonfinite=record.nonfinite, integrity=record.integrity)
                 return
+            if spec.memory_every and (share.step + 1) % spec.memory_every == 0:
+                self.memory.snapshot(share.step + 1, share.next_cursor, self.model, self.optimizer,
+                                     rng.capture(self.spec.use_gpu))
             now = time.perf_counter()
             if leads_group:  # the group's records: every rank decided the same
                 records.append(replace(record, step_s=now - lap))  # the whole loop: the step's true cost
@@ -606,6 +612,28 @@ class RankWorker:
         self._discard_uncommitted()
         rng.restore(state["rng"])
 
+    # the memory tier
+
+    def set_buddy(self, rank: int | None, handle) -> None:
+        self.memory.set_buddy(rank, handle)
+
+    @ray.method(concurrency_group="memory")
+    def hold_copy(self, owner: int, step: int, cursor: DataCursor, state: dict) -> None:
+        """Keep ``owner``'s committed state at ``step``: this rank is its buddy."""
+        self.memory.hold(owner, step, cursor, state)
+
+    @ray.method(concurrency_group="memory")
+    def export_held(self, owner: int, step: int) -> dict:
+        return self.memory.held_state(owner, step)
+
+    @ray.method(concurrency_group="control")
+    def memory_holdings(self) -> Holdings:
+        return self.memory.holdings()
+
+    def restore_memory(self, step: int) -> None:
+        """Go back to this rank's own copy of its committed state at ``step``."""
+        self.import_state(self.memory.own_state(step))
+
     # checkpoints
 
     def save_checkpoint(self, url: str) -> float:
@@ -645,4 +673,6 @@ def ray_node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-RankActor = ray.remote(concurrency_groups={"control": 1, "checkpoint": 1})(RankWorker)
+# Control calls, upload waits and buddy copies each run on a thread of their own, beside training.
+CONCURRENCY_GROUPS = {"control": 1, "checkpoint": 1, "memory": 1}
+RankActor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankWorker)

@@ -70,6 +70,7 @@ class EventKind(StrEnum):
     INTEGRITY_MISMATCH = "integrity-mismatch"
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
     RESTORED_INITIAL_STATE = "restored-initial-state"
+    RESTORED_FROM_MEMORY = "restored-from-memory"
     RECOVERED = "recovered"
     EVAL_DISCARDED = "eval-discarded"
     # evaluation

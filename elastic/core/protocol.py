@@ -53,6 +53,7 @@ class RunSpec:
     deadline_s: float  # per step: no wait on peers outlasts it
     report_interval_s: float = 1.0  # the run's records are sent about this often
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
+    memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)
 
     @property
     def groups(self) -> tuple[int, ...]:

@@ -1,0 +1,162 @@
+"""The in-memory tier: buddies and restore plans (pure), and a rank's host copies (torch,
+one process, with a stand-in buddy)."""
+
+import pytest
+import torch
+
+from elastic.core.data_plan import DataCursor
+from elastic.core.memory_tier import Holdings, choose_buddies, plan_memory_restore
+from elastic.core.topology import Topology
+
+
+def cursor(step: int) -> DataCursor:
+    return DataCursor(0, step * 8)
+
+
+def test_buddies_keep_the_two_copies_of_a_position_at_two_positions_of_two_groups():
+    topology = Topology(shard=2, tp=1, max_groups=2)
+    buddies = choose_buddies(topology, [0, 1], {})
+    assert buddies == {0: 3, 1: 2, 2: 1, 3: 0}
+    # losing both copies of shard 0 (ranks 0 and 2) leaves their buddies alive
+    assert {buddies[0], buddies[2]}.isdisjoint({0, 2})
+
+
+def test_a_single_group_keeps_copies_at_its_other_positions():
+    assert choose_buddies(Topology(shard=2, tp=2), [0], {}) == {0: 1, 1: 2, 2: 3, 3: 0}
+
+
+def test_a_single_rank_has_no_buddy_and_one_rank_groups_pair_across_groups():
+    assert choose_buddies(Topology(shard=1, tp=1, max_groups=1), [0], {}) == {}
+    assert choose_buddies(Topology(shard=1, tp=1, max_groups=3), [0, 1, 2], {}) == {0: 1, 1: 2, 2: 0}
+
+
+def test_a_buddy_on_another_node_comes_first():
+    topology = Topology(shard=2, tp=1, max_groups=2)
+    # ranks 0, 3 on node a; 1, 2 on node b: rank 0's first candidate (3) shares its node
+    node_of = {0: "a", 1: "b", 2: "b", 3: "a"}
+    buddies = choose_buddies(topology, [0, 1], node_of)
+    assert all(node_of[rank] != node_of[buddy] for rank, buddy in buddies.items())
+    assert buddies[0] == 2
+
+
+def test_the_restore_takes_the_newest_step_every_rank_can_reach():
+    # one group of two; rank 1 died (its replacement holds nothing). Rank 0 holds its own
+    # copies of steps 4 and 6, and rank 1's copy of step 4 only (step 6 was on its way)
+    holdings = {0: Holdings(own={4: cursor(4), 6: cursor(6)}, held={1: (4, cursor(4))}), 1: Holdings({}, {})}
+    plan = plan_memory_restore([0, 1], holdings)
+    assert (plan.step, plan.cursor, plan.own, plan.transfers, plan.ranks) == (4, cursor(4), (0,), ((0, 1),), (0, 1))
+
+
+def test_a_restore_after_a_mismatch_takes_no_step_after_the_verified_one():
+    holdings = {0: Holdings(own={4: cursor(4), 6: cursor(6)}, held={}), 1: Holdings(own={4: cursor(4), 6: cursor(6)}, held={})}
+    assert plan_memory_restore([0, 1], holdings, at_most=5).step == 4
+    assert plan_memory_restore([0, 1], holdings, at_most=3) is None
+
+
+def test_own_copies_come_before_a_buddys():
+    holdings = {0: Holdings(own={6: cursor(6)}, held={1: (6, cursor(6))}), 1: Holdings(own={6: cursor(6)}, held={})}
+    assert plan_memory_restore([0, 1], holdings).transfers == ()
+
+
+def test_no_plan_when_a_rank_and_its_buddy_are_both_gone():
+    holdings = {0: Holdings(own={6: cursor(6)}, held={})}  # rank 1's buddy copy died with rank 2
+    assert plan_memory_restore([0, 1], holdings) is None
+    assert plan_memory_restore([], holdings) is None
+
+
+class StandInBuddy:
+    """A buddy's ``hold_copy`` as an actor handle's method would take it."""
+
+    def __init__(self):
+        self.held = {}
+        outer = self
+
+        class Method:
+            def remote(self, owner, step, cursor, state):
+                outer.held[owner] = (step, cursor, {"model": [t.clone() for t in state["model"]]})
+                return "confirmed"
+
+        self.hold_copy = Method()
+
+
+@pytest.fixture
+def tier(monkeypatch):
+    import ray
+
+    from workers.memory_tier import MemoryTier
+
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    tier = MemoryTier(rank=0)
+    yield tier
+    tier.sender.shutdown(wait=True)
+
+
+def trained_model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optimizer
+
+
+def step(model, optimizer):
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_rank_keeps_the_confirmed_copy_and_the_newest_and_restores_either(tier):
+    buddy = StandInBuddy()
+    tier.set_buddy(1, buddy)
+    model, optimizer = trained_model()
+    states = {}
+    for number in range(1, 4):
+        step(model, optimizer)
+        states[number] = [param.detach().clone() for param in model.parameters()]
+        assert tier.snapshot(number, cursor(number), model, optimizer, {"cpu": b"generators"})
+        tier.sending.result()
+    holdings = tier.holdings()
+    assert sorted(holdings.own) == [2, 3] and holdings.nbytes > 0
+    assert buddy.held[0][0] == 3 and torch.equal(buddy.held[0][2]["model"][0], states[3][0])
+    step(model, optimizer)  # training moves on; the copies do not
+    restored = tier.own_state(2)
+    assert [torch.equal(a, b) for a, b in zip(restored["model"], states[2])] == [True, True]
+    assert restored["rng"] == {"cpu": b"generators"}
+    assert sorted(tier.holdings().own) == [2]  # the run goes on from step 2: newer copies are gone
+    # the restored state is a copy: the next snapshot into the arena does not change it
+    kept = restored["model"][0].clone()
+    step(model, optimizer)
+    tier.snapshot(3, cursor(3), model, optimizer, {})
+    assert torch.equal(restored["model"][0], kept)
+
+
+def test_a_snapshot_due_while_the_last_is_on_its_way_is_skipped(tier):
+    import threading
+
+    release = threading.Event()
+
+    class SlowBuddy:
+        class hold_copy:
+            @staticmethod
+            def remote(owner, step, cursor, state):
+                release.wait()
+                return "confirmed"
+
+    tier.set_buddy(1, SlowBuddy())
+    model, optimizer = trained_model()
+    step(model, optimizer)
+    assert tier.snapshot(1, cursor(1), model, optimizer, {})
+    assert not tier.snapshot(2, cursor(2), model, optimizer, {})
+    release.set()
+    tier.sending.result()
+    assert tier.snapshot(3, cursor(3), model, optimizer, {})
+    tier.sending.result()
+    assert sorted(tier.holdings().own) == [1, 3]
+
+
+def test_copies_held_for_others_are_reported_and_handed_out_at_their_step_only(tier):
+    state = {"model": [torch.ones(3)]}
+    tier.hold(5, 4, cursor(4), state)
+    assert tier.holdings().held == {5: (4, cursor(4))}
+    assert tier.held_state(5, 4) is state
+    with pytest.raises(KeyError):
+        tier.held_state(5, 6)
