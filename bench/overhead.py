@@ -6,8 +6,12 @@ at a short step (about 50 ms here) and a long one (about 500 ms).
 
 Prints each side's median step time and the throughput ratio B/A per size (A's step is its
 ranks' whole loop period, as B's is; the driver is not on it). Target: >= 0.97 at both.
+A runs with the product's defaults: the in-memory tier every step and the integrity check
+every 10. ``--tiers`` also runs (A0) the product with both off and prints what they cost,
+A0/A on the median and on the mean step (the check runs one step in ten: the mean shows it).
+Target: the memory tier at most 3 %, the check at most 1 %.
 
-    python bench/overhead.py [--sizes short,long] [--steps 60] [--groups 2]
+    python bench/overhead.py [--sizes short,long] [--steps 60] [--groups 2] [--tiers]
 """
 
 from __future__ import annotations
@@ -38,14 +42,15 @@ SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine
 }
 
 
-def job(size: dict, groups: int, steps: int, storage: str):
+def job(size: dict, groups: int, steps: int, storage: str, tiers: bool = True):
     return build_config({
         "run_name": "overhead", "storage": storage, "steps": steps, "global_batch": size["global_batch"],
         "micro_batch": size["micro_batch"], "seed": 0,
         "scaling": {"min_groups": groups, "max_groups": groups, "shard": 1, "tp": 1, "cpus_per_rank": 1},
         "model": {"dim": size["dim"], "n_layers": size["layers"], "n_heads": 8, "ffn_hidden": size["dim"] * 3},
         "data": {"seq_len": size["seq_len"], "corpus_tokens": 2_000_000},
-        "checkpoint": {"every": 0},
+        "checkpoint": {"every": 0, **({} if tiers else {"memory_every": 0})},
+        "integrity": {} if tiers else {"every": 0},
         "stragglers": {"enabled": False},
     })
 
@@ -110,6 +115,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--groups", type=int, default=2, help="replica groups of one rank each (one per core)")
+    parser.add_argument("--tiers", action="store_true", help="also the product with the memory tier and check off")
     args = parser.parse_args()
     from elastic.trainer import start_local_ray
 
@@ -124,6 +130,7 @@ def main() -> int:
             start_local_ray(log_to_driver=False)
             try:
                 elastic_steps, summary = run_elastic(config)
+                bare_steps = run_elastic(job(size, args.groups, args.steps, storage, tiers=False))[0] if args.tiers else []
             finally:
                 ray.shutdown()
         a, b = statistics.median(elastic_steps[args.warmup:]), statistics.median(plain)
@@ -134,6 +141,14 @@ def main() -> int:
         print(f"  (A) elastic, driver + actors : median step {a * 1e3:8.1f} ms")
         print(f"  (B) plain torch.distributed  : median step {b * 1e3:8.1f} ms")
         print(f"  throughput B/A... A at {ratio:.3f} of B (target >= 0.97): {'PASS' if ratio >= 0.97 else 'FAIL'}")
+        if bare_steps:
+            timed, bare = elastic_steps[args.warmup:], bare_steps[args.warmup:]
+            median_cost = statistics.median(timed) / statistics.median(bare) - 1
+            mean_cost = statistics.mean(timed) / statistics.mean(bare) - 1
+            print(f"  (A0) elastic, memory tier and integrity check off: median step "
+                  f"{statistics.median(bare) * 1e3:8.1f} ms; their cost (A/A0 - 1): median {median_cost * 100:+.2f} %, "
+                  f"mean {mean_cost * 100:+.2f} % (target memory tier <= 3 %, check <= 1 %: "
+                  f"{'PASS' if mean_cost <= 0.04 else 'FAIL'} on the sum)")
     return 0 if all(verdicts) else 1
 
 

@@ -13,6 +13,19 @@ and B/A, measured in one run, for two jobs:
     pip install -e ".[bench]"   # Ray Train, which the product itself does not need
     python bench/recovery.py [--jobs tiny,real]
 
+With ``--memory``: every copy of a shard position lost, recovered (A) from the in-memory
+tier (``checkpoint.memory_every = 1``: the survivors' own host copies and the buddies'
+copies of the dead ranks' state) against (B) the same job with the tier off, restoring the
+last checkpoint (every 10 steps; the kill at step 15), from local disk and from an S3 API
+server on loopback. Two layouts: one group of shard 2 with rank 1 killed, and two groups
+of shard 2 with both copies of shard 0 (ranks 0 and 2) killed. Prints, per layout and
+storage, the state's step the run went back to, the committed steps lost, the seconds from
+the kill to the next committed step and to the kill step committed again, and the bytes
+of the checkpoint the restore loaded. Target: B/A >= 5 (kill to the kill step committed
+again), A reads nothing from storage.
+
+    python bench/recovery.py --memory
+
 Both train the reference model (elastic: one replica group of shard 1 per rank; Ray Train:
 one worker per rank, gradients summed) with the same data plan, loss and optimizer, so they
 commit the same losses. The killed rank exits with os._exit(1), once.
@@ -212,10 +225,105 @@ def compare(job: Job, a: dict, b: dict) -> bool:
     return passed
 
 
+@dataclass(frozen=True)
+class MemoryCase:
+    name: str
+    groups: int
+    killed: tuple[int, ...]
+
+
+MEMORY_CASES = (MemoryCase("1 group x shard 2, rank 1 killed", 1, (1,)),
+                MemoryCase("2 groups x shard 2, both copies of shard 0 killed", 2, (0, 2)))
+MEMORY_KILL_STEP, MEMORY_STEPS, MEMORY_CHECKPOINT_EVERY = 15, 24, 10
+
+
+def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memory_every: int) -> dict:
+    import fsspec
+
+    from elastic import ElasticTrainer
+
+    config = build_config({
+        "run_name": f"memory-{case.groups}-{memory_every}", "storage": storage, "steps": MEMORY_STEPS,
+        "global_batch": 8, "micro_batch": 2, "seed": 3,
+        "scaling": {"min_groups": case.groups, "max_groups": case.groups, "shard": 2, "tp": 1, "cpus_per_rank": 0.25},
+        "model": {"dim": 128, "n_layers": 4, "n_heads": 4, "ffn_hidden": 384},
+        "data": {"seq_len": 128, "corpus_tokens": 200_000},
+        "stragglers": {"enabled": False},
+        "checkpoint": {"every": MEMORY_CHECKPOINT_EVERY, "memory_every": memory_every, **storage_options},
+        "fault_tolerance": {"min_deadline_s": 3.0,
+                            "inject": ";".join(f"kill:rank={rank},step={MEMORY_KILL_STEP}" for rank in case.killed)},
+    })
+    summary = ElasticTrainer(config).fit().summary
+    assert summary["exit"] == "completed", summary["exit"]
+    steps = summary["steps"]
+    assert [r["step"] for r in steps] == list(range(MEMORY_STEPS)), "a committed step was lost or doubled"
+    fault_t = min(e["t"] for e in summary["events"] if e["kind"] == EventKind.FAULT_INJECTED)
+    restores = [e for e in summary["events"] if e["kind"] in (
+        EventKind.RESTORED_FROM_MEMORY, EventKind.RESTORED_FROM_CHECKPOINT, EventKind.RESTORED_INITIAL_STATE)]
+    loaded = 0
+    for event in restores:
+        if event["kind"] == EventKind.RESTORED_FROM_CHECKPOINT:
+            fs, root = fsspec.core.url_to_fs(f"{storage}/{config.run_name}/checkpoints",
+                                             **({"endpoint_url": storage_options["s3_endpoint_url"]}
+                                                if storage_options else {}))
+            step_dir = next(path for path in fs.ls(root) if path.rstrip("/").endswith(f"{event['step']:08d}"))
+            loaded += fs.du(step_dir) * len(event["groups"])
+    return {
+        "source": ", ".join(sorted({e["kind"].removeprefix("restored-") for e in restores})) or "peers",
+        "back_to": min((e["step"] for e in restores), default=MEMORY_KILL_STEP),
+        "lost": sum(e["rolled_back_steps"] for e in restores),
+        "next_s": min(r["t"] for r in steps if r["t"] > fault_t) - fault_t,
+        "kill_step_s": steps[MEMORY_KILL_STEP]["t"] - fault_t,
+        "step_s": statistics.median(r["step_s"] for r in steps[:MEMORY_KILL_STEP]),
+        "loaded": loaded,
+    }
+
+
+def compare_memory() -> bool:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.s3 import MotoServer, set_test_credentials
+
+    set_test_credentials()
+    s3 = MotoServer(bucket="bench-memory").start()
+    verdicts = []
+    try:
+        with tempfile.TemporaryDirectory() as local:
+            targets = {"local disk": (local, {}),
+                       "loopback S3": (s3.url("runs"), {"s3_endpoint_url": s3.endpoint_url})}
+            print(f"kill at step {MEMORY_KILL_STEP}, checkpoints every {MEMORY_CHECKPOINT_EVERY} steps, "
+                  f"{MEMORY_STEPS} steps; (A) memory tier every step, (B) tier off")
+            print(f"{'layout, storage':<62} {'':>3} {'from':>18} {'back to':>8} {'lost':>5} {'kill->next':>11} "
+                  f"{'kill->step 15':>14} {'ckpt bytes':>11}")
+            for case in MEMORY_CASES:
+                for target, (url, options) in targets.items():
+                    rows = {"A": memory_case_run(case, f"{url}/a", options, 1),
+                            "B": memory_case_run(case, f"{url}/b", options, 0)}
+                    for side, row in rows.items():
+                        print(f"{case.name + ', ' + target:<62} {side:>3} {row['source']:>18} {row['back_to']:>8} "
+                              f"{row['lost']:>5} {row['next_s']:>9.2f} s {row['kill_step_s']:>12.2f} s "
+                              f"{row['loaded']:>11}")
+                    a, b = rows["A"], rows["B"]
+                    ratio = b["kill_step_s"] / a["kill_step_s"]
+                    passed = ratio >= 5 and a["loaded"] == 0 and a["source"] == "from-memory"
+                    verdicts.append(passed)
+                    print(f"  median step {a['step_s']:.3f} s; B/A (kill -> step {MEMORY_KILL_STEP} committed again) "
+                          f"{ratio:.2f}, A {a['kill_step_s'] / a['step_s']:.1f} step times; target B/A >= 5 and A "
+                          f"reads no checkpoint: {'PASS' if passed else 'FAIL'}")
+    finally:
+        s3.stop()
+    return all(verdicts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", default="tiny,real", help="comma-separated: " + ", ".join(JOBS))
+    parser.add_argument("--memory", action="store_true", help="the in-memory tier against a checkpoint restore")
     args = parser.parse_args()
+    if args.memory:
+        from elastic.trainer import start_local_ray
+
+        start_local_ray(num_cpus=4, log_to_driver=False)
+        return 0 if compare_memory() else 1
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     from elastic.trainer import start_local_ray
 

@@ -188,7 +188,8 @@ class GroupKeeper:
         self.timing.add("heal_s", seconds)
         rolled_back = self._rewind_to(plan.step, plan.cursor)
         self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
-                         from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4))
+                         from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
+                         host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
         return True
 
     def restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:

@@ -59,7 +59,7 @@ class Metrics:
             **labels,
         )
         self.steps_rolled_back = Counter(
-            "elastic_steps_rolled_back", "Committed steps rerun after restoring a checkpoint (no live peer)", **labels
+            "elastic_steps_rolled_back", "Committed steps rerun after a restore (no live peer): from memory, a checkpoint or the initial state", **labels
         )
         self.recoveries = Counter("elastic_recoveries", "Recoveries by cause", ["cause"], **labels)
         self.recovery_seconds = Histogram(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.config import ModelConfig, build_config
-from elastic.presets import H100_BUDGET_GIB, PRESETS, memory_per_rank, parameter_count
+from elastic.presets import H100_BUDGET_GIB, PRESETS, host_memory_per_rank, memory_per_rank, parameter_count
 
 
 @dataclass(frozen=True)
@@ -84,5 +84,24 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     return "\n".join(lines)
 
 
+def host_memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
+    """Host memory per rank for each distinct (preset, shard, tp) of the layouts."""
+    lines = [
+        "| preset | shard × tp | committed state | memory tier (2 copies) | checkpoint staging | total host |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    seen = set()
+    for layout in layouts:
+        if (layout.preset, layout.shard, layout.tp) in seen:
+            continue
+        seen.add((layout.preset, layout.shard, layout.tp))
+        memory = host_memory_per_rank(ModelConfig(preset=layout.preset), shard=layout.shard, tp=layout.tp)
+        lines.append(
+            f"| `{layout.preset}` | {layout.shard} × {layout.tp} | {memory['state']:.2f} | {memory['memory_tier']:.2f} "
+            f"| {memory['staging']:.2f} | {memory['total']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(shapes_table(), memory_table(), sep="\n\n")
+    print(shapes_table(), memory_table(), host_memory_table(), sep="\n\n")

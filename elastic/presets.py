@@ -139,3 +139,17 @@ def memory_per_rank(
     memory = {name: size / GIB for name, size in held_bytes.items()}
     memory["total"] = sum(memory.values())
     return memory
+
+
+def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int) -> dict[str, float]:
+    """GiB of host memory one rank holds for its committed state's copies, by what holds it.
+
+    The committed state is the fp32 parameters and AdamW's two fp32 moments of the rank's
+    shard (the generators add bytes). The memory tier keeps a copy of it and one for the
+    rank it is buddy to (of the same size at every position of a layout); a checkpoint's
+    staging arena holds one more while a save uploads.
+    """
+    state = 3 * FP32_BYTES * (_root_parameters(model, tp) + model.n_layers * _block_parameters(model, tp)) / shard
+    memory = {"state": state / GIB, "memory_tier": 2 * state / GIB, "staging": state / GIB}
+    memory["total"] = memory["memory_tier"] + memory["staging"]
+    return memory

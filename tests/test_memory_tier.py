@@ -104,7 +104,7 @@ def step(model, optimizer):
     optimizer.zero_grad()
 
 
-def test_a_rank_keeps_the_confirmed_copy_and_the_newest_and_restores_either(tier):
+def test_a_rank_keeps_its_newest_copy_its_buddy_the_one_sent_and_a_restore_is_a_copy(tier):
     buddy = StandInBuddy()
     tier.set_buddy(1, buddy)
     model, optimizer = trained_model()
@@ -115,17 +115,18 @@ def test_a_rank_keeps_the_confirmed_copy_and_the_newest_and_restores_either(tier
         assert tier.snapshot(number, cursor(number), model, optimizer, {"cpu": b"generators"})
         tier.sending.result()
     holdings = tier.holdings()
-    assert sorted(holdings.own) == [2, 3] and holdings.nbytes > 0
+    assert holdings.own == {3: cursor(3)} and holdings.nbytes > 0
     assert buddy.held[0][0] == 3 and torch.equal(buddy.held[0][2]["model"][0], states[3][0])
-    step(model, optimizer)  # training moves on; the copies do not
-    restored = tier.own_state(2)
-    assert [torch.equal(a, b) for a, b in zip(restored["model"], states[2])] == [True, True]
+    step(model, optimizer)  # training moves on; the copy does not
+    restored = tier.own_state(3)
+    assert [torch.equal(a, b) for a, b in zip(restored["model"], states[3])] == [True, True]
     assert restored["rng"] == {"cpu": b"generators"}
-    assert sorted(tier.holdings().own) == [2]  # the run goes on from step 2: newer copies are gone
+    with pytest.raises(KeyError):
+        tier.own_state(2)
     # the restored state is a copy: the next snapshot into the arena does not change it
     kept = restored["model"][0].clone()
     step(model, optimizer)
-    tier.snapshot(3, cursor(3), model, optimizer, {})
+    tier.snapshot(4, cursor(4), model, optimizer, {})
     assert torch.equal(restored["model"][0], kept)
 
 
@@ -150,13 +151,39 @@ def test_a_snapshot_due_while_the_last_is_on_its_way_is_skipped(tier):
     tier.sending.result()
     assert tier.snapshot(3, cursor(3), model, optimizer, {})
     tier.sending.result()
-    assert sorted(tier.holdings().own) == [1, 3]
+    assert tier.holdings().own == {3: cursor(3)}
 
 
-def test_copies_held_for_others_are_reported_and_handed_out_at_their_step_only(tier):
+def test_copies_held_for_others_are_reported_handed_out_at_their_step_only_and_dropped_after_a_rewind(tier):
     state = {"model": [torch.ones(3)]}
     tier.hold(5, 4, cursor(4), state)
-    assert tier.holdings().held == {5: (4, cursor(4))}
+    tier.hold(6, 3, cursor(3), state)
+    assert tier.holdings().held == {5: (4, cursor(4)), 6: (3, cursor(3))}
     assert tier.held_state(5, 4) is state
     with pytest.raises(KeyError):
         tier.held_state(5, 6)
+    model, optimizer = trained_model()
+    tier.snapshot(3, cursor(3), model, optimizer, {})
+    tier.own_state(3)  # the run goes back to step 3: rank 5's copy of step 4 is from a future that is gone
+    assert tier.holdings().held == {6: (3, cursor(3))}
+
+
+def test_a_single_group_that_loses_a_rank_resumes_from_memory_with_the_losses_of_an_unbroken_run(
+        ray_cluster, tmp_path):
+    """No peer group and no checkpoint: before the memory tier this run went back to step 0."""
+    from elastic import ElasticTrainer
+    from elastic.core.events import EventKind
+    from tests.reference import max_relative_difference, reference_run
+    from tests.tiny import tiny_config
+
+    steps = 10
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=steps, checkpoint__every=0,
+                         fault_tolerance__inject="kill:rank=1,step=6", fault_tolerance__min_deadline_s=3.0)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    [restored] = [event for event in result.summary["events"] if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
+    # step 6's copies, or step 5's if rank 1's copy of step 6 was still on its way to rank 0
+    assert restored["step"] in (5, 6) and restored["from_buddies"] == [1] and restored["host_bytes_per_rank"] > 0
+    assert [event for event in result.summary["events"] if event["kind"] == EventKind.RESTORED_INITIAL_STATE] == []
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5

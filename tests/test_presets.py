@@ -12,7 +12,7 @@ import elastic.trainer
 from elastic.cli import build_parser, main, train_overrides
 from elastic.config import ConfigError, ModelConfig, build_config, load_config
 from elastic.hooks import model_args
-from elastic.preset_tables import memory_table, shapes_table
+from elastic.preset_tables import host_memory_table, memory_table, shapes_table
 from elastic.presets import PRESETS, activation_bytes, memory_per_rank, parameter_count
 from workers.model import Transformer
 
@@ -127,3 +127,4 @@ def test_docs_tables_are_what_the_estimate_prints():
     text = DOCS.read_text()
     assert shapes_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"
     assert memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"
+    assert host_memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"

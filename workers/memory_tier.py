@@ -4,13 +4,16 @@ committed state in host memory, and the copies it keeps for the ranks it is budd
 A snapshot stalls training only while the state is copied into a staging arena (the
 checkpoints' kind of host memory: slots allocated once and refilled, pinned on CUDA); a
 thread then sends it to the buddy, whose ``hold_copy`` runs on a thread of its own, so the
-transfer overlaps training on both sides. Two arenas alternate: one holds the newest step
-the buddy confirmed, the other the step on its way. A snapshot due while the last one is
-still on its way is skipped: a slow link costs the tier's freshness, never a step's time.
+transfer overlaps training on both sides. A rank keeps one copy of its own state, the
+newest; its buddy keeps the one before until the newest arrives, so every rank's state at
+the buddy's step is somewhere even while a copy is on its way. A snapshot due while the last
+one is still on its way is skipped: a slow link costs the tier's freshness, never a step's
+time.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +27,9 @@ from torch.utils._pytree import tree_map
 from checkpointing.staging_arena import StagingArena
 from elastic.core.data_plan import DataCursor
 from elastic.core.memory_tier import Holdings
+from elastic.core.protocol import describe_error
+
+log = logging.getLogger("elastic.memory_tier")
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -86,59 +92,45 @@ class MemoryTier:
     def __init__(self, rank: int):
         self.rank = rank
         self.lock = threading.Lock()
-        self.own: dict[int, Snapshot] = {}  # at most two: the newest the buddy confirmed, and one on its way
+        self.own: Snapshot | None = None  # the newest copy of this rank's state
         self.held: dict[int, tuple[int, DataCursor, dict]] = {}  # owner -> its newest copy here
         self.buddy = None  # (rank, actor handle)
-        self.confirmed = -1  # the newest own step the buddy holds
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self.sending: Future | None = None
-        self.spare: StagingArena | None = None  # an arena no snapshot holds
 
     def set_buddy(self, rank: int | None, handle) -> None:
         with self.lock:
             self.buddy = None if rank is None else (rank, handle)
-            self.confirmed = -1  # the new buddy holds nothing of this rank's yet
 
     def snapshot(self, step: int, cursor: DataCursor, model: nn.Module, optimizer: torch.optim.Optimizer,
                  generators: dict) -> bool:
         """Copy the committed state at ``step`` into host memory and send it to the buddy in
-        the background. Returns False (skipped) while the last one is still on its way."""
+        the background. Returns False (skipped) while the last one is still on its way: its
+        arena is being read."""
         if self.sending is not None and not self.sending.done():
             return False
         tensors, optim = committed_tensors(model, optimizer)
         with self.lock:
-            keep = max((s for s in self.own if s <= self.confirmed), default=None)
-            free = [snapshot.arena for s, snapshot in self.own.items() if s != keep]
-            self.own = {s: snapshot for s, snapshot in self.own.items() if s == keep}
-        arena = next((a for a in [*free, self.spare] if a is not None and a.fits(tensors)), None)
-        for unused in [*free, self.spare]:
-            if unused is not None and unused is not arena:
-                unused.release()
-        self.spare = None
-        if arena is None:
+            arena = self.own.arena if self.own is not None else None
+            self.own = None
+        if arena is None or not arena.fits(tensors):
+            if arena is not None:
+                arena.release()
             arena = StagingArena(tensors)
         snapshot = Snapshot(step, cursor, exported(arena.stage(tensors), optim, generators), arena)
         with self.lock:
-            self.own[step] = snapshot
+            self.own = snapshot
             buddy = self.buddy
-        if buddy is None:
-            self._confirmed(step)
-        else:
-            self.sending = self.sender.submit(self._send, buddy, snapshot)
+        if buddy is not None:
+            self.sending = self.sender.submit(self._send, buddy[1], snapshot)
         return True
 
-    def _send(self, buddy, snapshot: Snapshot) -> None:
-        _, handle = buddy
+    def _send(self, handle, snapshot: Snapshot) -> None:
         try:
             ray.get(handle.hold_copy.remote(self.rank, snapshot.step, snapshot.cursor, snapshot.state))
-        except Exception:  # the buddy is gone: the driver assigns another at the next rebuild
-            return
-        with self.lock:
-            if self.buddy is buddy:
-                self._confirmed(snapshot.step)
-
-    def _confirmed(self, step: int) -> None:
-        self.confirmed = max(self.confirmed, step)
+        except Exception as error:  # the buddy is gone: the driver names another at the next rebuild
+            log.warning("rank %d: the copy of step %d did not reach its buddy: %s", self.rank, snapshot.step,
+                        describe_error(error, 300))
 
     def hold(self, owner: int, step: int, cursor: DataCursor, state: dict) -> None:
         with self.lock:
@@ -152,21 +144,19 @@ class MemoryTier:
         return state
 
     def own_state(self, step: int) -> dict:
-        """A copy of this rank's own state at ``step``, and every copy newer than it dropped:
-        the run goes on from ``step``."""
+        """A copy of this rank's own state at ``step``; copies held for others from after it
+        are dropped: the run goes on from ``step``."""
         with self.lock:
-            state = copied(self.own[step].state)
-            for newer in [s for s in self.own if s > step]:
-                self.spare = self.own.pop(newer).arena
+            if self.own is None or self.own.step != step:
+                raise KeyError(f"rank {self.rank} holds no copy of its own state at step {step}")
             self.held = {owner: held for owner, held in self.held.items() if held[0] <= step}
-            self.confirmed = min(self.confirmed, step)
-        return state
+            return copied(self.own.state)
 
     def holdings(self) -> Holdings:
         with self.lock:
             return Holdings(
-                own={step: snapshot.cursor for step, snapshot in self.own.items()},
+                own={} if self.own is None else {self.own.step: self.own.cursor},
                 held={owner: (step, cursor) for owner, (step, cursor, _) in self.held.items()},
-                nbytes=sum(snapshot.arena.nbytes for snapshot in self.own.values())
+                nbytes=(0 if self.own is None else self.own.arena.nbytes)
                 + sum(state_bytes(state) for _, _, state in self.held.values()),
             )

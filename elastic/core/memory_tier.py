@@ -8,10 +8,11 @@ node where the cluster has one, else in another group. Losing a rank then loses 
 copies and the copies it kept for others, never both copies of one state, unless the rank
 and its buddy fail together (the tier below, storage, covers that).
 
-A rank keeps its own copies of the newest two snapshot steps (the one its buddy confirmed,
-and the one being sent), so a restore finds a step every rank can return to even while a
-transfer is in flight. Pure: the ranks report what they hold (``Holdings``), this module
-decides.
+A rank keeps one copy of its own state, the newest, and its buddy the newest that arrived:
+while a copy is on its way, every rank's previous state is still at its buddy's, so a
+restore finds a step every rank can return to from its own copy or else its buddy's. Two
+copies of each rank's state in all (``docs/presets.md`` gives the host memory per preset).
+Pure: the ranks report what they hold (``Holdings``), this module decides.
 """
 
 from __future__ import annotations
