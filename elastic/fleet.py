@@ -363,7 +363,7 @@ class Fleet:
     def set_buddies(self, buddies: dict[int, int | None]) -> None:
         """Tell each rank which rank keeps the copies of its state in memory (None: none)."""
         self.results(Pending({
-            rank: self.actors[rank].set_buddy.remote(buddy, None if buddy is None else self.actors[buddy])
+            rank: self.actors[rank].set_buddy.remote(None if buddy is None else self.actors[buddy])
             for rank, buddy in buddies.items()
         }), self.quick_call_s, "set_buddy")
 

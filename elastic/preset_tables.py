@@ -87,7 +87,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
 def host_memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     """Host memory per rank for each distinct (preset, shard, tp) of the layouts."""
     lines = [
-        "| preset | shard × tp | committed state | memory tier (2 copies) | checkpoint staging | total host |",
+        "| preset | shard × tp | committed state | memory tier (4 copies) | checkpoint staging | total host |",
         "|---|--:|--:|--:|--:|--:|",
     ]
     seen = set()

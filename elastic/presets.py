@@ -145,11 +145,11 @@ def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int) -> dict[str
     """GiB of host memory one rank holds for its committed state's copies, by what holds it.
 
     The committed state is the fp32 parameters and AdamW's two fp32 moments of the rank's
-    shard (the generators add bytes). The memory tier keeps a copy of it and one for the
-    rank it is buddy to (of the same size at every position of a layout); a checkpoint's
-    staging arena holds one more while a save uploads.
+    shard (the generators add bytes). The memory tier keeps two copies of it (the newest two
+    snapshots) and two of the state of the rank it is buddy to (the same size at every
+    position of a layout); a checkpoint's staging arena holds one more.
     """
     state = 3 * FP32_BYTES * (_root_parameters(model, tp) + model.n_layers * _block_parameters(model, tp)) / shard
-    memory = {"state": state / GIB, "memory_tier": 2 * state / GIB, "staging": state / GIB}
+    memory = {"state": state / GIB, "memory_tier": 4 * state / GIB, "staging": state / GIB}
     memory["total"] = memory["memory_tier"] + memory["staging"]
     return memory

@@ -125,7 +125,7 @@ class FakeFleet:
         self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
         self.corrupt: set[int] = set()  # ranks whose state differs from their replicas' (a Flip)
         # the memory tier: each live rank's own copies (step -> cursor, the newest two) and the
-        # copies it keeps for the ranks it is buddy to (owner -> (step, cursor))
+        # copies it keeps for the ranks it is buddy to (owner -> step -> cursor, the newest two)
         self.buddies: dict[int, int | None] = {}
         self.own_copies: dict[int, dict] = {}
         self.held_copies: dict[int, dict] = {}
@@ -329,11 +329,15 @@ class FakeFleet:
                 del own[old]
             buddy = self.buddies.get(rank)
             if buddy in self.alive_ranks:
-                self.held_copies.setdefault(buddy, {})[rank] = (step, cursor)
+                copies = self.held_copies.setdefault(buddy, {}).setdefault(rank, {})
+                copies[step] = cursor
+                for old in sorted(copies)[:-2]:
+                    del copies[old]
 
     def memory_holdings(self, ranks) -> dict[int, Holdings]:
         self._control("memory_holdings")
-        return {rank: Holdings(dict(self.own_copies.get(rank, {})), dict(self.held_copies.get(rank, {})))
+        return {rank: Holdings(dict(self.own_copies.get(rank, {})),
+                               {owner: dict(copies) for owner, copies in self.held_copies.get(rank, {}).items()})
                 for rank in ranks if rank in self.alive_ranks}
 
     def restore_memory(self, plan: MemoryRestore) -> None:

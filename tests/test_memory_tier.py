@@ -42,7 +42,8 @@ def test_a_buddy_on_another_node_comes_first():
 def test_the_restore_takes_the_newest_step_every_rank_can_reach():
     # one group of two; rank 1 died (its replacement holds nothing). Rank 0 holds its own
     # copies of steps 4 and 6, and rank 1's copy of step 4 only (step 6 was on its way)
-    holdings = {0: Holdings(own={4: cursor(4), 6: cursor(6)}, held={1: (4, cursor(4))}), 1: Holdings({}, {})}
+    holdings = {0: Holdings(own={4: cursor(4), 6: cursor(6)}, held={1: {2: cursor(2), 4: cursor(4)}}),
+                1: Holdings({}, {})}
     plan = plan_memory_restore([0, 1], holdings)
     assert (plan.step, plan.cursor, plan.own, plan.transfers, plan.ranks) == (4, cursor(4), (0,), ((0, 1),), (0, 1))
 
@@ -54,7 +55,7 @@ def test_a_restore_after_a_mismatch_takes_no_step_after_the_verified_one():
 
 
 def test_own_copies_come_before_a_buddys():
-    holdings = {0: Holdings(own={6: cursor(6)}, held={1: (6, cursor(6))}), 1: Holdings(own={6: cursor(6)}, held={})}
+    holdings = {0: Holdings(own={6: cursor(6)}, held={1: {6: cursor(6)}}), 1: Holdings(own={6: cursor(6)}, held={})}
     assert plan_memory_restore([0, 1], holdings).transfers == ()
 
 
@@ -104,68 +105,70 @@ def step(model, optimizer):
     optimizer.zero_grad()
 
 
-def test_a_rank_keeps_its_newest_copy_its_buddy_the_one_sent_and_a_restore_is_a_copy(tier):
+def test_a_rank_keeps_its_newest_two_copies_sends_each_and_a_restore_is_a_copy(tier):
     buddy = StandInBuddy()
-    tier.set_buddy(1, buddy)
+    tier.set_buddy(buddy)
     model, optimizer = trained_model()
     states = {}
     for number in range(1, 4):
         step(model, optimizer)
         states[number] = [param.detach().clone() for param in model.parameters()]
-        assert tier.snapshot(number, cursor(number), model, optimizer, {"cpu": b"generators"})
+        tier.snapshot(number, cursor(number), model, optimizer, {"cpu": b"generators"})
         tier.sending.result()
     holdings = tier.holdings()
-    assert holdings.own == {3: cursor(3)} and holdings.nbytes > 0
+    assert holdings.own == {2: cursor(2), 3: cursor(3)} and holdings.nbytes > 0
     assert buddy.held[0][0] == 3 and torch.equal(buddy.held[0][2]["model"][0], states[3][0])
-    step(model, optimizer)  # training moves on; the copy does not
-    restored = tier.own_state(3)
-    assert [torch.equal(a, b) for a, b in zip(restored["model"], states[3])] == [True, True]
+    step(model, optimizer)  # training moves on; the copies do not
+    restored = tier.own_state(2)
+    assert [torch.equal(a, b) for a, b in zip(restored["model"], states[2])] == [True, True]
     assert restored["rng"] == {"cpu": b"generators"}
+    assert tier.holdings().own == {2: cursor(2)}  # the run goes on from step 2: step 3's copy is gone
     with pytest.raises(KeyError):
-        tier.own_state(2)
-    # the restored state is a copy: the next snapshot into the arena does not change it
+        tier.own_state(3)
+    # the restored state is a copy: the next snapshots into the arenas do not change it
     kept = restored["model"][0].clone()
-    step(model, optimizer)
-    tier.snapshot(4, cursor(4), model, optimizer, {})
+    for number in (3, 4):
+        step(model, optimizer)
+        tier.snapshot(number, cursor(number), model, optimizer, {})
     assert torch.equal(restored["model"][0], kept)
 
 
-def test_a_snapshot_due_while_the_last_is_on_its_way_is_skipped(tier):
+def test_a_snapshot_waits_until_the_buddy_has_the_last_one(tier):
     import threading
 
-    release = threading.Event()
+    release, arrived = threading.Event(), []
 
     class SlowBuddy:
         class hold_copy:
             @staticmethod
             def remote(owner, step, cursor, state):
                 release.wait()
+                arrived.append(step)
                 return "confirmed"
 
-    tier.set_buddy(1, SlowBuddy())
+    tier.set_buddy(SlowBuddy())
     model, optimizer = trained_model()
     step(model, optimizer)
-    assert tier.snapshot(1, cursor(1), model, optimizer, {})
-    assert not tier.snapshot(2, cursor(2), model, optimizer, {})
-    release.set()
+    assert tier.snapshot(1, cursor(1), model, optimizer, {}) < 0.1
+    threading.Timer(0.2, release.set).start()
+    assert tier.snapshot(2, cursor(2), model, optimizer, {}) >= 0.15  # it waited for step 1's copy
     tier.sending.result()
-    assert tier.snapshot(3, cursor(3), model, optimizer, {})
-    tier.sending.result()
-    assert tier.holdings().own == {3: cursor(3)}
+    assert arrived == [1, 2]
 
 
-def test_copies_held_for_others_are_reported_handed_out_at_their_step_only_and_dropped_after_a_rewind(tier):
+def test_copies_held_for_others_are_the_newest_two_handed_out_by_step_and_dropped_after_a_rewind(tier):
     state = {"model": [torch.ones(3)]}
-    tier.hold(5, 4, cursor(4), state)
+    for held_step in (2, 3, 4):
+        tier.hold(5, held_step, cursor(held_step), state)
     tier.hold(6, 3, cursor(3), state)
-    assert tier.holdings().held == {5: (4, cursor(4)), 6: (3, cursor(3))}
+    assert tier.holdings().held == {5: {3: cursor(3), 4: cursor(4)}, 6: {3: cursor(3)}}
     assert tier.held_state(5, 4) is state
     with pytest.raises(KeyError):
-        tier.held_state(5, 6)
+        tier.held_state(5, 2)
     model, optimizer = trained_model()
     tier.snapshot(3, cursor(3), model, optimizer, {})
     tier.own_state(3)  # the run goes back to step 3: rank 5's copy of step 4 is from a future that is gone
-    assert tier.holdings().held == {6: (3, cursor(3))}
+    assert tier.holdings().held == {5: {3: cursor(3)}, 6: {3: cursor(3)}}
 
 
 def test_a_single_group_that_loses_a_rank_resumes_from_memory_with_the_losses_of_an_unbroken_run(

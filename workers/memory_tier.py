@@ -4,17 +4,17 @@ committed state in host memory, and the copies it keeps for the ranks it is budd
 A snapshot stalls training only while the state is copied into a staging arena (the
 checkpoints' kind of host memory: slots allocated once and refilled, pinned on CUDA); a
 thread then sends it to the buddy, whose ``hold_copy`` runs on a thread of its own, so the
-transfer overlaps training on both sides. A rank keeps one copy of its own state, the
-newest; its buddy keeps the one before until the newest arrives, so every rank's state at
-the buddy's step is somewhere even while a copy is on its way. A snapshot due while the last
-one is still on its way is skipped: a slow link costs the tier's freshness, never a step's
-time.
+transfer overlaps training on both sides. A snapshot waits until the buddy has the last
+one (only a transfer slower than the snapshots' interval makes it wait), and a rank keeps
+its own copies of the newest two snapshots, as its buddy does of what it received: every
+rank can always return to the one before the newest (``elastic.core.memory_tier``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -92,38 +92,40 @@ class MemoryTier:
     def __init__(self, rank: int):
         self.rank = rank
         self.lock = threading.Lock()
-        self.own: Snapshot | None = None  # the newest copy of this rank's state
-        self.held: dict[int, tuple[int, DataCursor, dict]] = {}  # owner -> its newest copy here
-        self.buddy = None  # (rank, actor handle)
+        self.own: dict[int, Snapshot] = {}  # the newest two copies of this rank's state, by step
+        self.held: dict[int, dict[int, tuple[DataCursor, dict]]] = {}  # owner -> step -> its newest two copies
+        self.buddy = None  # the buddy's actor handle
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-tier")
         self.sending: Future | None = None
 
-    def set_buddy(self, rank: int | None, handle) -> None:
+    def set_buddy(self, handle) -> None:
         with self.lock:
-            self.buddy = None if rank is None else (rank, handle)
+            self.buddy = handle
 
     def snapshot(self, step: int, cursor: DataCursor, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 generators: dict) -> bool:
-        """Copy the committed state at ``step`` into host memory and send it to the buddy in
-        the background. Returns False (skipped) while the last one is still on its way: its
-        arena is being read."""
-        if self.sending is not None and not self.sending.done():
-            return False
+                 generators: dict) -> float:
+        """Copy the committed state at ``step`` into host memory, and send it to the buddy in
+        the background once the buddy has the last one. Returns the seconds spent waiting for
+        that (a transfer slower than the snapshots' interval)."""
+        started = time.perf_counter()
+        if self.sending is not None:
+            self.sending.result()
+        waited = time.perf_counter() - started
         tensors, optim = committed_tensors(model, optimizer)
         with self.lock:
-            arena = self.own.arena if self.own is not None else None
-            self.own = None
+            oldest = min(self.own) if len(self.own) == 2 else None
+            arena = self.own.pop(oldest).arena if oldest is not None else None
         if arena is None or not arena.fits(tensors):
             if arena is not None:
                 arena.release()
             arena = StagingArena(tensors)
         snapshot = Snapshot(step, cursor, exported(arena.stage(tensors), optim, generators), arena)
         with self.lock:
-            self.own = snapshot
+            self.own[step] = snapshot
             buddy = self.buddy
         if buddy is not None:
-            self.sending = self.sender.submit(self._send, buddy[1], snapshot)
-        return True
+            self.sending = self.sender.submit(self._send, buddy, snapshot)
+        return waited
 
     def _send(self, handle, snapshot: Snapshot) -> None:
         try:
@@ -134,29 +136,37 @@ class MemoryTier:
 
     def hold(self, owner: int, step: int, cursor: DataCursor, state: dict) -> None:
         with self.lock:
-            self.held[owner] = (step, cursor, state)
+            copies = self.held.setdefault(owner, {})
+            copies[step] = (cursor, state)
+            for older in sorted(copies)[:-2]:
+                del copies[older]
 
     def held_state(self, owner: int, step: int) -> dict:
         with self.lock:
-            held_step, _, state = self.held[owner]
-        if held_step != step:
-            raise KeyError(f"rank {self.rank} holds rank {owner}'s state at step {held_step}, not {step}")
-        return state
+            copies = self.held.get(owner, {})
+            if step not in copies:
+                raise KeyError(f"rank {self.rank} holds rank {owner}'s state at steps {sorted(copies)}, not {step}")
+            return copies[step][1]
 
     def own_state(self, step: int) -> dict:
-        """A copy of this rank's own state at ``step``; copies held for others from after it
-        are dropped: the run goes on from ``step``."""
+        """A copy of this rank's own state at ``step``; every copy from after it is dropped:
+        the run goes on from ``step``."""
         with self.lock:
-            if self.own is None or self.own.step != step:
-                raise KeyError(f"rank {self.rank} holds no copy of its own state at step {step}")
-            self.held = {owner: held for owner, held in self.held.items() if held[0] <= step}
-            return copied(self.own.state)
+            if step not in self.own:
+                raise KeyError(f"rank {self.rank} holds its own state at steps {sorted(self.own)}, not {step}")
+            for newer in [s for s in self.own if s > step]:
+                self.own.pop(newer).arena.release()
+            for copies in self.held.values():
+                for newer in [s for s in copies if s > step]:
+                    del copies[newer]
+            return copied(self.own[step].state)
 
     def holdings(self) -> Holdings:
         with self.lock:
             return Holdings(
-                own={} if self.own is None else {self.own.step: self.own.cursor},
-                held={owner: (step, cursor) for owner, (step, cursor, _) in self.held.items()},
-                nbytes=(0 if self.own is None else self.own.arena.nbytes)
-                + sum(state_bytes(state) for _, _, state in self.held.values()),
+                own={step: snapshot.cursor for step, snapshot in self.own.items()},
+                held={owner: {step: cursor for step, (cursor, _) in copies.items()}
+                      for owner, copies in self.held.items()},
+                nbytes=sum(snapshot.arena.nbytes for snapshot in self.own.values())
+                + sum(state_bytes(state) for copies in self.held.values() for _, state in copies.values()),
             )

@@ -614,8 +614,9 @@ class RankWorker:
 
     # the memory tier
 
-    def set_buddy(self, rank: int | None, handle) -> None:
-        self.memory.set_buddy(rank, handle)
+    def set_buddy(self, handle) -> None:
+        """The rank that keeps the copies of this rank's state (None: none)."""
+        self.memory.set_buddy(handle)
 
     @ray.method(concurrency_group="memory")
     def hold_copy(self, owner: int, step: int, cursor: DataCursor, state: dict) -> None:

@@ -8,11 +8,14 @@ node where the cluster has one, else in another group. Losing a rank then loses 
 copies and the copies it kept for others, never both copies of one state, unless the rank
 and its buddy fail together (the tier below, storage, covers that).
 
-A rank keeps one copy of its own state, the newest, and its buddy the newest that arrived:
-while a copy is on its way, every rank's previous state is still at its buddy's, so a
-restore finds a step every rank can return to from its own copy or else its buddy's. Two
-copies of each rank's state in all (``docs/presets.md`` gives the host memory per preset).
-Pure: the ranks report what they hold (``Holdings``), this module decides.
+A rank sends a snapshot only once its buddy has the one before (it waits for it, which
+costs step time only where a transfer outlasts ``memory_every`` steps), and keeps its own
+copies of the newest two snapshot steps, as the buddy keeps the newest two it received. So
+whatever dies, and whichever copies were on their way, every rank can return to the
+snapshot before the newest: the survivors from their own copies, the replacements from
+their buddies'. Four copies of a rank's state in host memory (``docs/presets.md`` gives
+the bytes per preset). Pure: the ranks report what they hold (``Holdings``), this module
+decides.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Holdings:
     """What one live rank holds in host memory."""
 
     own: dict[int, DataCursor]  # step -> the data cursor at it: copies of its own state
-    held: dict[int, tuple[int, DataCursor]]  # owner rank -> (step, cursor): copies it keeps for its buddies
+    held: dict[int, dict[int, DataCursor]]  # owner rank -> step -> cursor: copies it keeps for others
     nbytes: int = 0  # host memory the tier takes on this rank
 
 
@@ -84,15 +87,16 @@ def plan_memory_restore(ranks: Iterable[int], holdings: Mapping[int, Holdings],
     cursors: dict[int, DataCursor] = {}
     for held in holdings.values():
         cursors.update(held.own)
-        cursors.update(dict(held.held.values()))
+        for copies in held.held.values():
+            cursors.update(copies)
     for step in sorted((step for step in cursors if at_most is None or step <= at_most), reverse=True):
         own, transfers = [], []
         for rank in ranks:
             if step in holdings.get(rank, Holdings({}, {})).own:
                 own.append(rank)
                 continue
-            holder = next((holder for holder, held in sorted(holdings.items())
-                           if held.held.get(rank, (None,))[0] == step), None)
+            holder = next((holder for holder, held in sorted(holdings.items()) if step in held.held.get(rank, {})),
+                          None)
             if holder is None:
                 break
             transfers.append((holder, rank))
