@@ -11,7 +11,7 @@ every 10. ``--tiers`` also runs (A0) the product with both off and prints what t
 A0/A on the median and on the mean step (the check runs one step in ten: the mean shows it).
 Target: the memory tier at most 3 %, the check at most 1 %.
 
-    python bench/overhead.py [--sizes short,long] [--steps 60] [--groups 2] [--tiers]
+    python bench/overhead.py [--sizes short,long] [--steps 60] [--groups 2] [--tiers] [--memory-every N]
 """
 
 from __future__ import annotations
@@ -42,14 +42,15 @@ SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine
 }
 
 
-def job(size: dict, groups: int, steps: int, storage: str, tiers: bool = True):
+def job(size: dict, groups: int, steps: int, storage: str, tiers: bool = True, memory_every: int | None = None):
+    memory = {"memory_every": 0} if not tiers else {} if memory_every is None else {"memory_every": memory_every}
     return build_config({
         "run_name": "overhead", "storage": storage, "steps": steps, "global_batch": size["global_batch"],
         "micro_batch": size["micro_batch"], "seed": 0,
         "scaling": {"min_groups": groups, "max_groups": groups, "shard": 1, "tp": 1, "cpus_per_rank": 1},
         "model": {"dim": size["dim"], "n_layers": size["layers"], "n_heads": 8, "ffn_hidden": size["dim"] * 3},
         "data": {"seq_len": size["seq_len"], "corpus_tokens": 2_000_000},
-        "checkpoint": {"every": 0, **({} if tiers else {"memory_every": 0})},
+        "checkpoint": {"every": 0, **memory},
         "integrity": {} if tiers else {"every": 0},
         "stragglers": {"enabled": False},
     })
@@ -116,6 +117,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--groups", type=int, default=2, help="replica groups of one rank each (one per core)")
     parser.add_argument("--tiers", action="store_true", help="also the product with the memory tier and check off")
+    parser.add_argument("--memory-every", type=int, help="A's checkpoint.memory_every (default: the product's)")
     args = parser.parse_args()
     from elastic.trainer import start_local_ray
 
@@ -125,12 +127,14 @@ def main() -> int:
     for name in args.sizes.split(","):
         size = SIZES[name]
         with tempfile.TemporaryDirectory() as storage:
-            config = job(size, args.groups, args.steps, storage)
+            config = job(size, args.groups, args.steps, storage, memory_every=args.memory_every)
             plain = run_plain(config, args.groups, storage)[args.warmup:]
             start_local_ray(log_to_driver=False)
             try:
                 elastic_steps, summary = run_elastic(config)
-                bare_steps = run_elastic(job(size, args.groups, args.steps, storage, tiers=False))[0] if args.tiers else []
+                # its own storage: under the same run name it would resume the run above, at its end
+                bare = job(size, args.groups, args.steps, os.path.join(storage, "bare"), tiers=False)
+                bare_steps = run_elastic(bare)[0] if args.tiers else []
             finally:
                 ray.shutdown()
         a, b = statistics.median(elastic_steps[args.warmup:]), statistics.median(plain)

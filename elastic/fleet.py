@@ -375,7 +375,7 @@ class Fleet:
     def restore_memory(self, plan: MemoryRestore) -> None:
         """Every rank of ``plan`` back at its step: from its own copy, or a holder's copy of its state."""
         own = {rank: self.actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
-        transfers = {owner: self.actors[owner].import_state.remote(self.actors[holder].export_held.remote(
+        transfers = {owner: self.actors[owner].import_held.remote(self.actors[holder].export_held.remote(
             owner, plan.step)) for holder, owner in plan.transfers}
         self.results(Pending(own | transfers), self.state_call_s, "restore_memory")
 

@@ -391,7 +391,7 @@ def test_with_two_groups_both_are_suspect_and_restore_the_newest_checkpoint_the_
 
 
 def test_both_copies_of_a_shard_lost_come_back_from_their_buddies_memory_losing_no_step(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4, config={"checkpoint__memory_every": 1})
     scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=2, after_s=0.5)]}
     assert scenario.run() == "completed"
 
@@ -420,7 +420,7 @@ def test_a_single_group_that_loses_a_rank_rolls_back_at_most_memory_every_steps(
 
 
 def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4)
+    scenario = Scenario(tmp_path, groups=2, shard=2, checkpoint_every=4, config={"checkpoint__memory_every": 1})
     # rank 0's copy lives on rank 3: both gone, and rank 2 with them (group 1 broken too)
     scenario.fleet.faults = {6: [Kill(rank=0, after_s=0.3), Kill(rank=3, after_s=0.4), Kill(rank=2, after_s=0.5)]}
     assert scenario.run() == "completed"

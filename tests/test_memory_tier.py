@@ -74,7 +74,9 @@ class StandInBuddy:
 
         class Method:
             def remote(self, owner, step, cursor, state):
-                outer.held[owner] = (step, cursor, {"model": [t.clone() for t in state["model"]]})
+                from workers.memory_tier import from_wire
+
+                outer.held[owner] = (step, cursor, from_wire(state))
                 return "confirmed"
 
         self.hold_copy = Method()
@@ -180,7 +182,7 @@ def test_a_single_group_that_loses_a_rank_resumes_from_memory_with_the_losses_of
     from tests.tiny import tiny_config
 
     steps = 10
-    config = tiny_config(tmp_path, groups=1, shard=2, steps=steps, checkpoint__every=0,
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=steps, checkpoint__every=0, checkpoint__memory_every=1,
                          fault_tolerance__inject="kill:rank=1,step=6", fault_tolerance__min_deadline_s=3.0)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit

@@ -70,9 +70,11 @@ def start_check(step: int, group: int, model: nn.Module, optimizer: torch.optim.
 
 
 def flip_bit(model: nn.Module) -> None:
-    """Flip the highest mantissa bit of the first element this rank holds of the first
-    floating-point parameter: a value off by up to half of itself, no error anywhere."""
-    for param in model.parameters():
+    """Flip the highest mantissa bit of the first element this rank holds of the last
+    floating-point parameter (a model's last one, its final norm or output projection, acts
+    on every token, where an embedding row may never be read): a value off by up to half of
+    itself, no error anywhere."""
+    for param in reversed(list(model.parameters())):
         local = _local(param).detach()
         if local.numel() and local.is_floating_point():
             bit = round(-math.log2(torch.finfo(local.dtype).eps)) - 1

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from checkpointing.staging_arena import StagingArena
+from workers.integrity import INTEGER_VIEWS
 from elastic.core.data_plan import DataCursor
 from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import describe_error
@@ -62,6 +64,30 @@ def exported(staged: dict[str, torch.Tensor], optim: dict, generators: dict) -> 
     }
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor as a numpy array of its bits: Ray sends numpy arrays out of band (one copy
+    into the object store, read in place), where it pickles a tensor's bytes (about 15x the
+    CPU for a few MiB, measured here)."""
+
+    bits: np.ndarray
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def to_wire(state: dict) -> dict:
+    """``state`` with every CPU tensor as a ``WireTensor`` over the same memory (no copy)."""
+    return tree_map(lambda value: WireTensor(value.reshape(-1).view(INTEGER_VIEWS[value.element_size()]).numpy(),
+                                             value.dtype, tuple(value.shape))
+                    if torch.is_tensor(value) else value, state)
+
+
+def from_wire(state: dict) -> dict:
+    """``state`` with its tensors back, each a writable copy (what arrived is read-only)."""
+    return tree_map(lambda value: torch.from_numpy(value.bits.copy()).view(value.dtype).reshape(value.shape)
+                    if isinstance(value, WireTensor) else value, state)
+
+
 def copied(state: dict) -> dict:
     """A state whose tensors are its own: loading the arena's views would alias them."""
     return tree_map(lambda value: value.clone() if torch.is_tensor(value) else value, state)
@@ -74,6 +100,8 @@ def state_bytes(state: dict) -> int:
         nonlocal total
         if torch.is_tensor(value):
             total += value.numel() * value.element_size()
+        elif isinstance(value, WireTensor):
+            total += value.bits.nbytes
         return value
 
     tree_map(count, state)
@@ -129,7 +157,7 @@ class MemoryTier:
 
     def _send(self, handle, snapshot: Snapshot) -> None:
         try:
-            ray.get(handle.hold_copy.remote(self.rank, snapshot.step, snapshot.cursor, snapshot.state))
+            ray.get(handle.hold_copy.remote(self.rank, snapshot.step, snapshot.cursor, to_wire(snapshot.state)))
         except Exception as error:  # the buddy is gone: the driver names another at the next rebuild
             log.warning("rank %d: the copy of step %d did not reach its buddy: %s", self.rank, snapshot.step,
                         describe_error(error, 300))

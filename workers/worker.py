@@ -70,7 +70,7 @@ from workers.failures import (
     raised_in_collective,
 )
 from workers.integrity import start_check
-from workers.memory_tier import MemoryTier
+from workers.memory_tier import MemoryTier, from_wire
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -620,12 +620,16 @@ class RankWorker:
 
     @ray.method(concurrency_group="memory")
     def hold_copy(self, owner: int, step: int, cursor: DataCursor, state: dict) -> None:
-        """Keep ``owner``'s committed state at ``step``: this rank is its buddy."""
+        """Keep ``owner``'s committed state at ``step`` (as sent: ``to_wire``): this rank is its buddy."""
         self.memory.hold(owner, step, cursor, state)
 
     @ray.method(concurrency_group="memory")
     def export_held(self, owner: int, step: int) -> dict:
         return self.memory.held_state(owner, step)
+
+    def import_held(self, state: dict) -> None:
+        """Take a buddy's copy of this rank's committed state (``export_held``)."""
+        self.import_state(from_wire(state))
 
     @ray.method(concurrency_group="control")
     def memory_holdings(self) -> Holdings:
