@@ -88,8 +88,8 @@ def tier(monkeypatch):
 
     from workers.memory_tier import MemoryTier
 
-    monkeypatch.setattr(ray, "get", lambda ref: ref)
-    tier = MemoryTier(rank=0)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    tier = MemoryTier(rank=0, send_timeout_s=30.0)
     yield tier
     tier.sender.shutdown(wait=True)
 
@@ -192,3 +192,28 @@ def test_a_single_group_that_loses_a_rank_resumes_from_memory_with_the_losses_of
     assert [event for event in result.summary["events"] if event["kind"] == EventKind.RESTORED_INITIAL_STATE] == []
     reference, _ = reference_run(config, steps)
     assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_a_buddy_that_does_not_take_a_copy_in_time_is_given_up_on_and_the_next_snapshot_goes_ahead(monkeypatch):
+    import ray
+
+    from workers.memory_tier import MemoryTier
+
+    timeouts = []
+
+    def get(ref, timeout=None):
+        timeouts.append(timeout)
+        raise ray.exceptions.GetTimeoutError("the buddy did not answer")
+
+    monkeypatch.setattr(ray, "get", get)
+    tier = MemoryTier(rank=0, send_timeout_s=0.5)
+    tier.set_buddy(StandInBuddy())
+    model, optimizer = trained_model()
+    try:
+        tier.snapshot(1, cursor(1), model, optimizer, {})
+        assert tier.snapshot(2, cursor(2), model, optimizer, {}) < 0.4  # the failed send did not hold it up
+        tier.sending.result()
+    finally:
+        tier.sender.shutdown(wait=True)
+    assert timeouts == [0.5, 0.5]
+    assert tier.holdings().own == {1: cursor(1), 2: cursor(2)}  # its own copies are kept all the same

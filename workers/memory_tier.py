@@ -117,8 +117,11 @@ class Snapshot:
 
 
 class MemoryTier:
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, send_timeout_s: float):
         self.rank = rank
+        # A buddy that does not take a copy in this long is given up on: the next snapshot
+        # must not wait on it forever (it would hang the step it follows).
+        self.send_timeout_s = send_timeout_s
         self.lock = threading.Lock()
         self.own: dict[int, Snapshot] = {}  # the newest two copies of this rank's state, by step
         self.held: dict[int, dict[int, tuple[DataCursor, dict]]] = {}  # owner -> step -> its newest two copies
@@ -157,8 +160,9 @@ class MemoryTier:
 
     def _send(self, handle, snapshot: Snapshot) -> None:
         try:
-            ray.get(handle.hold_copy.remote(self.rank, snapshot.step, snapshot.cursor, to_wire(snapshot.state)))
-        except Exception as error:  # the buddy is gone: the driver names another at the next rebuild
+            ray.get(handle.hold_copy.remote(self.rank, snapshot.step, snapshot.cursor, to_wire(snapshot.state)),
+                    timeout=self.send_timeout_s)
+        except Exception as error:  # the buddy is gone or stuck: the driver names another at the next rebuild
             log.warning("rank %d: the copy of step %d did not reach its buddy: %s", self.rank, snapshot.step,
                         describe_error(error, 300))
 

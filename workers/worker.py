@@ -205,7 +205,7 @@ class RankWorker:
         # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
         self.checkpoint_io = RankCheckpointIO(spec.storage, spec.global_rank, spec.upload_in_process)
-        self.memory = MemoryTier(spec.global_rank)
+        self.memory = MemoryTier(spec.global_rank, spec.collective_timeout_s)
         self._set_progress(-1, "idle")
 
     # progress, read by the control thread
