@@ -135,6 +135,12 @@ def test_a_rank_keeps_its_newest_two_copies_sends_each_and_a_restore_is_a_copy(t
     assert torch.equal(restored["model"][0], kept)
 
 
+def test_a_run_of_one_rank_has_no_buddy_and_takes_no_copy(tier):
+    model, optimizer = trained_model()
+    assert tier.snapshot(1, cursor(1), model, optimizer, {}) == 0.0
+    assert tier.holdings() == Holdings({}, {}, 0)
+
+
 def test_a_snapshot_waits_until_the_buddy_has_the_last_one(tier):
     import threading
 
@@ -168,6 +174,7 @@ def test_copies_held_for_others_are_the_newest_two_handed_out_by_step_and_droppe
     with pytest.raises(KeyError):
         tier.held_state(5, 2)
     model, optimizer = trained_model()
+    tier.set_buddy(StandInBuddy())
     tier.snapshot(3, cursor(3), model, optimizer, {})
     tier.own_state(3)  # the run goes back to step 3: rank 5's copy of step 4 is from a future that is gone
     assert tier.holdings().held == {5: {3: cursor(3)}, 6: {3: cursor(3)}}

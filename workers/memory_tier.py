@@ -137,7 +137,12 @@ class MemoryTier:
                  generators: dict) -> float:
         """Copy the committed state at ``step`` into host memory, and send it to the buddy in
         the background once the buddy has the last one. Returns the seconds spent waiting for
-        that (a transfer slower than the snapshots' interval)."""
+        that (a transfer slower than the snapshots' interval). A rank with no buddy is a run's
+        only rank: no copy of its could ever be restored into another, so it takes none."""
+        with self.lock:
+            buddy = self.buddy
+        if buddy is None:
+            return 0.0
         started = time.perf_counter()
         if self.sending is not None:
             self.sending.result()
@@ -153,9 +158,7 @@ class MemoryTier:
         snapshot = Snapshot(step, cursor, exported(arena.stage(tensors), optim, generators), arena)
         with self.lock:
             self.own[step] = snapshot
-            buddy = self.buddy
-        if buddy is not None:
-            self.sending = self.sender.submit(self._send, buddy, snapshot)
+        self.sending = self.sender.submit(self._send, buddy, snapshot)
         return waited
 
     def _send(self, handle, snapshot: Snapshot) -> None:
