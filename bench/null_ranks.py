@@ -165,7 +165,8 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     from elastic.core.events import EventLog
     from elastic.core.goodput import TimeLedger
     from elastic.core.topology import Topology
-    from elastic.fleet import Fleet, Rendezvous
+    from elastic.fleet import Fleet
+    from elastic.rendezvous import Rendezvous
 
     groups = ranks // RANKS_PER_GROUP
     config = build_config({

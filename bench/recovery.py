@@ -47,7 +47,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.config import build_config  # noqa: E402
-from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 
 KILLED_RANK = 1
@@ -111,13 +110,12 @@ def run_elastic(job: Job, storage: str) -> dict:
 
 
 def ray_train_loop(loop: dict) -> None:
-    """One Ray Train worker: half the global batch per step, gradients summed over both."""
+    """One Ray Train worker: its share of the global batch per step, gradients summed over all."""
     import torch
-    import torch.distributed as dist
 
     import ray.train
+    from bench.ray_train_job import report, restore, train_step
     from elastic.hooks import resolve_hooks
-    from workers.train_step import accumulate_gradients, collate, local_gradients
 
     job: Job = loop["job"]
     config, rank = job.config(loop["storage"]), ray.train.get_context().get_world_rank()
@@ -125,14 +123,7 @@ def ray_train_loop(loop: dict) -> None:
     torch.manual_seed(config.seed)
     model = hooks.model_fn()
     optimizer = hooks.optimizer_fn(model.parameters())
-    step, cursor = 0, DataCursor()
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(Path(directory) / "state.pt", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, cursor = state["step"], DataCursor(*state["cursor"])
+    step, cursor, restored = restore(model, optimizer)
     log = Path(loop["log"])
     while step < config.steps:
         marker = log.with_suffix(".killed")
@@ -141,33 +132,13 @@ def ray_train_loop(loop: dict) -> None:
             if not job.kill_after_s:
                 os._exit(1)
             threading.Timer(job.kill_after_s, os._exit, (1,)).start()
-        plan = plan_step(step, cursor, dataset_len=len(hooks.dataset), global_batch=config.global_batch,
-                         seed=config.seed, group_weights={g: 1.0 for g in range(job.world)})
-        micro = plan.groups[rank].micro_batches(0, 1, config.micro_batch)
-        batches = [collate(hooks.dataset, mb, torch.device("cpu")) for mb in micro]
-        loss_share = accumulate_gradients(model, hooks.loss_fn, batches, plan.global_samples * config.data.seq_len)
-        loss = torch.tensor(loss_share)
-        grads = local_gradients(model)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1)])
-        dist.all_reduce(flat)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-        optimizer.step()
-        optimizer.zero_grad()
-        step, cursor = step + 1, plan.next_cursor
-        saved = None
-        if step % job.checkpoint_every == 0 and rank == 0:
-            saved = tempfile.mkdtemp()
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "cursor": (cursor.epoch, cursor.position)}, Path(saved) / "state.pt")
-        ray.train.report({"step": step - 1, "loss": flat[-1].item()},
-                         checkpoint=ray.train.Checkpoint.from_directory(saved) if saved else None)
+        loss, cursor = train_step(model, optimizer, hooks, config, step, cursor, rank, job.world)
+        step += 1
+        report(model, optimizer, step, cursor, job.checkpoint_every, rank, {"step": step - 1, "loss": loss})
         if rank == 0:
             with log.open("a") as handle:
-                handle.write(json.dumps({"t": time.time(), "step": step - 1, "loss": flat[-1].item(),
-                                         "restored": bool(checkpoint)}) + "\n")
+                handle.write(json.dumps({"t": time.time(), "step": step - 1, "loss": loss,
+                                         "restored": restored}) + "\n")
 
 
 def run_ray_train(job: Job, storage: str) -> dict:

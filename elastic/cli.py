@@ -45,6 +45,7 @@ TRAIN_FLAGS = {
     "steps": "steps",
     "shard": "scaling.shard",
     "tp": "scaling.tp",
+    "spares": "scaling.spares",
     "global_batch": "global_batch",
     "micro_batch": "micro_batch",
     "seed": "seed",
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--groups", type=parse_groups, help="replica groups: N or MIN:MAX")
     train.add_argument("--shard", type=int, help="FSDP2 ranks per group")
     train.add_argument("--tp", type=int, help="tensor-parallel ranks per group")
+    train.add_argument("--spares", type=int, help="warm spare ranks started ahead, to replace lost ones at once")
     train.add_argument("--global-batch", type=int, help="samples per step, across all groups")
     train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")
     train.add_argument("--seed", type=int)

@@ -43,6 +43,9 @@ class ScalingConfig(Section):
     max_groups: PositiveInt = Field(2, le=4096)
     shard: PositiveInt = Field(2, le=4096)
     tp: PositiveInt = Field(2, le=MAX_TP)
+    # Rank processes started ahead, each in a placement of its own size: a group that loses
+    # a rank takes one instead of starting a process (elastic.core.spares).
+    spares: NonNegativeInt = Field(0, le=4096)
     cpus_per_rank: PositiveFloat = Field(0.25, le=1024)
     # None: one GPU per rank when training on GPUs, none on CPU.
     gpus_per_rank: NonNegativeFloat | None = Field(None, le=16)

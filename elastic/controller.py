@@ -184,7 +184,7 @@ class Controller:
                         self.groups.rebuild_replicas()
                     actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
                     self.groups.apply_straggler_actions(actions)
-                    self.groups.settle()
+                    self.groups.settle(self.deadline.typical_s())
                 if self.groups.failed_starts:
                     return AtBoundary()
                 return Evaluating() if self.eval_due() else Stepping()
@@ -352,7 +352,7 @@ class Controller:
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
         if diagnosis.corrupt:
-            self.groups.trusted_until = self.progress.verified_step
+            diagnosis = self.groups.after_mismatch(diagnosis, self.progress.verified_step)
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         for eviction in plan.evictions:
             if eviction.failed_the_step:

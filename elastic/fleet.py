@@ -1,9 +1,9 @@
-"""The Ray edge of the driver: placement groups, rank actors and the rendezvous store.
+"""The Ray edge of the driver: the calls it makes to rank actors.
 
-Every Ray call of the driver lives here: placement, starting and killing ranks, starting a
-run and reading its stream, pausing, probing and aborting, evaluations, copying state,
-checkpoint calls. A run is one call per rank at a boundary (a streaming generator); its
-steps make no call at all.
+Every Ray call of the driver lives here or in ``elastic.rank_processes`` (placement, starting
+and killing ranks and spares): starting a run and reading its stream, pausing, probing and
+aborting, evaluations, copying state, the memory tier, checkpoint calls. A run is one call
+per rank at a boundary (a streaming generator); its steps make no call at all.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
 plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
 Failures come back as the two exceptions of ``elastic.fleet_api``, which names the interface
@@ -13,23 +13,14 @@ margin for the quick ones (the cross-group rebuild), ``state_timeout_s`` for tho
 
 from __future__ import annotations
 
-import logging
-import secrets
-import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import ray
-import torch.distributed as dist
 from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.config import TrainConfig
 from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 from elastic.core.memory_tier import Holdings, MemoryRestore
-from elastic.core.topology import Topology
 from elastic.core.protocol import (
     EvalRequest,
     HookFailed,
@@ -42,11 +33,7 @@ from elastic.core.protocol import (
     StepReport,
     describe_error,
 )
-from workers.rank_spec import RankSpec
-from workers.worker import RankActor
-
-log = logging.getLogger("elastic.fleet")
-
+from elastic.rank_processes import RankProcesses
 
 # A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0
@@ -54,127 +41,7 @@ CONTROL_MARGIN_S = 30.0
 HOLDINGS_TIMEOUT_S = 2.0
 
 
-@dataclass
-class Rendezvous:
-    """The TCPStore every process group rendezvouses on, hosted by the driver.
-
-    It listens only on the address the ranks reach the driver at: loopback for a local run
-    (a Ray the driver started), the driver node's address on a cluster. torch's store
-    server takes no bind address, so it is handed a socket bound there. It has no
-    authentication either, and any client that reaches the port can list every key: the
-    ranks bind each key and value to a secret that reaches them only through Ray
-    (``workers.keyed_store``), so a client without it finds nothing usable and can plant
-    nothing a rank trusts. The NetworkPolicy in ``deploy/kuberay`` keeps other pods from
-    connecting at all.
-    """
-
-    host: str
-    store: dist.TCPStore
-    secret: str  # hex
-
-    @classmethod
-    def start(cls, host: str | None = None) -> Rendezvous:
-        host = host or ray.util.get_node_ip_address()
-        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        listener = socket.socket(family, kind)
-        listener.bind(address)
-        listener.listen(socket.SOMAXCONN)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
-                              master_listen_fd=listener.detach())
-        return cls(host, store, secrets.token_hex(32))
-
-    @property
-    def port(self) -> int:
-        return self.store.port
-
-
-def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int) -> RankSpec:
-    """What a rank's process is started with: its place in the layout, the store, its settings."""
-    shard_index, tp_index = topology.position_of(global_rank)
-    return RankSpec(
-        global_rank=global_rank,
-        group=topology.group_of(global_rank),
-        group_rank=topology.group_rank(global_rank),
-        shard_index=shard_index,
-        tp_index=tp_index,
-        shard=topology.shard,
-        tp=topology.tp,
-        seed=config.seed,
-        use_gpu=config.scaling.uses_gpu,
-        store_host=rendezvous.host,
-        store_port=rendezvous.port,
-        store_secret=rendezvous.secret,
-        collective_timeout_s=config.fault_tolerance.collective_timeout_s,
-        storage=config.checkpoint.storage_options(),
-        upload_in_process=config.checkpoint.upload_in_process(config.scaling.uses_gpu),
-        replicate_dtype=config.compute.replicate_precision,
-    )
-
-
-class Fleet:
-    def __init__(self, config: TrainConfig, hooks, topology: Topology, rendezvous: Rendezvous,
-                 actor_class=RankActor):
-        self.config = config
-        self.scaling = config.scaling
-        self.topology = topology
-        self.rendezvous = rendezvous
-        self.actor_class = actor_class
-        self.hooks_ref = ray.put(ray.cloudpickle.dumps(hooks))  # bytes: each rank unpickles them itself
-        self.actors: dict[int, ray.actor.ActorHandle] = {}
-        self.placements: dict[int, PlacementGroup] = {}
-        # One readiness reference per placement group: each ready() call submits a new task,
-        # and a fresh one on every poll floods a busy node until none is ever scheduled.
-        self.readiness: dict[int, ray.ObjectRef] = {}
-
-    # placement
-
-    def reserve(self, group: int) -> None:
-        bundle = {"CPU": self.scaling.cpus_per_rank}
-        if self.scaling.gpus_per_rank:
-            bundle["GPU"] = self.scaling.gpus_per_rank
-        strategy = "STRICT_PACK" if self.scaling.uses_gpu else "PACK"
-        placement = placement_group([dict(bundle) for _ in range(self.topology.ranks_per_group)], strategy=strategy)
-        self.placements[group] = placement
-        self.readiness[group] = placement.ready()
-
-    def placed(self, group: int) -> bool:
-        ready, _ = ray.wait([self.readiness[group]], timeout=0)
-        return bool(ready)
-
-    def has_spare_slot(self) -> bool:
-        """Whether the cluster could place one more rank now, outside every reserved group."""
-        free = ray.available_resources()
-        return (free.get("CPU", 0.0) >= self.scaling.cpus_per_rank
-                and free.get("GPU", 0.0) >= self.scaling.gpus_per_rank)
-
-    def release(self, group: int) -> None:
-        placement = self.placements.pop(group, None)
-        self.readiness.pop(group, None)
-        if placement is not None:
-            remove_placement_group(placement)
-
-    # rank processes
-
-    def start(self, ranks) -> Pending:
-        """Start (or replace) the ranks' processes in their groups' bundles."""
-        refs = {}
-        for rank in ranks:
-            self.kill(rank)
-            actor = self.actor_class.options(
-                num_cpus=self.scaling.cpus_per_rank,
-                num_gpus=self.scaling.gpus_per_rank or 0,
-                max_restarts=0,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placements[self.topology.group_of(rank)],
-                    placement_group_bundle_index=self.topology.group_rank(rank),
-                ),
-            ).remote(rank_spec(self.config, self.topology, self.rendezvous, rank), self.hooks_ref)
-            self.actors[rank] = actor
-            refs[rank] = actor.node.remote()
-        return Pending(refs)
-
+class Fleet(RankProcesses):
     def build(self, ranks, generation: int) -> Pending:
         return self._call(ranks, "build", generation)
 
@@ -196,16 +63,6 @@ class Fleet:
             except RayError:
                 continue
         return answered
-
-    def kill(self, global_rank: int) -> None:
-        actor = self.actors.pop(global_rank, None)
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
-
-    def kill_group(self, group: int) -> None:
-        for rank in self.topology.global_ranks(group):
-            self.kill(rank)
-        self.release(group)
 
     # calls in flight
 
@@ -401,8 +258,3 @@ class Fleet:
             rank: self.actors[rank].load_checkpoint.remote(url, step, generators[rank]) for rank in ranks
         }), self.state_call_s, "load_checkpoint")
 
-    def shutdown(self) -> None:
-        for rank in list(self.actors):
-            self.kill(rank)
-        for group in list(self.placements):
-            self.release(group)

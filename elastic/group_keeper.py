@@ -11,6 +11,7 @@ A group that fails to start or build is not handled here: its failure is kept as
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from checkpointing.catalog import Restorable
 from elastic.checkpoint_coordinator import CheckpointCoordinator
@@ -26,6 +27,7 @@ from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigat
 from elastic.fleet_api import CallFailed, FleetApi, FleetError, Pending, RanksLost
 from elastic.progress import RunProgress
 from elastic.recovery_timing import RecoveryTiming
+from elastic.spare_keeper import SpareKeeper
 
 # How often the boundary polls groups on their way into the quorum.
 JOIN_POLL_S = 0.05
@@ -60,6 +62,8 @@ class GroupKeeper:
         # later checkpoint may hold the corruption). None: the newest checkpoint.
         self.trusted_until: int | None = None
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
+        self.spares = SpareKeeper(config.scaling.spares, fleet, events, clock)
+        self.on_spares: set[int] = set()  # joining groups whose every new process is a warm spare
 
     # on the way in
 
@@ -99,7 +103,11 @@ class GroupKeeper:
         self.joining_since.setdefault(group, self.clock())
         if self.membership.stage_of(group) is GroupStage.PLACING and self.fleet.placed(group):
             record = self.membership.apply(group, Placed())
-            self.joining_calls[group] = self.fleet.start(sorted(record.to_start))
+            to_start = sorted(record.to_start)
+            taken = self.spares.take(to_start, self.node_of)
+            if to_start and len(taken) == len(to_start):
+                self.on_spares.add(group)
+            self.joining_calls[group] = self.fleet.start(to_start, taken)
         if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
             started = self.fleet.results(self.joining_calls[group])
             if self.stragglers is not None:
@@ -133,6 +141,7 @@ class GroupKeeper:
         self.trusted_until = None
         for group in ready:
             self.joining_since.pop(group, None)
+            self.on_spares.discard(group)
         self.membership.join(ready)
         for group in ready:
             self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
@@ -192,6 +201,19 @@ class GroupKeeper:
                          host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
         return True
 
+    def after_mismatch(self, diagnosis: Diagnosis, verified_step: int) -> Diagnosis:
+        """Replicas disagreed: no state after ``verified_step`` (the last check passed) is
+        trusted. Since then the odd groups' gradients went into every group's update, so when
+        the memory tier holds a verified copy for every live rank, every group goes back to
+        it; else only the odd groups rebuild, and heal from the others."""
+        self.trusted_until = verified_step
+        live = self.membership.live_groups()
+        if self.config.checkpoint.memory_every and live:
+            ranks = self.topology.ranks_of(live)
+            if plan_memory_restore(ranks, self.fleet.memory_holdings(ranks), verified_step) is not None:
+                return replace(diagnosis, broken_groups=frozenset(live))
+        return diagnosis
+
     def restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
         seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
         self.timing.add("heal_s", seconds)
@@ -234,20 +256,27 @@ class GroupKeeper:
                          ranks=len(assignments), seconds=round(seconds, 4))
 
     def grow(self) -> None:
-        """Reserve one more group while the scaling policy wants more."""
+        """Reserve one more group while the scaling policy wants more; start the spares missing."""
         if self.scaling.wants_more(len(self.membership.groups), self.clock()):
             self.reserve_group()
+        self.spares.tend(bool(self.membership.live_groups()))
 
-    def settle(self) -> None:
+    def settle(self, wait_for_spares_s: float = 0.0) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
-        (returns early when a group failed to start: the controller recovers first)."""
+        (returns early when a group failed to start: the controller recovers first).
+
+        A group coming back on warm spares is built in well under a step: it is waited for,
+        up to ``wait_for_spares_s``, rather than leave the survivors to start a step alone
+        at twice its time and keep the group waiting at the boundary until it ends."""
         self.grow()
         waited_from = self.clock()
         while not self.failed_starts:
             self.advance_groups()
             self.join_ready_groups()
             live = len(self.membership.live_groups())
-            if live and not self.scaling.below_minimum(live):
+            coming = (bool(self.on_spares & set(self.membership.groups))
+                      and self.clock() - waited_from < wait_for_spares_s)
+            if live and not self.scaling.below_minimum(live) and not coming:
                 return
             waited = self.clock() - waited_from
             limit = self.config.fault_tolerance.capacity_timeout_s + (
@@ -275,6 +304,7 @@ class GroupKeeper:
         group = self.topology.group_of(rank)
         self.joining_calls.pop(group, None)
         self.failed_starts.pop(group, None)
+        self.on_spares.discard(group)
         self.membership.lose_rank(rank)
         self.events.emit(EventKind.RANK_EVICTED, rank=rank, group=group, cause=cause)
         return group
@@ -283,6 +313,7 @@ class GroupKeeper:
         """The group's world is gone: it builds again (its live processes are kept)."""
         self.joining_calls.pop(group, None)
         self.failed_starts.pop(group, None)
+        self.on_spares.discard(group)
         self.membership.apply(group, Broken())
 
     def apply_straggler_actions(self, actions: StragglerActions) -> None:

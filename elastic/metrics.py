@@ -98,6 +98,11 @@ class Metrics:
         self.straggler_mitigations = Counter(
             "elastic_straggler_mitigations", "Straggler mitigations by action", ["action"], **labels
         )
+        self.spares_ready = Gauge("elastic_spares_ready", "Warm spares started and warmed up, ready to take a rank's place",
+                                  **labels)
+        self.spares_taken = Counter("elastic_spares_taken", "Ranks replaced by a warm spare", **labels)
+        self.spares_lost = Counter("elastic_spares_lost", "Warm spares whose process died or whose warm-up raised",
+                                   **labels)
         self.info = Gauge("elastic_run_info", "Run identity", ["run"], **labels)
         self.info.labels(run=run).set(1)
         for cause in RECOVERY_CAUSES:
@@ -139,6 +144,12 @@ class Metrics:
             self.recovery_seconds.labels(cause=event["cause"]).observe(event["total_s"])
         elif kind == EventKind.STRAGGLER_DECIDED:
             self.straggler_mitigations.labels(action=event["action"]).inc()
+        elif kind in (EventKind.SPARE_READY, EventKind.SPARE_TAKEN, EventKind.SPARE_LOST):
+            self.spares_ready.set(event["ready_spares"])
+            if kind == EventKind.SPARE_TAKEN:
+                self.spares_taken.inc()
+            elif kind == EventKind.SPARE_LOST:
+                self.spares_lost.inc()
         elif kind == EventKind.CHECKPOINT_STARTED:
             self.checkpoint_blocking_seconds.observe(event["stall_s"])
         elif kind == EventKind.CHECKPOINT_DEFERRED:

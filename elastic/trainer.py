@@ -30,7 +30,8 @@ from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targ
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.dataset import data_identity
-from elastic.fleet import Fleet, Rendezvous
+from elastic.fleet import Fleet
+from elastic.rendezvous import Rendezvous
 from elastic.hooks import check_hooks, resolve_hooks
 from elastic.metrics import Metrics
 from workers.fault_injection import FaultInjectingRankActor

@@ -33,6 +33,7 @@ from elastic.core.protocol import (
     StepRecord,
     StepReport,
 )
+from elastic.core.spares import Spare
 from elastic.core.topology import Topology
 from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
 
@@ -130,6 +131,12 @@ class FakeFleet:
         self.own_copies: dict[int, dict] = {}
         self.held_copies: dict[int, dict] = {}
         self.memory_restores: list = []
+        # warm spares: id -> when it is ready (fake time); lost ones reported once: id -> why
+        self.spare_ready_at: dict[int, float] = {}
+        self.spares_lost: dict[int, tuple[str, bool]] = {}
+        self.spares_reserved = False
+        self.spares_started = 0
+        self.spares_taken: list[tuple[int, int]] = []  # (rank, spare)
         self.fail_uploads = False
         self.delivered: list[tuple[int, object]] = []  # every run message the driver read, in order
         self.fail_staging = False
@@ -161,20 +168,47 @@ class FakeFleet:
         return group in placeable
 
     def has_spare_slot(self) -> bool:
-        return self.spare_slot
+        return self.spare_slot or any(at <= self.clock() for at in self.spare_ready_at.values())
 
     def release(self, group: int) -> None:
         self.reserved.remove(group)
 
     # rank processes
 
-    def start(self, ranks) -> Pending:
+    def start(self, ranks, spares: dict[int, int] | None = None) -> Pending:
+        spares = spares or {}
+        calls = {}
         for rank in ranks:
             self.alive_ranks.add(rank)
-            self.starts.append(rank)
             self.own_copies[rank], self.held_copies[rank] = {}, {}  # a fresh process holds nothing
             self.slow.pop(rank, None)  # a fresh process on a healthy slot
-        return Pending({rank: Call(self.clock() + self.start_s) for rank in ranks})
+            if rank in spares:
+                self.spares_taken.append((rank, spares[rank]))
+                calls[rank] = Call(max(self.clock(), self.spare_ready_at.pop(spares[rank])))
+            else:
+                self.starts.append(rank)
+                calls[rank] = Call(self.clock() + self.start_s)
+        return Pending(calls)
+
+    def reserve_spares(self) -> None:
+        self.spares_reserved = True
+
+    def start_spares(self, count: int) -> list[int]:
+        started = list(range(self.spares_started, self.spares_started + count))
+        for spare in started:
+            self.spare_ready_at[spare] = self.clock() + self.start_s
+        self.spares_started += count
+        return started
+
+    def spares(self) -> list[Spare]:
+        lost = [Spare(spare, False, lost=why, warm_up_raised=raised) for spare, (why, raised) in self.spares_lost.items()]
+        self.spares_lost = {}
+        return lost + [Spare(spare, at <= self.clock(), "node-0" if at <= self.clock() else None)
+                       for spare, at in sorted(self.spare_ready_at.items())]
+
+    def lose_spare(self, spare: int, why: str, raised: bool = False) -> None:
+        del self.spare_ready_at[spare]
+        self.spares_lost[spare] = (why, raised)
 
     def build(self, ranks, generation: int) -> Pending:
         hooks_failed = {rank: self.hook_errors[rank] for rank in ranks if rank in self.hook_errors}

@@ -635,3 +635,20 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
         # exactly the epoch's order up to where training stands in it: nothing skipped
         assert set(samples) == set(epoch_order(dataset_len, seed, epoch)[: len(samples)].tolist())
     assert [len(by_epoch[epoch]) for epoch in range(4)] == [96] * 4  # whole epochs, less the tail
+
+
+def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_memory(tmp_path):
+    # The flip at step 7 goes into every group's update through the gradient sums until the
+    # check at step 10 finds it: the majority is not clean either. The check at step 5 passed
+    # and every rank holds its copy of step 5: all three groups go back to it.
+    scenario = Scenario(tmp_path, groups=3, shard=2, steps=15,
+                        config={"integrity__every": 5, "checkpoint__memory_every": 5})
+    scenario.fleet.faults = {7: [Flip(rank=3)]}
+    assert scenario.run() == "completed"
+
+    [found] = scenario.kinds(EventKind.INTEGRITY_MISMATCH)
+    assert (found["step"], found["suspects"], found["majority"]) == (10, [1], [0, 2])
+    [restored] = scenario.kinds(EventKind.RESTORED_FROM_MEMORY)
+    assert (restored["step"], restored["rolled_back_steps"], sorted(restored["groups"])) == (5, 5, [0, 1, 2])
+    assert scenario.fleet.copies == [] and scenario.fleet.corrupt == set() and scenario.fleet.kills == []
+    assert scenario.committed_steps() == [*range(10), *range(5, 15)]

@@ -16,8 +16,9 @@ STEP_S = 2.2
 KILL_STEP = 3
 
 
-@pytest.mark.parametrize("shard", [1, 2])
-def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path, shard):
+# The second layout replaces the dead rank with a warm spare instead of a process start.
+@pytest.mark.parametrize("shard, spares", [(1, 0), (2, 1)])
+def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path, shard, spares):
     # The killed group's replacement must start and heal before the run ends: on a busy
     # machine that took longer than the 3 steps after the kill that 6 steps left.
     steps = 10
@@ -25,7 +26,7 @@ def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path
     config = tiny_config(
         tmp_path, groups=2, shard=shard, steps=steps, global_batch=16, micro_batch=1,
         fault_tolerance__inject=f"kill:rank={killed},step={KILL_STEP},after=0.8",
-        checkpoint__every=0,
+        checkpoint__every=0, scaling__spares=spares,
     )
     result = ElasticTrainer(config, model_fn=paced_model(config, STEP_S)).fit()
     summary = result.summary
@@ -44,6 +45,8 @@ def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path
     healed = [e for e in events if e["kind"] == EventKind.GROUP_HEALED]
     assert [(e["group"], e["source_group"]) for e in healed] == [(1, 0)]
     assert len([e for e in events if e["kind"] == EventKind.RECOVERED]) == 1
+    taken = [(e["rank"], e["spare"]) for e in events if e["kind"] == EventKind.SPARE_TAKEN]
+    assert taken == ([(killed, 0)] if spares else []), taken
     # Group 0 stops at its next micro-batch boundary, not at the end of its step, and is not
     # given up on after a fixed settle time: each of its ranks was interrupted between two
     # micro-batches of the step. How long that drain takes is bench/recovery.py's figure.

@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from checkpointing.storage import StorageOptions
 
 
+# The global rank and group of a warm spare, until it takes a lost rank's place (``assume``).
+SPARE = -1
+
+
 @dataclass(frozen=True)
 class RankSpec:
-    global_rank: int
+    global_rank: int  # SPARE for a spare
     group: int
     group_rank: int  # its rank in the group's world (see elastic.core.topology)
     shard_index: int

@@ -166,9 +166,8 @@ def load_hooks(pickled_hooks: bytes):
 
 class RankWorker:
     def __init__(self, spec: RankSpec, pickled_hooks: bytes):
-        self.spec = spec
         self.pickled_hooks = pickled_hooks
-        self.hooks = None  # loaded by the first build
+        self.hooks = None  # loaded by the first build (a spare's, ahead by ``warm``)
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if spec.use_gpu:
             torch.cuda.set_device(self.device)
@@ -189,8 +188,6 @@ class RankWorker:
         self.replicate_group = None
         self.replica_rank = 0
         self.control_group = None
-        # the global ranks of this rank's group, in group-rank order
-        self.group_ranks = [spec.global_rank - spec.group_rank + rank for rank in range(spec.shard * spec.tp)]
         # generator states before the step in progress drew; None between steps
         self._rng_before_step: rng.RngState | None = None
         self._pause_run = -1
@@ -204,9 +201,16 @@ class RankWorker:
         # and destroying one would block until it times out, so they are kept until the
         # process ends. NCCL groups are aborted instead.
         self._abandoned: list = []
+        self._take_place(spec)
+        self._set_progress(-1, "idle")
+
+    def _take_place(self, spec: RankSpec) -> None:
+        """What depends on the rank's place in the layout."""
+        self.spec = spec
+        # the global ranks of this rank's group, in group-rank order
+        self.group_ranks = [spec.global_rank - spec.group_rank + rank for rank in range(spec.shard * spec.tp)]
         self.checkpoint_io = RankCheckpointIO(spec.storage, spec.global_rank, spec.upload_in_process)
         self.memory = MemoryTier(spec.global_rank, spec.collective_timeout_s)
-        self._set_progress(-1, "idle")
 
     # progress, read by the control thread
 
@@ -289,6 +293,28 @@ class RankWorker:
 
     def node(self) -> dict:
         return {"ip": ray_node_ip(), "pid": os.getpid(), "global_rank": self.spec.global_rank}
+
+    # a warm spare: started ahead, before it knows which rank it will be
+
+    def warm(self) -> dict:
+        """Do ahead what a start costs besides the process: load the hooks and run the
+        model's code once (on the meta device: no memory), and create the CUDA context."""
+        self.hooks = load_hooks(self.pickled_hooks)
+        try:
+            with torch.device("meta"):
+                self.hooks.model_fn()
+        except Exception:  # noqa: BLE001 - a model_fn that reads weights needs real memory: its build runs it
+            pass
+        if self.spec.use_gpu:
+            torch.empty(1, device=self.device)
+        return self.node()
+
+    def assume(self, spec: RankSpec) -> dict:
+        """Take the place of a rank that is gone; the group's build follows."""
+        if self.model is not None:
+            raise RuntimeError(f"rank {self.spec.global_rank} is a rank already, not a spare")
+        self._take_place(spec)
+        return self.node()
 
     def build(self, generation: int) -> BuildReport:
         """(Re)join the group's world under ``generation`` and build a fresh model on its mesh."""

@@ -60,6 +60,9 @@ class EventKind(StrEnum):
     GROUP_JOINED = "group-joined"
     GROUP_EVICTED = "group-evicted"
     GROUPS_REBUILT = "groups-rebuilt"
+    SPARE_READY = "spare-ready"
+    SPARE_TAKEN = "spare-taken"
+    SPARE_LOST = "spare-lost"
     # failures and recovery
     FAULT_INJECTED = "fault-injected"
     STEP_DEADLINE = "step-deadline"
@@ -134,4 +137,6 @@ def console_line(event: Event) -> str | None:
         return f"step {step} discarded: loss {event['loss']}, grad norm {event['grad_norm']} (not finite); run again"
     if kind == EventKind.CHECKPOINT_FAILED:
         return f"checkpoint of step {step} failed: {event['error']}"
+    if kind == EventKind.SPARE_LOST:
+        return f"spare {event['spare']} lost: {event['error']}" + ("" if event["restarting"] else "; no more spares start")
     return None
