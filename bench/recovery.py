@@ -15,9 +15,10 @@ and B/A, measured in one run, for two jobs:
 
 With ``--memory``: every copy of a shard position lost, recovered (A) from the in-memory
 tier (``checkpoint.memory_every = 1``: the survivors' own host copies and the buddies'
-copies of the dead ranks' state) against (B) the same job with the tier off, restoring the
-last checkpoint (every 10 steps; the kill at step 15), from local disk and from an S3 API
-server on loopback. Two layouts: one group of shard 2 with rank 1 killed, and two groups
+copies of the dead ranks' state) with a warm spare taking each dead rank's place
+(``scaling.spares``), (A0) the same tier with no spare, and (B) the same job with neither,
+restoring the last checkpoint (every 10 steps; the kill at step 45, by when the spares are
+warm), from local disk and from an S3 API server on loopback. Two layouts: one group of shard 2 with rank 1 killed, and two groups
 of shard 2 with both copies of shard 0 (ranks 0 and 2) killed. Prints, per layout and
 storage, the state's step the run went back to, the committed steps lost, the seconds from
 the kill to the next committed step and to the kill step committed again, and the bytes
@@ -205,10 +206,11 @@ class MemoryCase:
 
 MEMORY_CASES = (MemoryCase("1 group x shard 2, rank 1 killed", 1, (1,)),
                 MemoryCase("2 groups x shard 2, both copies of shard 0 killed", 2, (0, 2)))
-MEMORY_KILL_STEP, MEMORY_STEPS, MEMORY_CHECKPOINT_EVERY = 15, 24, 10
+MEMORY_KILL_STEP, MEMORY_STEPS, MEMORY_CHECKPOINT_EVERY = 45, 54, 10
+MEMORY_SIDES = {"A": (1, True), "A0": (1, False), "B": (0, False)}  # memory_every, spares
 
 
-def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memory_every: int) -> dict:
+def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memory_every: int, spares: bool) -> dict:
     import fsspec
 
     from elastic import ElasticTrainer
@@ -216,7 +218,8 @@ def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memor
     config = build_config({
         "run_name": f"memory-{case.groups}-{memory_every}", "storage": storage, "steps": MEMORY_STEPS,
         "global_batch": 8, "micro_batch": 2, "seed": 3,
-        "scaling": {"min_groups": case.groups, "max_groups": case.groups, "shard": 2, "tp": 1, "cpus_per_rank": 0.25},
+        "scaling": {"min_groups": case.groups, "max_groups": case.groups, "shard": 2, "tp": 1, "cpus_per_rank": 0.25,
+                    "spares": len(case.killed) if spares else 0},
         "model": {"dim": 128, "n_layers": 4, "n_heads": 4, "ffn_hidden": 384},
         "data": {"seq_len": 128, "corpus_tokens": 200_000},
         "stragglers": {"enabled": False},
@@ -248,6 +251,7 @@ def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memor
         "step_s": statistics.median(r["step_s"] for r in steps[:MEMORY_KILL_STEP]),
         "loaded": loaded,
         "restore_s": sum(e.get("seconds", 0.0) for e in restores),
+        "spares": "".join("r" if e["was_ready"] else "w" for e in summary["events"] if e["kind"] == EventKind.SPARE_TAKEN),
     }
 
 
@@ -261,21 +265,23 @@ def compare_memory() -> bool:
             targets = {"local disk": (local, {}),
                        "loopback S3": (s3.url("runs"), {"s3_endpoint_url": s3.endpoint_url})}
             print(f"kill at step {MEMORY_KILL_STEP}, checkpoints every {MEMORY_CHECKPOINT_EVERY} steps, "
-                  f"{MEMORY_STEPS} steps; (A) memory tier every step, (B) tier off")
+                  f"{MEMORY_STEPS} steps; (A) memory tier every step and warm spares, (A0) the tier alone, "
+                  "(B) neither; spares taken: r ready, w still warming")
             print(f"{'layout, storage':<62} {'':>3} {'from':>18} {'back to':>8} {'lost':>5} {'restore':>9} "
-                  f"{'kill->next':>11} {'kill->step 15':>14} {'ckpt bytes':>11}")
+                  f"{'kill->next':>11} {f'kill->step {MEMORY_KILL_STEP}':>14} {'ckpt bytes':>11} {'spares':>7}")
             for case in MEMORY_CASES:
                 for target, (url, options) in targets.items():
-                    rows = {"A": memory_case_run(case, f"{url}/a", options, 1),
-                            "B": memory_case_run(case, f"{url}/b", options, 0)}
+                    rows = {side: memory_case_run(case, f"{url}/{side}", options, memory_every, spares)
+                            for side, (memory_every, spares) in MEMORY_SIDES.items()}
                     for side, row in rows.items():
                         print(f"{case.name + ', ' + target:<62} {side:>3} {row['source']:>18} {row['back_to']:>8} "
                               f"{row['lost']:>5} {row['restore_s']:>7.3f} s {row['next_s']:>9.2f} s "
-                              f"{row['kill_step_s']:>12.2f} s {row['loaded']:>11}")
+                              f"{row['kill_step_s']:>12.2f} s {row['loaded']:>11} {row['spares']:>7}")
                     a, b = rows["A"], rows["B"]
                     ratio = b["kill_step_s"] / a["kill_step_s"]
+                    print(f"  B/A0 (the tier alone) {b['kill_step_s'] / rows['A0']['kill_step_s']:.2f}")
                     print(f"  the state's restore alone: B/A {b['restore_s'] / max(a['restore_s'], 1e-6):.1f} "
-                          "(the rest of each recovery: detecting, starting the replacement, rebuilding)")
+                          "(the rest of each recovery: detecting, starting or taking the replacement, rebuilding)")
                     passed = ratio >= 5 and a["loaded"] == 0 and a["source"] == "from-memory"
                     verdicts.append(passed)
                     print(f"  median step {a['step_s']:.3f} s; B/A (kill -> step {MEMORY_KILL_STEP} committed again) "

@@ -37,8 +37,11 @@ class FaultInjectingWorker(RankWorker):
     def __init__(self, spec: RankSpec, pickled_hooks: bytes):
         super().__init__(spec, pickled_hooks)
         self.slow_factor = 1.0
-        self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
         self.fail_next_collective = False
+
+    def _take_place(self, spec: RankSpec) -> None:
+        super()._take_place(spec)
+        self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
 
     def run(self, spec: InjectedRunSpec):
         for fault in spec.faults:
