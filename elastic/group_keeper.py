@@ -62,7 +62,7 @@ class GroupKeeper:
         # later checkpoint may hold the corruption). None: the newest checkpoint.
         self.trusted_until: int | None = None
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
-        self.spares = SpareKeeper(config.scaling.spares, fleet, events, clock)
+        self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
         self.on_spares: set[int] = set()  # joining groups whose every new process is a warm spare
 
     # on the way in
@@ -104,7 +104,7 @@ class GroupKeeper:
         if self.membership.stage_of(group) is GroupStage.PLACING and self.fleet.placed(group):
             record = self.membership.apply(group, Placed())
             to_start = sorted(record.to_start)
-            taken = self.spares.take(to_start, self.node_of)
+            taken = self.spares.take(to_start, self.topology.global_ranks(group), self.node_of)
             if to_start and len(taken) == len(to_start):
                 self.on_spares.add(group)
             self.joining_calls[group] = self.fleet.start(to_start, taken)

@@ -17,8 +17,9 @@ from elastic.fleet_api import FleetApi
 
 
 class SpareKeeper:
-    def __init__(self, wanted: int, fleet: FleetApi, events: EventLog, clock: Callable[[], float]):
+    def __init__(self, wanted: int, pack_groups: bool, fleet: FleetApi, events: EventLog, clock: Callable[[], float]):
         self.wanted = wanted
+        self.pack_groups = pack_groups  # on GPUs a group's placement packs it on one node
         self.fleet = fleet
         self.events = events
         self.clock = clock
@@ -39,12 +40,15 @@ class SpareKeeper:
             for spare_id in self.fleet.start_spares(self.wanted - len(spares)):
                 self.started_at[spare_id] = self.clock()
 
-    def take(self, ranks: list[int], node_of: Mapping[int, str]) -> dict[int, int]:
-        """``rank -> spare id`` for the ranks of ``ranks`` a spare replaces."""
+    def take(self, ranks: list[int], group_ranks: list[int], node_of: Mapping[int, str]) -> dict[int, int]:
+        """``rank -> spare id`` for the ranks of ``ranks`` (of one group) a spare replaces.
+        On GPUs the group stays on the node the rest of it is on, where a spare is there."""
         if not self.reserved:
             return {}
         spares = {spare.id: spare for spare in self._poll()}
-        taken = choose_spares(ranks, spares.values(), node_of)
+        staying = [node_of[rank] for rank in group_ranks if rank not in ranks and rank in node_of]
+        near = dict.fromkeys(ranks, staying[0]) if self.pack_groups and staying else {}
+        taken = choose_spares(ranks, spares.values(), node_of, near)
         for rank, spare_id in taken.items():
             self.ready.discard(spare_id)
             self.started_at.pop(spare_id, None)

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from elastic.core.events import EventKind
+from elastic.core.events import EventKind, EventLog
 from elastic.core.spares import SPARES, Slots, Spare, choose_spares
-from tests.fake_fleet import Kill
+from elastic.spare_keeper import SpareKeeper
+from tests.fake_fleet import FakeClock, Kill
 from tests.test_controller_scenarios import Scenario
 
 START_S = 3.0  # a process start on the fake clock: three steps of 1 s
@@ -31,6 +32,30 @@ def test_ready_spares_are_taken_first_and_one_on_another_node_before_one_on_the_
     assert choose_spares([5], spares, {5: "b"}) == {5: 0}
     assert choose_spares([4, 5, 6, 7], spares, {}) == {4: 0, 5: 2, 6: 1}  # the starting one last; 7 starts afresh
     assert choose_spares([1], [], {}) == {}
+    # a GPU group packed on node "a" (its TP runs over NVLink) takes the spare there first
+    assert choose_spares([5], spares, {5: "a"}, near={5: "a"}) == {5: 0}
+
+
+class TwoReadySpares:
+    """Spares 0 on node "a" and 1 on node "b", both ready."""
+
+    def reserve_spares(self):
+        pass
+
+    def start_spares(self, count):
+        return []
+
+    def spares(self):
+        return [Spare(0, True, "a"), Spare(1, True, "b")]
+
+
+@pytest.mark.parametrize("on_gpus, taken", [(True, 1), (False, 0)])
+def test_on_gpus_a_group_keeps_to_its_node_and_on_cpus_the_lost_ranks_node_is_avoided(on_gpus, taken):
+    clock = FakeClock()
+    keeper = SpareKeeper(2, on_gpus, TwoReadySpares(), EventLog(clock), clock)
+    keeper.tend(groups_live=True)
+    # rank 1 of the group of ranks 0 and 1, both on node "b"
+    assert keeper.take([1], [0, 1], {0: "b", 1: "b"}) == {1: taken}
 
 
 def test_a_spare_keeps_its_bundle_and_the_home_it_replaced_takes_the_next_spare():

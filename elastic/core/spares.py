@@ -22,15 +22,21 @@ class Spare:
     warm_up_raised: bool = False  # the hooks' own error, which every new spare would raise again
 
 
-def choose_spares(ranks: Iterable[int], spares: Iterable[Spare], node_of: Mapping[int, str]) -> dict[int, int]:
+def choose_spares(ranks: Iterable[int], spares: Iterable[Spare], node_of: Mapping[int, str],
+                  near: Mapping[int, str] | None = None) -> dict[int, int]:
     """``rank -> spare id`` for the ranks that take a spare (the rest start a process).
 
-    Ready spares first, then spares still starting (ahead of a fresh start all the same);
-    among them, one on a node other than the one the rank was last on (``node_of``): the
-    rank may have been lost with its node, or been slow because of it."""
+    Ready spares first, then spares still starting (ahead of a fresh start all the same).
+    Among them, where ``near`` names the node a rank's group must stay on (on GPUs a group
+    is packed on one node: its TP and FSDP collectives run over NVLink), one on that node;
+    then one on a node other than the one the rank was last on (``node_of``): the rank may
+    have been lost with its node, or been slow because of it."""
+    near = near or {}
+
     def preference(rank: int, spare: Spare) -> tuple:
+        away = rank in near and spare.node != near[rank]
         same_node = spare.node is not None and spare.node == node_of.get(rank)
-        return (not spare.ready, same_node, spare.id)
+        return (not spare.ready, away, same_node, spare.id)
 
     free = list(spares)
     chosen = {}
@@ -41,7 +47,6 @@ def choose_spares(ranks: Iterable[int], spares: Iterable[Spare], node_of: Mappin
         free.remove(spare)
         chosen[rank] = spare.id
     return chosen
-
 
 SPARES = "spares"  # the placement of the spares' own bundles
 Slot = tuple[int | str, int]  # (placement: a group, or SPARES; bundle index)
