@@ -71,7 +71,7 @@ class RankProcesses:
         self.spares_started = 0
         # One readiness reference per placement group: each ready() call submits a new task,
         # and a fresh one on every poll floods a busy node until none is ever scheduled.
-        self.readiness: dict[int, ray.ObjectRef] = {}
+        self.readiness: dict[int | str, ray.ObjectRef] = {}
 
     # placement
 
