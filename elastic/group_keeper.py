@@ -104,7 +104,8 @@ class GroupKeeper:
         if self.membership.stage_of(group) is GroupStage.PLACING and self.fleet.placed(group):
             record = self.membership.apply(group, Placed())
             to_start = sorted(record.to_start)
-            taken = self.spares.take(to_start, self.topology.global_ranks(group), self.node_of)
+            taken = self.spares.take(to_start, self.topology.global_ranks(group), self.node_of,
+                                     self.progress.step)
             if to_start and len(taken) == len(to_start):
                 self.on_spares.add(group)
             self.joining_calls[group] = self.fleet.start(to_start, taken)
@@ -259,7 +260,7 @@ class GroupKeeper:
         """Reserve one more group while the scaling policy wants more; start the spares missing."""
         if self.scaling.wants_more(len(self.membership.groups), self.clock()):
             self.reserve_group()
-        self.spares.tend(bool(self.membership.live_groups()))
+        self.spares.tend(bool(self.membership.live_groups()), self.progress.step)
 
     def settle(self, wait_for_spares_s: float = 0.0) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum

@@ -2,7 +2,9 @@
 ranks (``elastic.core.spares`` decides which spare takes which rank).
 
 The spares' placement is reserved once groups are live, so it never competes with the
-run's own start; a spare taken, or lost, is started again in the background. A spare whose
+run's own start; a spare taken, or lost, is started again in the background, once the run
+has committed a step after taking it: its start (importing torch, seconds of CPU) must not
+compete with the recovery it made fast, on nodes where ranks share the CPUs. A spare whose
 warm-up raised is the hooks' own error, which every new spare would raise again: no more
 are started (the build of a rank that needs them shows the error itself).
 """
@@ -27,28 +29,33 @@ class SpareKeeper:
         self.started_at: dict[int, float] = {}
         self.ready: set[int] = set()
         self.stopped_by: str | None = None  # a warm-up's error: no more spares are started
+        self.held_until = -1  # no spare starts before the run commits past this step
 
-    def tend(self, groups_live: bool) -> None:
-        """Start the spares missing, once groups are live."""
+    def tend(self, groups_live: bool, step: int) -> None:
+        """Start the spares missing, once groups are live (and ``step``, the next step to
+        commit, is past the one a spare was last taken at)."""
         if not self.wanted or not groups_live:
             return
         if not self.reserved:
             self.fleet.reserve_spares()
             self.reserved = True
         spares = self._poll()
-        if self.stopped_by is None and len(spares) < self.wanted:
+        if self.stopped_by is None and len(spares) < self.wanted and step > self.held_until:
             for spare_id in self.fleet.start_spares(self.wanted - len(spares)):
                 self.started_at[spare_id] = self.clock()
 
-    def take(self, ranks: list[int], group_ranks: list[int], node_of: Mapping[int, str]) -> dict[int, int]:
-        """``rank -> spare id`` for the ranks of ``ranks`` (of one group) a spare replaces.
-        On GPUs the group stays on the node the rest of it is on, where a spare is there."""
+    def take(self, ranks: list[int], group_ranks: list[int], node_of: Mapping[int, str], step: int) -> dict[int, int]:
+        """``rank -> spare id`` for the ranks of ``ranks`` (of one group) a spare replaces,
+        at ``step`` (the next step to commit). On GPUs the group stays on the node the rest
+        of it is on, where a spare is there."""
         if not self.reserved:
             return {}
         spares = {spare.id: spare for spare in self._poll()}
         staying = [node_of[rank] for rank in group_ranks if rank not in ranks and rank in node_of]
         near = dict.fromkeys(ranks, staying[0]) if self.pack_groups and staying else {}
         taken = choose_spares(ranks, spares.values(), node_of, near)
+        if taken:
+            self.held_until = step
         for rank, spare_id in taken.items():
             self.ready.discard(spare_id)
             self.started_at.pop(spare_id, None)

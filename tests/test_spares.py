@@ -53,9 +53,9 @@ class TwoReadySpares:
 def test_on_gpus_a_group_keeps_to_its_node_and_on_cpus_the_lost_ranks_node_is_avoided(on_gpus, taken):
     clock = FakeClock()
     keeper = SpareKeeper(2, on_gpus, TwoReadySpares(), EventLog(clock), clock)
-    keeper.tend(groups_live=True)
+    keeper.tend(groups_live=True, step=0)
     # rank 1 of the group of ranks 0 and 1, both on node "b"
-    assert keeper.take([1], [0, 1], {0: "b", 1: "b"}) == {1: taken}
+    assert keeper.take([1], [0, 1], {0: "b", 1: "b"}, step=5) == {1: taken}
 
 
 def test_a_spare_keeps_its_bundle_and_the_home_it_replaced_takes_the_next_spare():
