@@ -141,21 +141,14 @@ def ray_train_loop(loop: dict) -> None:
 
 
 def run_ray_train(storage: str, interval: float, kills: int, step_s: float, checkpoint_every: int) -> dict:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from bench.ray_train_job import fit
 
     steps = steps_for(interval, kills, step_s)
     config = job_config(storage, f"goodput-ray-train-{interval:g}", steps, "", 0, 0, 0)
     log = Path(storage) / f"ray_train_{interval:g}.jsonl"
-    TorchTrainer(
-        ray_train_loop,
-        train_loop_config={"config": config, "log": str(log), "interval": interval, "kills": kills,
-                           "step_s": step_s, "checkpoint_every": checkpoint_every},
-        scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False, resources_per_worker={"CPU": 0.25}),
-        run_config=RunConfig(name=f"goodput-ray-train-{interval:g}", storage_path=str(Path(storage) / "ray_train"),
-                             failure_config=FailureConfig(max_failures=kills + 1),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
-    ).fit()
+    fit(ray_train_loop, {"config": config, "log": str(log), "interval": interval, "kills": kills, "step_s": step_s,
+                         "checkpoint_every": checkpoint_every},
+        WORLD, f"goodput-ray-train-{interval:g}", storage, max_failures=kills + 1)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert {r["step"] for r in records} == set(range(steps)), "a step is missing"
     fired = len(list(log.parent.glob(f"{log.stem}.kill*")))

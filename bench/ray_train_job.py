@@ -59,3 +59,19 @@ def report(model, optimizer, steps_done: int, cursor: DataCursor, checkpoint_eve
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": steps_done,
                     "cursor": (cursor.epoch, cursor.position)}, Path(saved) / "state.pt")
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(saved) if saved else None)
+
+
+def fit(loop, loop_config: dict, workers: int, name: str, storage: str, max_failures: int) -> None:
+    """Train ``loop`` on ``workers`` Ray Train V2 workers (0.25 CPU each), which restart
+    together from their last checkpoint after each of up to ``max_failures`` failures."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.25}),
+        run_config=RunConfig(name=name, storage_path=str(Path(storage) / "ray_train"),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    ).fit()

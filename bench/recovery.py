@@ -145,19 +145,11 @@ def ray_train_loop(loop: dict) -> None:
 
 
 def run_ray_train(job: Job, storage: str) -> dict:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from bench.ray_train_job import fit
 
     log = Path(storage) / f"ray_train_steps_{job.name}.jsonl"
-    trainer = TorchTrainer(
-        ray_train_loop,
-        train_loop_config={"job": job, "storage": storage, "log": str(log)},
-        scaling_config=ScalingConfig(num_workers=job.world, use_gpu=False, resources_per_worker={"CPU": 0.25}),
-        run_config=RunConfig(name=f"recovery-ray-train-{job.name}", storage_path=str(Path(storage) / "ray_train"),
-                             failure_config=FailureConfig(max_failures=1),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
-    )
-    trainer.fit()
+    fit(ray_train_loop, {"job": job, "storage": storage, "log": str(log)}, job.world,
+        f"recovery-ray-train-{job.name}", storage, max_failures=1)
     killed = json.loads(log.with_suffix(".killed").read_text())
     records = [json.loads(line) for line in log.read_text().splitlines()]
     first_restart = min(i for i, r in enumerate(records) if r["restored"])

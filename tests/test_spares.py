@@ -116,6 +116,7 @@ def test_a_lost_rank_takes_a_ready_spare_and_its_group_is_whole_again_without_a_
     with_spare = recovery_scenario(tmp_path / "a", 1, {10: [Kill(rank=3)]})
     without = recovery_scenario(tmp_path / "b", 0, {10: [Kill(rank=3)]})
 
+    assert with_spare.fleet.spares_reserved and not without.fleet.spares_reserved
     assert with_spare.fleet.spares_taken == [(3, 0)]
     assert with_spare.fleet.starts == [0, 1, 2, 3]  # no process started for rank 3
     assert without.fleet.starts == [0, 1, 2, 3, 3]

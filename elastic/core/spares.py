@@ -48,6 +48,7 @@ def choose_spares(ranks: Iterable[int], spares: Iterable[Spare], node_of: Mappin
         chosen[rank] = spare.id
     return chosen
 
+
 SPARES = "spares"  # the placement of the spares' own bundles
 Slot = tuple[int | str, int]  # (placement: a group, or SPARES; bundle index)
 
@@ -113,7 +114,7 @@ class Slots:
     def give_up(self, placement: int | str) -> bool:
         """The placement's group is gone (its ranks and spares have left): whether it can
         be released now; if a rank of another group still lives there, it is retired."""
-        if any(slot[0] == placement for slot in self.of_rank.values()):
+        if self._holds_rank(placement):
             self.retired.add(placement)
             return False
         self.sizes.pop(placement, None)
@@ -121,9 +122,11 @@ class Slots:
 
     def releasable(self) -> list[int | str]:
         """Retired placements whose last rank has gone: release them."""
-        empty = [placement for placement in self.retired
-                 if not any(slot[0] == placement for slot in self.of_rank.values())]
+        empty = [placement for placement in self.retired if not self._holds_rank(placement)]
         for placement in empty:
             self.retired.discard(placement)
             self.sizes.pop(placement, None)
         return empty
+
+    def _holds_rank(self, placement: int | str) -> bool:
+        return any(slot[0] == placement for slot in self.of_rank.values())
