@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic.config import StragglerConfig  # noqa: E402
+from elastic.setup.config import StragglerConfig  # noqa: E402
 from elastic.core.data_plan import DataCursor, epoch_order, group_weights, plan_step  # noqa: E402
 from elastic.core.events import EventKind, EventLog  # noqa: E402
 from elastic.core.membership import Built, Membership, Placed, Started  # noqa: E402

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.config import TrainConfig, build_config  # noqa: E402
+from elastic.setup.config import TrainConfig, build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 
 GROUPS, SHARD = 2, 2
@@ -110,7 +110,7 @@ def ray_train_loop(loop: dict) -> None:
 
     import ray.train
     from bench.ray_train_job import report, restore, train_step
-    from elastic.hooks import model_args, resolve_hooks
+    from elastic.setup.hooks import model_args, resolve_hooks
     from tests.paced import PacedModel
 
     config: TrainConfig = loop["config"]

@@ -160,13 +160,13 @@ def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float
 
 
 def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float, float]:
-    from elastic.config import build_config, on_cluster
-    from elastic.controller import Controller
+    from elastic.setup.config import build_config, on_cluster
+    from elastic.driver.controller import Controller
     from elastic.core.events import EventLog
     from elastic.core.goodput import TimeLedger
     from elastic.core.topology import Topology
-    from elastic.fleet import Fleet
-    from elastic.rendezvous import Rendezvous
+    from elastic.fleet.ray_fleet import Fleet
+    from elastic.fleet.rendezvous import Rendezvous
 
     groups = ranks // RANKS_PER_GROUP
     config = build_config({

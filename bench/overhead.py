@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.config import build_config  # noqa: E402
+from elastic.setup.config import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
-from elastic.hooks import resolve_hooks  # noqa: E402
+from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate, squared_gradient_norm, sum_across_groups  # noqa: E402
 
 SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine

@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.config import build_config  # noqa: E402
+from elastic.setup.config import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 
 KILLED_RANK = 1
@@ -118,7 +118,7 @@ def ray_train_loop(loop: dict) -> None:
 
     import ray.train
     from bench.ray_train_job import report, restore, train_step
-    from elastic.hooks import resolve_hooks
+    from elastic.setup.hooks import resolve_hooks
 
     job: Job = loop["job"]
     config, rank = job.config(loop["storage"]), ray.train.get_context().get_world_rank()

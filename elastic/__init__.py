@@ -7,9 +7,9 @@ load Ray, torch or pydantic.
 from importlib import import_module
 
 _EXPORTS = {
-    "ConfigError": "elastic.config",
-    "TrainConfig": "elastic.config",
-    "load_config": "elastic.config",
+    "ConfigError": "elastic.setup.config",
+    "TrainConfig": "elastic.setup.config",
+    "load_config": "elastic.setup.config",
     "ElasticTrainer": "elastic.trainer",
     "RunResult": "elastic.trainer",
 }

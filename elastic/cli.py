@@ -10,9 +10,9 @@ import tomllib
 
 from checkpointing.lease import LeaseRefused, break_lease
 from checkpointing.storage import join_url
-from elastic.config import ConfigError, load_config
+from elastic.setup.config import ConfigError, load_config
 from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
-from elastic.presets import PRESETS
+from elastic.setup.presets import PRESETS
 
 
 def parse_groups(text: str) -> dict[str, int]:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_prepare(args)
         if args.command == "export":
             return run_export(args)
-        from elastic.report import main as report_main
+        from elastic.outputs.report import main as report_main
 
         return report_main([args.run] + (["--output", args.output] if args.output else []))
     except ConfigError as error:

@@ -31,8 +31,8 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
 from checkpointing.safe_loading import load_metadata
 from checkpointing.storage import StorageOptions
-from elastic.config import TrainConfig
-from elastic.errors import ConfigError
+from elastic.setup.config import TrainConfig
+from elastic.setup.errors import ConfigError
 from workers.model import ModelArgs
 
 WEIGHTS_NAME = "model.safetensors"
@@ -65,7 +65,7 @@ def model_state(url: str, options: StorageOptions) -> dict[str, torch.Tensor]:
 
 def reference_model_args(manifest_config: dict) -> ModelArgs:
     """The reference model's arguments as the run configured them (the manifest's record)."""
-    from elastic.hooks import model_args
+    from elastic.setup.hooks import model_args
 
     config = TrainConfig.model_validate({"model": manifest_config["model"],
                                          "data": {"seq_len": manifest_config["data"]["seq_len"]}})

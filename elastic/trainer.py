@@ -22,18 +22,18 @@ from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restora
 from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.manifest import signing_key_from_environment
 from checkpointing.storage import join_url
-from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
-from elastic.config import ConfigError, TrainConfig, check_capacity, on_cluster
-from elastic.controller import Controller, TrainingStopped
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
+from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
+from elastic.driver.controller import Controller, TrainingStopped
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.dataset import data_identity
-from elastic.fleet import Fleet
-from elastic.rendezvous import Rendezvous
-from elastic.hooks import check_hooks, resolve_hooks
-from elastic.metrics import Metrics
+from elastic.setup.dataset import data_identity
+from elastic.fleet.ray_fleet import Fleet
+from elastic.fleet.rendezvous import Rendezvous
+from elastic.setup.hooks import check_hooks, resolve_hooks
+from elastic.outputs.metrics import Metrics
 from workers.fault_injection import FaultInjectingRankActor
 from elastic.core.protocol import describe_error
 from workers.worker import RankActor

@@ -1,7 +1,7 @@
 """A fleet without Ray, on a fake clock: ranks are entries in a table, a run's messages arrive
 at the times its steps and a scripted fault would make them arrive, and every call is recorded.
 
-It speaks the fleet's interface (``elastic.fleet_api``), so the real controller and
+It speaks the fleet's interface (``elastic.fleet.api``), so the real controller and
 checkpoint coordinator run against it unchanged, each scenario in milliseconds. Timing model
 of a step: every rank computes for ``step_s`` (times its slowness, read as the step starts)
 and the ranks of all groups then meet in the cross-group all-reduce and their groups' votes,
@@ -35,7 +35,7 @@ from elastic.core.protocol import (
 )
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
-from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
+from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
 
 NEVER = float("inf")
 NOTICE_S = 0.05  # a peer notices a dead rank's closed connection

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from elastic.config import TrainConfig
-from elastic.hooks import model_args
+from elastic.setup.config import TrainConfig
+from elastic.setup.hooks import model_args
 from workers.model import ModelArgs, Transformer
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elastic.config import TrainConfig
+from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor, take_global_batch
-from elastic.hooks import resolve_hooks
+from elastic.setup.hooks import resolve_hooks
 from workers.train_step import accumulate_gradients, collate
 
 

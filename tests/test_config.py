@@ -3,7 +3,7 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.config import CheckpointConfig, ConfigError, build_config, check_capacity, load_config, on_cluster
+from elastic.setup.config import CheckpointConfig, ConfigError, build_config, check_capacity, load_config, on_cluster
 
 
 def fails(values, *fragments):

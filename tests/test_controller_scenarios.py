@@ -16,13 +16,13 @@ import pytest
 from checkpointing.catalog import CheckpointCatalog
 from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.storage import StorageOptions
-from elastic.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
-from elastic.controller import Controller, TrainingStopped
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
+from elastic.driver.controller import Controller, TrainingStopped
 from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet_api import CallFailed
+from elastic.fleet.api import CallFailed
 from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
 from tests.tiny import tiny_config
 

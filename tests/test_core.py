@@ -50,12 +50,12 @@ def test_every_core_module_imports_neither_ray_nor_torch_nor_the_layers_above():
 
 
 def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
-    assert imported_after(["elastic.controller", "tests.fake_fleet"], ("ray", "torch")) == []
+    assert imported_after(["elastic.driver.controller", "tests.fake_fleet"], ("ray", "torch")) == []
 
 
 def test_the_layers_below_the_config_do_not_import_it():
     # config imports presets and errors, and reads the data through dataset: never the reverse
-    assert imported_after(["elastic.dataset", "elastic.presets", "elastic.errors"], ("elastic.config",)) == []
+    assert imported_after(["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"], ("elastic.setup.config",)) == []
 
 
 def test_topology_numbers_ranks_by_group_then_shard_then_tp():
@@ -268,7 +268,7 @@ def step_record(step: int, group: int, ranks_per_group: int = 2):
 
 def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_would():
     from elastic.core.protocol import RunRecords
-    from elastic.progress import CommittedStep
+    from elastic.driver.progress import CommittedStep
 
     own = {group: [step_record(step, group) for step in (5, 6, 7)] for group in (2, 0)}
     message = RunRecords.of_groups(own)

@@ -8,7 +8,7 @@ import fsspec
 import pytest
 import torch
 
-from elastic.dataset import GeneratedCorpus, TextFiles, generate_corpus, resolve_text_files
+from elastic.setup.dataset import GeneratedCorpus, TextFiles, generate_corpus, resolve_text_files
 from tests.memory import reset_peak_rss, rss_bytes
 
 

@@ -1,5 +1,5 @@
 """Static checks of deploy/: KubeRay manifests against the CRD schemas, the training config they
-point at, the Grafana dashboard against the metrics elastic/metrics.py exports, and the
+point at, the Grafana dashboard against the metrics elastic/outputs/metrics.py exports, and the
 PodMonitor against the head pod it scrapes, and the README's metric table against the same
 metrics; token authentication on every Ray container, the NetworkPolicy against the pods and
 ports of the manifests, and the shutdown budget against the kill deadlines. Fast: no network,
@@ -108,10 +108,10 @@ def metric_names(expr: str) -> set[str]:
 
 @functools.lru_cache(maxsize=1)
 def exported_metrics() -> dict[str, tuple[str, set[str]]]:
-    """family name -> (type, names of the samples it exposes), from elastic.metrics itself.
+    """family name -> (type, names of the samples it exposes), from elastic.outputs.metrics itself.
     Derived from family name and type, because a labelled metric without children exposes no
     sample at all: counter -> name_total, histogram -> name_bucket/_sum/_count, gauge -> name."""
-    from elastic.metrics import Metrics
+    from elastic.outputs.metrics import Metrics
 
     metrics = Metrics("test")
     families = {}
@@ -122,7 +122,7 @@ def exported_metrics() -> dict[str, tuple[str, set[str]]]:
             names = {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
         elif family.type in {"gauge", "untyped"}:
             names = {family.name}
-        else:  # summary, info, ... : not used by elastic/metrics.py today
+        else:  # summary, info, ... : not used by elastic/outputs/metrics.py today
             raise AssertionError(f"{family.name}: unhandled metric type {family.type}")
         families[family.name] = (family.type, names)
     return families
@@ -249,7 +249,7 @@ def entrypoint_args(job: dict) -> tuple[list[str], dict[str, str]]:
 
 
 def train_config():
-    from elastic.config import load_config
+    from elastic.setup.config import load_config
 
     return load_config(TRAIN_TOML)
 
@@ -381,7 +381,7 @@ def test_train_toml_is_a_valid_gpu_config():
 def test_entrypoint_parses_with_the_real_cli():
     """The RayJob's command line, through elastic's own parser, gives a valid S3/GPU config."""
     from elastic.cli import build_parser, train_overrides
-    from elastic.config import load_config
+    from elastic.setup.config import load_config
 
     argv, _ = entrypoint_args(rayjob())
     args = build_parser().parse_args(argv[3:])  # after `python -m elastic`
@@ -518,7 +518,7 @@ def test_dashboard_queries_use_only_exported_metrics():
         for name in metric_names(expr)
         if name not in exported
     }
-    assert not unknown, f"queries use metrics elastic/metrics.py does not export: {sorted(unknown)}"
+    assert not unknown, f"queries use metrics elastic/outputs/metrics.py does not export: {sorted(unknown)}"
 
 
 def test_dashboard_covers_every_exported_metric():
@@ -646,7 +646,7 @@ def ray_containers(cluster_spec: dict) -> dict[str, dict]:
 def effective_train_config():
     """train.toml with the RayJob entrypoint's flags applied, through elastic's own CLI."""
     from elastic.cli import build_parser, train_overrides
-    from elastic.config import load_config
+    from elastic.setup.config import load_config
 
     argv, _ = entrypoint_args(rayjob())
     return load_config(TRAIN_TOML, train_overrides(build_parser().parse_args(argv[3:])))

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from elastic import ElasticTrainer
 from elastic.cli import main
-from elastic.hooks import resolve_hooks
+from elastic.setup.hooks import resolve_hooks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, Transformer
 

@@ -85,7 +85,7 @@ def test_single_group_without_peer_memory_or_checkpoint_reruns_from_the_initial_
 
 def test_below_minimum_stops_with_a_clear_message(ray_cluster, tmp_path):
     config = tiny_config(tmp_path, groups=1, min_groups=1, shard=1, steps=5, scaling__cpus_per_rank=64.0)
-    from elastic.config import ConfigError
+    from elastic.setup.config import ConfigError
 
     with pytest.raises(ConfigError, match="but the cluster has"):
         ElasticTrainer(config).fit()

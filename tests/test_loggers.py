@@ -8,7 +8,7 @@ import math
 import pytest
 
 from elastic import ElasticTrainer
-from elastic.loggers import eval_scalars, step_scalars
+from elastic.outputs.loggers import eval_scalars, step_scalars
 from tests.tiny import tiny_config
 
 RECORD = {"step": 7, "loss": 2.5, "lr": 3e-3, "grad_norm": math.nan, "grad_clip_scale": 1.0, "tokens_per_s": 9e4,
@@ -56,7 +56,7 @@ def test_tensorboard_logger_writes_the_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from elastic.loggers import TensorBoardLogger
+    from elastic.outputs.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(str(tmp_path))
     logger.on_step(RECORD)
@@ -70,7 +70,7 @@ def test_tensorboard_logger_writes_the_scalars(tmp_path):
 
 def test_wandb_logger_logs_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from elastic.loggers import WandbLogger
+    from elastic.outputs.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     logger = WandbLogger("elastic-test", dir=str(tmp_path))
@@ -81,7 +81,7 @@ def test_wandb_logger_logs_offline(tmp_path, monkeypatch):
 
 def test_mlflow_logger_logs_to_a_local_store(tmp_path):
     mlflow = pytest.importorskip("mlflow")
-    from elastic.loggers import MLflowLogger
+    from elastic.outputs.loggers import MLflowLogger
 
     mlflow.set_tracking_uri(f"file://{tmp_path}")
     logger = MLflowLogger("elastic-test")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from elastic.config import ConfigError
+from elastic.setup.config import ConfigError
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.lr_schedule import LRSchedule
 from tests.tiny import tiny_config

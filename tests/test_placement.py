@@ -7,10 +7,10 @@ import time
 
 from ray.util.placement_group import PlacementGroup
 
-from elastic.config import on_cluster
+from elastic.setup.config import on_cluster
 from elastic.core.membership import Membership
 from elastic.core.topology import Topology
-from elastic.fleet import Fleet
+from elastic.fleet.ray_fleet import Fleet
 from tests.tiny import tiny_config
 
 

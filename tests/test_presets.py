@@ -10,10 +10,10 @@ import torch
 
 import elastic.trainer
 from elastic.cli import build_parser, main, train_overrides
-from elastic.config import ConfigError, ModelConfig, build_config, load_config
-from elastic.hooks import model_args
-from elastic.preset_tables import host_memory_table, memory_table, shapes_table
-from elastic.presets import PRESETS, activation_bytes, memory_per_rank, parameter_count
+from elastic.setup.config import ConfigError, ModelConfig, build_config, load_config
+from elastic.setup.hooks import model_args
+from elastic.setup.preset_tables import host_memory_table, memory_table, shapes_table
+from elastic.setup.presets import PRESETS, activation_bytes, memory_per_rank, parameter_count
 from workers.model import Transformer
 
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
@@ -125,6 +125,6 @@ def test_shards_split_the_states_and_logits_stay_whole():
 
 def test_docs_tables_are_what_the_estimate_prints():
     text = DOCS.read_text()
-    assert shapes_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"
-    assert memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"
-    assert host_memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.preset_tables` into it"
+    assert shapes_table() in text, "docs/presets.md is stale: paste `python -m elastic.setup.preset_tables` into it"
+    assert memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.setup.preset_tables` into it"
+    assert host_memory_table() in text, "docs/presets.md is stale: paste `python -m elastic.setup.preset_tables` into it"

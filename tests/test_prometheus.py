@@ -126,7 +126,7 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
 def test_the_step_gauge_and_the_committed_counter_agree(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from elastic.metrics import Metrics
+    from elastic.outputs.metrics import Metrics
     from tests.test_controller_scenarios import Scenario
 
     scenario = Scenario(tmp_path, steps=3)

@@ -1,4 +1,4 @@
-"""Tests for elastic.report: breakdown table, timeline PNG and the ``elastic report`` entry point,
+"""Tests for elastic.outputs.report: breakdown table, timeline PNG and the ``elastic report`` entry point,
 on synthetic summaries and on a real run with an injected kill."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from elastic.report import (
+from elastic.outputs.report import (
     CATEGORIES,
     format_breakdown,
     goodput_breakdown,
@@ -254,7 +254,7 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
 
 
 def test_event_labels_close_in_time_read_as_one():
-    from elastic.report import merged_labels
+    from elastic.outputs.report import merged_labels
 
     labels = [(75.1, "rank 3 death", "red"), (75.2, "rank 3 death evicted", "red"), (75.2, "rank 3 death", "red"),
               (75.4, "rank 0 stuck-in-collective evicted", "red"), (90.0, "ckpt failed", "red")]

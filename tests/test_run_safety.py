@@ -13,7 +13,7 @@ import pytest
 from checkpointing.catalog import Restorable
 from checkpointing.manifest import FileRecord, Manifest
 from elastic.cli import exit_code
-from elastic.config import ConfigError
+from elastic.setup.config import ConfigError
 from elastic.core.events import EventLog
 from elastic.trainer import ElasticTrainer, check_resumable, config_hash, config_record
 from tests.tiny import tiny_config
@@ -69,7 +69,7 @@ def test_a_summary_that_cannot_be_written_fails_the_run_and_keeps_why_it_ended(t
 
 
 def test_the_rendezvous_store_refuses_an_outsider_on_this_machines_own_address():
-    from elastic.rendezvous import Rendezvous
+    from elastic.fleet.rendezvous import Rendezvous
     from tests.loopback import own_outside_address
 
     rendezvous = Rendezvous.start("127.0.0.1")  # a local run's node address
@@ -87,7 +87,7 @@ def test_an_outsider_who_lists_the_rendezvous_keys_finds_nothing_usable():
     import torch
     import torch.distributed as dist
 
-    from elastic.rendezvous import Rendezvous
+    from elastic.fleet.rendezvous import Rendezvous
     from workers.keyed_store import KeyedStore, StoreTampered
 
     run, other_run = Rendezvous.start("127.0.0.1"), Rendezvous.start("127.0.0.1")

@@ -9,7 +9,7 @@ import pytest
 
 from elastic.core.events import EventKind, EventLog
 from elastic.core.spares import SPARES, Slots, Spare, choose_spares
-from elastic.spare_keeper import SpareKeeper
+from elastic.driver.spare_keeper import SpareKeeper
 from tests.fake_fleet import FakeClock, Kill
 from tests.test_controller_scenarios import Scenario
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic.config import StragglerConfig
+from elastic.setup.config import StragglerConfig
 from elastic.core.data_plan import apportion
 from elastic.core.events import EventKind, EventLog
 from elastic.core.straggler_detector import StragglerDetector, StragglerFlag
@@ -17,7 +17,7 @@ from elastic.core.straggler_policy import (
     predicted_step_seconds,
     water_fill,
 )
-from elastic.metrics import Metrics
+from elastic.outputs.metrics import Metrics
 from elastic.core.protocol import StepReport
 
 

@@ -83,7 +83,7 @@ def test_huggingface_style_samples_with_ignored_labels_train_the_huggingface_mea
     that count, as one process computes it over the whole batch."""
     import torch
 
-    from elastic.hooks import model_args
+    from elastic.setup.hooks import model_args
     from tests.reference import huggingface_loss, reference_trace
     from tests.test_train_step import PromptAndAnswer
     from workers.model import Transformer

@@ -37,7 +37,7 @@ from elastic.core.straggler_detector import StragglerDetector
 from elastic.core.straggler_policy import Mitigation, StragglerPolicy
 
 if TYPE_CHECKING:
-    from elastic.config import StragglerConfig
+    from elastic.setup.config import StragglerConfig
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from elastic.core.data_plan import DataCursor
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet_api import FleetApi, FleetError, Pending
+from elastic.fleet.api import FleetApi, FleetError, Pending
 from elastic.core.protocol import describe_error
 
-log = logging.getLogger("elastic.checkpoint_coordinator")
+log = logging.getLogger("elastic.driver.checkpoint_coordinator")
 
 
 class CheckpointsFailing(RuntimeError):

@@ -22,10 +22,10 @@ import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic.errors import ConfigError
+from elastic.setup.errors import ConfigError
 
 if TYPE_CHECKING:
-    from elastic.config import TrainConfig
+    from elastic.setup.config import TrainConfig
 
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher"]
 _VERBS = ["sees", "likes", "builds", "finds", "carries", "paints", "follows"]

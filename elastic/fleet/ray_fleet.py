@@ -1,12 +1,12 @@
 """The Ray edge of the driver: the calls it makes to rank actors.
 
-Every Ray call of the driver lives here or in ``elastic.rank_processes`` (placement, starting
+Every Ray call of the driver lives here or in ``elastic.fleet.rank_processes`` (placement, starting
 and killing ranks and spares): starting a run and reading its stream, pausing, probing and
 aborting, evaluations, copying state, the memory tier, checkpoint calls. A run is one call
 per rank at a boundary (a streaming generator); its steps make no call at all.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
 plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
-Failures come back as the two exceptions of ``elastic.fleet_api``, which names the interface
+Failures come back as the two exceptions of ``elastic.fleet.api``, which names the interface
 the controller uses. Every control call has a deadline: ``collective_timeout_s`` plus a
 margin for the quick ones (the cross-group rebuild), ``state_timeout_s`` for those that move the state (heal, save, restore).
 """
@@ -19,7 +19,7 @@ import ray
 from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from elastic.fleet_api import CallFailed, Pending, RanksLost, RunStream
+from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
 from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
@@ -33,7 +33,7 @@ from elastic.core.protocol import (
     StepReport,
     describe_error,
 )
-from elastic.rank_processes import RankProcesses
+from elastic.fleet.rank_processes import RankProcesses
 
 # A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0

@@ -17,7 +17,7 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.policies import StepDeadline
 from elastic.core.protocol import StepReport
 from elastic.core.topology import Topology
-from elastic.fleet_api import FleetApi, Pending
+from elastic.fleet.api import FleetApi, Pending
 
 # How long a rank of a group that lost a member gets to report its error after the abort,
 # before it counts as blocked in its group's collectives.

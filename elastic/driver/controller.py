@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from checkpointing.catalog import Restorable
-from elastic.checkpoint_coordinator import CheckpointCoordinator
-from elastic.config import TrainConfig
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
+from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights
 from elastic.core.diagnosis import Diagnosis, diagnose_control_failure, merged
 from elastic.core.events import EventKind, EventLog
@@ -40,13 +40,13 @@ from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline,
 from elastic.core.protocol import RunSpec, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
-from elastic.evaluation import Evaluation
-from elastic.fleet_api import FleetApi, FleetError, RunStream
-from elastic.group_keeper import JOIN_POLL_S, GroupKeeper, TrainingStopped
-from elastic.progress import COMPUTE, DATA, WALL, CommittedStep, RunProgress
-from elastic.recovery_timing import RecoveryTiming
-from elastic.run_watch import RunWatch
-from elastic.step_collection import StepCollection
+from elastic.driver.evaluation import Evaluation
+from elastic.fleet.api import FleetApi, FleetError, RunStream
+from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper, TrainingStopped
+from elastic.driver.progress import COMPUTE, DATA, WALL, CommittedStep, RunProgress
+from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.run_watch import RunWatch
+from elastic.driver.step_collection import StepCollection
 
 __all__ = ["Controller", "TrainingStopped"]
 

@@ -4,17 +4,17 @@ memory one rank needs to train each.
 ``model.preset`` fills the shape fields the config leaves out (see ``ModelConfig``).
 ``memory_per_rank`` is arithmetic on the shapes and the layout, not a measurement: it
 counts what this code keeps alive at the peak of a training step (see docs/presets.md).
-``python -m elastic.preset_tables`` prints the tables in docs/presets.md.
+``python -m elastic.setup.preset_tables`` prints the tables in docs/presets.md.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-# elastic.config imports PRESETS from here, and this module needs its ModelConfig only as a
-# type: the tables that build configs live in elastic.preset_tables, above both.
+# elastic.setup.config imports PRESETS from here, and this module needs its ModelConfig only as a
+# type: the tables that build configs live in elastic.setup.preset_tables, above both.
 if TYPE_CHECKING:
-    from elastic.config import ModelConfig
+    from elastic.setup.config import ModelConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The ModelConfig defaults: trains in seconds on CPU, for tests.

@@ -15,12 +15,12 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.config import TrainConfig
+from elastic.setup.config import TrainConfig
 from elastic.core.protocol import describe_error
 from elastic.core.spares import SPARES, Slot, Slots, Spare
 from elastic.core.topology import Topology
-from elastic.fleet_api import Pending
-from elastic.rendezvous import Rendezvous
+from elastic.fleet.api import Pending
+from elastic.fleet.rendezvous import Rendezvous
 from workers.rank_spec import SPARE, RankSpec
 from workers.worker import RankActor
 

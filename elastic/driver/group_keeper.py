@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from checkpointing.catalog import Restorable
-from elastic.checkpoint_coordinator import CheckpointCoordinator
-from elastic.config import TrainConfig
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
+from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor
 from elastic.core.diagnosis import DEATH, OWN_ERROR, Diagnosis
 from elastic.core.events import EventKind, EventLog
@@ -24,10 +24,10 @@ from elastic.core.membership import Broken, Built, GroupStage, Membership, Place
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
-from elastic.fleet_api import CallFailed, FleetApi, FleetError, Pending, RanksLost
-from elastic.progress import RunProgress
-from elastic.recovery_timing import RecoveryTiming
-from elastic.spare_keeper import SpareKeeper
+from elastic.fleet.api import CallFailed, FleetApi, FleetError, Pending, RanksLost
+from elastic.driver.progress import RunProgress
+from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.spare_keeper import SpareKeeper
 
 # How often the boundary polls groups on their way into the quorum.
 JOIN_POLL_S = 0.05

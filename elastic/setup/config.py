@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from checkpointing.storage import StorageOptions, absolute_url, check_writable
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
-from elastic.errors import ConfigError
-from elastic.presets import PRESETS
+from elastic.setup.errors import ConfigError
+from elastic.setup.presets import PRESETS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -94,7 +94,7 @@ class ModelConfig(Section):
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    # A named shape from elastic.presets under the fields given here. Left out of dumps: the
+    # A named shape from elastic.setup.presets under the fields given here. Left out of dumps: the
     # fields it filled are recorded, so a resume compares the shape however it was spelled.
     preset: str | None = Field(None, exclude=True)
 
@@ -381,7 +381,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _data_readable(self) -> TrainConfig:
         # Here, not in DataConfig: s3:// data is read with the run's S3 settings (checkpoint.s3_*).
-        from elastic.dataset import check_readable
+        from elastic.setup.dataset import check_readable
 
         check_readable(self)
         return self

@@ -1,5 +1,5 @@
 """The tables of ``docs/presets.md``: each preset's shape, and the memory per rank of the
-documented layouts (each validated as a full config). ``python -m elastic.preset_tables``
+documented layouts (each validated as a full config). ``python -m elastic.setup.preset_tables``
 prints both; a test keeps the document equal to them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.config import ModelConfig, build_config
-from elastic.presets import H100_BUDGET_GIB, PRESETS, host_memory_per_rank, memory_per_rank, parameter_count
+from elastic.setup.config import ModelConfig, build_config
+from elastic.setup.presets import H100_BUDGET_GIB, PRESETS, host_memory_per_rank, memory_per_rank, parameter_count
 
 
 @dataclass(frozen=True)

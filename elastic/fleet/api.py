@@ -1,5 +1,5 @@
 """The fleet as the controller sees it: the calls it makes to ranks and the two errors they
-raise, in plain data. No Ray here: ``elastic.fleet.Fleet`` implements it with Ray, and
+raise, in plain data. No Ray here: ``elastic.fleet.ray_fleet.Fleet`` implements it with Ray, and
 ``tests/fake_fleet.py`` on a fake clock.
 
 Failures come back as two exceptions, each naming its ranks: ``RanksLost`` (the processes

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from elastic.config import TrainConfig
+from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights, plan_eval, token_rescale
 from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.protocol import EvalRequest
-from elastic.step_collection import StepCollection
+from elastic.driver.step_collection import StepCollection
 
 
 class Evaluation:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from elastic.core.events import EventKind, EventLog
 from elastic.core.spares import Spare, choose_spares
-from elastic.fleet_api import FleetApi
+from elastic.fleet.api import FleetApi
 
 
 class SpareKeeper:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic.config import TrainConfig
-from elastic.dataset import default_datasets
-from elastic.errors import ConfigError
+from elastic.setup.config import TrainConfig
+from elastic.setup.dataset import default_datasets
+from elastic.setup.errors import ConfigError
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
 from workers.train_step import IGNORE_INDEX, sample_ids, token_cross_entropy

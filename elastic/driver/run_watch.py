@@ -29,9 +29,9 @@ from elastic.core.diagnosis import Diagnosis, diagnose, diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
-from elastic.fleet_api import FleetApi, RunStream
-from elastic.progress import CommittedStep
-from elastic.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
+from elastic.fleet.api import FleetApi, RunStream
+from elastic.driver.progress import CommittedStep
+from elastic.driver.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
 # groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
