@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpointing.rank_io import RankCheckpointIO, training_state  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
-from elastic.setup.config import build_config  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from tests.s3 import MotoServer, set_test_credentials  # noqa: E402

@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.setup.config import TrainConfig, build_config  # noqa: E402
+from elastic.setup.config import TrainConfig  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 
 GROUPS, SHARD = 2, 2

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.setup.config import build_config  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from workers.integrity import fingerprints, state_tensors  # noqa: E402

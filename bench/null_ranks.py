@@ -160,7 +160,8 @@ def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float
 
 
 def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float, float]:
-    from elastic.setup.config import build_config, on_cluster
+    from elastic.setup.config import on_cluster
+    from elastic.setup.preflight import build_config
     from elastic.driver.controller import Controller
     from elastic.core.events import EventLog
     from elastic.core.goodput import TimeLedger

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.setup.config import build_config  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate, squared_gradient_norm, sum_across_groups  # noqa: E402

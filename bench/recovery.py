@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.setup.config import build_config  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 
 KILLED_RANK = 1

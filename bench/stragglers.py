@@ -34,7 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elastic import ElasticTrainer  # noqa: E402
-from elastic.setup.config import StragglerConfig, build_config  # noqa: E402
+from elastic.setup.config import StragglerConfig  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind, EventLog  # noqa: E402
 from elastic.core.straggler_mitigation import StragglerMitigation  # noqa: E402
 from elastic.trainer import start_local_ray  # noqa: E402

@@ -7,9 +7,9 @@ load Ray, torch or pydantic.
 from importlib import import_module
 
 _EXPORTS = {
-    "ConfigError": "elastic.setup.config",
+    "ConfigError": "elastic.setup.errors",
     "TrainConfig": "elastic.setup.config",
-    "load_config": "elastic.setup.config",
+    "load_config": "elastic.setup.preflight",
     "ElasticTrainer": "elastic.trainer",
     "RunResult": "elastic.trainer",
 }

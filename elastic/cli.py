@@ -10,7 +10,8 @@ import tomllib
 
 from checkpointing.lease import LeaseRefused, break_lease
 from checkpointing.storage import join_url
-from elastic.setup.config import ConfigError, load_config
+from elastic.setup.errors import ConfigError
+from elastic.setup.preflight import load_config
 from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
 from elastic.setup.presets import PRESETS
 

@@ -24,6 +24,7 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
+from elastic.setup.preflight import preflight
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
@@ -191,7 +192,8 @@ class ElasticTrainer:
                  loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
                  keep_final_state: bool = False, on_step: Iterable[Callable[[dict], None]] = (),
                  on_event: Iterable[Callable[[dict], None]] = ()):
-        self.config = config or TrainConfig()
+        # A config from build_config or load_config passed this already; one built otherwise has not.
+        self.config = preflight(config or TrainConfig())
         self.on_step, self.on_event = list(on_step), list(on_event)
         if tp_plan is not None and parallelize_fn is not None:
             raise ConfigError("tp_plan: give it or parallelize_fn, not both (tp_plan is the default "

@@ -123,7 +123,7 @@ def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_
 
 def test_any_config_field_is_settable_with_set_and_wins_over_the_file(tmp_path):
     from elastic.cli import build_parser, train_overrides
-    from elastic.setup.config import load_config
+    from elastic.setup.preflight import load_config
 
     (tmp_path / "run.toml").write_text('[data]\nseq_len = 32\n')
     args = build_parser().parse_args([

@@ -3,7 +3,8 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.setup.config import CheckpointConfig, ConfigError, build_config, check_capacity, load_config, on_cluster
+from elastic.setup.config import CheckpointConfig, ConfigError, check_capacity, on_cluster
+from elastic.setup.preflight import build_config, load_config
 
 
 def fails(values, *fragments):

@@ -249,7 +249,7 @@ def entrypoint_args(job: dict) -> tuple[list[str], dict[str, str]]:
 
 
 def train_config():
-    from elastic.setup.config import load_config
+    from elastic.setup.preflight import load_config
 
     return load_config(TRAIN_TOML)
 
@@ -381,7 +381,7 @@ def test_train_toml_is_a_valid_gpu_config():
 def test_entrypoint_parses_with_the_real_cli():
     """The RayJob's command line, through elastic's own parser, gives a valid S3/GPU config."""
     from elastic.cli import build_parser, train_overrides
-    from elastic.setup.config import load_config
+    from elastic.setup.preflight import load_config
 
     argv, _ = entrypoint_args(rayjob())
     args = build_parser().parse_args(argv[3:])  # after `python -m elastic`
@@ -646,7 +646,7 @@ def ray_containers(cluster_spec: dict) -> dict[str, dict]:
 def effective_train_config():
     """train.toml with the RayJob entrypoint's flags applied, through elastic's own CLI."""
     from elastic.cli import build_parser, train_overrides
-    from elastic.setup.config import load_config
+    from elastic.setup.preflight import load_config
 
     argv, _ = entrypoint_args(rayjob())
     return load_config(TRAIN_TOML, train_overrides(build_parser().parse_args(argv[3:])))

@@ -10,10 +10,12 @@ import torch
 
 import elastic.trainer
 from elastic.cli import build_parser, main, train_overrides
-from elastic.setup.config import ConfigError, ModelConfig, build_config, load_config
+from elastic.setup.config import ConfigError, ModelConfig
 from elastic.setup.hooks import model_args
 from elastic.setup.preset_tables import host_memory_table, memory_table, shapes_table
-from elastic.setup.presets import PRESETS, activation_bytes, memory_per_rank, parameter_count
+from elastic.setup.memory_estimate import activation_bytes, memory_per_rank, parameter_count
+from elastic.setup.preflight import build_config, load_config
+from elastic.setup.presets import PRESETS
 from workers.model import Transformer
 
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"

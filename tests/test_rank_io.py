@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from checkpointing import rank_io, staging_arena
 from checkpointing.rank_io import RankCheckpointIO, training_state
 from checkpointing.storage import StorageOptions
-from elastic.setup.config import build_config
+from elastic.setup.preflight import build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
 from tests.s3 import TEST_CREDENTIALS

@@ -14,12 +14,13 @@ import torch
 import elastic.prepare
 from checkpointing.storage import StorageOptions
 from elastic.cli import main
-from elastic.setup.config import ConfigError, build_config
+from elastic.setup.config import ConfigError
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.dataset import (
     GeneratedCorpus, SampleRange, TextFiles, TokenFile, default_datasets, generate_corpus,
 )
 from elastic.setup.hooks import resolve_hooks
+from elastic.setup.preflight import build_config
 from elastic.prepare import prepare_tokens
 from elastic.trainer import ElasticTrainer
 from tests.memory import reset_peak_rss, rss_bytes

@@ -1,6 +1,6 @@
 """Tiny job configs for tests: a step is tens of milliseconds."""
 
-from elastic.setup.config import build_config
+from elastic.setup.preflight import build_config
 
 
 def tiny_config(tmp_path, *, groups=1, shard=1, tp=1, steps=20, **overrides):

@@ -17,12 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from elastic.core.protocol import RunSpec
 
 # A slot of a micro-batch that holds no sample (every shard position runs the same count).
 PADDING_INDEX = -1
@@ -177,6 +174,24 @@ def token_rescale(global_tokens: int, counted: int) -> float:
     return global_tokens / counted if counted else 1.0
 
 
+class PlanInputs(Protocol):
+    """What the data plan reads of a run: ``elastic.core.protocol.RunSpec`` is one. Named here,
+    by the plan that reads it, so that the plan does not depend on the messages that carry it."""
+
+    @property
+    def dataset_len(self) -> int: ...
+    @property
+    def global_batch(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def group_weights(self) -> Mapping[int, float]: ...
+    @property
+    def micro_batch(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class RankShare:
     """One rank's part of one step of a run, and what the step means for the whole batch."""
@@ -190,7 +205,7 @@ class RankShare:
     group_samples: dict[int, int]
 
 
-def rank_share(spec: RunSpec, step: int, cursor: DataCursor, group: int, shard_index: int, shard: int) -> RankShare:
+def rank_share(spec: PlanInputs, step: int, cursor: DataCursor, group: int, shard_index: int, shard: int) -> RankShare:
     """What the rank at ``shard_index`` of ``group`` trains at ``step`` of the run ``spec``, from
     the data order's ``cursor`` before the step: the ranks' own planning, and the sample ledger
     the tests keep."""

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -36,8 +36,22 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.straggler_detector import StragglerDetector
 from elastic.core.straggler_policy import Mitigation, StragglerPolicy
 
-if TYPE_CHECKING:
-    from elastic.setup.config import StragglerConfig
+
+class StragglerSettings(Protocol):
+    """What straggler handling reads of its settings: the config's ``stragglers`` section
+    (``elastic.setup.config.StragglerConfig``) is one. A Protocol, so that the pure core does
+    not depend on the config above it."""
+
+    @property
+    def window(self) -> int: ...
+    @property
+    def threshold(self) -> float: ...
+    @property
+    def mad_gate(self) -> float: ...
+    @property
+    def patience(self) -> int: ...
+    @property
+    def mitigate(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,7 @@ class _Followup:
 
 
 class StragglerMitigation:
-    def __init__(self, config: StragglerConfig, global_batch: int, events: EventLog,
+    def __init__(self, config: StragglerSettings, global_batch: int, events: EventLog,
                  clock: Callable[[], float] = time.monotonic, min_gain: float = 0.05):
         self.detector = StragglerDetector(config.window, config.threshold, config.mad_gate, config.patience, clock)
         self.policy = StragglerPolicy(min_gain)

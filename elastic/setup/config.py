@@ -1,6 +1,10 @@
-"""The job's one validated config tree, loadable from TOML or YAML and overridable by flags.
+"""The job's one config tree (pydantic), read from TOML or YAML and overridable by flags.
 
-Every field is checked before any actor starts. A problem is reported as
+This module owns the config's shape: every field's type and range, the choices, the fields
+that must agree (the layout against the model, faults against the layout). Parsing reads
+nothing but the values given. Whether the storage can be written and the data read is
+checked by ``elastic.setup.preflight``, which also holds ``build_config`` and ``load_config``,
+the ways a run gets its config. A problem is reported as
 ``<field path>: <what is wrong>; <how to fix it>`` so the message names the fix.
 """
 
@@ -14,7 +18,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from checkpointing.storage import StorageOptions, absolute_url, check_writable
+from checkpointing.storage import StorageOptions, absolute_url
+from elastic.core.faults import check_targets, parse_faults
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.setup.errors import ConfigError
@@ -360,32 +365,10 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _storage_writable(self) -> TrainConfig:
-        # Only a storage the config names: a config is also built for its defaults alone,
-        # in whatever directory the process happens to run.
-        if "storage" in self.model_fields_set:
-            try:
-                check_writable(self.storage)
-            except ValueError as error:
-                raise ValueError(f"storage: {error}") from None
-        return self
-
-    @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:
-        from elastic.core.faults import check_targets, parse_faults
-
         scaling = self.scaling
         check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups, scaling.ranks_per_group)
         return self
-
-    @model_validator(mode="after")
-    def _data_readable(self) -> TrainConfig:
-        # Here, not in DataConfig: s3:// data is read with the run's S3 settings (checkpoint.s3_*).
-        from elastic.setup.dataset import check_readable
-
-        check_readable(self)
-        return self
-
 
     @property
     def lr_schedule(self) -> LRSchedule:
@@ -419,11 +402,18 @@ def describe(error: ValidationError) -> str:
             message = f"{message}; use a shorter one"
         # A check over several sections names its fields itself.
         lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
+    return invalid_config(lines)
+
+
+def invalid_config(problems: list[str]) -> str:
+    """The message for a config's problems, each ``<field>: <what is wrong>; <the fix>``."""
     # One problem, one line: the line a terminal or a job's log shows first.
-    return "invalid config:" + ("\n  " if len(lines) > 1 else " ") + "\n  ".join(lines)
+    return "invalid config:" + ("\n  " if len(problems) > 1 else " ") + "\n  ".join(problems)
 
 
-def build_config(values: dict[str, Any]) -> TrainConfig:
+def parse_config(values: dict[str, Any]) -> TrainConfig:
+    """The config of ``values``, its shape checked; storage and data are not touched
+    (``elastic.setup.preflight.build_config`` checks them too)."""
     try:
         return TrainConfig.model_validate(values)
     except ValidationError as error:
@@ -466,11 +456,6 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"{dotted}: {parent} is not a section")
         node[leaf] = value
     return merged
-
-
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    base = read_config_file(path) if path else {}
-    return build_config(merge(base, overrides or {}))
 
 
 def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> TrainConfig:

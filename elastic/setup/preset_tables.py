@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.setup.config import ModelConfig, build_config
-from elastic.setup.presets import H100_BUDGET_GIB, PRESETS, host_memory_per_rank, memory_per_rank, parameter_count
+from elastic.setup.config import ModelConfig, parse_config
+from elastic.setup.memory_estimate import H100_BUDGET_GIB, host_memory_per_rank, memory_per_rank, parameter_count
+from elastic.setup.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
         "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
     ]
     for layout in layouts:
-        config = build_config({
+        config = parse_config({
             "micro_batch": layout.micro_batch,
             "global_batch": layout.micro_batch * layout.shard,
             "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp},
