@@ -3,7 +3,7 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.setup.config import CheckpointConfig, ConfigError, check_capacity, on_cluster
+from elastic.setup.config import CheckpointConfig, ConfigError, check_capacity, on_cluster, parse_config
 from elastic.setup.preflight import build_config, load_config
 
 
@@ -74,6 +74,17 @@ def test_storage_must_be_a_directory_this_process_can_write(tmp_path):
     fails({"storage": "foo://bar"}, "storage: unknown protocol 'foo'")
     assert build_config({"storage": str(tmp_path / "new" / "runs")}).storage == str(tmp_path / "new" / "runs")
     assert not (tmp_path / "new").exists()  # checked, not created: that is the run's to do
+
+
+def test_parsing_reads_no_storage_nor_data_and_a_trainer_runs_the_preflight_it_skipped(tmp_path):
+    from elastic.trainer import ElasticTrainer
+
+    (tmp_path / "file").write_text("")
+    unchecked = parse_config({"storage": str(tmp_path / "file" / "runs"), "data": {"path": str(tmp_path / "none.txt")}})
+    with pytest.raises(ConfigError, match="^invalid config: storage: .* is a file, not a directory"):
+        ElasticTrainer(unchecked)
+    with pytest.raises(ConfigError, match="^invalid config: data.path: .*matches no readable file"):
+        ElasticTrainer(parse_config({"data": {"path": str(tmp_path / "none.txt")}}))
 
 
 def test_file_and_flags_merge(tmp_path):

@@ -54,7 +54,7 @@ def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
 
 
 def test_the_layers_below_the_config_do_not_import_it():
-    # config imports presets and errors, and reads the data through dataset: never the reverse
+    # config imports presets and errors; dataset reads a config but names it only as a type
     assert imported_after(["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"], ("elastic.setup.config",)) == []
 
 

@@ -49,9 +49,9 @@ def imported_names(module: str, path: Path) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module to the project modules it imports. ``import a.b.c`` runs ``a/__init__`` and
-    ``a/b/__init__`` too, but those packages' inits import nothing of the project that would
-    close a circle unless they say so themselves, so an edge goes only to the module named."""
+    """Module to the project modules it imports. ``import a.b.c`` also runs the inits of ``a``
+    and ``a.b``; the edge goes to the module named, and what an init imports itself is the
+    init's own edges."""
     modules = project_modules()
     graph = {}
     for module, path in modules.items():

@@ -7,6 +7,11 @@ whole: ``len`` takes only their sizes and a sample reads only its own window.
 
 Text is byte-level (a byte is a token); a token file is a flat binary of uint16 or uint32
 tokens with no header (nanoGPT / Megatron ``.bin``), written by ``elastic prepare``.
+
+This module owns the datasets a config names (``default_datasets``), their identity for a
+resume (``data_identity``) and the check that the config's data can be read at all
+(``check_readable``, run by ``elastic.setup.preflight``). It reads a config and sits above
+it: the config is imported only as a type, so reading data never loads pydantic.
 """
 
 from __future__ import annotations

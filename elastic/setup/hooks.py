@@ -1,4 +1,8 @@
-"""User hooks, each optional, and their defaults: the reference model, corpus and AdamW."""
+"""The user's hooks, each optional, and their defaults: the reference model, corpus and AdamW.
+
+``resolve_hooks`` fills in the defaults from a config; ``check_hooks`` tries a sample and, for
+tensor parallelism, the model on the meta device, before any actor starts.
+"""
 
 from __future__ import annotations
 
