@@ -22,20 +22,20 @@ from elastic.setup.errors import ConfigError
 
 def preflight(config: TrainConfig) -> TrainConfig:
     """``config``, once its storage is writable and its data readable; else ConfigError."""
-    # Here, not at the top: the dataset brings torch, and a config refused for its shape (the
-    # CLI parses first) need not wait for it.
+    # Here, not at the top: the dataset brings torch, and a config refused for its shape never
+    # gets here, so its refusal need not wait for torch.
     from elastic.setup.dataset import check_readable
 
+    # Only a storage the config names: a config is also built for its defaults alone, in
+    # whatever directory the process happens to run.
+    if "storage" in config.model_fields_set:
+        try:
+            check_writable(config.storage)
+        except ValueError as error:
+            raise ConfigError(invalid_config([f"storage: {error}"])) from None
     try:
-        # Only a storage the config names: a config is also built for its defaults alone,
-        # in whatever directory the process happens to run.
-        if "storage" in config.model_fields_set:
-            try:
-                check_writable(config.storage)
-            except ValueError as error:
-                raise ValueError(f"storage: {error}") from None
         # With the whole config: s3:// data is read with the run's S3 settings (checkpoint.s3_*).
-        check_readable(config)
+        check_readable(config)  # names the field in its message
     except ValueError as error:
         raise ConfigError(invalid_config([str(error)])) from None
     return config
