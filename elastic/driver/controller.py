@@ -43,7 +43,8 @@ from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.driver.evaluation import Evaluation
 from elastic.fleet.api import FleetApi, FleetError, RunStream
 from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper, TrainingStopped
-from elastic.driver.progress import COMPUTE, DATA, WALL, CommittedStep, RunProgress
+from elastic.driver.progress import CommittedStep, RunProgress
+from elastic.driver.records import StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.run_watch import RunWatch
 from elastic.driver.step_collection import StepCollection
@@ -108,7 +109,7 @@ class Finished:
 
 
 RunState = Starting | AtBoundary | Stepping | Evaluating | Recovering | Stopping | Finished
-StepListener = Callable[[dict], None]
+StepListener = Callable[[StepResult], None]
 
 
 class Controller:
@@ -284,27 +285,27 @@ class Controller:
         )
 
     def commit(self, committed: CommittedStep) -> None:
-        """A step every group of the run committed: record it, feed the straggler detector
-        and the deadline, close an open recovery, tell the listeners."""
-        step = self.progress.step
-        record = self.progress.commit(committed, seq_len=self.config.data.seq_len,
-                                      generation=self.membership.generation,
-                                      t=round(self.clock() - self.events.started_at, 4))
-        ranks = committed.ranks
-        self.deadline.record(record["step_s"])
-        self.divergence.committed()
+        """A step every group of the run committed: feed the straggler detector, record it,
+        feed the deadline, close an open recovery, tell the listeners."""
+        scores = None
         if self.stragglers is not None:
+            ranks, times = committed.ranks, committed.ranks.times
             actions = self.stragglers.on_step_arrays(
-                step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
-                compute_s=ranks.times[:, COMPUTE], fixed_s=ranks.times[:, DATA], step_s=float(ranks.times[:, WALL].max()),
+                self.progress.step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
+                compute_s=times.compute_s, fixed_s=times.data_s, step_s=float(times.wall_s.max()),
                 spare_slot=self.fleet.has_spare_slot, min_groups=self.config.scaling.min_groups,
             )
             if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
                 self.straggler_actions = actions
-            record["rank_straggler_score"] = {str(rank): s for rank, s in self.stragglers.scores(4).items()}
+            scores = self.stragglers.scores(4)
+        result = self.progress.commit(committed, seq_len=self.config.data.seq_len,
+                                      generation=self.membership.generation,
+                                      t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
+        self.deadline.record(result.step_s)
+        self.divergence.committed()
         self.timing.close(self.progress.step)
         for listener in self.step_listeners:
-            listener(record)
+            listener(result)
 
     # evaluation
 
@@ -314,10 +315,10 @@ class Controller:
     def run_eval(self) -> RunState:
         started = self.clock()
         self.attempts += 1
-        record, diagnosis = self.evaluation.run(self.progress.step, self.membership.live_groups(), self.attempts)
+        result, diagnosis = self.evaluation.run(self.progress.step, self.membership.live_groups(), self.attempts)
         if diagnosis is not None:
             return Recovering(diagnosis, "evaluation", started, self.collection.failure_seen_at)
-        self.progress.eval_records.append(record)
+        self.progress.eval_results.append(result)
         return AtBoundary()
 
     # failures: every kind a Diagnosis, recovered from in Recovering

@@ -12,6 +12,7 @@ from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.protocol import EvalRequest
+from elastic.driver.records import EvalResult
 from elastic.driver.step_collection import StepCollection
 
 
@@ -27,8 +28,8 @@ class Evaluation:
         self.ledger = ledger
         self.clock = clock
 
-    def run(self, step: int, live_groups: tuple[int, ...], attempt: int) -> tuple[dict | None, Diagnosis | None]:
-        """The evaluation's record (also emitted as an event), or the diagnosis of its failure."""
+    def run(self, step: int, live_groups: tuple[int, ...], attempt: int) -> tuple[EvalResult | None, Diagnosis | None]:
+        """The evaluation's result (also emitted as an event), or the diagnosis of its failure."""
         plan = plan_eval(step, dataset_len=self.eval_len, samples=self.config.eval.samples,
                          group_weights=group_weights(live_groups, {}))
         # Forward only, over a batch that may be larger than a training step's.
@@ -50,6 +51,6 @@ class Evaluation:
         leading = [report for rank, report in reports.items() if self.topology.leads_tp(rank)]
         loss = sum(report.loss_share for report in leading) * token_rescale(
             global_tokens, sum(report.counted_tokens for report in leading))
-        record = {"step": step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
-        self.events.emit(EventKind.EVALUATED, **record)
-        return record, None
+        result = EvalResult(step, loss, plan.global_samples, round(elapsed, 4))
+        self.events.emit(EventKind.EVALUATED, **result.to_json())
+        return result, None
