@@ -160,10 +160,10 @@ class Controller:
         self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
         self.progress = RunProgress(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
-        self.state = StateSources(config, fleet, self.membership, self.progress, self.timing, events, clock,
-                                  checkpoints)
-        self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.state, self.timing, events,
-                                  clock, sleep, self.stragglers)
+        self.state_sources = StateSources(config, fleet, self.membership, self.progress, self.timing, events, clock,
+                                          checkpoints)
+        self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.state_sources, self.timing,
+                                  events, clock, sleep, self.stragglers)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the run in flight
 
@@ -232,7 +232,7 @@ class Controller:
             # The run's state is the checkpoint's from here on: if the restore fails, the
             # groups that lost ranks rebuild and heal, or restore it again.
             self.progress.first_step = self.resume.step
-            self.state.rewind(self.resume)
+            self.state_sources.rewind(self.resume)
             seconds = self.checkpoints.restore(self.resume, self.topology.ranks_of(self.membership.live_groups()))
             self.events.emit(EventKind.RESUMED, step=self.resume.step, url=self.resume.url, seconds=round(seconds, 4))
 
@@ -368,11 +368,11 @@ class Controller:
         if failure.failed is FailedWork.CONTROL_CALL and self.resume is not None and not self.progress.has_state:
             # Failed before the resume's restore began: every group is rebuilt and restores it.
             self.progress.first_step = self.resume.step
-            self.state.rewind(self.resume)
+            self.state_sources.rewind(self.resume)
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
         if diagnosis.corrupt:
-            diagnosis = self.state.after_mismatch(diagnosis, self.progress.verified_step)
+            diagnosis = self.state_sources.after_mismatch(diagnosis, self.progress.verified_step)
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         for eviction in plan.evictions:
             if eviction.failed_the_step:

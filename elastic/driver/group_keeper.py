@@ -36,14 +36,14 @@ JOIN_POLL_S = 0.05
 
 class GroupKeeper:
     def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, progress: RunProgress,
-                 state: StateSources, timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
+                 state_sources: StateSources, timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
                  sleep: Callable[[float], None], stragglers: StragglerMitigation | None):
         self.config = config
         self.fleet = fleet
         self.topology = fleet.topology
         self.membership = membership
         self.progress = progress
-        self.state = state
+        self.state_sources = state_sources
         self.timing = timing
         self.events = events
         self.clock = clock
@@ -132,7 +132,7 @@ class GroupKeeper:
         if not ready:
             return False
         try:
-            self.state.load(ready, self.membership.live_groups())
+            self.state_sources.load(ready, self.membership.live_groups())
         except FleetError:
             for group in ready:  # what they hold now is unknown: build them afresh
                 self.membership.apply(group, Broken())
