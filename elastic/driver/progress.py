@@ -1,10 +1,11 @@
 """The run's progress: the step it stands at, the data cursor, and what it committed (losses,
-step and evaluation records, counters). One object the controller advances and rewinds and
+step and evaluation results, counters). One object the controller advances and rewinds and
 the summary reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +17,7 @@ from elastic.core.topology import Topology
 from elastic.driver.records import EvalResult, StepResult
 
 
-def time_columns(rows) -> RankTimes:
+def time_columns(rows: Sequence[float] | Sequence[RankTimes]) -> RankTimes:
     """Ranks' times, flat or one ``RankTimes`` per rank, as one array per time."""
     return RankTimes(*np.asarray(rows, np.float64).reshape(-1, len(RankTimes._fields)).T)
 
