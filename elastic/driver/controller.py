@@ -8,12 +8,12 @@ fleet. ``advance(state)`` returns the next state::
 
 ``AtBoundary`` settles membership between runs (``group_keeper``): straggler actions,
 growing, placing, starting, building, healing and joining groups (``state_sources``: where a
-joining group's state comes from). ``Stepping`` hands the
-live ranks a *run* (``RunSpec``) up to the next planned boundary (the end, a checkpoint or an
-evaluation due) and watches it (``run_watch``): the ranks plan, step and commit on their own,
-deciding each step in their groups' votes, and the driver records the steps they committed
-(``progress``), keeps its own duties going, and asks for a pause when something needs a
-boundary (a stop, a straggler action, a group ready to join, a deferred save).
+joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``RunSpec``) up
+to the next planned boundary (the end, a checkpoint or an evaluation due) and watches it
+(``run_watch``): the ranks plan, step and commit on their own, deciding each step in their
+groups' votes, and the driver records the steps they committed (``progress``, as
+``StepResult``s for the listeners), keeps its own duties going, and asks for a pause when
+something needs a boundary (a stop, a straggler action, a group ready to join, a deferred save).
 ``Evaluating`` computes the held-out loss with the live groups, split like a step's batch.
 ``Recovering`` carries out the plan ``plan_recovery`` makes from a ``Diagnosis``, whatever
 failed (``FailedWork``: a step, an evaluation, a control call, or a group on its way in); each

@@ -53,7 +53,7 @@ class GroupKeeper:
         self.world_generation = 0
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
-        self.failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
+        self._failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
         self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
         self.on_spares: set[int] = set()  # joining groups whose every new process is a warm spare
@@ -74,18 +74,18 @@ class GroupKeeper:
 
     def start_failed(self) -> bool:
         """Whether a group failed to start or build since the controller last took the failures."""
-        return bool(self.failed_starts)
+        return bool(self._failed_starts)
 
     def take_failed_starts(self) -> Diagnosis:
         """The groups' failures to start, as one diagnosis; they are the controller's to recover
         from now, and the groups are left alone until it rebuilds them."""
-        diagnosis, self.failed_starts = merged(self.failed_starts.values()), {}
+        diagnosis, self._failed_starts = merged(self._failed_starts.values()), {}
         return diagnosis
 
     def advance_groups(self) -> None:
         """Move every group on its way into the quorum one stage on, where it can go."""
         for group, record in list(self.membership.groups.items()):
-            if record.stage in (GroupStage.LIVE, GroupStage.READY) or group in self.failed_starts:
+            if record.stage in (GroupStage.LIVE, GroupStage.READY) or group in self._failed_starts:
                 continue
             try:
                 self._advance(group)
@@ -96,7 +96,7 @@ class GroupKeeper:
                 ]
                 hooks_failed = error.hooks_failed if isinstance(error, CallFailed) else {}
                 self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=describe_error(error, 300))
-                self.failed_starts[group] = Diagnosis(
+                self._failed_starts[group] = Diagnosis(
                     culprits={**dict.fromkeys(lost, DEATH), **dict.fromkeys(hooks_failed, OWN_ERROR)},
                     broken_groups=frozenset({group}),
                     errors={rank: hooks_failed.get(rank, describe_error(error, 300)) for rank in error.ranks},
@@ -180,7 +180,7 @@ class GroupKeeper:
         at twice its time and keep the group waiting at the boundary until it ends."""
         self.grow()
         waited_from = self.clock()
-        while not self.failed_starts:
+        while not self._failed_starts:
             self.advance_groups()
             self.join_ready_groups()
             live = len(self.membership.live_groups())
@@ -213,7 +213,7 @@ class GroupKeeper:
         self.fleet.kill(rank)
         group = self.topology.group_of(rank)
         self.joining_calls.pop(group, None)
-        self.failed_starts.pop(group, None)
+        self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
         self.membership.lose_rank(rank)
         self.events.emit(EventKind.RANK_EVICTED, rank=rank, group=group, cause=cause)
@@ -222,7 +222,7 @@ class GroupKeeper:
     def rebuild(self, group: int) -> None:
         """The group's world is gone: it builds again (its live processes are kept)."""
         self.joining_calls.pop(group, None)
-        self.failed_starts.pop(group, None)
+        self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
         self.membership.apply(group, Broken())
 

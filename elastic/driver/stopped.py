@@ -1,4 +1,5 @@
-"""The one way the driver's decisions end a run before its last step."""
+"""The error that ends a run the driver's decisions cannot carry on: the group keeper's, the
+state sources' and the controller's alike."""
 
 
 class TrainingStopped(RuntimeError):
