@@ -39,7 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
-from elastic.core.protocol import BuildReport, GroupProgress, Progress, RunEnd, RunRecords, StepRecord  # noqa: E402
+from elastic.core.protocol import (  # noqa: E402
+    BuildReport, GroupProgress, Progress, RankTimes, RunEnd, RunRecords, StepRecord,
+)
 from elastic.core.topology import Topology  # noqa: E402
 
 RANKS_PER_GROUP = 4
@@ -96,7 +98,8 @@ class NullRank:
                 ranks = tuple(topology.global_ranks(group))
                 records.append(StepRecord(step, group, 1.0, 0.0, 1.0, spec.schedule.lr(step), share.global_samples,
                                           share.group_samples, share.next_cursor, ranks,
-                                          ((0.0, self.step_s, 0.0, wall),) * len(ranks), step_s=wall))
+                                          (RankTimes(data_s=0.0, compute_s=self.step_s, comm_s=0.0, wall_s=wall),) * len(ranks),
+                                          step_s=wall))
             cursor = share.next_cursor
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
             if leads_group and (last or (step - spec.first_step) % every == 0):
@@ -163,6 +166,7 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     from elastic.setup.config import on_cluster
     from elastic.setup.preflight import build_config
     from elastic.driver.controller import Controller
+    from elastic.driver.records import StepResult
     from elastic.core.events import EventLog
     from elastic.core.goodput import TimeLedger
     from elastic.core.topology import Topology
@@ -185,11 +189,11 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     clock = time.monotonic
     marks, loop_s = {}, []
 
-    def mark(record: dict) -> None:
-        if record["step"] in (WARMUP_STEPS - 1, steps - WARMUP_STEPS - 1):
-            marks[record["step"]] = (time.process_time(), time.perf_counter())
-        if WARMUP_STEPS <= record["step"] < steps - WARMUP_STEPS:
-            loop_s.append(record["step_s"])
+    def mark(result: StepResult) -> None:
+        if result.step in (WARMUP_STEPS - 1, steps - WARMUP_STEPS - 1):
+            marks[result.step] = (time.process_time(), time.perf_counter())
+        if WARMUP_STEPS <= result.step < steps - WARMUP_STEPS:
+            loop_s.append(result.step_s)
 
     controller = Controller(config, fleet, dataset_len=1_000_000, events=EventLog(clock), ledger=TimeLedger(clock),
                             clock=clock, on_step=[mark])

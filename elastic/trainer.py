@@ -26,6 +26,7 @@ from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, Checkpo
 from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
 from elastic.setup.preflight import preflight
 from elastic.driver.controller import Controller, TrainingStopped
+from elastic.driver.records import StepResult
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
@@ -183,14 +184,15 @@ def start_local_ray(**options) -> None:
 
 
 class ElasticTrainer:
-    """Train a run. ``on_step`` callables get each committed step's record (the dict
-    ``summary.json`` keeps under ``steps``: step, loss, lr, grad_norm, tokens_per_s, ...) as it
-    is committed; ``on_event`` callables get every event (evaluations are ``evaluated``
-    events, with their loss), on the driver. An exception a callable raises stops the run."""
+    """Train a run. ``on_step`` callables get each committed step's ``StepResult`` (step,
+    loss, lr, grad_norm, tokens_per_s, each rank's times, ...; ``summary.json`` keeps its
+    ``to_json()`` under ``steps``) as it is committed; ``on_event`` callables get every event
+    (evaluations are ``evaluated`` events, with their loss), on the driver. An exception a
+    callable raises stops the run."""
 
     def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, tp_plan=None,
                  loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
-                 keep_final_state: bool = False, on_step: Iterable[Callable[[dict], None]] = (),
+                 keep_final_state: bool = False, on_step: Iterable[Callable[[StepResult], None]] = (),
                  on_event: Iterable[Callable[[dict], None]] = ()):
         # A config from build_config or load_config passed this already; one built otherwise has not.
         self.config = preflight(config or TrainConfig())
@@ -282,7 +284,7 @@ class ElasticTrainer:
                 events.listeners.append(bar.on_event)
                 controller = Controller(
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
-                    on_step=[bar.update, lambda record: metrics.on_step(record, ledger), *self.on_step],
+                    on_step=[bar.update, lambda result: metrics.on_step(result, ledger), *self.on_step],
                     checkpoints=checkpoints, resume=resume, stop_requested=stop,
                     faults=schedule if injects else None, eval_len=self.eval_len,
                 )
@@ -344,8 +346,8 @@ class ElasticTrainer:
         wall = ledger.wall()
         tokens = controller.progress.tokens_committed if controller else 0
         losses = controller.progress.losses if controller else []
-        evals = controller.progress.eval_records if controller else []
-        records = controller.progress.step_records if controller else []
+        evals = controller.progress.eval_results if controller else []
+        steps = controller.progress.step_results if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
@@ -361,15 +363,15 @@ class ElasticTrainer:
             "steps_rolled_back": controller.progress.steps_rolled_back if controller else 0,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
-            "final_lr": records[-1]["lr"] if records else None,
-            "eval": evals,
-            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "final_lr": steps[-1].lr if steps else None,
+            "eval": [result.to_json() for result in evals],
+            "final_eval_loss": evals[-1].loss if evals else None,
             "last_checkpoint": last_checkpoint,
             "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "goodput": ledger.goodput(),
             "time_breakdown": ledger.breakdown(),
-            "steps": records,
+            "steps": [result.to_json() for result in steps],
             "events": events.events,
             "exit": exit_reason,
         }
@@ -434,12 +436,12 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.update(step)
 
-    def update(self, record: dict) -> None:
+    def update(self, result: StepResult) -> None:
         if self.bar is None:
             return
         self.bar.update(1)
         self.bar.set_postfix(
-            loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", ranks=record["live_ranks"], refresh=False
+            loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}", ranks=result.live_ranks, refresh=False
         )
 
     def on_event(self, event: dict) -> None:

@@ -27,6 +27,7 @@ from elastic.core.protocol import (
     PROGRESS_MESSAGES,
     NonFinite,
     Progress,
+    RankTimes,
     RunEnd,
     RunRecords,
     RunSpec,
@@ -523,7 +524,8 @@ class FakeRun:
         ends = step + 1 >= spec.stop_step or (self.pause_at is not None and self.pause_at <= at)
         for group in self.groups:
             ranks = tuple(self.topology.global_ranks(group))
-            times = tuple((0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
+            times = tuple(RankTimes(data_s=0.01, compute_s=self.compute[rank],
+                                    comm_s=at - self.started - self.compute[rank], wall_s=at - self.started)
                           for rank in ranks)
             self.buffered[group].append(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),

@@ -18,6 +18,7 @@ from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.storage import StorageOptions
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.driver.controller import Controller, TrainingStopped
+from elastic.driver.records import StepResult
 from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
@@ -70,10 +71,10 @@ class Scenario:
         return self.events.of_kind(kind)
 
     def committed_steps(self) -> list[int]:
-        return [record["step"] for record in self.records]
+        return [record.step for record in self.records]
 
     def live_groups_by_step(self) -> list[int]:
-        return [record["live_groups"] for record in self.records]
+        return [record.live_groups for record in self.records]
 
 
 @pytest.fixture(autouse=True)
@@ -111,8 +112,8 @@ def test_the_groups_records_reach_the_driver_in_one_message_per_interval_for_the
     assert kinds.count("GroupProgress") == 4 and kinds.count("RunEnd") == 8
     assert {rank for rank, message in scenario.fleet.delivered if type(message).__name__ == "RunRecords"} == {0}
     for record in scenario.records:  # every rank's times, every step
-        assert sorted(record["rank_step_s"], key=int) == [str(rank) for rank in range(8)]
-        assert record["group_samples"] == scenario.records[0]["group_samples"]
+        assert sorted(record.rank_times) == list(range(8))
+        assert record.group_samples == scenario.records[0].group_samples
 
 
 def test_a_failure_between_two_run_messages_commits_each_step_once_from_the_groups_own(tmp_path):
@@ -125,7 +126,7 @@ def test_a_failure_between_two_run_messages_commits_each_step_once_from_the_grou
     # steps 11-14 reached the driver in the groups' own messages, the first run's last
     first_run = message_kinds(scenario.fleet)[:message_kinds(scenario.fleet).index("RunEnd")]
     assert "GroupProgress" in first_run
-    assert [record["live_ranks"] for record in scenario.records] == [8] * 40
+    assert [record.live_ranks for record in scenario.records] == [8] * 40
 
 
 def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
@@ -187,14 +188,14 @@ def test_overlapping_failures_heal_both_groups_from_live_ones(tmp_path):
     assert scenario.fleet.copies == [(2, 0), (0, 1)]
     assert scenario.live_groups_by_step()[-1] == 3
     assert scenario.committed_steps() == list(range(16))
-    generations = [record["generation"] for record in scenario.records]
+    generations = [record.generation for record in scenario.records]
     assert generations == sorted(generations)  # a new generation for each change, never back
 
 
 def test_a_group_placed_later_grows_the_quorum_healed_from_the_live_one(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=2, capacity=1)
     scenario.controller.step_listeners.append(
-        lambda record: setattr(scenario.fleet, "capacity", 2) if record["step"] == 3 else None
+        lambda record: setattr(scenario.fleet, "capacity", 2) if record.step == 3 else None
     )
     assert scenario.run() == "completed"
 
@@ -221,7 +222,7 @@ def test_below_the_minimum_the_run_stops_after_the_capacity_timeout(tmp_path):
 def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
     scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, spare_slot=True)
     scenario.controller.step_listeners.append(
-        lambda record: scenario.fleet.slow.update({2: 1.6}) if record["step"] == 9 else None
+        lambda record: scenario.fleet.slow.update({2: 1.6}) if record.step == 9 else None
     )
     assert scenario.run() == "completed"
 
@@ -231,7 +232,7 @@ def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
     assert scenario.fleet.starts.count(2) == 2 and (0, 2) in scenario.fleet.copies
     assert scenario.kinds(EventKind.STEP_DISCARDED) == []  # replaced at a boundary: nothing rerun
     assert scenario.committed_steps() == list(range(40))
-    assert scenario.records[-1]["step_s"] == pytest.approx(1.0)  # the replacement runs at full speed
+    assert scenario.records[-1].step_s == pytest.approx(1.0)  # the replacement runs at full speed
 
 
 def test_checkpoints_commit_when_due(tmp_path):
@@ -343,7 +344,7 @@ def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from
     [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
     assert restart["rolled_back_steps"] == 3 and sorted(restart["groups"]) == [0, 1]
     assert scenario.committed_steps() == [0, 1, 2, *range(12)]  # steps 0-2 rerun from the initial state
-    assert [record["step"] for record in scenario.controller.progress.step_records] == list(range(12))
+    assert [record.step for record in scenario.controller.progress.step_results] == list(range(12))
 
 
 def test_both_copies_of_a_shard_lost_with_the_memory_tier_off_rerun_from_step_0_before_a_checkpoint(tmp_path):
@@ -434,7 +435,7 @@ def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_
     scenario = Scenario(tmp_path, groups=3, shard=1)
     scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.5)]}
     scenario.controller.step_listeners.append(  # armed for the survivors' rebuild after the kill
-        lambda record: record["step"] == 2 and scenario.fleet.control_faults.update({"join_replicas": [(2, "die")]}))
+        lambda record: record.step == 2 and scenario.fleet.control_faults.update({"join_replicas": [(2, "die")]}))
     assert scenario.run() == "completed"
     assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(0, "death"), (2, "death")]
     assert scenario.kinds(EventKind.RESTORED_INITIAL_STATE) == []  # group 1 stayed live and healed both
@@ -446,7 +447,7 @@ def test_a_rank_raising_in_a_boundary_call_is_replaced_and_its_group_healed(tmp_
     # Steps need no control call any more; the heal of a group joining at a boundary is one.
     scenario = Scenario(tmp_path, groups=2, shard=1, steps=12, checkpoint_every=4, capacity=1)
     scenario.controller.step_listeners.append(
-        lambda record: setattr(scenario.fleet, "capacity", 2) if record["step"] == 3 else None)
+        lambda record: setattr(scenario.fleet, "capacity", 2) if record.step == 3 else None)
     scenario.fleet.control_faults = {"import_state": [(1, "raise")]}  # group 1's first heal
     assert scenario.run() == "completed"
     [failed] = scenario.kinds(EventKind.RANK_FAILED)
@@ -510,8 +511,8 @@ def test_each_commit_carries_its_steps_scheduled_lr_and_clipping_factor(tmp_path
     norm = 2.0  # each of a group's two ranks holds half of the squared norm 4
     scale = 0.5 / (norm + 1e-6)
     for record in scenario.records:
-        assert record["lr"] == schedule.lr(record["step"])
-        assert record["grad_norm"] == pytest.approx(norm) and record["grad_clip_scale"] == pytest.approx(scale)
+        assert record.lr == schedule.lr(record.step)
+        assert record.grad_norm == pytest.approx(norm) and record.grad_clip_scale == pytest.approx(scale)
     # the ranks compute each step's factor from the schedule and the clipping bound they were handed
     for specs in scenario.fleet.runs:
         assert {spec.schedule for spec in specs.values()} == {schedule}
@@ -527,16 +528,16 @@ def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
     # and every rank takes step 3's factor from the same schedule
     assert [specs[0].first_step for specs in scenario.fleet.runs] == [0, 3]
     assert scenario.committed_steps() == list(range(12))
-    assert [record["lr"] for record in scenario.records] == [schedule.lr(step) for step in range(12)]
+    assert [record.lr for record in scenario.records] == [schedule.lr(step) for step in range(12)]
     assert all(spec.schedule == schedule for spec in scenario.fleet.runs[1].values())
 
 
 def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=2, config={"eval__every": 5, "eval__samples": 24}, eval_len=100)
     assert scenario.run() == "completed"
-    evals = scenario.controller.progress.eval_records
-    assert [record["step"] for record in evals] == [5, 10, 12]
-    assert all(record["samples"] == 24 for record in evals)
+    evals = scenario.controller.progress.eval_results
+    assert [record.step for record in evals] == [5, 10, 12]
+    assert all(record.samples == 24 for record in evals)
     eval_requests = scenario.fleet.evaluations
     assert len(eval_requests) == 3
     for requests in eval_requests:
@@ -556,7 +557,7 @@ def test_a_failed_evaluation_recovers_and_runs_again_without_discarding_a_step(t
     [discarded] = scenario.kinds(EventKind.EVAL_DISCARDED)
     assert discarded["step"] == 5 and discarded["cause"] == "death"
     assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.progress.steps_discarded == 0
-    assert [record["step"] for record in scenario.controller.progress.eval_records] == [5, 10, 12]
+    assert [record.step for record in scenario.controller.progress.eval_results] == [5, 10, 12]
     assert scenario.committed_steps() == list(range(12))
 
 
@@ -582,8 +583,8 @@ class SampleLedger:
         self.cursor_after: dict[int, object] = {}
         scenario.controller.step_listeners.append(self.on_step)
 
-    def on_step(self, record: dict) -> None:
-        step, controller = record["step"], self.scenario.controller
+    def on_step(self, record: StepResult) -> None:
+        step, controller = record.step, self.scenario.controller
         spec = next(iter(self.scenario.fleet.runs[-1].values()))  # the run that committed it
         cursor = spec.cursor if step == spec.first_step else self.cursor_after[step - 1]
         shard = self.scenario.topology.shard
@@ -595,7 +596,7 @@ class SampleLedger:
         self.cursor_after[step] = controller.progress.cursor
 
     def committed(self) -> list[tuple[int, list[int]]]:
-        return [self.trained[record["step"]] for record in self.scenario.controller.progress.step_records]
+        return [self.trained[record.step] for record in self.scenario.controller.progress.step_results]
 
 
 def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_and_a_resume(tmp_path):
@@ -603,10 +604,10 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
     first = Scenario(tmp_path, groups=3, shard=2, steps=30, checkpoint_every=6, capacity=2, dataset_len=dataset_len)
     fleet = first.fleet
 
-    def cluster(record: dict) -> None:
-        if record["step"] == 7:
+    def cluster(record: StepResult) -> None:
+        if record.step == 7:
             fleet.capacity = 3  # a third group is placed: grow
-        if record["step"] == 17:
+        if record.step == 17:
             fleet.unplaceable.add(2)  # group 2's rank dies at step 19 and cannot be placed again: shrink
 
     first.controller.step_listeners.append(cluster)
@@ -621,7 +622,7 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
     resumed.fleet.faults = {36: [Kill(rank=2, after_s=0.5)]}
     second = SampleLedger(resumed)
     assert resumed.run() == "completed"
-    assert [record["step"] for record in resumed.controller.progress.step_records] == list(range(30, 50))
+    assert [record.step for record in resumed.controller.progress.step_results] == list(range(30, 50))
 
     history = ledger.committed() + second.committed()
     assert len(history) == 50

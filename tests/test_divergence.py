@@ -21,7 +21,7 @@ def test_a_step_that_sums_to_nan_once_is_discarded_and_tried_again(tmp_path):
     scenario.fleet.nonfinite[3] = 1
     assert scenario.run() == "completed"
     assert scenario.committed_steps() == list(range(8))
-    assert all(math.isfinite(record["loss"]) for record in scenario.records)
+    assert all(math.isfinite(record.loss) for record in scenario.records)
     [event] = scenario.kinds(EventKind.NONFINITE_STEP)
     assert (event["step"], event["loss"], event["grad_norm"]) == (3, "nan", "nan")
     assert scenario.controller.progress.steps_discarded == 1

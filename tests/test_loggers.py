@@ -8,11 +8,15 @@ import math
 import pytest
 
 from elastic import ElasticTrainer
+from elastic.core.protocol import RankTimes
+from elastic.driver.records import StepResult
 from elastic.outputs.loggers import eval_scalars, step_scalars
 from tests.tiny import tiny_config
 
-RECORD = {"step": 7, "loss": 2.5, "lr": 3e-3, "grad_norm": math.nan, "grad_clip_scale": 1.0, "tokens_per_s": 9e4,
-          "step_s": 0.2, "live_groups": 2, "live_ranks": 4, "rank_step_s": {"0": 0.2}}
+RECORD = StepResult(step=7, t=1.5, loss=2.5, lr=3e-3, grad_norm=math.nan, grad_clip_scale=1.0, step_s=0.2,
+                    live_groups=2, live_ranks=4, generation=1, tokens_per_s=9e4,
+                    rank_times={0: RankTimes(data_s=0.01, compute_s=0.15, comm_s=0.03, wall_s=0.2)},
+                    group_samples={0: 4, 1: 4})
 
 
 def test_a_step_record_gives_its_finite_numbers_under_their_chart_names():
@@ -46,8 +50,9 @@ def test_the_custom_model_example_trains_under_its_tp_plan_and_callbacks_see_eve
                             on_step=[steps.append], on_event=[events.append]).fit()
     assert result.ok, result.exit
     assert result.losses[-1] < result.losses[0] - 0.5
-    assert [record["step"] for record in steps] == list(range(12)) and steps == result.summary["steps"]
-    assert [record["lr"] for record in steps] == [1e-2] * 12 and result.summary["final_lr"] == 1e-2
+    assert [record.step for record in steps] == list(range(12))
+    assert [record.to_json() for record in steps] == result.summary["steps"]
+    assert [record.lr for record in steps] == [1e-2] * 12 and result.summary["final_lr"] == 1e-2
     assert [event["step"] for event in events if event["kind"] == "evaluated"] == [6, 12]
     assert events[-1]["kind"] == "run-finished"
 

@@ -140,8 +140,8 @@ def test_a_spare_lost_while_waiting_is_started_again_and_one_whose_warm_up_raise
     scenario = Scenario(tmp_path, groups=2, shard=1, steps=30, start_s=START_S, config={"scaling__spares": 1})
     lose = {8: ("process died", False), 18: ("ImportError: no module named mymodel", True)}
     scenario.controller.step_listeners.append(
-        lambda record: scenario.fleet.lose_spare(min(scenario.fleet.spare_ready_at), *lose[record["step"]])
-        if record["step"] in lose else None)
+        lambda record: scenario.fleet.lose_spare(min(scenario.fleet.spare_ready_at), *lose[record.step])
+        if record.step in lose else None)
     assert scenario.run() == "completed"
 
     lost = scenario.kinds(EventKind.SPARE_LOST)
@@ -155,7 +155,7 @@ def test_a_straggler_is_replaced_by_a_ready_spare(tmp_path):
     scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, start_s=START_S,
                         config={"scaling__spares": 1})
     scenario.controller.step_listeners.append(
-        lambda record: scenario.fleet.slow.update({2: 1.6}) if record["step"] == 9 else None
+        lambda record: scenario.fleet.slow.update({2: 1.6}) if record.step == 9 else None
     )
     assert scenario.run() == "completed"
 

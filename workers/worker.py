@@ -50,6 +50,7 @@ from elastic.core.protocol import (
     HookFailed,
     NonFinite,
     Progress,
+    RankTimes,
     RunEnd,
     RunMessage,
     RunRecords,
@@ -562,7 +563,7 @@ class RankWorker:
             pause=any(row[3] > 0 for row in table),
             integrity_mismatch=any(row[4] > 0 for row in table),
             grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
-            times=tuple(tuple(row[6:10]) for row in table),
+            times=tuple(RankTimes(*row[6:10]) for row in table),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
+from typing import NamedTuple
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import IntegrityMismatch
@@ -133,6 +134,17 @@ class Progress:
         return (PHASES.index(self.phase), self.micro_batch, self.module_entries)
 
 
+class RankTimes(NamedTuple):
+    """A rank's seconds in a committed step: waiting for its data, computing, in the
+    cross-group sum, and in all until its vote. A tuple, so a group's rows flatten into the
+    run's gather cheaply (``record_row``)."""
+
+    data_s: float
+    compute_s: float
+    comm_s: float
+    wall_s: float
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """A step one group committed, as every rank of the group decided it in its vote."""
@@ -147,9 +159,7 @@ class StepRecord:
     group_samples: dict[int, int]  # each live group's share of the batch
     next_cursor: DataCursor  # where the data order stands after this step
     ranks: tuple[int, ...]  # the group's global ranks, ascending
-    # per rank, in the order of ``ranks``: (data_s, compute_s, comm_s, wall_s), the seconds it
-    # waited for its data, computed, spent in the cross-group sum, and took until the vote
-    times: tuple[tuple[float, float, float, float], ...]
+    times: tuple[RankTimes, ...]  # per rank, in the order of ``ranks``
     step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
 
 
@@ -163,7 +173,7 @@ class GroupProgress:
 
 
 # A group's first rank's row per committed step, in the gather: group, step, loop period, then
-# (data, compute, comm, wall) seconds of each of its ranks.
+# the ``RankTimes`` of each of its ranks.
 ROW_GROUP, ROW_STEP, ROW_LOOP_S = range(3)
 ROW_HEAD = 3
 
@@ -180,7 +190,7 @@ class RunRecords:
 
     records: tuple[StepRecord, ...]  # the sender's, one per step
     groups: tuple[int, ...]
-    times: tuple[tuple[float, ...], ...]  # per step: (data, compute, comm, wall) of each group's ranks in turn, flat
+    times: tuple[tuple[float, ...], ...]  # per step: the RankTimes of each group's ranks in turn, flat
     step_s: tuple[tuple[float, ...], ...]  # per step: each group's loop period, in ``groups`` order
 
     @classmethod

@@ -7,16 +7,18 @@ fleet. ``advance(state)`` returns the next state::
                     +-> Evaluating -> AtBoundary (or Recovering)
 
 ``AtBoundary`` settles membership between runs (``group_keeper``): straggler actions,
-growing, placing, starting, building, healing and joining groups. ``Stepping`` hands the
-live ranks a *run* (``RunSpec``) up to the next planned boundary (the end, a checkpoint or an
-evaluation due) and watches it (``run_watch``): the ranks plan, step and commit on their own,
-deciding each step in their groups' votes, and the driver records the steps they committed
-(``progress``), keeps its own duties going, and asks for a pause when something needs a
-boundary (a stop, a straggler action, a group ready to join, a deferred save).
+growing, placing, starting, building, healing and joining groups (``state_sources``: where a
+joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``RunSpec``) up
+to the next planned boundary (the end, a checkpoint or an evaluation due) and watches it
+(``run_watch``): the ranks plan, step and commit on their own, deciding each step in their
+groups' votes, and the driver records the steps they committed (``progress``, as
+``StepResult``s for the listeners), keeps its own duties going, and asks for a pause when
+something needs a boundary (a stop, a straggler action, a group ready to join, a deferred save).
 ``Evaluating`` computes the held-out loss with the live groups, split like a step's batch.
 ``Recovering`` carries out the plan ``plan_recovery`` makes from a ``Diagnosis``, whatever
-failed: a step, an evaluation, a control call, or a group on its way in; each spends one
-recovery of the same budget. The decisions live in ``elastic.core`` (pure), the Ray calls
+failed (``FailedWork``: a step, an evaluation, a control call, or a group on its way in); each
+spends one recovery of the same budget, and the survivors rebuild their cross-group groups at
+the boundary after it. The decisions live in ``elastic.core`` (pure), the Ray calls
 behind ``fleet_api``; this module is the order in which they happen.
 """
 
@@ -26,12 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from checkpointing.catalog import Restorable
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights
-from elastic.core.diagnosis import Diagnosis, diagnose_control_failure, merged
+from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
@@ -42,11 +45,14 @@ from elastic.core.recovery import plan_recovery
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.driver.evaluation import Evaluation
 from elastic.fleet.api import FleetApi, FleetError, RunStream
-from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper, TrainingStopped
-from elastic.driver.progress import COMPUTE, DATA, WALL, CommittedStep, RunProgress
+from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper
+from elastic.driver.progress import CommittedStep, RunProgress
+from elastic.driver.records import StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.report_collector import FailureSeen, ReportCollector
 from elastic.driver.run_watch import RunWatch
-from elastic.driver.step_collection import StepCollection
+from elastic.driver.state_sources import StateSources
+from elastic.driver.stopped import TrainingStopped
 
 __all__ = ["Controller", "TrainingStopped"]
 
@@ -66,7 +72,7 @@ class Starting:
 
 @dataclass(frozen=True)
 class AtBoundary:
-    pass
+    replicas_stale: bool = False  # after a recovery: the survivors' cross-group groups are rebuilt first
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,19 @@ class Evaluating:
     pass
 
 
+class FailedWork(StrEnum):
+    """What a recovery recovers from."""
+
+    STEP = "step"
+    EVALUATION = "evaluation"
+    CONTROL_CALL = "control call"
+    GROUP_START = "group start"
+
+
 @dataclass(frozen=True)
 class Recovering:
     diagnosis: Diagnosis
-    failed: str  # what failed: "step", "evaluation", "control call" or "group start"
+    failed: FailedWork
     started: float  # when the failed work began
     seen_at: float  # when its failure was seen
     error: str = ""  # for a control call or a group start: the error it raised
@@ -90,10 +105,11 @@ class Recovering:
 
     def describe(self, step: int) -> str:
         """What failed, for a stop reason that goes on to name the error."""
-        if self.failed == "control call":
-            return f"a control call failed while {self.events['during']} ({self.error})"
-        if self.failed == "group start":
-            return f"groups {sorted(self.diagnosis.broken_groups)} failed to start"
+        match self.failed:
+            case FailedWork.CONTROL_CALL:
+                return f"a control call failed while {self.events['during']} ({self.error})"
+            case FailedWork.GROUP_START:
+                return f"groups {sorted(self.diagnosis.broken_groups)} failed to start"
         return f"{self.failed} {step} failed ({self.diagnosis.cause}, ranks {sorted(self.diagnosis.culprits)})"
 
 
@@ -108,7 +124,7 @@ class Finished:
 
 
 RunState = Starting | AtBoundary | Stepping | Evaluating | Recovering | Stopping | Finished
-StepListener = Callable[[dict], None]
+StepListener = Callable[[StepResult], None]
 
 
 class Controller:
@@ -134,9 +150,9 @@ class Controller:
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
         self.divergence = DivergencePolicy(config.optimizer.max_nonfinite_steps)
-        self.collection = StepCollection(fleet, self.topology, self.deadline, events, clock)
-        self.watch = RunWatch(self.collection)
-        self.evaluation = Evaluation(config, self.collection, eval_len, events, ledger, clock)
+        collector = ReportCollector(fleet, self.topology, self.deadline, events, clock)
+        self.watch = RunWatch(collector)
+        self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = (
             StragglerMitigation(config.stragglers, config.global_batch, events, clock)
             if config.stragglers.enabled else None
@@ -144,8 +160,10 @@ class Controller:
         self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
         self.progress = RunProgress(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
-        self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.timing, events, clock, sleep,
-                                  checkpoints, self.stragglers)
+        self.state_sources = StateSources(config, fleet, self.membership, self.progress, self.timing, events, clock,
+                                          checkpoints)
+        self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.state_sources, self.timing,
+                                  events, clock, sleep, self.stragglers)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the run in flight
 
@@ -171,8 +189,8 @@ class Controller:
                 with self.ledger.timing("startup"):
                     self.start()
                 return AtBoundary()
-            case AtBoundary():
-                if self.groups.failed_starts:
+            case AtBoundary(replicas_stale):
+                if self.groups.start_failed():
                     return self.group_start_failed()
                 if self.stop_requested.is_set():
                     return Stopping("preempted")
@@ -180,12 +198,12 @@ class Controller:
                     return Stopping("completed")
                 # Growing, healing and joining groups at the boundary is elasticity overhead.
                 with self.ledger.timing("recovery"):
-                    if self.groups.replicas_stale and self.membership.live_groups():
+                    if replicas_stale and self.membership.live_groups():
                         self.groups.rebuild_replicas()
                     actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
                     self.groups.apply_straggler_actions(actions)
                     self.groups.settle(self.deadline.typical_s())
-                if self.groups.failed_starts:
+                if self.groups.start_failed():
                     return AtBoundary()
                 return Evaluating() if self.eval_due() else Stepping()
             case Stepping():
@@ -195,7 +213,7 @@ class Controller:
             case Recovering():
                 with self.ledger.timing("recovery"):
                     self.recover(state)
-                return AtBoundary()
+                return AtBoundary(replicas_stale=True)
             case Stopping(reason):
                 return Finished(self.finish(reason))
         raise ValueError(f"no transition from {state!r}")
@@ -206,7 +224,7 @@ class Controller:
         self.groups.settle()
         # Start with every group the cluster could place, not just the minimum.
         give_up = self.clock() + self.config.fault_tolerance.first_step_deadline_s
-        while self.groups.in_flight() and self.clock() < give_up and not self.groups.failed_starts:
+        while self.groups.in_flight() and self.clock() < give_up and not self.groups.start_failed():
             self.groups.advance_groups()
             self.groups.sleep(JOIN_POLL_S)
         self.groups.join_ready_groups()
@@ -214,7 +232,7 @@ class Controller:
             # The run's state is the checkpoint's from here on: if the restore fails, the
             # groups that lost ranks rebuild and heal, or restore it again.
             self.progress.first_step = self.resume.step
-            self.groups.rewind(self.resume)
+            self.state_sources.rewind(self.resume)
             seconds = self.checkpoints.restore(self.resume, self.topology.ranks_of(self.membership.live_groups()))
             self.events.emit(EventKind.RESUMED, step=self.resume.step, url=self.resume.url, seconds=round(seconds, 4))
 
@@ -230,10 +248,11 @@ class Controller:
         self.pause_requested = False
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
         self.ledger.charge("committed", outcome.committed_until - started)
-        discarded = outcome.diagnosis is not None or outcome.nonfinite is not None
+        discarded = outcome.failure is not None or outcome.nonfinite is not None
         self.ledger.charge("discarded" if discarded else "committed", self.clock() - outcome.committed_until)
-        if outcome.diagnosis is not None:
-            return Recovering(outcome.diagnosis, "step", outcome.committed_until, self.collection.failure_seen_at)
+        if outcome.failure is not None:
+            return Recovering(outcome.failure.diagnosis, FailedWork.STEP, outcome.committed_until,
+                              outcome.failure.seen_at)
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
             step = outcome.nonfinite
             self.progress.steps_discarded += 1
@@ -278,33 +297,33 @@ class Controller:
             self.stop_requested.is_set()
             or self.straggler_actions != NO_ACTIONS
             or self.membership.groups_in(GroupStage.READY)
-            or self.groups.failed_starts
+            or self.groups.start_failed()
             or (self.checkpoints is not None and self.checkpoints.due and self.checkpoints.in_flight is None)
             or (self.faults is not None and self.faults.time_fault_due())
         )
 
     def commit(self, committed: CommittedStep) -> None:
-        """A step every group of the run committed: record it, feed the straggler detector
-        and the deadline, close an open recovery, tell the listeners."""
-        step = self.progress.step
-        record = self.progress.commit(committed, seq_len=self.config.data.seq_len,
-                                      generation=self.membership.generation,
-                                      t=round(self.clock() - self.events.started_at, 4))
-        ranks = committed.ranks
-        self.deadline.record(record["step_s"])
-        self.divergence.committed()
+        """A step every group of the run committed: feed the straggler detector, record it,
+        feed the deadline, close an open recovery, tell the listeners."""
+        scores = None
         if self.stragglers is not None:
+            ranks, times = committed.ranks, committed.ranks.times
             actions = self.stragglers.on_step_arrays(
-                step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
-                compute_s=ranks.times[:, COMPUTE], fixed_s=ranks.times[:, DATA], step_s=float(ranks.times[:, WALL].max()),
+                self.progress.step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
+                compute_s=times.compute_s, fixed_s=times.data_s, step_s=float(times.wall_s.max()),
                 spare_slot=self.fleet.has_spare_slot, min_groups=self.config.scaling.min_groups,
             )
             if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
                 self.straggler_actions = actions
-            record["rank_straggler_score"] = {str(rank): s for rank, s in self.stragglers.scores(4).items()}
+            scores = self.stragglers.scores(4)
+        result = self.progress.commit(committed, seq_len=self.config.data.seq_len,
+                                      generation=self.membership.generation,
+                                      t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
+        self.deadline.record(result.step_s)
+        self.divergence.committed()
         self.timing.close(self.progress.step)
         for listener in self.step_listeners:
-            listener(record)
+            listener(result)
 
     # evaluation
 
@@ -314,10 +333,10 @@ class Controller:
     def run_eval(self) -> RunState:
         started = self.clock()
         self.attempts += 1
-        record, diagnosis = self.evaluation.run(self.progress.step, self.membership.live_groups(), self.attempts)
-        if diagnosis is not None:
-            return Recovering(diagnosis, "evaluation", started, self.collection.failure_seen_at)
-        self.progress.eval_records.append(record)
+        outcome = self.evaluation.run(self.progress.step, self.membership.live_groups(), self.attempts)
+        if isinstance(outcome, FailureSeen):
+            return Recovering(outcome.diagnosis, FailedWork.EVALUATION, started, outcome.seen_at)
+        self.progress.eval_results.append(outcome)
         return AtBoundary()
 
     # failures: every kind a Diagnosis, recovered from in Recovering
@@ -331,12 +350,13 @@ class Controller:
             left_state_intact=error.left_state_intact, group_of={r: self.topology.group_of(r) for r in involved},
             error=text)
         now = self.clock()
-        return Recovering(diagnosis, "control call", now, now, error=text, events={"during": during, "error": text})
+        return Recovering(diagnosis, FailedWork.CONTROL_CALL, now, now, error=text,
+                          events={"during": during, "error": text})
 
     def group_start_failed(self) -> Recovering:
-        diagnosis, self.groups.failed_starts = merged(self.groups.failed_starts.values()), {}
+        diagnosis = self.groups.take_failed_starts()
         now = self.clock()
-        return Recovering(diagnosis, "group start", now, now, error="; ".join(diagnosis.errors.values()),
+        return Recovering(diagnosis, FailedWork.GROUP_START, now, now, error="; ".join(diagnosis.errors.values()),
                           events={"during": "start"})
 
     def recover(self, failure: Recovering) -> None:
@@ -345,14 +365,14 @@ class Controller:
         refusal = self.failures.refusal(step, diagnosis)
         if refusal is not None:
             raise TrainingStopped(f"{failure.describe(step)}: {refusal}")
-        if failure.failed == "control call" and self.resume is not None and not self.progress.has_state:
+        if failure.failed is FailedWork.CONTROL_CALL and self.resume is not None and not self.progress.has_state:
             # Failed before the resume's restore began: every group is rebuilt and restores it.
             self.progress.first_step = self.resume.step
-            self.groups.rewind(self.resume)
+            self.state_sources.rewind(self.resume)
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
         if diagnosis.corrupt:
-            diagnosis = self.groups.after_mismatch(diagnosis, self.progress.verified_step)
+            diagnosis = self.state_sources.after_mismatch(diagnosis, self.progress.verified_step)
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         for eviction in plan.evictions:
             if eviction.failed_the_step:
@@ -366,15 +386,14 @@ class Controller:
             self.checkpoints.abandon_if_lost(plan.affected_groups)
         self.timing.open(diagnosis.cause, diagnosis.culprits, failure.started,
                          detect_s=failure.seen_at - failure.started, drain_s=drained - failure.seen_at)
-        if failure.failed in ("step", "evaluation"):
+        if failure.failed in (FailedWork.STEP, FailedWork.EVALUATION):
             self.events.emit(
-                EventKind.STEP_DISCARDED if failure.failed == "step" else EventKind.EVAL_DISCARDED, step=step,
-                cause=diagnosis.cause, culprits=diagnosis.culprits, broken_groups=sorted(diagnosis.broken_groups),
-                errors=diagnosis.errors,
+                EventKind.STEP_DISCARDED if failure.failed is FailedWork.STEP else EventKind.EVAL_DISCARDED,
+                step=step, cause=diagnosis.cause, culprits=diagnosis.culprits,
+                broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
             )
-        if failure.failed == "step":
+        if failure.failed is FailedWork.STEP:
             self.progress.steps_discarded += 1
-        self.groups.replicas_stale = True  # the survivors rebuild their cross-group groups first
 
     # checkpoints and the end of the run
 

@@ -8,31 +8,31 @@ from collections.abc import Callable
 
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights, plan_eval, token_rescale
-from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.protocol import EvalRequest
-from elastic.driver.step_collection import StepCollection
+from elastic.driver.records import EvalResult
+from elastic.driver.report_collector import FailureSeen, ReportCollector
 
 
 class Evaluation:
-    def __init__(self, config: TrainConfig, collection: StepCollection, eval_len: int, events: EventLog,
+    def __init__(self, config: TrainConfig, collector: ReportCollector, eval_len: int, events: EventLog,
                  ledger: TimeLedger, clock: Callable[[], float]):
         self.config = config
-        self.collection = collection
-        self.fleet = collection.fleet
-        self.topology = collection.topology
+        self.collector = collector
+        self.fleet = collector.fleet
+        self.topology = collector.topology
         self.eval_len = eval_len
         self.events = events
         self.ledger = ledger
         self.clock = clock
 
-    def run(self, step: int, live_groups: tuple[int, ...], attempt: int) -> tuple[dict | None, Diagnosis | None]:
-        """The evaluation's record (also emitted as an event), or the diagnosis of its failure."""
+    def run(self, step: int, live_groups: tuple[int, ...], attempt: int) -> EvalResult | FailureSeen:
+        """The evaluation's result (also emitted as an event), or its failure."""
         plan = plan_eval(step, dataset_len=self.eval_len, samples=self.config.eval.samples,
                          group_weights=group_weights(live_groups, {}))
         # Forward only, over a batch that may be larger than a training step's.
-        deadline_s = self.collection.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
+        deadline_s = self.collector.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
         global_tokens = plan.global_samples * self.config.data.seq_len
         started = self.clock()
         pending = self.fleet.evaluate({
@@ -41,15 +41,15 @@ class Evaluation:
                               global_tokens, attempt, deadline_s)
             for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
         })
-        reports, diagnosis = self.collection.collect(pending, step, attempt, started, deadline_s)
+        reports, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
         elapsed = self.clock() - started
-        self.ledger.charge("evaluation" if diagnosis is None else "discarded", elapsed)
-        if diagnosis is not None:
-            return None, diagnosis
+        self.ledger.charge("evaluation" if failure is None else "discarded", elapsed)
+        if failure is not None:
+            return failure
         # Each TP row's share once: its ranks compute the same replicated logits.
         leading = [report for rank, report in reports.items() if self.topology.leads_tp(rank)]
         loss = sum(report.loss_share for report in leading) * token_rescale(
             global_tokens, sum(report.counted_tokens for report in leading))
-        record = {"step": step, "loss": loss, "samples": plan.global_samples, "seconds": round(elapsed, 4)}
-        self.events.emit(EventKind.EVALUATED, **record)
-        return record, None
+        result = EvalResult(step, loss, plan.global_samples, round(elapsed, 4))
+        self.events.emit(EventKind.EVALUATED, **result.to_json())
+        return result

@@ -1,20 +1,25 @@
 """The run's progress: the step it stands at, the data cursor, and what it committed (losses,
-step and evaluation records, counters). One object the controller advances and rewinds and
+step and evaluation results, counters). One object the controller advances and rewinds and
 the summary reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import check_due
-from elastic.core.protocol import RunRecords, StepRecord
+from elastic.core.protocol import RankTimes, RunRecords, StepRecord
 from elastic.core.topology import Topology
+from elastic.driver.records import EvalResult, StepResult
 
-DATA, COMPUTE, COMM, WALL = range(4)  # the columns of StepRecord.times
+
+def time_columns(rows: Sequence[float] | Sequence[RankTimes]) -> RankTimes:
+    """Ranks' times, flat or one ``RankTimes`` per rank, as one array per time."""
+    return RankTimes(*np.asarray(rows, np.float64).reshape(-1, len(RankTimes._fields)).T)
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,7 @@ class RankArrays:
     detector: arrays, so the driver's work per step stays a few array operations."""
 
     ranks: np.ndarray
-    times: np.ndarray  # (ranks, 4): DATA, COMPUTE, COMM, WALL seconds
+    times: RankTimes  # each an array over the ranks
     samples: np.ndarray  # each rank's group's share of the batch
 
 
@@ -43,7 +48,7 @@ class CommittedStep:
         first = ordered[0]
         return cls(first, RankArrays(
             ranks=np.fromiter((rank for record in ordered for rank in record.ranks), np.int64),
-            times=np.array([row for record in ordered for row in record.times], dtype=np.float64).reshape(-1, 4),
+            times=time_columns([row for record in ordered for row in record.times]),
             samples=np.concatenate([np.full(len(record.ranks), first.group_samples[record.group], np.float64)
                                     for record in ordered]),
         ), max(record.step_s for record in ordered))
@@ -56,7 +61,7 @@ class CommittedStep:
         return [
             cls(record, RankArrays(
                 ranks=ranks,
-                times=np.asarray(times, np.float64).reshape(-1, 4),
+                times=time_columns(times),
                 samples=np.repeat(np.fromiter((record.group_samples[group] for group in message.groups), np.float64,
                                               len(message.groups)), per_group),
             ), max(step_s))
@@ -70,8 +75,8 @@ class RunProgress:
     first_step: int = 0  # where this driver's run began (a resume's step)
     cursor: DataCursor = DataCursor()
     losses: list[float] = field(default_factory=list)
-    step_records: list[dict] = field(default_factory=list)
-    eval_records: list[dict] = field(default_factory=list)
+    step_results: list[StepResult] = field(default_factory=list)
+    eval_results: list[EvalResult] = field(default_factory=list)
     steps_discarded: int = 0
     steps_rolled_back: int = 0
     tokens_committed: int = 0
@@ -81,40 +86,30 @@ class RunProgress:
     # corruption the check finds later arose after it.
     verified_step: int = 0
 
-    def commit(self, committed: CommittedStep, *, seq_len: int, generation: int, t: float) -> dict:
+    def commit(self, committed: CommittedStep, *, seq_len: int, generation: int, t: float,
+               straggler_scores: dict[int, float] | None = None) -> StepResult:
         """Record a step every group of a run committed (their votes agree on the loss, the
         norm and the clipping factor; each group reports its own ranks' times). Returns the
-        step's record."""
+        step's result."""
         first, arrays, step_s = committed.record, committed.ranks, committed.step_s
         tokens = first.global_samples * seq_len
-        names = [str(rank) for rank in arrays.ranks.tolist()]
-        rounded = np.round(arrays.times, 5)
-        record = {
-            "step": self.step,
-            "t": t,
-            "loss": first.loss,
-            "lr": first.lr,  # as the ranks applied it: a custom optimizer's own rate times the factor
-            "grad_norm": first.grad_norm,
-            "grad_clip_scale": first.clip_scale,
-            "step_s": round(step_s, 5),
-            "live_groups": len(first.group_samples),
-            "live_ranks": len(names),
-            "generation": generation,
-            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "rank_step_s": dict(zip(names, rounded[:, WALL].tolist())),
-            "rank_compute_s": dict(zip(names, rounded[:, COMPUTE].tolist())),
-            "rank_comm_s": dict(zip(names, rounded[:, COMM].tolist())),
-            "group_samples": {str(group): samples for group, samples in first.group_samples.items()},
-        }
+        rounded = np.round(np.column_stack(arrays.times), 5).tolist()
+        result = StepResult(
+            step=self.step, t=t, loss=first.loss, lr=first.lr, grad_norm=first.grad_norm,
+            grad_clip_scale=first.clip_scale, step_s=round(step_s, 5), live_groups=len(first.group_samples),
+            live_ranks=len(rounded), generation=generation, tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+            rank_times=dict(zip(arrays.ranks.tolist(), map(RankTimes._make, rounded))),
+            group_samples=dict(first.group_samples), straggler_scores=straggler_scores,
+        )
         self.losses.append(first.loss)
         self.cursor = first.next_cursor
         self.tokens_committed += tokens
-        self.step_records.append(record)
+        self.step_results.append(result)
         self.has_state = True
         if check_due(self.step, self.integrity_every) and len(first.group_samples) > 1:
             self.verified_step = self.step
         self.step += 1
-        return record
+        return result
 
     def rewind(self, step: int, cursor: DataCursor) -> None:
         """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);
@@ -122,13 +117,13 @@ class RunProgress:
         self.step, self.cursor = step, cursor
         kept = max(0, step - self.first_step)
         del self.losses[kept:]
-        del self.step_records[kept:]
-        self.eval_records = [record for record in self.eval_records if record["step"] <= step]
+        del self.step_results[kept:]
+        self.eval_results = [result for result in self.eval_results if result.step <= step]
         self.has_state = True
         self.verified_step = step
 
     def eval_due(self, every: int, steps: int) -> bool:
         """Every ``every`` committed steps and after the last one, once per step."""
-        if not every or self.step == 0 or (self.eval_records and self.eval_records[-1]["step"] == self.step):
+        if not every or self.step == 0 or (self.eval_results and self.eval_results[-1].step == self.step):
             return False
         return self.step % every == 0 or self.step >= steps

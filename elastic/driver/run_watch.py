@@ -8,7 +8,7 @@ it. A group that stays silent longer than the step deadline plus the interval be
 is probed like a step past its deadline; the same ``least_progressed`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
-aborts the others, which are drained with the evaluations' rules (``step_collection.drain``) before
+aborts the others, which are drained with the evaluations' rules (``report_collector.drain``) before
 ``diagnose`` names the culprits.
 
 A run every rank ended on a step the replicas' integrity check discarded is a failure
@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elastic.core.diagnosis import Diagnosis, diagnose, diagnose_mismatch
+from elastic.core.diagnosis import diagnose, diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
 from elastic.fleet.api import FleetApi, RunStream
 from elastic.driver.progress import CommittedStep
-from elastic.driver.step_collection import ABORT_SETTLE_S, StepCollection, drain, receive_into
+from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, drain, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
 # groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
@@ -45,17 +45,17 @@ POLL_SLACK_S = 0.01
 @dataclass(frozen=True)
 class RunOutcome:
     next_step: int  # the first step that no group left healthy committed
-    diagnosis: Diagnosis | None  # None: the run paused at next_step as planned or asked
+    failure: FailureSeen | None  # None: the run paused at next_step as planned or asked
     committed_until: float  # clock time of the last committed step (or of the run's start)
     nonfinite: NonFinite | None = None  # the run stopped on a step whose loss or norm was not finite
 
 
 class RunWatch:
-    def __init__(self, collection: StepCollection):
-        self.collection = collection
-        self.fleet: FleetApi = collection.fleet
-        self.topology = collection.topology
-        self.clock = collection.clock
+    def __init__(self, collector: ReportCollector):
+        self.collector = collector
+        self.fleet: FleetApi = collector.fleet
+        self.topology = collector.topology
+        self.clock = collector.clock
 
     def watch(self, stream: RunStream, spec: RunSpec, on_step: Callable[[CommittedStep], None],
               between: Callable[[], None]) -> RunOutcome:
@@ -127,7 +127,7 @@ class RunWatch:
             watched_groups = {group_of[rank] for rank in stream.generators}
             silent_for = silence_s - (now - min(heard_at[group] for group in watched_groups))
             if silent_for < TICK_S:
-                hung = self.collection.find_hung(stream.ranks, state["next"], silence_s)
+                hung = self.collector.find_hung(stream.ranks, state["next"], silence_s)
                 failed = True
                 break
             to_poll = WATCH_POLL_S - (now - polled_at)
@@ -157,10 +157,10 @@ class RunWatch:
         if only_victims_reported():
             # Ranks gave up waiting on a peer at the step's deadline before the silence was
             # long enough here: the same probe names the peer they waited for.
-            hung = self.collection.find_hung(stream.ranks, state["next"], spec.deadline_s)
+            hung = self.collector.find_hung(stream.ranks, state["next"], spec.deadline_s)
 
-        self.collection.failure_seen_at = self.clock()
-        waiting = self.collection.abort(stream.ranks, hung, stream.run)
+        seen_at = self.clock()
+        waiting = self.collector.abort(stream.ranks, hung, stream.run)
         for rank in hung:  # killed as the culprit: their streams end, but not as deaths
             stream.generators.pop(rank, None)
 
@@ -170,7 +170,7 @@ class RunWatch:
             return arrived
 
         stuck = drain(receive, waiting, ends, dead, hung, group_of, self.clock() + spec.deadline_s,
-                      self.collection.deadline, self.clock)
+                      self.collector.deadline, self.clock)
         diagnosis = diagnose(dead=dead, reports=ends, hung=hung, stuck=stuck, group_of=group_of)
         healthy = {group: min(next_steps.get(rank, state["next"]) for rank in self.topology.global_ranks(group))
                    for group in groups if group not in diagnosis.broken_groups}
@@ -179,14 +179,14 @@ class RunWatch:
         while state["next"] < reached:  # steps a healthy group committed that a broken one never reported
             commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
-        return RunOutcome(state["next"], diagnosis, state["committed_until"])
+        return RunOutcome(state["next"], FailureSeen(diagnosis, seen_at), state["committed_until"])
 
     def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
                          committed_until: float) -> RunOutcome:
         """Every rank discarded ``next_step``: replicas disagreed about the state it began from."""
-        self.collection.failure_seen_at = self.clock()
+        seen_at = self.clock()
         for mismatch in sorted(mismatches, key=lambda found: found.position):
-            self.collection.events.emit(EventKind.INTEGRITY_MISMATCH, step=mismatch.step,
+            self.collector.events.emit(EventKind.INTEGRITY_MISMATCH, step=mismatch.step,
                                         position=list(mismatch.position), suspects=list(mismatch.suspects),
                                         majority=list(mismatch.majority), tensors=list(mismatch.tensors))
-        return RunOutcome(next_step, diagnose_mismatch(mismatches), committed_until)
+        return RunOutcome(next_step, FailureSeen(diagnose_mismatch(mismatches), seen_at), committed_until)

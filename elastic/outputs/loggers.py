@@ -2,7 +2,7 @@
 
 Each is an optional extra (``pip install 'elastic-trainer[tensorboard]'``, ``[wandb]``,
 ``[mlflow]``) and imports its package only when made. Each has ``on_step`` (a committed
-step's record) and ``on_event`` (evaluations are logged; every other event is not a metric)::
+step's ``StepResult``) and ``on_event`` (evaluations are logged; every other event is not a metric)::
 
     tracker = TensorBoardLogger("runs/tb")
     ElasticTrainer(config, on_step=[tracker.on_step], on_event=[tracker.on_event]).fit()
@@ -15,24 +15,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# the numbers of a step record worth a chart, under the name they are logged as
-STEP_SCALARS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "grad_norm": "train/grad_norm",
-    "grad_clip_scale": "train/grad_clip_scale",
-    "tokens_per_s": "throughput/tokens_per_s",
-    "step_s": "throughput/step_s",
-    "live_groups": "elastic/live_groups",
-    "live_ranks": "elastic/live_ranks",
-}
+from elastic.driver.records import StepResult
 
 
-def step_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A step record's finite numbers under their logged names."""
-    values = {name: record.get(key) for key, name in STEP_SCALARS.items()}
-    return {name: float(value) for name, value in values.items()
-            if isinstance(value, (int, float)) and math.isfinite(value)}
+def step_scalars(result: StepResult) -> dict[str, float]:
+    """A step's numbers worth a chart, the finite ones, under the names they are logged as."""
+    values = {
+        "train/loss": result.loss,
+        "train/lr": result.lr,
+        "train/grad_norm": result.grad_norm,
+        "train/grad_clip_scale": result.grad_clip_scale,
+        "throughput/tokens_per_s": result.tokens_per_s,
+        "throughput/step_s": result.step_s,
+        "elastic/live_groups": result.live_groups,
+        "elastic/live_ranks": result.live_ranks,
+    }
+    return {name: float(value) for name, value in values.items() if math.isfinite(value)}
 
 
 def eval_scalars(event: dict[str, Any]) -> dict[str, float]:
@@ -50,9 +48,9 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str):
         self.writer = _required("torch.utils.tensorboard", "tensorboard").SummaryWriter(log_dir)
 
-    def on_step(self, record: dict) -> None:
-        for name, value in step_scalars(record).items():
-            self.writer.add_scalar(name, value, record["step"])
+    def on_step(self, result: StepResult) -> None:
+        for name, value in step_scalars(result).items():
+            self.writer.add_scalar(name, value, result.step)
         self.writer.flush()
 
     def on_event(self, event: dict) -> None:
@@ -65,8 +63,8 @@ class WandbLogger:
         self.wandb = _required("wandb", "wandb")
         self.run = self.wandb.init(project=project, **init_options)
 
-    def on_step(self, record: dict) -> None:
-        self.run.log(step_scalars(record), step=record["step"])
+    def on_step(self, result: StepResult) -> None:
+        self.run.log(step_scalars(result), step=result.step)
 
     def on_event(self, event: dict) -> None:
         if scalars := eval_scalars(event):
@@ -80,8 +78,8 @@ class MLflowLogger:
             self.mlflow.set_experiment(experiment)
         self.run = self.mlflow.start_run(**start_run_options)
 
-    def on_step(self, record: dict) -> None:
-        self.mlflow.log_metrics(step_scalars(record), step=record["step"])
+    def on_step(self, result: StepResult) -> None:
+        self.mlflow.log_metrics(step_scalars(result), step=result.step)
 
     def on_event(self, event: dict) -> None:
         if scalars := eval_scalars(event):

@@ -2,7 +2,7 @@
 unit; labels are bounded (rank ids, a fixed set of causes and phases).
 
 The metrics follow the run from outside it: ``on_event`` listens to the event log, and
-``on_step`` to the committed step records, so no decision code updates a metric itself.
+``on_step`` to the committed steps' results, so no decision code updates a metric itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from elastic.core.events import Event, EventKind
 from elastic.core.goodput import CATEGORIES, TimeLedger
 from elastic.core.recovery import STUCK_IN_COLLECTIVE
 from elastic.core.straggler_policy import ACTIONS
+from elastic.driver.records import StepResult
 
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
@@ -115,7 +116,7 @@ class Metrics:
         for category in CATEGORIES:
             self.time_seconds.labels(category=category)
 
-        self._scored_ranks: set[str] = set()
+        self._scored_ranks: set[int] = set()
 
     def on_event(self, event: Event) -> None:
         kind = event["kind"]
@@ -161,32 +162,31 @@ class Metrics:
             self.checkpoint_commit_seconds.observe(event["commit_s"])
             self.checkpoints_committed.inc()
 
-    def on_step(self, record: dict, ledger: TimeLedger) -> None:
-        """A committed step's record (see ``Controller.commit``) and the time ledger after it."""
-        for rank, seconds in record["rank_step_s"].items():
-            self.rank_step_seconds.labels(rank=rank).set(seconds)
-        for rank, seconds in record["rank_compute_s"].items():
-            self.rank_compute_seconds.labels(rank=rank).set(seconds)
-        for rank, seconds in record["rank_comm_s"].items():
-            self.rank_communication_seconds.labels(rank=rank).set(seconds)
-        self.straggler_scores(record.get("rank_straggler_score", {}))
+    def on_step(self, result: StepResult, ledger: TimeLedger) -> None:
+        """A committed step's result and the time ledger after it."""
+        for rank, times in result.rank_times.items():
+            label = str(rank)
+            self.rank_step_seconds.labels(rank=label).set(times.wall_s)
+            self.rank_compute_seconds.labels(rank=label).set(times.compute_s)
+            self.rank_communication_seconds.labels(rank=label).set(times.comm_s)
+        self.straggler_scores(result.straggler_scores or {})
         self.steps_committed.inc()
-        self.step.set(record["step"] + 1)
-        self.loss.set(record["loss"])
-        self.learning_rate.set(record["lr"])
-        self.grad_norm.set(record["grad_norm"])
-        self.tokens_per_second.set(record["tokens_per_s"])
+        self.step.set(result.step + 1)
+        self.loss.set(result.loss)
+        self.learning_rate.set(result.lr)
+        self.grad_norm.set(result.grad_norm)
+        self.tokens_per_second.set(result.tokens_per_s)
         self.goodput_ratio.set(ledger.goodput())
         for category, seconds in ledger.breakdown().items():
             if category != "wall_s":
                 self.time_seconds.labels(category=category).set(seconds)
 
-    def straggler_scores(self, scores: dict[str, float]) -> None:
+    def straggler_scores(self, scores: dict[int, float]) -> None:
         """The scored ranks' latest straggler scores; ranks no longer scored lose their series."""
         for rank in self._scored_ranks - scores.keys():  # replaced or evicted since
-            self.rank_straggler_score.remove(rank)
+            self.rank_straggler_score.remove(str(rank))
         for rank, score in scores.items():
-            self.rank_straggler_score.labels(rank=rank).set(score)
+            self.rank_straggler_score.labels(rank=str(rank)).set(score)
         self._scored_ranks = set(scores)
 
     def serve(self, host: str, port: int) -> int:

@@ -14,7 +14,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -153,27 +154,53 @@ def format_breakdown(breakdown: dict[str, float]) -> str:
 # -------------------------------------------------------------------------------------- timeline
 
 
-def _rank_matrix(steps: list[dict[str, Any]]) -> tuple[list[int], list[list[float]]]:
+@dataclass(frozen=True)
+class TimelineStep:
+    """A committed step as the timeline draws it, read from its record in ``summary.json``
+    (``StepResult.to_json``): what a record lacks (a summary cut short, an older one) is None."""
+
+    t: float  # when it was committed
+    step_s: float | None
+    loss: float | None
+    live_ranks: float | None  # counts, as drawn
+    live_groups: float | None
+    rank_step_s: dict[int, float]  # each rank's wall seconds
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> TimelineStep:
+        def number(key: str) -> float | None:
+            return None if record.get(key) is None else float(record[key])
+
+        return cls(t=float(record["t"]), step_s=number("step_s"), loss=number("loss"),
+                   live_ranks=number("live_ranks"), live_groups=number("live_groups"),
+                   rank_step_s={int(rank): float(seconds) for rank, seconds in (record.get("rank_step_s") or {}).items()
+                                if seconds is not None})
+
+    @property
+    def started(self) -> float:
+        return self.t - (self.step_s or 0.0)
+
+
+def _rank_matrix(steps: list[TimelineStep]) -> tuple[list[int], list[list[float]]]:
     """Sorted rank ids and a ranks x steps matrix of step seconds (NaN where a rank is absent)."""
-    ranks = sorted({int(r) for s in steps for r in (s.get("rank_step_s") or {})})
+    ranks = sorted({rank for step in steps for rank in step.rank_step_s})
     index = {rank: i for i, rank in enumerate(ranks)}
     matrix = [[math.nan] * len(steps) for _ in ranks]
     for j, step in enumerate(steps):
-        for rank, seconds in (step.get("rank_step_s") or {}).items():
-            if seconds is not None:
-                matrix[index[int(rank)]][j] = float(seconds)
+        for rank, seconds in step.rank_step_s.items():
+            matrix[index[rank]][j] = seconds
     return ranks, matrix
 
 
-def _step_columns(steps: list[dict[str, Any]]) -> tuple[list[float], list[int | None]]:
+def _step_columns(steps: list[TimelineStep]) -> tuple[list[float], list[int | None]]:
     """Cell edges in seconds for a heatmap with one column per step spanning [t - step_s, t];
     gaps between steps (recoveries, stalls) become empty columns (index None)."""
     edges: list[float] = []
     columns: list[int | None] = []
     prev_end: float | None = None
     for j, step in enumerate(steps):
-        end = float(step["t"])
-        dur = float(step.get("step_s") or 0.0)
+        end = step.t
+        dur = step.step_s or 0.0
         start = end - dur if dur > 0 else (prev_end if prev_end is not None else end - 1.0)
         if prev_end is None:
             edges.append(start)
@@ -217,15 +244,16 @@ def merged_labels(labels: list[tuple[float, str, str]], within_s: float) -> list
     return merged
 
 
-def _live_series(steps: list[dict[str, Any]], events: list[dict[str, Any]], key: str, wall: float,
+def _live_series(steps: list[TimelineStep], events: list[dict[str, Any]],
+                 count: Callable[[TimelineStep], float | None], wall: float,
                  lose_on_failure: bool) -> tuple[list[float], list[float]]:
-    """A post-style step series of ``key`` (live_ranks / live_groups): each step's value holds from
-    the step's start; with ``lose_on_failure`` a failed or evicted rank drops the count at once."""
+    """A post-style step series of a step's ``count`` (live ranks / live groups): each step's value
+    holds from the step's start; with ``lose_on_failure`` a failed or evicted rank drops the count
+    at once."""
     points: list[tuple[float, int, Any]] = []
     for step in steps:
-        if step.get(key) is not None:
-            start = float(step["t"]) - float(step.get("step_s") or 0.0)
-            points.append((max(start, 0.0), 1, float(step[key])))
+        if count(step) is not None:
+            points.append((max(step.started, 0.0), 1, count(step)))
     if not points:
         return [], []
     if lose_on_failure:
@@ -267,7 +295,8 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
-    steps = sorted((s for s in summary.get("steps") or [] if s.get("t") is not None), key=lambda s: s["t"])
+    steps = sorted((TimelineStep.of_record(record) for record in summary.get("steps") or []
+                    if record.get("t") is not None), key=lambda step: step.t)
     events = [e for e in summary.get("events") or [] if e.get("t") is not None]
     try:
         breakdown: dict[str, float] | None = goodput_breakdown(summary)
@@ -276,7 +305,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     wall = float(
         (breakdown or {}).get("wall_s")
         or summary.get("wall_s")
-        or max([0.0] + [float(s["t"]) for s in steps] + [float(e["t"]) for e in events])
+        or max([0.0] + [step.t for step in steps] + [float(e["t"]) for e in events])
     )
     goodput = _goodput(breakdown) if breakdown else float(summary.get("goodput") or 0.0)
 
@@ -293,13 +322,13 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
 
     # (1) per-rank step time -------------------------------------------------------------------
     ranks, matrix = _rank_matrix(steps)
-    times = [float(s["t"]) for s in steps]
+    times = [step.t for step in steps]
     # start-up: the ledger's (placing and building the ranks); without one, until the first
     # committed step began (a rollback to step 0 drops the earlier steps' records)
     if breakdown and breakdown.get("startup"):
         startup_end = float(breakdown["startup"])
     else:
-        startup_end = max(0.0, times[0] - float(steps[0].get("step_s") or 0.0)) if steps else wall
+        startup_end = max(0.0, steps[0].started) if steps else wall
     failed_ranks = {str(e.get("rank")) for e in events if e.get("kind") == K.RANK_FAILED}
     first_failure = min((float(e["t"]) for e in events if e.get("kind") == K.RANK_FAILED), default=math.inf)
     if not steps:
@@ -327,7 +356,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         fig.colorbar(mesh, cax=cax, label="step time (s)")
     else:
         cmap = matplotlib.colormaps["tab20" if len(ranks) > 10 else "tab10"]
-        step_s = [float(s["step_s"]) if s.get("step_s") is not None else math.nan for s in steps]
+        step_s = [math.nan if step.step_s is None else step.step_s for step in steps]
         # Break the lines across long gaps (recoveries) instead of drawing through them.
         xs: list[float] = []
         cols: list[int | None] = []
@@ -360,7 +389,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
                         title_fontsize=9, borderaxespad=0.0)
 
     # (2) loss per committed step ----------------------------------------------------------------
-    loss_points = [(float(s["t"]), float(s["loss"])) for s in steps if s.get("loss") is not None]
+    loss_points = [(step.t, step.loss) for step in steps if step.loss is not None]
     eval_points = [(float(e["t"]), float(e["loss"])) for e in events if e.get("kind") == K.EVALUATED]
     if loss_points:
         ax_loss.plot([p[0] for p in loss_points], [p[1] for p in loss_points], color="#333333",
@@ -377,13 +406,13 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
 
     # (3) live ranks / groups --------------------------------------------------------------------
     topo_ranks = (summary.get("topology") or {}).get("ranks")
-    xs, ys = _live_series(steps, events, "live_ranks", wall, lose_on_failure=True)
+    xs, ys = _live_series(steps, events, lambda step: step.live_ranks, wall, lose_on_failure=True)
     if xs:
         ax_live.step(xs, ys, where="post", color="#17becf", linewidth=1.8, label="live ranks")
         ax_live.fill_between(xs, ys, step="post", color="#17becf", alpha=0.15)
         top = max(ys + ([topo_ranks] if topo_ranks else []))
         ax_live.set_ylim(0, top * 1.15 + 0.5)
-    gx, gy = _live_series(steps, events, "live_groups", wall, lose_on_failure=False)
+    gx, gy = _live_series(steps, events, lambda step: step.live_groups, wall, lose_on_failure=False)
     if gx:
         ax_groups = ax_live.twinx()
         ax_groups.step(gx, gy, where="post", color="#8c564b", linewidth=1.0, linestyle="--")

@@ -1,16 +1,17 @@
-"""Collecting an evaluation: every rank's report within its deadline, and, when it failed,
-the abort, the drain and the diagnosis. ``drain`` is shared with the watch of a run
-(``run_watch``): after a failure, both give the other ranks the same time to report.
+"""Collecting the ranks' final reports of their work, and the drain after a failure.
 
-The first failure (a dead rank, an error report, the deadline) ends the wait: the hung
-ranks are killed, the others are told to abort, and the rest of the reports are drained
-before ``diagnose`` names the culprits. All waiting goes through the fleet, with deadlines
-from the injected clock.
+An evaluation's reports are collected here (``ReportCollector.collect``) within its
+deadline. The first failure (a dead rank, an error report, the deadline) ends the wait: the
+hung ranks are found and killed, the others are told to abort, and the rest of the reports
+are drained before ``diagnose`` names the culprits. A run's watch (``run_watch``) finds the
+hung ranks, aborts and drains the same way: after any failure, the other ranks get the same
+time to report. All waiting goes through the fleet, with deadlines from the injected clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from elastic.core.diagnosis import Diagnosis, diagnose, least_progressed
 from elastic.core.events import EventKind, EventLog
@@ -29,6 +30,14 @@ ABORT_GRACE_S = 2.0
 
 # (ranks still waited for, seconds) -> the final reports that arrived (None: process gone)
 Receive = Callable[[list[int], float], list[tuple[int, StepReport | None]]]
+
+
+@dataclass(frozen=True)
+class FailureSeen:
+    """Work that failed: what the drain found, and when the failure was seen (the drain began)."""
+
+    diagnosis: Diagnosis
+    seen_at: float
 
 
 def receive_into(arrived: list[tuple[int, StepReport | None]], reports: dict, dead: set) -> bool:
@@ -73,7 +82,7 @@ def drain(receive: Receive, waiting: set[int], reports: dict, dead: set, hung: l
     return sorted(waiting)
 
 
-class StepCollection:
+class ReportCollector:
     def __init__(self, fleet: FleetApi, topology: Topology, deadline: StepDeadline, events: EventLog,
                  clock: Callable[[], float]):
         self.fleet = fleet
@@ -81,11 +90,10 @@ class StepCollection:
         self.deadline = deadline
         self.events = events
         self.clock = clock
-        self.failure_seen_at = 0.0  # when the last failure was seen
 
     def collect(self, pending: Pending, step: int, attempt: int, started: float,
-                deadline_s: float) -> tuple[dict[int, StepReport], Diagnosis | None]:
-        """The reports, and the diagnosis when the work failed."""
+                deadline_s: float) -> tuple[dict[int, StepReport], FailureSeen | None]:
+        """The reports, and the failure when the work failed."""
         dispatched = pending.ranks
         reports: dict[int, StepReport] = {}
         dead: set[int] = set()
@@ -100,7 +108,7 @@ class StepCollection:
             failed = receive_into(self.fleet.next_reports(pending, remaining), reports, dead)
         if not failed:
             return reports, None
-        self.failure_seen_at = self.clock()
+        seen_at = self.clock()
         group_of = {rank: self.topology.group_of(rank) for rank in dispatched}
         waiting = self.abort(pending.ranks, hung, attempt)
 
@@ -111,7 +119,8 @@ class StepCollection:
             return arrived
 
         stuck = drain(receive, waiting, reports, dead, hung, group_of, started + deadline_s, self.deadline, self.clock)
-        return reports, diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of)
+        return reports, FailureSeen(diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of),
+                                    seen_at)
 
     def find_hung(self, unfinished: list[int], step: int, deadline_s: float) -> list[int]:
         """Past the deadline: the unfinished ranks that made the least progress (or do not

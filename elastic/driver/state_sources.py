@@ -1,0 +1,150 @@
+"""Where a group's training state comes from when it joins the quorum, and which step the run
+then stands at. In order of preference:
+
+1. a live group (a peer): its ranks copy their state to the joining groups' ranks;
+2. with no group live, the memory tier: the newest step every joining rank's copy is held
+   for in host memory (its own or its buddy's);
+3. the newest committed checkpoint;
+4. before the first checkpoint, the initial state the seed determines (which a group that
+   was just built holds already); a run that resumed has no such state, and stops.
+
+After an integrity mismatch no state newer than the last verified step is trusted, until the
+next groups join: the memory tier and the checkpoints are read no newer than it, and every
+group goes back to the memory tier's verified copy where it holds one for every live rank.
+
+A restore other than from a peer moves the run back to the step it holds (``rewind``): the
+steps committed after it rerun.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from checkpointing.catalog import Restorable
+from elastic.core.data_plan import DataCursor
+from elastic.core.diagnosis import Diagnosis
+from elastic.core.events import EventKind, EventLog
+from elastic.core.memory_tier import plan_memory_restore
+from elastic.core.membership import Membership
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
+from elastic.driver.progress import RunProgress
+from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.stopped import TrainingStopped
+from elastic.fleet.api import FleetApi
+from elastic.setup.config import TrainConfig
+
+
+class StateSources:
+    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, progress: RunProgress,
+                 timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
+                 checkpoints: CheckpointCoordinator | None):
+        self.config = config
+        self.fleet = fleet
+        self.topology = fleet.topology
+        self.membership = membership
+        self.progress = progress
+        self.timing = timing
+        self.events = events
+        self.clock = clock
+        self.checkpoints = checkpoints
+        # After an integrity mismatch: the newest step a restore may take the state from (a
+        # later checkpoint may hold the corruption). None: the newest checkpoint.
+        self.trusted_until: int | None = None
+
+    def load(self, groups: list[int], live: tuple[int, ...]) -> None:
+        """Give ``groups``, on their way into the quorum, the run's state (nothing to give
+        before the first committed step: every group built holds the initial state)."""
+        if self.progress.has_state:
+            if live:
+                self._heal_from_peers(groups, live[0])
+            else:
+                self._restore(groups)
+        self.trusted_until = None
+
+    def after_mismatch(self, diagnosis: Diagnosis, verified_step: int) -> Diagnosis:
+        """Replicas disagreed: no state after ``verified_step`` (the last check passed) is
+        trusted. Since then the odd groups' gradients went into every group's update, so when
+        the memory tier holds a verified copy for every live rank, every group goes back to
+        it; else only the odd groups rebuild, and heal from the others."""
+        self.trusted_until = verified_step
+        live = self.membership.live_groups()
+        if self.config.checkpoint.memory_every and live:
+            ranks = self.topology.ranks_of(live)
+            if plan_memory_restore(ranks, self.fleet.memory_holdings(ranks), verified_step) is not None:
+                return replace(diagnosis, broken_groups=frozenset(live))
+        return diagnosis
+
+    def rewind(self, checkpoint: Restorable | None) -> int:
+        """Continue from a checkpoint's step and cursor (``None``: the initial state's);
+        returns the committed steps rolled back."""
+        if checkpoint is None:
+            return self._rewind_to(0, DataCursor())
+        return self._rewind_to(checkpoint.step, DataCursor(**checkpoint.manifest.cursor))
+
+    def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
+        started = self.clock()
+        sources = self.topology.global_ranks(source_group)
+        self.fleet.copy_state([
+            pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
+        ])
+        seconds = self.clock() - started
+        self.timing.add("heal_s", seconds)
+        for group in groups:
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
+
+    def _restore(self, groups: list[int]) -> None:
+        """No live peer holds the state: the memory tier's, the newest checkpoint's, or the
+        initial state's."""
+        if self._restore_from_memory(groups):
+            return
+        checkpoint = self.checkpoints.latest(self.trusted_until) if self.checkpoints else None
+        if checkpoint is not None:
+            self._restore_checkpoint(groups, checkpoint)
+        elif self.progress.first_step == 0:
+            rolled_back = self.rewind(None)
+            self.events.emit(EventKind.RESTORED_INITIAL_STATE, step=0, groups=groups, rolled_back_steps=rolled_back,
+                             seed=self.config.seed)
+        else:
+            positions = [self.topology.position_of(rank) for rank in self.topology.global_ranks(groups[0])]
+            raise TrainingStopped(
+                f"every copy of the state is lost (shard, tp positions {positions}): no live group holds it, "
+                f"no committed checkpoint is left, and the run resumed from step {self.progress.first_step}, so "
+                "the initial state is not its state; run with more replica groups (--groups) or checkpoint more "
+                "often (--checkpoint-every N)"
+            )
+
+    def _restore_from_memory(self, groups: list[int]) -> bool:
+        """Every rank of ``groups`` back at the newest step the memory tier holds for all of
+        them (no newer than the last verified one, after a mismatch); False when it holds none."""
+        if not self.config.checkpoint.memory_every:
+            return False
+        # a rank's copy may be held in any group, one still on its way back included
+        holdings = self.fleet.memory_holdings(self.topology.ranks_of(self.membership.groups))
+        plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, self.trusted_until)
+        if plan is None:
+            return False
+        started = self.clock()
+        self.fleet.restore_memory(plan)
+        seconds = self.clock() - started
+        self.timing.add("heal_s", seconds)
+        rolled_back = self._rewind_to(plan.step, plan.cursor)
+        self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
+                         from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
+                         host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
+        return True
+
+    def _restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
+        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
+        self.timing.add("heal_s", seconds)
+        rolled_back = self.rewind(checkpoint)
+        self.events.emit(
+            EventKind.RESTORED_FROM_CHECKPOINT, step=checkpoint.step, groups=groups, rolled_back_steps=rolled_back,
+            seconds=round(seconds, 4),
+        )
+
+    def _rewind_to(self, step: int, cursor: DataCursor) -> int:
+        rolled_back = self.progress.step - step
+        self.progress.rewind(step, cursor)
+        self.progress.steps_rolled_back += max(0, rolled_back)
+        return rolled_back
