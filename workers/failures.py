@@ -29,7 +29,7 @@ import torch.distributed as dist
 import checkpointing
 import elastic
 import workers
-from elastic.core.protocol import Failure, describe_error
+from elastic.core.protocol import Failure, StepReport, describe_error
 
 
 class CollectiveAborted(RuntimeError):
@@ -111,3 +111,13 @@ def classify(error: BaseException, phase: str) -> Failure:
     if phase == "data":  # storage may recover; the data or the dataset's code will not
         return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
     return Failure.OWN_COMPUTE
+
+
+def failure_report(global_rank: int, step: int, error: BaseException, phase: str) -> StepReport:
+    """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
+    world is broken when a rank failed in its own work outside an agreed stop (its peers may
+    wait for it in a collective of the group), or in the vote."""
+    group_broken = (phase in ("data", "compute") and not isinstance(error, StepInterrupted)
+                    or isinstance(error, VoteFailed))
+    return StepReport(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
+                      group_broken=group_broken)
