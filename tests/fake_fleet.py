@@ -34,7 +34,7 @@ from elastic.core.protocol import (
     StepRecord,
     StepReport,
 )
-from elastic.core.run_loop import RankRunLoop, SendRecords, memory_snapshot_due
+from elastic.core.run_loop import RankRunLoop, memory_snapshot_due
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
@@ -526,16 +526,15 @@ class FakeRun:
         plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
         pause = self.pause_at is not None and self.pause_at <= at
-        sent: dict[int, SendRecords] = {}
+        decided = {}  # each group's first rank's decision: every group's sees the same step, pause and report
         for group, loop in self.loops.items():
             ranks = tuple(self.topology.global_ranks(group))
             times = tuple((0.01, self.compute[rank], at - self.started - self.compute[rank], at - self.started)
                           for rank in ranks)
-            after = loop.committed(StepRecord(
+            decided[group] = loop.committed(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
                 plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times), pause, self.report, at)
-            if after.send is not None:
-                sent[group] = after.send
+        sent = {group: after.send for group, after in decided.items() if after.send is not None}
         if any(send.gathered for send in sent.values()):  # one message for the run, from its first group
             self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], RunRecords.of_groups(
                 {group: list(send.records) for group, send in sent.items()}))))
@@ -546,7 +545,7 @@ class FakeRun:
         self.step += 1
         if memory_snapshot_due(spec, self.step):
             fleet.snapshot([rank for rank in self.ranks if rank in fleet.alive_ranks], self.step, self.cursor)
-        if after.run_ends:
+        if decided[self.groups[0]].run_ends:
             self.over = True
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
             fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))

@@ -8,7 +8,7 @@ failed; its text is never read. Four kinds, each a value of ``Failure``:
 - ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
   ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
   dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
-  collectives), ``CollectiveFailed`` from the worker's wait on the cross-group all-reduce, or ``VoteFailed``
+  collectives), ``CollectiveFailed`` from the step's wait on a cross-group collective, or ``VoteFailed``
   from the group's vote;
 - ``RELEASED``: the driver or the step's deadline released it from waiting on peers, or its
   group's vote discarded a step whose cross-group sum failed on a peer.
