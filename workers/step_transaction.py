@@ -17,8 +17,10 @@ discards it.
    rank's sum failed or a peer's did (``StepDiscarded``); it is ``Discarded`` by every rank
    of every group when its loss or norm is not finite or replicas disagreed.
 
-Faults a run injects (tests and benchmarks) come in as a ``FaultPlan`` the step calls at
-two points; production runs pass ``NO_FAULTS``. No Ray here: the rank actor
+Beside the step, the same parts serve an evaluation's held-out loss (computed as a step's
+share is, committing nothing) and the gather of the run's records across the groups
+(``elastic.core.run_loop``). Faults a run injects (tests and benchmarks) come in as a
+``FaultPlan`` the step calls at two points; production runs pass ``NO_FAULTS``. No Ray here: the rank actor
 (``workers.worker``) drives the transaction, and ``tests/test_step_transaction.py`` drives it
 on gloo process groups alone.
 """
@@ -259,12 +261,7 @@ class StepTransaction:
         self.progress.set(step, "data")
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
-        self.progress.set(step, "compute")
-        self._rng_before_step = rng.capture(self.rank.use_gpu)
-        self.compute_timer.start()
-        loss_share = accumulate_gradients(self.model, self.loss_fn, on_device, share.global_tokens,
-                                          on_micro_batch=lambda index: self.at_micro_batch(step, index))
-        compute_s = faults.after_compute(self.compute_timer.seconds())
+        loss_share, compute_s = self._compute(step, on_device, share.global_tokens, faults)
         self.progress.set(step, "replicate")
         comm_started = time.perf_counter()
         sum_error, mismatch = None, None
@@ -272,14 +269,7 @@ class StepTransaction:
             if check is not None:
                 self.wait_replicate(check.work, deadline)
                 mismatch = check.verdict(self.rank.position)
-            faults.before_cross_group_sum()
-            self._sum_gradients(deadline)
-            crossed = self._cross_group_scalars(loss_share, counted_tokens(on_device),
-                                                self.signals.pause_requested(spec.run), report_due, deadline)
-            # An abort the driver sent (a step failed elsewhere) ends this group's run after
-            # this step, which every contribution reached: a group that stops earlier than
-            # another leaves the other's next cross-group sum to be aborted and discarded.
-            crossed = replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
+            crossed = self._sum_across_groups(spec, loss_share, counted_tokens(on_device), report_due, deadline, faults)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
         comm_s = time.perf_counter() - comm_started
@@ -294,48 +284,52 @@ class StepTransaction:
             raise sum_error
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
+        outcome = self._apply_or_discard(spec, share, vote, mismatch, report=crossed.report > 0)
+        self.progress.set(step, "done")
+        return outcome
+
+    def _compute(self, step: int, batches: list[Batch], global_tokens: int, faults: FaultPlan) -> tuple[float, float]:
+        """This rank's share of the step: (loss share, its own compute seconds)."""
+        self.progress.set(step, "compute")
+        self._rng_before_step = rng.capture(self.rank.use_gpu)
+        self.compute_timer.start()
+        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens,
+                                          on_micro_batch=lambda index: self.at_micro_batch(step, index))
+        return loss_share, faults.after_compute(self.compute_timer.seconds())
+
+    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool, deadline: float,
+                           faults: FaultPlan) -> CrossGroupScalars:
+        """The gradients, then the step's scalars, summed with this position's ranks in the
+        other groups."""
+        faults.before_cross_group_sum()
+        if self.world.replicate_group is not None:
+            sum_across_groups(self.model, self.world.replicate_group, lambda work: self.wait_replicate(work, deadline),
+                              self.replicate_dtype)
+        crossed = self._cross_group_scalars(loss_share, counted, self.signals.pause_requested(spec.run), report_due,
+                                            deadline)
+        # An abort the driver sent (a step failed elsewhere) ends this group's run after
+        # this step, which every contribution reached: a group that stops earlier than
+        # another leaves the other's next cross-group sum to be aborted and discarded.
+        return replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
+
+    def _apply_or_discard(self, spec: RunSpec, share: RankShare, vote: Vote, mismatch: IntegrityMismatch | None,
+                          report: bool) -> Committed | Discarded:
+        """What every rank of every group does with a step whose sums all succeeded: apply it
+        at its learning rate and clipping factor, or discard it when replicas disagreed or
+        its loss or norm is not finite (the same sums everywhere)."""
         rescale = token_rescale(share.global_tokens, vote.counted_tokens)
         loss, norm = vote.loss * rescale, vote.grad_norm * rescale
         if vote.integrity_mismatch or not (math.isfinite(loss) and math.isfinite(norm)):
             self.discard_uncommitted()
-            self.progress.set(step, "done")
             if vote.integrity_mismatch:
                 return Discarded(integrity=mismatch)
-            return Discarded(nonfinite=NonFinite(step, loss, norm))
+            return Discarded(nonfinite=NonFinite(share.step, loss, norm))
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
-        self._apply(spec.schedule.factor(step), clip_scale * rescale)
-        self.progress.set(step, "done")
-        record = StepRecord(step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
+        self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
+        record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             vote.times)
-        return Committed(record, vote.pause, crossed.report > 0)
-
-    def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float]:
-        """This rank's share of the held-out loss of the committed state, and its compute
-        seconds: computed as a step's share is, with the same agreement to stop, committing
-        nothing."""
-        self.progress.set(step, "compute")
-        # The held-out loss leaves the training generators where they were.
-        with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
-            self.compute_timer.start()
-            loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
-                                       on_micro_batch=lambda index: self.at_micro_batch(step, index))
-            compute_s = self.compute_timer.seconds()
-        self.progress.set(step, "done")
-        return loss_share, compute_s
-
-    def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:
-        """The ``rows`` of this position's rank in every group, by replica rank; None when
-        the gather fails: a peer group is gone, and the next cross-group sum fails and ends
-        the run as any failed sum does."""
-        replicate_group = self.world.replicate_group
-        own = torch.tensor(rows, dtype=torch.float64).to(self.device)
-        gathered = [torch.empty_like(own) for _ in range(replicate_group.size())]
-        try:
-            self.wait_replicate(replicate_group.allgather([gathered], [own]), deadline)
-        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
-            return None
-        return [member.cpu().tolist() for member in gathered]
+        return Committed(record, vote.pause, report)
 
     def at_micro_batch(self, step: int, index: int) -> None:
         """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
@@ -372,11 +366,6 @@ class StepTransaction:
             raise
         except RuntimeError as error:
             raise CollectiveFailed(f"rank {rank}: cross-group collective failed: {error}") from error
-
-    def _sum_gradients(self, deadline: float) -> None:
-        if self.world.replicate_group is not None:
-            sum_across_groups(self.model, self.world.replicate_group, lambda work: self.wait_replicate(work, deadline),
-                              self.replicate_dtype)
 
     def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool, report_due: bool,
                              deadline: float) -> CrossGroupScalars:
@@ -429,3 +418,30 @@ class StepTransaction:
             rng.restore(self._rng_before_step)
             self._rng_before_step = None
         self.optimizer.zero_grad(set_to_none=False)
+
+    def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float]:
+        """This rank's share of the held-out loss of the committed state, and its compute
+        seconds: computed as a step's share is, with the same agreement to stop, committing
+        nothing."""
+        self.progress.set(step, "compute")
+        # The held-out loss leaves the training generators where they were.
+        with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
+            self.compute_timer.start()
+            loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
+                                       on_micro_batch=lambda index: self.at_micro_batch(step, index))
+            compute_s = self.compute_timer.seconds()
+        self.progress.set(step, "done")
+        return loss_share, compute_s
+
+    def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:
+        """The ``rows`` of this position's rank in every group, by replica rank; None when
+        the gather fails: a peer group is gone, and the next cross-group sum fails and ends
+        the run as any failed sum does."""
+        replicate_group = self.world.replicate_group
+        own = torch.tensor(rows, dtype=torch.float64).to(self.device)
+        gathered = [torch.empty_like(own) for _ in range(replicate_group.size())]
+        try:
+            self.wait_replicate(replicate_group.allgather([gathered], [own]), deadline)
+        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
+            return None
+        return [member.cpu().tolist() for member in gathered]
