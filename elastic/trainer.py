@@ -36,9 +36,7 @@ from elastic.fleet.ray_fleet import Fleet
 from elastic.fleet.rendezvous import Rendezvous
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.outputs.metrics import Metrics
-from workers.fault_injection import FaultInjectingRankActor
 from elastic.core.protocol import describe_error
-from workers.worker import RankActor
 
 log = logging.getLogger("elastic")
 
@@ -271,8 +269,7 @@ class ElasticTrainer:
             # A Ray this driver started is this machine's alone: its ranks reach the store on
             # loopback (Ray's own node address is the routable one even then).
             rendezvous = Rendezvous.start("127.0.0.1" if started_ray else None)
-            fleet = Fleet(self.config, self.hooks, topology, rendezvous,
-                          actor_class=FaultInjectingRankActor if injects else RankActor)
+            fleet = Fleet(self.config, self.hooks, topology, rendezvous)
             checkpoints = self._checkpoints(fleet, events, ledger, topology, clock, lease)
             resume = checkpoints.latest()
             if resume is not None:

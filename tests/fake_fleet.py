@@ -7,7 +7,8 @@ of a step: every rank computes for ``step_s`` (times its slowness, read as the s
 and the ranks of all groups then meet in the cross-group all-reduce and their groups' votes,
 so a step ends when its slowest rank finishes, and the next one starts at once. A run is
 simulated step by step as the fake clock reaches it: a pause requested before a step's vote
-ends the run after that step, as the ranks' votes would decide.
+ends the run after that step, as the ranks' votes would decide, and the groups' first ranks
+send their records as the ranks' own run loop decides (``elastic.core.run_loop``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from elastic.core.protocol import (
     StepRecord,
     StepReport,
 )
+from elastic.core.run_loop import RankRunLoop, memory_snapshot_due
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
@@ -440,9 +442,9 @@ class FakeRun:
         self.groups = spec.groups
         self.topology = fleet.topology
         self.queue: list[Call] = []  # messages not yet delivered, in the order they were sent
-        self.buffered: dict[int, list[StepRecord]] = {group: [] for group in self.groups}
+        # the groups' first ranks' loops: the records they hold, and when they send them
+        self.loops = {group: RankRunLoop(spec, leads_group=True, now=fleet.clock()) for group in self.groups}
         self.pause_at: float | None = None
-        self.reported = -NEVER  # when the groups last sent their records
         self.step = spec.first_step
         self.cursor = spec.cursor
         self.over = False  # ended or failed: no further step starts
@@ -452,6 +454,8 @@ class FakeRun:
         """Step ``self.step`` starts at ``now``: its end time, or the messages of its fault."""
         fleet, step = self.fleet, self.step
         self.started = now
+        # the groups' first ranks add up their asks in the step's cross-group sum
+        self.report = any([loop.step_starts(now) for loop in self.loops.values()])
         self.compute = {rank: fleet.step_s * fleet.slow.get(rank, 1.0) for rank in self.ranks}
         self.ends_at = now + max(self.compute.values())
         fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "replicate", 0, 9, 0.0))
@@ -504,11 +508,12 @@ class FakeRun:
                 finals[rank] = Call(NEVER, (rank, RunEnd(rank, step, StepReport(
                     rank, step, error="CollectiveAborted: aborted by the driver", failure="released"))),
                     waits_for_abort=True)
-        for group, records in self.buffered.items():  # a first rank that lives sends what it holds first
+        for group, loop in self.loops.items():  # a first rank that lives sends what it holds first
             leader = self.topology.global_ranks(group)[0]
             call = finals.get(leader)
+            records = loop.held()
             if records and call is not None and call.result[1] is not None:
-                self.queue.append(Call(call.at, (leader, GroupProgress(group, tuple(records))),
+                self.queue.append(Call(call.at, (leader, GroupProgress(group, records)),
                                        waits_for_abort=call.waits_for_abort))
         self.queue.extend(finals.values())
 
@@ -521,30 +526,28 @@ class FakeRun:
             return
         plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
-        ends = step + 1 >= spec.stop_step or (self.pause_at is not None and self.pause_at <= at)
-        for group in self.groups:
+        pause = self.pause_at is not None and self.pause_at <= at
+        decided = {}  # each group's first rank's decision: every group's sees the same step, pause and report
+        for group, loop in self.loops.items():
             ranks = tuple(self.topology.global_ranks(group))
             times = tuple(RankTimes(data_s=0.01, compute_s=self.compute[rank],
                                     comm_s=at - self.started - self.compute[rank], wall_s=at - self.started)
                           for rank in ranks)
-            self.buffered[group].append(StepRecord(
+            decided[group] = loop.committed(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
-                plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times, step_s=at - self.started))
-        if ends or at - self.reported >= spec.report_interval_s:
-            self.reported = at
-            if ends or len(self.groups) == 1:  # each group's first rank sends what it holds
-                for group, records in self.buffered.items():
-                    leader = self.topology.global_ranks(group)[0]
-                    self.queue.append(Call(at, (leader, GroupProgress(group, tuple(records)))))
-            else:  # gathered at a step the groups agreed on: one message for the run
-                self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0],
-                                            RunRecords.of_groups(self.buffered))))
-            self.buffered = {group: [] for group in self.groups}
+                plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times), pause, self.report, at)
+        sent = {group: after.send for group, after in decided.items() if after.send is not None}
+        if any(send.gathered for send in sent.values()):  # one message for the run, from its first group
+            self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], RunRecords.of_groups(
+                {group: list(send.records) for group, send in sent.items()}))))
+        else:
+            self.queue.extend(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, send.records)))
+                              for group, send in sent.items())
         self.cursor = plan.next_cursor
         self.step += 1
-        if spec.memory_every and self.step % spec.memory_every == 0:
+        if memory_snapshot_due(spec, self.step):
             fleet.snapshot([rank for rank in self.ranks if rank in fleet.alive_ranks], self.step, self.cursor)
-        if ends:
+        if decided[self.groups[0]].run_ends:
             self.over = True
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
             fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))
@@ -554,9 +557,10 @@ class FakeRun:
         """Every rank's vote finds a mismatch, or else sums a NaN loss: the records held go
         out, then every rank ends the run on the step."""
         self.over = True
-        for group, records in self.buffered.items():
+        for group, loop in self.loops.items():
+            records = loop.held()
             if records:
-                self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, tuple(records)))))
+                self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, records))))
         if self.mismatches:
             self.queue.extend(Call(at, (rank, RunEnd(rank, step, integrity=self.mismatches.get(rank))))
                               for rank in self.ranks)

@@ -8,7 +8,7 @@ failed; its text is never read. Four kinds, each a value of ``Failure``:
 - ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
   ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
   dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
-  collectives), ``CollectiveFailed`` from the worker's wait on the cross-group all-reduce, or ``VoteFailed``
+  collectives), ``CollectiveFailed`` from the step's wait on a cross-group collective, or ``VoteFailed``
   from the group's vote;
 - ``RELEASED``: the driver or the step's deadline released it from waiting on peers, or its
   group's vote discarded a step whose cross-group sum failed on a peer.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import checkpointing
 import elastic
 import workers
-from elastic.core.protocol import Failure, describe_error
+from elastic.core.protocol import Failure, StepReport, describe_error
 
 
 class CollectiveAborted(RuntimeError):
@@ -111,3 +111,13 @@ def classify(error: BaseException, phase: str) -> Failure:
     if phase == "data":  # storage may recover; the data or the dataset's code will not
         return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
     return Failure.OWN_COMPUTE
+
+
+def failure_report(global_rank: int, step: int, error: BaseException, phase: str) -> StepReport:
+    """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
+    world is broken when a rank failed in its own work outside an agreed stop (its peers may
+    wait for it in a collective of the group), or in the vote."""
+    group_broken = (phase in ("data", "compute") and not isinstance(error, StepInterrupted)
+                    or isinstance(error, VoteFailed))
+    return StepReport(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
+                      group_broken=group_broken)

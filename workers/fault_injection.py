@@ -1,9 +1,10 @@
-"""The rank's side of fault injection: a worker that carries out the faults its run spec
-carries (see ``elastic.core.faults``) as the run's first step starts, around the
-production run.
+"""The rank's side of fault injection: the ``FaultPlan`` (``workers.step_transaction``) of the
+runs whose specs carry faults or straggler noise (``elastic.core.faults``).
 
-The fleet starts this worker instead of ``RankWorker`` only for runs that inject faults or
-straggler noise, so the production step has no injection branches.
+A rank fires its run's faults as the run's first step starts; some act at once (a kill, a
+hang set in the model, a flipped bit), others through the plan the step calls: a slowdown
+or noise added to its compute, a failure of its next cross-group sum. Production runs pass
+``NO_FAULTS`` and their step has no injection branches.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import os
 import threading
 import time
 
-import ray
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from elastic.core.faults import InjectedFault, InjectedRunSpec
+from elastic.core.protocol import RunSpec
 from workers.integrity import flip_bit
-from workers.rank_spec import RankSpec
-from workers.worker import CONCURRENCY_GROUPS, RankWorker
+from workers.step_transaction import NO_FAULTS, FaultPlan
+from workers.world import World
 
 
 class InjectedCollectiveFailure(RuntimeError):
@@ -33,22 +35,28 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
-class FaultInjectingWorker(RankWorker):
-    def __init__(self, spec: RankSpec, pickled_hooks: bytes):
-        super().__init__(spec, pickled_hooks)
+class InjectedFaults:
+    """One rank's injected faults. A slowdown lasts for the rest of the process's life, and
+    the noise draws from one stream per rank, across its runs."""
+
+    def __init__(self, seed: int, global_rank: int, world: World):
+        self.global_rank = global_rank
+        self.world = world
+        self.noise_rng = torch.Generator().manual_seed(seed * 100_003 + global_rank)
+        self.noise = 0.0
         self.slow_factor = 1.0
         self.fail_next_collective = False
 
-    def _take_place(self, spec: RankSpec) -> None:
-        super()._take_place(spec)
-        self.noise_rng = torch.Generator().manual_seed(spec.seed * 100_003 + spec.global_rank)
-
-    def run(self, spec: InjectedRunSpec):
+    def plan(self, spec: RunSpec, model: nn.Module) -> FaultPlan:
+        """The run's plan, its faults fired: ``NO_FAULTS`` for a run that injects none."""
+        if not isinstance(spec, InjectedRunSpec):
+            return NO_FAULTS
+        self.noise = spec.noise
         for fault in spec.faults:
-            self._fire(fault)
-        yield from super().run(spec)
+            self._fire(fault, model)
+        return self
 
-    def _fire(self, fault: InjectedFault) -> None:
+    def _fire(self, fault: InjectedFault, model: nn.Module) -> None:
         if fault.kind in ("kill", "kill-group"):
             if fault.after_s:
                 threading.Timer(fault.after_s, os._exit, (1,)).start()  # dies mid-step
@@ -57,30 +65,23 @@ class FaultInjectingWorker(RankWorker):
         if fault.kind == "slow":
             self.slow_factor = fault.factor
         if fault.kind == "hang":
-            hang_in = next(
-                (m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model), self.model
-            )
+            hang_in = next((m for m in model.modules() if isinstance(m, FSDPModule) and m is not model), model)
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
         if fault.kind == "fail-collective":
             self.fail_next_collective = True
         if fault.kind == "flip":
-            flip_bit(self.model)
+            flip_bit(model)
 
-    def _compute(self, spec: InjectedRunSpec, step: int, batches, global_tokens: int) -> tuple[float, float]:
-        loss_share, compute_s = super()._compute(spec, step, batches, global_tokens)
+    def after_compute(self, compute_s: float) -> float:
         extra = (self.slow_factor - 1.0) * compute_s
-        if spec.noise:
+        if self.noise:
             # Work can only be added, so noise of amplitude a is a slowdown of a +/- a.
-            extra += compute_s * spec.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
+            extra += compute_s * self.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
         burn_cpu(extra)
-        return loss_share, compute_s + extra
+        return compute_s + extra
 
-    def _reduce_across_groups(self, spec: InjectedRunSpec, deadline: float) -> None:
+    def before_cross_group_sum(self) -> None:
         if self.fail_next_collective:
             self.fail_next_collective = False
-            self._leave_replicas()
-            raise InjectedCollectiveFailure(f"injected collective failure on rank {self.spec.global_rank}")
-        super()._reduce_across_groups(spec, deadline)
-
-
-FaultInjectingRankActor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(FaultInjectingWorker)
+            self.world.leave_replicas()
+            raise InjectedCollectiveFailure(f"injected collective failure on rank {self.global_rank}")

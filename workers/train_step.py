@@ -169,8 +169,8 @@ def scale_gradients(model: nn.Module, scale: float) -> None:
 def sum_across_groups(model: nn.Module, replicate_group, wait: Callable, dtype: torch.dtype = torch.float32) -> None:
     """Sum gradient shards over the replicate group in one flat all-reduce, in ``dtype``.
 
-    ``wait(work)`` blocks until the all-reduce is done; the worker's version can be cut
-    short by the driver or by the step's deadline.
+    ``wait(work)`` blocks until the all-reduce is done; the step's (``workers.step_transaction``)
+    can be cut short by the driver or by the step's deadline.
     """
     grads = local_gradients(model)
     flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)

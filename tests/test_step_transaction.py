@@ -1,0 +1,262 @@
+"""The step as a transaction (``workers.step_transaction``), on real gloo process groups and
+no Ray: two spawned processes on a loopback store, first as two groups of one rank (the
+cross-group sum), then as one group of two ranks (the vote). Each process runs the scenarios
+in turn and sends what each step did over a pipe; the tests read them."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing
+import pickle
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.core.data_plan import DataCursor, RankShare
+from elastic.core.lr_schedule import LRSchedule
+from elastic.core.protocol import RunSpec
+from workers.failures import CollectiveFailed
+from workers.rank_spec import RankSpec
+from workers.step_transaction import (
+    NO_FAULTS,
+    Committed,
+    Discarded,
+    DriverSignals,
+    StepProgress,
+    StepTransaction,
+)
+from workers.train_step import Batch, accumulate_gradients, collate, token_cross_entropy
+from workers.world import World
+
+TIMEOUT_S = 60.0
+VOCAB, SEQ, SAMPLES_PER_RANK = 11, 6, 2
+GLOBAL_TOKENS = 2 * SAMPLES_PER_RANK * SEQ
+LR = 0.5
+RUN = 7
+MODEL_SEED, TRAINING_SEED = 0, 1
+
+
+class TinyModel(nn.Module):
+    """Dropout draws from the generators, so a step that is discarded has something to rewind."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8)
+        self.dropout = nn.Dropout(0.5)
+        self.output = nn.Linear(8, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.output(self.dropout(self.embedding(ids)))
+
+
+def rank_batches(rank: int, step: int) -> list[Batch]:
+    """Rank ``rank``'s samples of ``step``: one micro-batch per sample."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    dataset = [torch.randint(0, VOCAB, (SEQ + 1,), generator=generator) for _ in range(SAMPLES_PER_RANK)]
+    return [collate(dataset, [index], torch.device("cpu")) for index in range(SAMPLES_PER_RANK)]
+
+
+def run_spec() -> RunSpec:
+    return RunSpec(run=RUN, first_step=0, stop_step=10, cursor=DataCursor(), dataset_len=64,
+                   global_batch=2 * SAMPLES_PER_RANK, seed=0, group_weights={0: 1.0, 1: 1.0}, micro_batch=1,
+                   seq_len=SEQ, schedule=LRSchedule(LR), clip_grad_norm=None, deadline_s=TIMEOUT_S)
+
+
+def share(step: int) -> RankShare:
+    return RankShare(step, 0, DataCursor(position=4 * (step + 1)), ((0,), (1,)), GLOBAL_TOKENS,
+                     2 * SAMPLES_PER_RANK, {0: SAMPLES_PER_RANK, 1: SAMPLES_PER_RANK})
+
+
+def loaded(batches: list[Batch]) -> Future:
+    future = Future()
+    future.set_result(batches)
+    return future
+
+
+class FailingCrossGroupSum:
+    """A fault plan whose rank's cross-group sum fails as a dead peer's would."""
+
+    def after_compute(self, compute_s: float) -> float:
+        return compute_s
+
+    def before_cross_group_sum(self) -> None:
+        raise CollectiveFailed("the cross-group sum failed here")
+
+
+@dataclass
+class StepResult:
+    """What one rank's step did."""
+
+    outcome: Committed | Discarded | None
+    raised: str | None  # the type of what the step raised
+    parameters: list[torch.Tensor]
+    parameters_unchanged: bool
+    gradients_zero: bool
+    generators_rewound: bool
+
+
+def take_step(transaction: StepTransaction, step: int, batches: list[Batch], report_due: bool = False,
+              faults=NO_FAULTS) -> StepResult:
+    parameters = [param.detach().clone() for param in transaction.model.parameters()]
+    generators = torch.get_rng_state()
+    outcome, raised = None, None
+    try:
+        outcome = transaction.step(run_spec(), share(step), loaded(batches), report_due, faults)
+    except Exception as error:  # noqa: BLE001 - the test reads which
+        raised = type(error).__name__
+    after = [param.detach().clone() for param in transaction.model.parameters()]
+    return StepResult(
+        outcome, raised, after,
+        parameters_unchanged=all(torch.equal(a, b) for a, b in zip(parameters, after)),
+        gradients_zero=all(not param.grad.any() for param in transaction.model.parameters()),
+        generators_rewound=torch.equal(torch.get_rng_state(), generators),
+    )
+
+
+def rank_spec(rank: int, group: int, group_rank: int, shard: int, port: int) -> RankSpec:
+    return RankSpec(global_rank=rank, group=group, group_rank=group_rank, shard_index=group_rank, tp_index=0,
+                    shard=shard, tp=1, seed=0, use_gpu=False, store_host="127.0.0.1", store_port=port,
+                    store_secret="00", collective_timeout_s=TIMEOUT_S)
+
+
+def new_transaction(spec: RankSpec, world: World) -> tuple[StepTransaction, DriverSignals]:
+    torch.manual_seed(MODEL_SEED)
+    model = TinyModel()
+    signals = DriverSignals()
+    transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), token_cross_entropy,
+                                  torch.device("cpu"), StepProgress(), signals)
+    signals.begin(RUN)
+    torch.manual_seed(TRAINING_SEED)
+    return transaction, signals
+
+
+def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, StepResult]]:
+    # two groups of one rank: rank ``rank`` is group ``rank``
+    spec = rank_spec(rank, group=rank, group_rank=0, shard=1, port=port)
+    world = World(spec, store)
+    world.join_group(generation=0)
+    world.join_replicas(generation=0, replica_rank=rank, replica_size=2)
+    transaction, signals = new_transaction(spec, world)
+    yield "both apply", take_step(transaction, 0, rank_batches(rank, 0), report_due=rank == 0)
+    batches = rank_batches(rank, 1)
+    if rank == 1:
+        batches = [batch._replace(weights=batch.weights * math.nan) for batch in batches]
+    yield "a non-finite loss", take_step(transaction, 1, batches)
+    if rank == 0:
+        signals.request_pause(RUN)
+    yield "a pause one rank saw", take_step(transaction, 1, rank_batches(rank, 1))
+
+    # one group of two ranks
+    spec = rank_spec(rank, group=0, group_rank=rank, shard=2, port=port)
+    world = World(spec, store)
+    world.join_group(generation=1)
+    world.join_replicas(generation=1, replica_rank=0, replica_size=1)
+    transaction, _ = new_transaction(spec, world)
+    yield "one rank's sum fails", take_step(transaction, 0, rank_batches(rank, 0),
+                                            faults=FailingCrossGroupSum() if rank == 0 else NO_FAULTS)
+
+
+def rank_main(rank: int, port: int, results) -> None:
+    """``results``: the sending end of a pipe, written whole before ``send_bytes`` returns.
+    Plain pickle: the pipe's own would share the tensors' memory with a process about to end."""
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        for name, result in scenarios(rank, store, port):
+            results.send_bytes(pickle.dumps((name, result)))
+    except BaseException:  # noqa: BLE001 - the test reports it
+        results.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
+    results.close()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, dict[str, StepResult]]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(2)]
+    ranks = [context.Process(target=rank_main, args=(rank, store.port, sender), daemon=True)
+             for rank, (_, sender) in enumerate(pipes)]
+    for process in ranks:
+        process.start()
+    received: dict[int, dict[str, StepResult]] = {}
+    try:
+        for rank, (receiver, sender) in enumerate(pipes):
+            sender.close()  # the child holds its own copy: the pipe ends when the child's does
+            received[rank] = {}
+            while receiver.poll(TIMEOUT_S):
+                try:
+                    name, result = pickle.loads(receiver.recv_bytes())
+                except EOFError:
+                    break
+                assert name != "failed", f"rank {rank} failed:\n{result}"
+                received[rank][name] = result
+    finally:
+        for process in ranks:
+            process.join(TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+    return received
+
+
+def scenario(results, name: str) -> list[StepResult]:
+    assert all(name in by_name for by_name in results.values()), f"a rank did not get to {name!r}"
+    return [results[rank][name] for rank in sorted(results)]
+
+
+def reference_parameters() -> list[torch.Tensor]:
+    """Step 0 in one process: both ranks' shares from the same generator state, summed, then SGD."""
+    torch.manual_seed(MODEL_SEED)
+    model = TinyModel()
+    generators = torch.get_rng_state()
+    try:
+        for rank in range(2):
+            torch.manual_seed(TRAINING_SEED)
+            accumulate_gradients(model, token_cross_entropy, rank_batches(rank, 0), GLOBAL_TOKENS)
+    finally:
+        torch.set_rng_state(generators)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return [param.detach() for param in model.parameters()]
+
+
+def test_every_rank_applies_a_step_that_succeeded_everywhere_as_one_process_would(results):
+    ranks = scenario(results, "both apply")
+    assert all(isinstance(rank.outcome, Committed) for rank in ranks)
+    first, second = (rank.outcome for rank in ranks)
+    # the same decided values in both groups; each group its own ranks and times
+    assert replace(first.record, group=1, ranks=(1,), times=second.record.times) == second.record
+    assert math.isfinite(first.record.loss) and first.record.lr == LR and first.record.clip_scale == 1.0
+    assert (first.report, second.report) == (True, True)  # group 0's first rank asked: the sum tells group 1
+    assert (first.pause, second.pause) == (False, False)
+    for rank in ranks:
+        assert rank.gradients_zero and not rank.parameters_unchanged
+        for got, expected in zip(rank.parameters, reference_parameters()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_loss_on_one_rank_is_discarded_by_every_rank(results):
+    for rank in scenario(results, "a non-finite loss"):
+        assert isinstance(rank.outcome, Discarded) and rank.outcome.integrity is None
+        assert rank.outcome.nonfinite.step == 1 and math.isnan(rank.outcome.nonfinite.loss)
+        assert rank.parameters_unchanged and rank.gradients_zero and rank.generators_rewound
+
+
+def test_a_pause_one_rank_saw_stops_every_rank_after_the_same_step(results):
+    ranks = scenario(results, "a pause one rank saw")
+    assert all(isinstance(rank.outcome, Committed) and rank.outcome.pause for rank in ranks)
+    assert [rank.outcome.record.step for rank in ranks] == [1, 1]
+
+
+def test_every_rank_of_the_group_discards_when_one_ranks_cross_group_sum_fails(results):
+    failed, peer = scenario(results, "one rank's sum fails")
+    assert (failed.raised, peer.raised) == ("CollectiveFailed", "StepDiscarded")
+    for rank in (failed, peer):
+        assert rank.outcome is None
+        assert rank.parameters_unchanged and rank.gradients_zero and rank.generators_rewound

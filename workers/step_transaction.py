@@ -1,0 +1,447 @@
+"""One training step as a transaction of a rank with its group and its replicas in the other
+groups: compute, sum across groups, vote, then every rank applies the step or every rank
+discards it.
+
+1. *Compute*: forward and backward over the rank's micro-batches. Between micro-batches
+   the group agrees whether the driver asked to stop (``at_micro_batch``).
+2. *Cross-group sum*: the gradients, then a few scalars (loss share, counted tokens, pause
+   and report requests), summed with the ranks at the same position in every other group
+   over the replicate group (``workers.world``). The wait on it can be cut short by the
+   driver's abort or the step's deadline (``wait_replicate``). Where the step begins an
+   integrity check, the replicas' fingerprints are compared first (``workers.integrity``).
+3. *Vote*: every rank of the group gets every rank's ballot, so all decide the same: whether
+   every sum succeeded, the step's loss and gradient norm, whether replicas disagreed, and
+   whether to stop after this step.
+4. *Apply* at the step's learning rate and clipping factor, or *discard*: gradients zeroed
+   and the generators rewound to where the step began. A step fails (raises) when this
+   rank's sum failed or a peer's did (``StepDiscarded``); it is ``Discarded`` by every rank
+   of every group when its loss or norm is not finite or replicas disagreed.
+
+Beside the step, the same parts serve an evaluation's held-out loss (computed as a step's
+share is, committing nothing) and the gather of the run's records across the groups
+(``elastic.core.run_loop``). Faults a run injects (tests and benchmarks) come in as a
+``FaultPlan`` the step calls at two points; production runs pass ``NO_FAULTS``. No Ray here: the rank actor
+(``workers.worker``) drives the transaction, and ``tests/test_step_transaction.py`` drives it
+on gloo process groups alone.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic.core.data_plan import RankShare, token_rescale
+from elastic.core.gradient_clipping import clip_coefficient, global_norm
+from elastic.core.integrity import IntegrityMismatch, check_due
+from elastic.core.protocol import NonFinite, Progress, RankTimes, RunSpec, StepRecord
+from workers import rng
+from workers.failures import (
+    CollectiveAborted,
+    CollectiveFailed,
+    CollectiveTimedOut,
+    StepDiscarded,
+    StepInterrupted,
+    VoteFailed,
+)
+from workers.integrity import start_check
+from workers.rank_spec import RankSpec
+from workers.train_step import (
+    Batch,
+    LossFn,
+    accumulate_gradients,
+    counted_tokens,
+    evaluate_loss,
+    scale_gradients,
+    squared_gradient_norm,
+    sum_across_groups,
+)
+from workers.world import World
+
+REPLICATE_POLL_S = 0.001
+
+
+class ComputeTimer:
+    """This rank's own compute time, without the time it waits on peers.
+
+    On CUDA, events on the compute stream (no device-wide synchronisation). On CPU, the
+    training thread's CPU time, which excludes time blocked in gloo collectives.
+    """
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+
+    def start(self) -> None:
+        if self.on_gpu:
+            self.started = torch.cuda.Event(enable_timing=True)
+            self.started.record()
+        else:
+            self.started = time.thread_time()
+
+    def seconds(self) -> float:
+        if not self.on_gpu:
+            return time.thread_time() - self.started
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        ended.synchronize()
+        return self.started.elapsed_time(ended) / 1000.0
+
+
+class StepProgress:
+    """Where the training thread is, for the control thread to answer the driver's probes."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.module_entries = 0
+        self.set(-1, "idle")
+
+    def set(self, step: int, phase: str, micro_batch: int = 0) -> None:
+        with self._lock:
+            self.step, self.phase, self.micro_batch = step, phase, micro_batch
+            self._phase_started = time.monotonic()
+            if phase == "data":
+                self.module_entries = 0
+
+    def count_module_entry(self, *_args) -> None:
+        self.module_entries += 1
+
+    def read(self, global_rank: int) -> Progress:
+        with self._lock:
+            return Progress(global_rank, self.step, self.phase, self.micro_batch, self.module_entries,
+                            time.monotonic() - self._phase_started)
+
+
+class DriverSignals:
+    """What the driver asks on the rank's control thread, for the training thread to act on:
+    give up the attempt in progress (abort), or stop a run at a step boundary (pause)."""
+
+    def __init__(self):
+        self._abort = threading.Event()
+        self._abort_attempt = -1
+        self._attempt = -1  # the run or evaluation in progress
+        self._pause_run = -1
+
+    def begin(self, attempt: int) -> None:
+        self._attempt = attempt
+
+    def request_abort(self, attempt: int) -> None:
+        self._abort_attempt = attempt
+        self._abort.set()
+
+    def request_pause(self, run: int) -> None:
+        self._pause_run = run
+
+    def abort_requested(self) -> bool:
+        if self._abort.is_set() and self._abort_attempt != self._attempt:
+            self._abort.clear()  # a late abort of an attempt already over
+        return self._abort.is_set()
+
+    def pause_requested(self, run: int) -> bool:
+        return self._pause_run == run
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking early at an abort."""
+        self._abort.wait(seconds)
+
+
+class FaultPlan(Protocol):
+    """Faults injected into a run's steps (``workers.fault_injection``)."""
+
+    def after_compute(self, compute_s: float) -> float:
+        """Called once the rank's share is computed; returns its compute seconds, with any
+        slowdown the plan adds."""
+
+    def before_cross_group_sum(self) -> None:
+        """Called as the gradients' cross-group sum starts; may fail it."""
+
+
+class NoFaults:
+    def after_compute(self, compute_s: float) -> float:
+        return compute_s
+
+    def before_cross_group_sum(self) -> None:
+        pass
+
+
+NO_FAULTS = NoFaults()
+
+
+@dataclass(frozen=True)
+class CrossGroupScalars:
+    """One position's sums over the groups."""
+
+    loss_share: float
+    counted_tokens: float
+    pause: float
+    report: float = 0.0  # the groups' first ranks: any whose report interval is over
+
+
+@dataclass(frozen=True)
+class Vote:
+    """What every rank of a group decided together about a step."""
+
+    every_rank_succeeded: bool
+    loss: float  # the step's loss over the global token count (before ``token_rescale``)
+    counted_tokens: int  # the targets that count, over the whole step
+    pause: bool
+    integrity_mismatch: bool  # some position's replicas disagreed about the state the step began from
+    grad_norm: float  # the global gradient norm (after the cross-group sum, one group's parts make it)
+    times: tuple[RankTimes, ...]  # by group rank
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A step every rank of the group applied."""
+
+    record: StepRecord
+    pause: bool  # the ranks agreed to stop after it
+    report: bool  # the groups' first ranks send the run's records after it
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A step every rank of every group discarded, and why: its loss or norm was not finite
+    (the same sums everywhere), or replicas disagreed about the state it began from (every
+    group has a rank at the position that found it, and the vote tells the others)."""
+
+    nonfinite: NonFinite | None = None
+    integrity: IntegrityMismatch | None = None  # this rank's position's finding, if it has one
+
+
+class StepTransaction:
+    """The steps of one rank on the model and optimizer its group built."""
+
+    def __init__(self, rank: RankSpec, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: LossFn, device: torch.device, progress: StepProgress, signals: DriverSignals):
+        self.rank = rank
+        self.world = world
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.progress = progress
+        self.signals = signals
+        self.compute_timer = ComputeTimer(rank.use_gpu)
+        self.replicate_dtype = torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32
+        # the global ranks of this rank's group, in group-rank order
+        self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.shard * rank.tp))
+        self.mesh_coordinate = world.mesh_coordinate
+        # The schedule scales these; the optimizer's own lr changes every step, and a heal or
+        # restore loads the lr a peer last stepped with.
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        # generator states before the step in progress drew; None between steps
+        self._rng_before_step: rng.RngState | None = None
+
+    def step(self, spec: RunSpec, share: RankShare, batches: Future, report_due: bool,
+             faults: FaultPlan = NO_FAULTS) -> Committed | Discarded:
+        """Step ``share.step`` of the run ``spec`` on ``batches`` (the loader's, collated on
+        the CPU). ``report_due``: this rank asks for the run's records to go out after it.
+        Raises when the step failed here or on a peer of the group; the step is discarded
+        then too."""
+        try:
+            return self._step(spec, share, batches, report_due, faults)
+        except Exception:
+            self.discard_uncommitted()
+            raise
+
+    def _step(self, spec: RunSpec, share: RankShare, batches: Future, report_due: bool,
+              faults: FaultPlan) -> Committed | Discarded:
+        started = time.perf_counter()
+        deadline = started + spec.deadline_s
+        step = share.step
+        replicate_group = self.world.replicate_group
+        check = (start_check(step, self.rank.group, self.model, self.optimizer, replicate_group, self.device)
+                 if replicate_group is not None and check_due(step, spec.integrity_every) else None)
+        self.progress.set(step, "data")
+        on_device = [batch.to(self.device) for batch in batches.result()]
+        data_s = time.perf_counter() - started
+        loss_share, compute_s = self._compute(step, on_device, share.global_tokens, faults)
+        self.progress.set(step, "replicate")
+        comm_started = time.perf_counter()
+        sum_error, mismatch = None, None
+        try:
+            if check is not None:
+                self.wait_replicate(check.work, deadline)
+                mismatch = check.verdict(self.rank.position)
+            crossed = self._sum_across_groups(spec, loss_share, counted_tokens(on_device), report_due, deadline, faults)
+        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
+            sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
+        comm_s = time.perf_counter() - comm_started
+        grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
+        times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started)
+        self.progress.set(step, "vote")
+        try:
+            vote = self._vote(sum_error is None, crossed, mismatch is not None, grad_sq_norm, times)
+        except Exception as error:
+            raise VoteFailed(f"rank {self.rank.global_rank}: the group's vote on step {step} failed: {error}") from error
+        if sum_error is not None:
+            raise sum_error
+        if not vote.every_rank_succeeded:
+            raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
+        outcome = self._apply_or_discard(spec, share, vote, mismatch, report=crossed.report > 0)
+        self.progress.set(step, "done")
+        return outcome
+
+    def _compute(self, step: int, batches: list[Batch], global_tokens: int, faults: FaultPlan) -> tuple[float, float]:
+        """This rank's share of the step: (loss share, its own compute seconds)."""
+        self.progress.set(step, "compute")
+        self._rng_before_step = rng.capture(self.rank.use_gpu)
+        self.compute_timer.start()
+        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens,
+                                          on_micro_batch=lambda index: self.at_micro_batch(step, index))
+        return loss_share, faults.after_compute(self.compute_timer.seconds())
+
+    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool, deadline: float,
+                           faults: FaultPlan) -> CrossGroupScalars:
+        """The gradients, then the step's scalars, summed with this position's ranks in the
+        other groups."""
+        faults.before_cross_group_sum()
+        if self.world.replicate_group is not None:
+            sum_across_groups(self.model, self.world.replicate_group, lambda work: self.wait_replicate(work, deadline),
+                              self.replicate_dtype)
+        crossed = self._cross_group_scalars(loss_share, counted, self.signals.pause_requested(spec.run), report_due,
+                                            deadline)
+        # An abort the driver sent (a step failed elsewhere) ends this group's run after
+        # this step, which every contribution reached: a group that stops earlier than
+        # another leaves the other's next cross-group sum to be aborted and discarded.
+        return replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
+
+    def _apply_or_discard(self, spec: RunSpec, share: RankShare, vote: Vote, mismatch: IntegrityMismatch | None,
+                          report: bool) -> Committed | Discarded:
+        """What every rank of every group does with a step whose sums all succeeded: apply it
+        at its learning rate and clipping factor, or discard it when replicas disagreed or
+        its loss or norm is not finite (the same sums everywhere)."""
+        rescale = token_rescale(share.global_tokens, vote.counted_tokens)
+        loss, norm = vote.loss * rescale, vote.grad_norm * rescale
+        if vote.integrity_mismatch or not (math.isfinite(loss) and math.isfinite(norm)):
+            self.discard_uncommitted()
+            if vote.integrity_mismatch:
+                return Discarded(integrity=mismatch)
+            return Discarded(nonfinite=NonFinite(share.step, loss, norm))
+        clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
+        self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
+        record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
+                            share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
+                            vote.times)
+        return Committed(record, vote.pause, report)
+
+    def at_micro_batch(self, step: int, index: int) -> None:
+        """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
+        the abort flag: every rank of the group is at this same boundary (FSDP keeps them in
+        step), so they all stop here or all go on, and none waits in a collective its peers
+        left. Nothing here waits for the device."""
+        self.progress.set(step, "compute", index)
+        if index == 0:
+            return
+        stop = torch.tensor([int(self.signals.abort_requested())])
+        if self.world.control_group is not None:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=self.world.control_group)
+        if stop.item():
+            raise StepInterrupted(f"rank {self.rank.global_rank}: step {step} interrupted before micro-batch {index}")
+
+    def wait_replicate(self, work, deadline: float) -> None:
+        """Wait until a cross-group collective has finished on the device, the driver aborts
+        the step, or the step's deadline passes.
+
+        ``is_completed`` asks NCCL's CUDA events whether the device is done; the future of
+        an NCCL work is already complete once the kernel is enqueued, so waiting on it would
+        release nothing.
+        """
+        rank = self.rank.global_rank
+        try:
+            while not work.is_completed():
+                if self.signals.abort_requested():
+                    raise CollectiveAborted(f"rank {rank}: cross-group collective aborted by the driver")
+                if time.perf_counter() > deadline:
+                    raise CollectiveTimedOut(f"rank {rank}: cross-group collective still open at the step's deadline")
+                self.signals.wait(REPLICATE_POLL_S)
+            work.wait()
+        except (CollectiveAborted, CollectiveTimedOut):
+            raise
+        except RuntimeError as error:
+            raise CollectiveFailed(f"rank {rank}: cross-group collective failed: {error}") from error
+
+    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool, report_due: bool,
+                             deadline: float) -> CrossGroupScalars:
+        """The loss shares, counted tokens, pause requests and due reports of this position
+        summed over the groups, in float64: identical at this position in every group."""
+        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due)], dtype=torch.float64)
+        if self.world.replicate_group is not None:
+            on_device = scalars.to(self.device)
+            self.wait_replicate(self.world.replicate_group.allreduce([on_device]), deadline)
+            scalars = on_device.cpu()
+        return CrossGroupScalars(*scalars.tolist())
+
+    def _vote(self, succeeded: bool, crossed: CrossGroupScalars, mismatch: bool, grad_sq_norm: float,
+              times: RankTimes) -> Vote:
+        """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
+        and adds them up in rank order, so all decide the same: apply or discard, and whether
+        to stop after this step (a pause every group saw the same, or an abort)."""
+        leads_tp = self.rank.tp_index == 0
+        # A TP row's ranks hold the same samples: its first rank counts them.
+        sums = [crossed.loss_share, crossed.counted_tokens] if leads_tp else [0.0, 0.0]
+        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times],
+                              dtype=torch.float64)
+        if self.world.control_group is None:
+            ballots = [ballot]
+        else:
+            ballots = [torch.empty_like(ballot) for _ in self.group_ranks]
+            dist.all_gather(ballots, ballot, group=self.world.control_group)
+        table = torch.stack(ballots).tolist()
+        return Vote(
+            every_rank_succeeded=all(row[0] == 1.0 for row in table),
+            loss=sum(row[1] for row in table),
+            counted_tokens=round(sum(row[2] for row in table)),
+            pause=any(row[3] > 0 for row in table),
+            integrity_mismatch=any(row[4] > 0 for row in table),
+            grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
+            times=tuple(RankTimes(*row[6:10]) for row in table),
+        )
+
+    def _apply(self, lr_scale: float, grad_scale: float) -> None:
+        scale_gradients(self.model, grad_scale)
+        for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base_lr * lr_scale
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self._rng_before_step = None
+
+    def discard_uncommitted(self) -> None:
+        """Back to the committed state: the step's gradients zeroed, its draws undone."""
+        if self._rng_before_step is not None:
+            rng.restore(self._rng_before_step)
+            self._rng_before_step = None
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float]:
+        """This rank's share of the held-out loss of the committed state, and its compute
+        seconds: computed as a step's share is, with the same agreement to stop, committing
+        nothing."""
+        self.progress.set(step, "compute")
+        # The held-out loss leaves the training generators where they were.
+        with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
+            self.compute_timer.start()
+            loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
+                                       on_micro_batch=lambda index: self.at_micro_batch(step, index))
+            compute_s = self.compute_timer.seconds()
+        self.progress.set(step, "done")
+        return loss_share, compute_s
+
+    def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:
+        """The ``rows`` of this position's rank in every group, by replica rank; None when
+        the gather fails: a peer group is gone, and the next cross-group sum fails and ends
+        the run as any failed sum does."""
+        replicate_group = self.world.replicate_group
+        own = torch.tensor(rows, dtype=torch.float64).to(self.device)
+        gathered = [torch.empty_like(own) for _ in range(replicate_group.size())]
+        try:
+            self.wait_replicate(replicate_group.allgather([gathered], [own]), deadline)
+        except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
+            return None
+        return [member.cpu().tolist() for member in gathered]

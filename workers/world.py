@@ -1,0 +1,97 @@
+"""A rank's process groups: its replica group's world, and the replicate group across groups.
+
+Each replica group is its own torch.distributed world (the default process group, with the
+group's 2-D ``(shard, tp)`` mesh on it), rendezvousing on the driver's store under a
+generation prefix, with two CPU groups beside it: one for the checkpoint upload thread, one
+for the step's control traffic (the abort agreement and the vote), so neither interleaves
+with the other. Across groups, ranks at the same position sum gradients over a *replicate*
+process group built directly on the store, outside the default world, so it can be torn
+down and rebuilt when membership changes without touching the group's own world.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from workers.rank_spec import RankSpec
+
+
+def abort_process_groups_on_gpu(group=None) -> None:
+    """Abort NCCL communicators instead of destroying them: a destroy waits for the work in
+    flight, which never ends when a peer is gone, and keeps its GPU buffers meanwhile."""
+    dist.distributed_c10d._abort_process_group(group)
+
+
+class World:
+    def __init__(self, rank: RankSpec, store: dist.Store):
+        self.rank = rank
+        self.store = store
+        self.timeout = datetime.timedelta(seconds=rank.collective_timeout_s)
+        self.mesh: DeviceMesh | None = None
+        self.checkpoint_group = None
+        self.control_group = None  # None in a group of one rank: it has no one to agree with
+        self.replicate_group = None  # None while the rank's position has no replica in another group
+        self.replica_rank = 0
+        # Gloo process groups given up with work in flight: gloo cannot abort a collective
+        # and destroying one would block until it times out, so they are kept until the
+        # process ends. NCCL groups are aborted instead.
+        self._abandoned: list = []
+
+    @property
+    def joined(self) -> bool:
+        return dist.is_initialized()
+
+    def join_group(self, generation: int) -> DeviceMesh:
+        """(Re)join the group's world under ``generation``, leaving the previous one and the
+        replicate group; returns the group's mesh."""
+        rank = self.rank
+        self.leave_replicas()
+        if dist.is_initialized():
+            if rank.use_gpu:
+                abort_process_groups_on_gpu()
+            else:
+                dist.destroy_process_group()
+        backend = "cpu:gloo,cuda:nccl" if rank.use_gpu else "gloo"
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen{generation}/group{rank.group}/", self.store),
+            rank=rank.group_rank,
+            world_size=rank.shard * rank.tp,
+            timeout=self.timeout,
+        )
+        device_type = "cuda" if rank.use_gpu else "cpu"
+        self.mesh = init_device_mesh(device_type, (rank.shard, rank.tp), mesh_dim_names=("shard", "tp"))
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.shard * rank.tp > 1 else None
+        return self.mesh
+
+    @property
+    def mesh_coordinate(self) -> dict[str, int]:
+        """This rank's index on each dimension of the group's mesh, by name."""
+        return dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+
+    def leave_replicas(self) -> None:
+        if self.replicate_group is not None:
+            if self.rank.use_gpu:
+                self.replicate_group.abort()
+            else:
+                self._abandoned.append(self.replicate_group)
+        self.replicate_group = None
+
+    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> None:
+        """(Re)build the replicate group of this rank's position: ``replica_rank`` of the
+        ``replica_size`` groups of ``generation`` (none when it is the only one)."""
+        self.leave_replicas()
+        self.replica_rank = replica_rank
+        if replica_size > 1:
+            shard_index, tp_index = self.rank.position
+            store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
+            if self.rank.use_gpu:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout  # the default is 10 minutes
+                self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
+            else:
+                self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
