@@ -3,7 +3,7 @@ of today (runs: ranks step on their own and stream their groups' records) agains
 pattern it replaced (one actor call per rank per step, collected one at a time), side by
 side at each scale.
 
-Null ranks speak the real protocol (``RunSpec`` in, ``RunRecords`` / ``GroupProgress`` /
+Null ranks speak the real protocol (``RunSpec`` in, ``RunRecords`` / ``GroupRecords`` /
 ``RunEnd`` out, planned with the real ``data_plan``) under the real ``Fleet`` and
 ``Controller``, but do no math and import no torch: a step is a sleep of ``--step-ms``, and
 the run's first rank writes every group's records itself where real ranks gather them over
@@ -40,7 +40,7 @@ import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
 from elastic.core.protocol import (  # noqa: E402
-    BuildReport, GroupProgress, Progress, RankTimes, RunEnd, RunRecords, StepRecord,
+    BuildReport, GroupRecords, RankActivity, RankTimes, RunEnd, RunRecords, StepRecord,
 )
 from elastic.core.topology import Topology  # noqa: E402
 
@@ -60,7 +60,7 @@ class NullRank:
     def node(self) -> dict:
         return {"pid": os.getpid(), "global_rank": self.spec.global_rank}
 
-    def build(self, generation: int) -> BuildReport:
+    def build(self, world_build: int) -> BuildReport:
         return BuildReport(self.spec.global_rank, 0.0)
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
@@ -76,8 +76,8 @@ class NullRank:
         self.pause_run = attempt
 
     @ray.method(concurrency_group="control")
-    def probe(self) -> Progress:
-        return Progress(self.spec.global_rank, 0, "compute", 0, 0, 0.0)
+    def probe(self) -> RankActivity:
+        return RankActivity(self.spec.global_rank, 0, "compute", 0, 0, 0.0)
 
     def run(self, spec):
         me = self.spec
@@ -104,7 +104,7 @@ class NullRank:
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
             if leads_group and (last or (step - spec.first_step) % every == 0):
                 if last or len(spec.groups) == 1:  # each group's first rank sends what it holds
-                    yield GroupProgress(me.group, tuple(held[me.group]))
+                    yield GroupRecords(me.group, tuple(held[me.group]))
                 elif len(held) > 1:
                     yield RunRecords.of_groups(held)
                 held = {group: [] for group in held}

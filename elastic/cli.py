@@ -1,4 +1,5 @@
-"""``elastic train`` and ``elastic report``. Flags override the config file field by field."""
+"""The ``elastic`` command: ``train``, ``prepare``, ``report`` and ``export``. For ``train``, flags
+override the config file field by field, and ``--set`` any field."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ class ElasticTrainer:
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
                                    tp_plan=tp_plan)
-        self.progress = progress
+        self.history = history
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
         self.faults = resolve_random_targets(
@@ -341,10 +341,10 @@ class ElasticTrainer:
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
         scaling = self.config.scaling
         wall = ledger.wall()
-        tokens = controller.progress.tokens_committed if controller else 0
-        losses = controller.progress.losses if controller else []
-        evals = controller.progress.eval_results if controller else []
-        steps = controller.progress.step_results if controller else []
+        tokens = controller.history.tokens_committed if controller else 0
+        losses = controller.history.losses if controller else []
+        evals = controller.history.eval_results if controller else []
+        steps = controller.history.step_results if controller else []
         groups = len(controller.membership.live_groups()) if controller else 0
         resumed = controller.resume.step if controller and controller.resume else None
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
@@ -354,10 +354,10 @@ class ElasticTrainer:
             "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
             "resumed_from_step": resumed,
-            "first_step": controller.progress.first_step if controller else 0,
+            "first_step": controller.history.first_step if controller else 0,
             "steps_committed": len(losses),
-            "steps_discarded": controller.progress.steps_discarded if controller else 0,
-            "steps_rolled_back": controller.progress.steps_rolled_back if controller else 0,
+            "steps_discarded": controller.history.steps_discarded if controller else 0,
+            "steps_rolled_back": controller.history.steps_rolled_back if controller else 0,
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "final_lr": steps[-1].lr if steps else None,

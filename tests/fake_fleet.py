@@ -24,10 +24,10 @@ from elastic.core.integrity import IntegrityMismatch, check_due, compare
 from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
-    GroupProgress,
+    GroupRecords,
     PROGRESS_MESSAGES,
     NonFinite,
-    Progress,
+    RankActivity,
     RankTimes,
     RunEnd,
     RunRecords,
@@ -104,7 +104,7 @@ class Call:
     result: object = None
     # For a step: how the rank's report depends on the driver's abort.
     waits_for_abort: bool = False
-    progress: Progress | None = None
+    activity: RankActivity | None = None
 
 
 class FakeFleet:
@@ -213,7 +213,7 @@ class FakeFleet:
         del self.spare_ready_at[spare]
         self.spares_lost[spare] = (why, raised)
 
-    def build(self, ranks, generation: int) -> Pending:
+    def build(self, ranks, world_build: int) -> Pending:
         hooks_failed = {rank: self.hook_errors[rank] for rank in ranks if rank in self.hook_errors}
         if hooks_failed:
             raise CallFailed(list(hooks_failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(hooks_failed.items())),
@@ -306,7 +306,7 @@ class FakeFleet:
         faults = self.faults.pop(step, [])
         finish = now + self.step_s
         calls = {rank: Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
-                                               wall_s=self.step_s), progress=Progress(rank, step, "compute", 0, 9, 0.0))
+                                               wall_s=self.step_s), activity=RankActivity(rank, step, "compute", 0, 9, 0.0))
                  for rank in requests}
         for fault in faults:
             assert isinstance(fault, Kill), "evaluations fail here by a kill only"
@@ -338,8 +338,8 @@ class FakeFleet:
     def abort_step(self, ranks, attempt: int) -> None:
         self.aborted_at = self.clock()
 
-    def probe(self, ranks, timeout: float) -> dict[int, Progress]:
-        return {rank: self.in_flight[rank].progress for rank in ranks if rank in self.alive_ranks}
+    def probe(self, ranks, timeout: float) -> dict[int, RankActivity]:
+        return {rank: self.in_flight[rank].activity for rank in ranks if rank in self.alive_ranks}
 
     # state
 
@@ -458,7 +458,7 @@ class FakeRun:
         self.report = any([loop.step_starts(now) for loop in self.loops.values()])
         self.compute = {rank: fleet.step_s * fleet.slow.get(rank, 1.0) for rank in self.ranks}
         self.ends_at = now + max(self.compute.values())
-        fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "replicate", 0, 9, 0.0))
+        fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, "replicate", 0, 9, 0.0))
                            for rank in self.ranks}
         faults = fleet.faults.pop(step, [])
         fleet.corrupt |= {fault.rank for fault in faults if isinstance(fault, Flip)}
@@ -495,10 +495,10 @@ class FakeRun:
                     finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, RunEnd(peer, step, StepReport(
                         peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
             elif isinstance(fault, Hang):
-                fleet.in_flight[fault.rank] = Call(NEVER, progress=Progress(fault.rank, step, "compute", 0, 1, 0.0))
+                fleet.in_flight[fault.rank] = Call(NEVER, activity=RankActivity(fault.rank, step, "compute", 0, 1, 0.0))
                 finals[fault.rank] = Call(NEVER, (fault.rank, None))
                 for peer in peers:
-                    fleet.in_flight[peer] = Call(NEVER, progress=Progress(peer, step, "compute", 0, 2, 0.0))
+                    fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, "compute", 0, 2, 0.0))
                     finals[peer] = Call(NEVER, (peer, None))
             elif isinstance(fault, CollectiveError):
                 finals[fault.rank] = Call(self.ends_at, (fault.rank, RunEnd(fault.rank, step, StepReport(
@@ -513,7 +513,7 @@ class FakeRun:
             call = finals.get(leader)
             records = loop.held()
             if records and call is not None and call.result[1] is not None:
-                self.queue.append(Call(call.at, (leader, GroupProgress(group, records)),
+                self.queue.append(Call(call.at, (leader, GroupRecords(group, records)),
                                        waits_for_abort=call.waits_for_abort))
         self.queue.extend(finals.values())
 
@@ -541,7 +541,7 @@ class FakeRun:
             self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], RunRecords.of_groups(
                 {group: list(send.records) for group, send in sent.items()}))))
         else:
-            self.queue.extend(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, send.records)))
+            self.queue.extend(Call(at, (self.topology.global_ranks(group)[0], GroupRecords(group, send.records)))
                               for group, send in sent.items())
         self.cursor = plan.next_cursor
         self.step += 1
@@ -550,7 +550,7 @@ class FakeRun:
         if decided[self.groups[0]].run_ends:
             self.over = True
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
-            fleet.in_flight = {rank: Call(NEVER, progress=Progress(rank, step, "done", 0, 9, 0.0))
+            fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, "done", 0, 9, 0.0))
                                for rank in self.ranks}
 
     def _discard(self, step: int, at: float) -> None:
@@ -560,7 +560,7 @@ class FakeRun:
         for group, loop in self.loops.items():
             records = loop.held()
             if records:
-                self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupProgress(group, records))))
+                self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupRecords(group, records))))
         if self.mismatches:
             self.queue.extend(Call(at, (rank, RunEnd(rank, step, integrity=self.mismatches.get(rank))))
                               for rank in self.ranks)

@@ -109,7 +109,7 @@ def test_the_groups_records_reach_the_driver_in_one_message_per_interval_for_the
     # after the first step, then about once a second (10 steps); each group's first rank sends
     # what it holds when the run ends, and every rank its end
     assert kinds.count("RunRecords") == 4
-    assert kinds.count("GroupProgress") == 4 and kinds.count("RunEnd") == 8
+    assert kinds.count("GroupRecords") == 4 and kinds.count("RunEnd") == 8
     assert {rank for rank, message in scenario.fleet.delivered if type(message).__name__ == "RunRecords"} == {0}
     for record in scenario.records:  # every rank's times, every step
         assert sorted(record.rank_times) == list(range(8))
@@ -125,7 +125,7 @@ def test_a_failure_between_two_run_messages_commits_each_step_once_from_the_grou
     assert (failed["rank"], failed["step"]) == (5, 15)
     # steps 11-14 reached the driver in the groups' own messages, the first run's last
     first_run = message_kinds(scenario.fleet)[:message_kinds(scenario.fleet).index("RunEnd")]
-    assert "GroupProgress" in first_run
+    assert "GroupRecords" in first_run
     assert [record.live_ranks for record in scenario.records] == [8] * 40
 
 
@@ -344,7 +344,7 @@ def test_a_heal_source_dying_mid_copy_is_a_new_failure_and_the_run_restarts_from
     [restart] = scenario.kinds(EventKind.RESTORED_INITIAL_STATE)
     assert restart["rolled_back_steps"] == 3 and sorted(restart["groups"]) == [0, 1]
     assert scenario.committed_steps() == [0, 1, 2, *range(12)]  # steps 0-2 rerun from the initial state
-    assert [record.step for record in scenario.controller.progress.step_results] == list(range(12))
+    assert [record.step for record in scenario.controller.history.step_results] == list(range(12))
 
 
 def test_both_copies_of_a_shard_lost_with_the_memory_tier_off_rerun_from_step_0_before_a_checkpoint(tmp_path):
@@ -388,7 +388,7 @@ def test_with_two_groups_both_are_suspect_and_restore_the_newest_checkpoint_the_
     assert (restored["step"], restored["rolled_back_steps"], sorted(restored["groups"])) == (4, 6, [0, 1])
     assert scenario.fleet.corrupt == set() and scenario.fleet.kills == []
     assert scenario.committed_steps() == [*range(10), *range(4, 14)]
-    assert scenario.controller.progress.steps_rolled_back == 6
+    assert scenario.controller.history.steps_rolled_back == 6
 
 
 def test_both_copies_of_a_shard_lost_come_back_from_their_buddies_memory_losing_no_step(tmp_path):
@@ -535,7 +535,7 @@ def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
 def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=2, config={"eval__every": 5, "eval__samples": 24}, eval_len=100)
     assert scenario.run() == "completed"
-    evals = scenario.controller.progress.eval_results
+    evals = scenario.controller.history.eval_results
     assert [record.step for record in evals] == [5, 10, 12]
     assert all(record.samples == 24 for record in evals)
     eval_requests = scenario.fleet.evaluations
@@ -556,8 +556,8 @@ def test_a_failed_evaluation_recovers_and_runs_again_without_discarding_a_step(t
     assert scenario.run() == "completed"
     [discarded] = scenario.kinds(EventKind.EVAL_DISCARDED)
     assert discarded["step"] == 5 and discarded["cause"] == "death"
-    assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.progress.steps_discarded == 0
-    assert [record.step for record in scenario.controller.progress.eval_results] == [5, 10, 12]
+    assert scenario.kinds(EventKind.STEP_DISCARDED) == [] and scenario.controller.history.steps_discarded == 0
+    assert [record.step for record in scenario.controller.history.eval_results] == [5, 10, 12]
     assert scenario.committed_steps() == list(range(12))
 
 
@@ -593,10 +593,10 @@ class SampleLedger:
                    for index in micro_batch if index != PADDING_INDEX]
         share = rank_share(spec, step, cursor, spec.groups[0], 0, shard)
         self.trained[step] = (share.epoch, samples)
-        self.cursor_after[step] = controller.progress.cursor
+        self.cursor_after[step] = controller.history.cursor
 
     def committed(self) -> list[tuple[int, list[int]]]:
-        return [self.trained[record.step] for record in self.scenario.controller.progress.step_results]
+        return [self.trained[record.step] for record in self.scenario.controller.history.step_results]
 
 
 def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_and_a_resume(tmp_path):
@@ -622,7 +622,7 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
     resumed.fleet.faults = {36: [Kill(rank=2, after_s=0.5)]}
     second = SampleLedger(resumed)
     assert resumed.run() == "completed"
-    assert [record.step for record in resumed.controller.progress.step_results] == list(range(30, 50))
+    assert [record.step for record in resumed.controller.history.step_results] == list(range(30, 50))
 
     history = ledger.committed() + second.committed()
     assert len(history) == 50

@@ -269,7 +269,7 @@ def step_record(step: int, group: int, ranks_per_group: int = 2):
 
 def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_would():
     from elastic.core.protocol import RunRecords
-    from elastic.driver.progress import CommittedStep
+    from elastic.driver.history import CommittedStep
 
     own = {group: [step_record(step, group) for step in (5, 6, 7)] for group in (2, 0)}
     message = RunRecords.of_groups(own)

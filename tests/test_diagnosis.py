@@ -1,23 +1,23 @@
 """Failure attribution over plain reports, without a cluster."""
 
-from elastic.core.diagnosis import HANG, diagnose, least_progressed
-from elastic.core.protocol import Progress, StepReport
+from elastic.core.diagnosis import HANG, diagnose, least_advanced
+from elastic.core.protocol import RankActivity, StepReport
 
 
-def progress(rank: int, phase: str, micro_batch: int = 0, step: int = 5) -> Progress:
-    return Progress(rank, step, phase, micro_batch, module_entries=0, phase_age_s=1.0)
+def activity(rank: int, phase: str, micro_batch: int = 0, step: int = 5) -> RankActivity:
+    return RankActivity(rank, step, phase, micro_batch, module_entries=0, phase_age_s=1.0)
 
 
 def test_the_hang_is_blamed_on_the_rank_furthest_behind():
-    ranks = [progress(0, "compute", 1), progress(1, "compute", 0), progress(2, "replicate"), progress(3, "done")]
-    assert least_progressed(ranks) == [1]
+    ranks = [activity(0, "compute", 1), activity(1, "compute", 0), activity(2, "replicate"), activity(3, "done")]
+    assert least_advanced(ranks) == [1]
 
 
 def test_a_rank_that_already_failed_its_step_is_not_the_hung_one():
     # Rank 2 gave up on the cross-group all-reduce at its own deadline a moment before the
     # driver probed: it is through with the step, its error report on the way.
-    ranks = [progress(0, "compute", 1), progress(1, "compute", 0), progress(2, "failed"), progress(3, "replicate")]
-    assert least_progressed(ranks) == [1]
+    ranks = [activity(0, "compute", 1), activity(1, "compute", 0), activity(2, "failed"), activity(3, "replicate")]
+    assert least_advanced(ranks) == [1]
 
 
 def test_a_hang_breaks_only_the_hung_rank_group():

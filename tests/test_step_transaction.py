@@ -29,7 +29,7 @@ from workers.step_transaction import (
     Committed,
     Discarded,
     DriverSignals,
-    StepProgress,
+    ActivityTracker,
     StepTransaction,
 )
 from workers.train_step import Batch, accumulate_gradients, collate, token_cross_entropy
@@ -131,7 +131,7 @@ def new_transaction(spec: RankSpec, world: World) -> tuple[StepTransaction, Driv
     model = TinyModel()
     signals = DriverSignals()
     transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), token_cross_entropy,
-                                  torch.device("cpu"), StepProgress(), signals)
+                                  torch.device("cpu"), ActivityTracker(), signals)
     signals.begin(RUN)
     torch.manual_seed(TRAINING_SEED)
     return transaction, signals
@@ -141,7 +141,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     # two groups of one rank: rank ``rank`` is group ``rank``
     spec = rank_spec(rank, group=rank, group_rank=0, shard=1, port=port)
     world = World(spec, store)
-    world.join_group(generation=0)
+    world.join_group(world_build=0)
     world.join_replicas(generation=0, replica_rank=rank, replica_size=2)
     transaction, signals = new_transaction(spec, world)
     yield "both apply", take_step(transaction, 0, rank_batches(rank, 0), report_due=rank == 0)
@@ -156,7 +156,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     # one group of two ranks
     spec = rank_spec(rank, group=0, group_rank=rank, shard=2, port=port)
     world = World(spec, store)
-    world.join_group(generation=1)
+    world.join_group(world_build=1)
     world.join_replicas(generation=1, replica_rank=0, replica_size=1)
     transaction, _ = new_transaction(spec, world)
     yield "one rank's sum fails", take_step(transaction, 0, rank_batches(rank, 0),

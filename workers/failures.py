@@ -101,7 +101,7 @@ def describe_failure(error: BaseException) -> str:
 
 
 def classify(error: BaseException, phase: str) -> Failure:
-    """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``Progress``)."""
+    """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):

@@ -5,7 +5,7 @@ key (``list_keys``), then read or overwrite any of them. So no key or value of t
 stored as itself:
 
 - a key is stored as ``HMAC(secret, key)``: a listing shows digests that name no group,
-  generation or rank, and the keys of the next generation cannot be guessed from them;
+  build, generation or rank, and the keys of the next build cannot be guessed from them;
 - a value written with ``set`` or ``compare_set`` carries ``HMAC(secret, key, value)``, and
   ``get`` refuses a value whose tag does not match, so a client without the secret cannot
   plant an address or an NCCL id that a rank would trust (``StoreTampered``). Values are

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
-from elastic.core.protocol import NonFinite, Progress, RankTimes, RunSpec, StepRecord
+from elastic.core.protocol import NonFinite, RankActivity, RankTimes, RunSpec, StepRecord
 from workers import rng
 from workers.failures import (
     CollectiveAborted,
@@ -93,7 +93,7 @@ class ComputeTimer:
         return self.started.elapsed_time(ended) / 1000.0
 
 
-class StepProgress:
+class ActivityTracker:
     """Where the training thread is, for the control thread to answer the driver's probes."""
 
     def __init__(self):
@@ -111,9 +111,9 @@ class StepProgress:
     def count_module_entry(self, *_args) -> None:
         self.module_entries += 1
 
-    def read(self, global_rank: int) -> Progress:
+    def read(self, global_rank: int) -> RankActivity:
         with self._lock:
-            return Progress(global_rank, self.step, self.phase, self.micro_batch, self.module_entries,
+            return RankActivity(global_rank, self.step, self.phase, self.micro_batch, self.module_entries,
                             time.monotonic() - self._phase_started)
 
 
@@ -218,14 +218,14 @@ class StepTransaction:
     """The steps of one rank on the model and optimizer its group built."""
 
     def __init__(self, rank: RankSpec, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, device: torch.device, progress: StepProgress, signals: DriverSignals):
+                 loss_fn: LossFn, device: torch.device, activity: ActivityTracker, signals: DriverSignals):
         self.rank = rank
         self.world = world
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = device
-        self.progress = progress
+        self.activity = activity
         self.signals = signals
         self.compute_timer = ComputeTimer(rank.use_gpu)
         self.replicate_dtype = torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32
@@ -258,11 +258,11 @@ class StepTransaction:
         replicate_group = self.world.replicate_group
         check = (start_check(step, self.rank.group, self.model, self.optimizer, replicate_group, self.device)
                  if replicate_group is not None and check_due(step, spec.integrity_every) else None)
-        self.progress.set(step, "data")
+        self.activity.set(step, "data")
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
         loss_share, compute_s = self._compute(step, on_device, share.global_tokens, faults)
-        self.progress.set(step, "replicate")
+        self.activity.set(step, "replicate")
         comm_started = time.perf_counter()
         sum_error, mismatch = None, None
         try:
@@ -275,7 +275,7 @@ class StepTransaction:
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started)
-        self.progress.set(step, "vote")
+        self.activity.set(step, "vote")
         try:
             vote = self._vote(sum_error is None, crossed, mismatch is not None, grad_sq_norm, times)
         except Exception as error:
@@ -285,12 +285,12 @@ class StepTransaction:
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
         outcome = self._apply_or_discard(spec, share, vote, mismatch, report=crossed.report > 0)
-        self.progress.set(step, "done")
+        self.activity.set(step, "done")
         return outcome
 
     def _compute(self, step: int, batches: list[Batch], global_tokens: int, faults: FaultPlan) -> tuple[float, float]:
         """This rank's share of the step: (loss share, its own compute seconds)."""
-        self.progress.set(step, "compute")
+        self.activity.set(step, "compute")
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
         loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens,
@@ -336,7 +336,7 @@ class StepTransaction:
         the abort flag: every rank of the group is at this same boundary (FSDP keeps them in
         step), so they all stop here or all go on, and none waits in a collective its peers
         left. Nothing here waits for the device."""
-        self.progress.set(step, "compute", index)
+        self.activity.set(step, "compute", index)
         if index == 0:
             return
         stop = torch.tensor([int(self.signals.abort_requested())])
@@ -423,14 +423,14 @@ class StepTransaction:
         """This rank's share of the held-out loss of the committed state, and its compute
         seconds: computed as a step's share is, with the same agreement to stop, committing
         nothing."""
-        self.progress.set(step, "compute")
+        self.activity.set(step, "compute")
         # The held-out loss leaves the training generators where they were.
         with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
             self.compute_timer.start()
             loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
                                        on_micro_batch=lambda index: self.at_micro_batch(step, index))
             compute_s = self.compute_timer.seconds()
-        self.progress.set(step, "done")
+        self.activity.set(step, "done")
         return loss_share, compute_s
 
     def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:

@@ -35,9 +35,9 @@ from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import (
     BuildReport,
     EvalRequest,
-    GroupProgress,
+    GroupRecords,
     HookFailed,
-    Progress,
+    RankActivity,
     RunEnd,
     RunMessage,
     RunRecords,
@@ -51,7 +51,7 @@ from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
-from workers.step_transaction import Discarded, DriverSignals, StepProgress, StepTransaction
+from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, StepTransaction
 from workers.train_step import collate, counted_tokens
 from workers.world import World
 
@@ -91,7 +91,7 @@ class RankWorker:
         self.optimizer = None
         self.transaction: StepTransaction | None = None  # the steps on the model its group built
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
-        self.progress = StepProgress()
+        self.activity = ActivityTracker()
         self.signals = DriverSignals()
         self._take_place(spec)
 
@@ -106,8 +106,8 @@ class RankWorker:
     # the control thread
 
     @ray.method(concurrency_group="control")
-    def probe(self) -> Progress:
-        return self.progress.read(self.spec.global_rank)
+    def probe(self) -> RankActivity:
+        return self.activity.read(self.spec.global_rank)
 
     @ray.method(concurrency_group="control")
     def abort_step(self, attempt: int) -> None:
@@ -152,13 +152,13 @@ class RankWorker:
         self._take_place(spec)
         return self.node()
 
-    def build(self, generation: int) -> BuildReport:
-        """(Re)join the group's world under ``generation`` and build a fresh model on its mesh."""
+    def build(self, world_build: int) -> BuildReport:
+        """(Re)join the group's world as its build number ``world_build`` and build a fresh model on its mesh."""
         started = time.perf_counter()
         spec = self.spec
         if self.world.joined:  # an upload in flight uses the world about to be left
             self.checkpoint_io.settle(spec.collective_timeout_s)
-        mesh = self.world.join_group(generation)
+        mesh = self.world.join_group(world_build)
         self.checkpoint_io.attach(self.world.checkpoint_group)
         torch.manual_seed(spec.seed)  # every rank builds the same initial model
         try:
@@ -173,13 +173,13 @@ class RankWorker:
                 raise
             raise HookFailed(describe_failure(error)) from error
         self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.loss_fn,
-                                           self.device, self.progress, self.signals)
+                                           self.device, self.activity, self.signals)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index))
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # prepend: counted before FSDP's all-gather, so a rank blocked in compute lags
                 # the peers blocked in the next module's all-gather.
-                module.register_forward_pre_hook(self.progress.count_module_entry, prepend=True)
+                module.register_forward_pre_hook(self.activity.count_module_entry, prepend=True)
         return BuildReport(spec.global_rank, time.perf_counter() - started, ray_node_ip())
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
@@ -231,15 +231,15 @@ class RankWorker:
         """Read the step's samples on the loader thread while the current step computes."""
         return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
 
-    def _held_records(self, loop: RankRunLoop) -> Iterator[GroupProgress]:
+    def _held_records(self, loop: RankRunLoop) -> Iterator[GroupRecords]:
         held = loop.held()
         if held:
-            yield GroupProgress(self.spec.group, held)
+            yield GroupRecords(self.spec.group, held)
 
     def _records_message(self, send: SendRecords, deadline: float) -> RunMessage | None:
         """What the group's first rank sends of its records: gathered, every group's, from the
         run's first group (None from the others); else, or when the gather fails, its group's own."""
-        own = GroupProgress(self.spec.group, send.records)
+        own = GroupRecords(self.spec.group, send.records)
         if not send.gathered:
             return own
         rows = self.transaction.gather_across_groups([record_row(record) for record in send.records], deadline)
@@ -248,9 +248,9 @@ class RankWorker:
         return RunRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
 
     def _failed(self, step: int, error: Exception) -> StepReport:
-        report = failure_report(self.spec.global_rank, step, error, self.progress.phase)
+        report = failure_report(self.spec.global_rank, step, error, self.activity.phase)
         self.world.leave_replicas()
-        self.progress.set(step, "failed")
+        self.activity.set(step, "failed")
         return report
 
     def evaluate(self, request: EvalRequest) -> StepReport:
@@ -258,7 +258,7 @@ class RankWorker:
         started = time.perf_counter()
         self.signals.begin(request.attempt)
         try:
-            self.progress.set(request.step, "data")
+            self.activity.set(request.step, "data")
             batches = [collate(self.hooks.eval_dataset, mb, self.device) for mb in request.micro_batches]
             data_s = time.perf_counter() - started
             loss_share, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)

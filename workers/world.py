@@ -1,12 +1,13 @@
 """A rank's process groups: its replica group's world, and the replicate group across groups.
 
 Each replica group is its own torch.distributed world (the default process group, with the
-group's 2-D ``(shard, tp)`` mesh on it), rendezvousing on the driver's store under a
-generation prefix, with two CPU groups beside it: one for the checkpoint upload thread, one
+group's 2-D ``(shard, tp)`` mesh on it), rendezvousing on the driver's store under the
+prefix of its build number (one per build of any group's world), with two CPU groups beside it: one for the checkpoint upload thread, one
 for the step's control traffic (the abort agreement and the vote), so neither interleaves
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
 process group built directly on the store, outside the default world, so it can be torn
-down and rebuilt when membership changes without touching the group's own world.
+down and rebuilt when membership changes without touching the group's own world; its prefix
+is the membership's generation, which changes exactly when the set of live groups does.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class World:
     def joined(self) -> bool:
         return dist.is_initialized()
 
-    def join_group(self, generation: int) -> DeviceMesh:
-        """(Re)join the group's world under ``generation``, leaving the previous one and the
+    def join_group(self, world_build: int) -> DeviceMesh:
+        """(Re)join the group's world as its build number ``world_build``, leaving the previous one and the
         replicate group; returns the group's mesh."""
         rank = self.rank
         self.leave_replicas()
@@ -57,7 +58,7 @@ class World:
         backend = "cpu:gloo,cuda:nccl" if rank.use_gpu else "gloo"
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"gen{generation}/group{rank.group}/", self.store),
+            store=dist.PrefixStore(f"world{world_build}/group{rank.group}/", self.store),
             rank=rank.group_rank,
             world_size=rank.shard * rank.tp,
             timeout=self.timeout,

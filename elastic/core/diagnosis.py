@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from elastic.core.integrity import IntegrityMismatch, suspect_groups
-from elastic.core.protocol import Failure, Progress, StepReport, describe_error
+from elastic.core.protocol import Failure, RankActivity, StepReport, describe_error
 
 DEATH, HANG = "death", "hang"
 # The rank raised about itself: its own compute, I/O or hooks (the user's code, or the device).
@@ -47,13 +47,13 @@ class Diagnosis:
         return INTEGRITY_MISMATCH if self.corrupt else COLLECTIVE_ERROR
 
 
-def least_progressed(progress: Iterable[Progress]) -> list[int]:
+def least_advanced(activities: Iterable[RankActivity]) -> list[int]:
     """The unfinished ranks furthest behind (the hang's culprits)."""
-    progress = [p for p in progress if not p.finished]
-    if not progress:
+    unfinished = [a for a in activities if not a.finished]
+    if not unfinished:
         return []
-    lowest = min(p.order() for p in progress)
-    return sorted(p.global_rank for p in progress if p.order() == lowest)
+    lowest = min(a.order() for a in unfinished)
+    return sorted(a.global_rank for a in unfinished if a.order() == lowest)
 
 
 def diagnose(

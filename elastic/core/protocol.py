@@ -7,7 +7,7 @@ each step among themselves. About once per ``report_interval_s``, at a step the 
 on in their cross-group sum, the groups' first ranks gather their committed ``StepRecord``s
 and the run's first group sends them as one ``RunRecords``: one message for the whole run,
 however many groups. A run of one group, and a group whose run ends, sends its own
-(``GroupProgress``). Every rank ends its run with a ``RunEnd``: paused at a step boundary,
+(``GroupRecords``). Every rank ends its run with a ``RunEnd``: paused at a step boundary,
 or failed with the ``StepReport`` of the step it failed. The driver's calls per rank happen
 at boundaries and failures only.
 """
@@ -116,7 +116,7 @@ FINISHED_PHASES = ("done", "failed")
 
 
 @dataclass(frozen=True)
-class Progress:
+class RankActivity:
     """What a rank is doing, answered on its control thread even while the step is stuck."""
 
     global_rank: int
@@ -164,7 +164,7 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class GroupProgress:
+class GroupRecords:
     """A group's committed steps that no ``RunRecords`` carried: a run of one group, or what a
     group's first rank holds when its run ends."""
 
@@ -239,8 +239,8 @@ class RunEnd:
     integrity: IntegrityMismatch | None = None
 
 
-RunMessage = GroupProgress | RunRecords | RunEnd
-PROGRESS_MESSAGES = (GroupProgress, RunRecords)  # a run's stream goes on after these
+RunMessage = GroupRecords | RunRecords | RunEnd
+PROGRESS_MESSAGES = (GroupRecords, RunRecords)  # a run's stream goes on after these
 
 
 class HookFailed(RuntimeError):

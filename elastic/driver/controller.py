@@ -11,7 +11,7 @@ growing, placing, starting, building, healing and joining groups (``state_source
 joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``RunSpec``) up
 to the next planned boundary (the end, a checkpoint or an evaluation due) and watches it
 (``run_watch``): the ranks plan, step and commit on their own, deciding each step in their
-groups' votes, and the driver records the steps they committed (``progress``, as
+groups' votes, and the driver records the steps they committed (``history``, as
 ``StepResult``s for the listeners), keeps its own duties going, and asks for a pause when
 something needs a boundary (a stop, a straggler action, a group ready to join, a deferred save).
 ``Evaluating`` computes the held-out loss with the live groups, split like a step's batch.
@@ -46,7 +46,7 @@ from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.driver.evaluation import Evaluation
 from elastic.fleet.api import FleetApi, FleetError, RunStream
 from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper
-from elastic.driver.progress import CommittedStep, RunProgress
+from elastic.driver.history import CommittedStep, RunHistory
 from elastic.driver.records import StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.report_collector import FailureSeen, ReportCollector
@@ -158,11 +158,11 @@ class Controller:
             if config.stragglers.enabled else None
         )
         self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
-        self.progress = RunProgress(integrity_every=config.integrity.every)
+        self.history = RunHistory(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
-        self.state_sources = StateSources(config, fleet, self.membership, self.progress, self.timing, events, clock,
+        self.state_sources = StateSources(config, fleet, self.membership, self.history, self.timing, events, clock,
                                           checkpoints)
-        self.groups = GroupKeeper(config, fleet, self.membership, self.progress, self.state_sources, self.timing,
+        self.groups = GroupKeeper(config, fleet, self.membership, self.history, self.state_sources, self.timing,
                                   events, clock, sleep, self.stragglers)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the run in flight
@@ -194,7 +194,7 @@ class Controller:
                     return self.group_start_failed()
                 if self.stop_requested.is_set():
                     return Stopping("preempted")
-                if self.progress.step >= self.config.steps and not self.eval_due():
+                if self.history.step >= self.config.steps and not self.eval_due():
                     return Stopping("completed")
                 # Growing, healing and joining groups at the boundary is elasticity overhead.
                 with self.ledger.timing("recovery"):
@@ -231,7 +231,7 @@ class Controller:
         if self.resume is not None:
             # The run's state is the checkpoint's from here on: if the restore fails, the
             # groups that lost ranks rebuild and heal, or restore it again.
-            self.progress.first_step = self.resume.step
+            self.history.first_step = self.resume.step
             self.state_sources.rewind(self.resume)
             seconds = self.checkpoints.restore(self.resume, self.topology.ranks_of(self.membership.live_groups()))
             self.events.emit(EventKind.RESUMED, step=self.resume.step, url=self.resume.url, seconds=round(seconds, 4))
@@ -255,7 +255,7 @@ class Controller:
                               outcome.failure.seen_at)
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
             step = outcome.nonfinite
-            self.progress.steps_discarded += 1
+            self.history.steps_discarded += 1
             self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm))
             diverged = self.divergence.diverged(step)
             return Stopping(diverged) if diverged else AtBoundary()
@@ -265,8 +265,8 @@ class Controller:
     def run_spec(self) -> RunSpec:
         self.attempts += 1
         return RunSpec(
-            run=self.attempts, first_step=self.progress.step, stop_step=self.next_boundary(),
-            cursor=self.progress.cursor, dataset_len=self.dataset_len, global_batch=self.config.global_batch,
+            run=self.attempts, first_step=self.history.step, stop_step=self.next_boundary(),
+            cursor=self.history.cursor, dataset_len=self.dataset_len, global_batch=self.config.global_batch,
             seed=self.config.seed, micro_batch=self.config.micro_batch, seq_len=self.config.data.seq_len,
             group_weights=group_weights(self.membership.live_groups(),
                                         self.stragglers.weights if self.stragglers is not None else {}),
@@ -277,8 +277,8 @@ class Controller:
 
     def next_boundary(self) -> int:
         every = (self.checkpoints.catalog.every if self.checkpoints else 0, self.config.eval.every)
-        fault_step = self.faults.next_step_after(self.progress.step) if self.faults is not None else None
-        return run_boundary(self.progress.step, self.config.steps, every, fault_step)
+        fault_step = self.faults.next_step_after(self.history.step) if self.faults is not None else None
+        return run_boundary(self.history.step, self.config.steps, every, fault_step)
 
     def between_steps(self, stream: RunStream) -> None:
         """The driver's own duties while a run goes on: commit a finished upload, move
@@ -309,34 +309,34 @@ class Controller:
         if self.stragglers is not None:
             ranks, times = committed.ranks, committed.ranks.times
             actions = self.stragglers.on_step_arrays(
-                self.progress.step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
+                self.history.step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
                 compute_s=times.compute_s, fixed_s=times.data_s, step_s=float(times.wall_s.max()),
                 spare_slot=self.fleet.has_spare_slot, min_groups=self.config.scaling.min_groups,
             )
             if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
                 self.straggler_actions = actions
             scores = self.stragglers.scores(4)
-        result = self.progress.commit(committed, seq_len=self.config.data.seq_len,
+        result = self.history.commit(committed, seq_len=self.config.data.seq_len,
                                       generation=self.membership.generation,
                                       t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
         self.deadline.record(result.step_s)
         self.divergence.committed()
-        self.timing.close(self.progress.step)
+        self.timing.close(self.history.step)
         for listener in self.step_listeners:
             listener(result)
 
     # evaluation
 
     def eval_due(self) -> bool:
-        return self.progress.eval_due(self.config.eval.every, self.config.steps)
+        return self.history.eval_due(self.config.eval.every, self.config.steps)
 
     def run_eval(self) -> RunState:
         started = self.clock()
         self.attempts += 1
-        outcome = self.evaluation.run(self.progress.step, self.membership.live_groups(), self.attempts)
+        outcome = self.evaluation.run(self.history.step, self.membership.live_groups(), self.attempts)
         if isinstance(outcome, FailureSeen):
             return Recovering(outcome.diagnosis, FailedWork.EVALUATION, started, outcome.seen_at)
-        self.progress.eval_results.append(outcome)
+        self.history.eval_results.append(outcome)
         return AtBoundary()
 
     # failures: every kind a Diagnosis, recovered from in Recovering
@@ -360,19 +360,19 @@ class Controller:
                           events={"during": "start"})
 
     def recover(self, failure: Recovering) -> None:
-        diagnosis, step = failure.diagnosis, self.progress.step
+        diagnosis, step = failure.diagnosis, self.history.step
         drained = self.clock()
         refusal = self.failures.refusal(step, diagnosis)
         if refusal is not None:
             raise TrainingStopped(f"{failure.describe(step)}: {refusal}")
-        if failure.failed is FailedWork.CONTROL_CALL and self.resume is not None and not self.progress.has_state:
+        if failure.failed is FailedWork.CONTROL_CALL and self.resume is not None and not self.history.has_state:
             # Failed before the resume's restore began: every group is rebuilt and restores it.
-            self.progress.first_step = self.resume.step
+            self.history.first_step = self.resume.step
             self.state_sources.rewind(self.resume)
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
         if diagnosis.corrupt:
-            diagnosis = self.state_sources.after_mismatch(diagnosis, self.progress.verified_step)
+            diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.verified_step)
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         for eviction in plan.evictions:
             if eviction.failed_the_step:
@@ -393,20 +393,20 @@ class Controller:
                 broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
             )
         if failure.failed is FailedWork.STEP:
-            self.progress.steps_discarded += 1
+            self.history.steps_discarded += 1
 
     # checkpoints and the end of the run
 
     def maybe_checkpoint(self) -> None:
-        if self.checkpoints is not None and self.checkpoints.wants_save(self.progress.step):
-            self.checkpoints.start(self.progress.step, self.progress.cursor, *self.groups.saving_group())
+        if self.checkpoints is not None and self.checkpoints.wants_save(self.history.step):
+            self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group())
 
     def finish(self, reason: str) -> str:
         if self.stragglers is not None:
             self.stragglers.close()  # report the decisions still being measured
         if self.save_final(reason):
             return reason
-        return f"{reason}, final checkpoint missed (step {self.progress.step}): see the checkpoint-failed events"
+        return f"{reason}, final checkpoint missed (step {self.history.step}): see the checkpoint-failed events"
 
     def save_final(self, reason: str) -> bool:
         """Checkpoint the last committed step within the grace period; returns whether the
@@ -417,10 +417,10 @@ class Controller:
         committed = False
         if self.membership.live_groups():
             with self.ledger.timing("checkpoint_stall"):
-                committed = self.checkpoints.finish(self.progress.step, self.progress.cursor, *self.groups.saving_group(),
+                committed = self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
                                                     self.clock() + grace_s)
         if not committed:
-            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.progress.step, reason=reason, grace_s=grace_s)
+            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=reason, grace_s=grace_s)
         return committed
 
     def final_state(self) -> dict[tuple[int, int], list]:

@@ -22,7 +22,7 @@ from elastic.core.membership import Broken, Built, GroupStage, Membership, Place
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
-from elastic.driver.progress import RunProgress
+from elastic.driver.history import RunHistory
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.spare_keeper import SpareKeeper
 from elastic.driver.state_sources import StateSources
@@ -35,14 +35,14 @@ JOIN_POLL_S = 0.05
 
 
 class GroupKeeper:
-    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, progress: RunProgress,
+    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, history: RunHistory,
                  state_sources: StateSources, timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
                  sleep: Callable[[float], None], stragglers: StragglerMitigation | None):
         self.config = config
         self.fleet = fleet
         self.topology = fleet.topology
         self.membership = membership
-        self.progress = progress
+        self.history = history
         self.state_sources = state_sources
         self.timing = timing
         self.events = events
@@ -50,7 +50,7 @@ class GroupKeeper:
         self.sleep = sleep
         self.stragglers = stragglers
         self.scaling = ScalingPolicy(config.scaling.min_groups, config.scaling.max_groups)
-        self.world_generation = 0
+        self.world_build = 0  # numbers each build of a group's world: its process groups' store prefix
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
         self._failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
@@ -108,7 +108,7 @@ class GroupKeeper:
             record = self.membership.apply(group, Placed())
             to_start = sorted(record.to_start)
             taken = self.spares.take(to_start, self.topology.global_ranks(group), self.node_of,
-                                     self.progress.step)
+                                     self.history.step)
             if to_start and len(taken) == len(to_start):
                 self.on_spares.add(group)
             self.joining_calls[group] = self.fleet.start(to_start, taken)
@@ -118,8 +118,8 @@ class GroupKeeper:
                 for rank in started:
                     self.stragglers.forget(rank)  # a fresh process: its speed is not the old one's
             self.membership.apply(group, Started())
-            self.world_generation += 1
-            self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_generation)
+            self.world_build += 1
+            self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_build)
         if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
             built = self.fleet.results(self.joining_calls.pop(group))
             self.node_of.update({rank: report.node_ip for rank, report in built.items() if report is not None})
@@ -169,7 +169,7 @@ class GroupKeeper:
         """Reserve one more group while the scaling policy wants more; start the spares missing."""
         if self.scaling.wants_more(len(self.membership.groups), self.clock()):
             self.reserve_group()
-        self.spares.tend(bool(self.membership.live_groups()), self.progress.step)
+        self.spares.tend(bool(self.membership.live_groups()), self.history.step)
 
     def settle(self, wait_for_spares_s: float = 0.0) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
@@ -190,7 +190,7 @@ class GroupKeeper:
                 return
             waited = self.clock() - waited_from
             limit = self.config.fault_tolerance.capacity_timeout_s + (
-                0 if self.progress.has_state else self.config.fault_tolerance.first_step_deadline_s
+                0 if self.history.has_state else self.config.fault_tolerance.first_step_deadline_s
             )
             if waited > limit:
                 raise TrainingStopped(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastic.core.diagnosis import Diagnosis, diagnose, least_progressed
+from elastic.core.diagnosis import Diagnosis, diagnose, least_advanced
 from elastic.core.events import EventKind, EventLog
 from elastic.core.policies import StepDeadline
 from elastic.core.protocol import StepReport
@@ -125,8 +125,8 @@ class ReportCollector:
     def find_hung(self, unfinished: list[int], step: int, deadline_s: float) -> list[int]:
         """Past the deadline: the unfinished ranks that made the least progress (or do not
         answer the probe)."""
-        progress = self.fleet.probe(unfinished, timeout=5)
-        hung = least_progressed(progress.values()) or sorted(set(unfinished) - set(progress))
+        activities = self.fleet.probe(unfinished, timeout=5)
+        hung = least_advanced(activities.values()) or sorted(set(unfinished) - set(activities))
         self.events.emit(EventKind.STEP_DEADLINE, step=step, deadline_s=round(deadline_s, 3), hung=hung)
         return hung
 

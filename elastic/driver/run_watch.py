@@ -2,10 +2,10 @@
 hang, and, when a step failed, the abort, the drain and the diagnosis.
 
 The driver is off the steps' path: it reads the run's messages (a ``RunRecords`` carries
-every group's committed steps since the last; a ``GroupProgress`` one group's, from a run of
+every group's committed steps since the last; a ``GroupRecords`` one group's, from a run of
 one group or a run's end) and hands each step on once every group of the run has reported
 it. A group that stays silent longer than the step deadline plus the interval between its batches
-is probed like a step past its deadline; the same ``least_progressed`` names the hung
+is probed like a step past its deadline; the same ``least_advanced`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
 aborts the others, which are drained with the evaluations' rules (``report_collector.drain``) before
@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from elastic.core.diagnosis import diagnose, diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
-from elastic.core.protocol import GroupProgress, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
+from elastic.core.protocol import GroupRecords, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
 from elastic.fleet.api import FleetApi, RunStream
-from elastic.driver.progress import CommittedStep
+from elastic.driver.history import CommittedStep
 from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, drain, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
@@ -84,7 +84,7 @@ class RunWatch:
                                     for committed in CommittedStep.of_run(message, self.topology)
                                     if committed.record.step >= state["next"])
                     continue
-                if isinstance(message, GroupProgress):
+                if isinstance(message, GroupRecords):
                     heard_at[message.group] = self.clock()
                     for record in message.records:
                         if record.step >= state["next"]:

@@ -28,7 +28,7 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.memory_tier import plan_memory_restore
 from elastic.core.membership import Membership
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
-from elastic.driver.progress import RunProgress
+from elastic.driver.history import RunHistory
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.stopped import TrainingStopped
 from elastic.fleet.api import FleetApi
@@ -36,14 +36,14 @@ from elastic.setup.config import TrainConfig
 
 
 class StateSources:
-    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, progress: RunProgress,
+    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, history: RunHistory,
                  timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
                  checkpoints: CheckpointCoordinator | None):
         self.config = config
         self.fleet = fleet
         self.topology = fleet.topology
         self.membership = membership
-        self.progress = progress
+        self.history = history
         self.timing = timing
         self.events = events
         self.clock = clock
@@ -55,7 +55,7 @@ class StateSources:
     def load(self, groups: list[int], live: tuple[int, ...]) -> None:
         """Give ``groups``, on their way into the quorum, the run's state (nothing to give
         before the first committed step: every group built holds the initial state)."""
-        if self.progress.has_state:
+        if self.history.has_state:
             if live:
                 self._heal_from_peers(groups, live[0])
             else:
@@ -101,7 +101,7 @@ class StateSources:
         checkpoint = self.checkpoints.latest(self.trusted_until) if self.checkpoints else None
         if checkpoint is not None:
             self._restore_checkpoint(groups, checkpoint)
-        elif self.progress.first_step == 0:
+        elif self.history.first_step == 0:
             rolled_back = self.rewind(None)
             self.events.emit(EventKind.RESTORED_INITIAL_STATE, step=0, groups=groups, rolled_back_steps=rolled_back,
                              seed=self.config.seed)
@@ -109,7 +109,7 @@ class StateSources:
             positions = [self.topology.position_of(rank) for rank in self.topology.global_ranks(groups[0])]
             raise TrainingStopped(
                 f"every copy of the state is lost (shard, tp positions {positions}): no live group holds it, "
-                f"no committed checkpoint is left, and the run resumed from step {self.progress.first_step}, so "
+                f"no committed checkpoint is left, and the run resumed from step {self.history.first_step}, so "
                 "the initial state is not its state; run with more replica groups (--groups) or checkpoint more "
                 "often (--checkpoint-every N)"
             )
@@ -144,7 +144,7 @@ class StateSources:
         )
 
     def _rewind_to(self, step: int, cursor: DataCursor) -> int:
-        rolled_back = self.progress.step - step
-        self.progress.rewind(step, cursor)
-        self.progress.steps_rolled_back += max(0, rolled_back)
+        rolled_back = self.history.step - step
+        self.history.rewind(step, cursor)
+        self.history.steps_rolled_back += max(0, rolled_back)
         return rolled_back

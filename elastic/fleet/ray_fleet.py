@@ -26,7 +26,7 @@ from elastic.core.protocol import (
     HookFailed,
     Failure,
     PROGRESS_MESSAGES,
-    Progress,
+    RankActivity,
     RunEnd,
     RunMessage,
     RunSpec,
@@ -42,8 +42,8 @@ HOLDINGS_TIMEOUT_S = 2.0
 
 
 class Fleet(RankProcesses):
-    def build(self, ranks, generation: int) -> Pending:
-        return self._call(ranks, "build", generation)
+    def build(self, ranks, world_build: int) -> Pending:
+        return self._call(ranks, "build", world_build)
 
     def alive(self, rank: int, timeout: float = 5.0) -> bool:
         return rank in self.responsive([rank], timeout)
@@ -179,15 +179,15 @@ class Fleet(RankProcesses):
             if rank in self.actors:
                 self.actors[rank].abort_step.remote(attempt)
 
-    def probe(self, ranks, timeout: float) -> dict[int, Progress]:
+    def probe(self, ranks, timeout: float) -> dict[int, RankActivity]:
         refs = {rank: self.actors[rank].probe.remote() for rank in ranks if rank in self.actors}
-        progress = {}
+        activity = {}
         for rank, ref in refs.items():
             try:
-                progress[rank] = ray.get(ref, timeout=timeout)
+                activity[rank] = ray.get(ref, timeout=timeout)
             except (GetTimeoutError, RayError):
                 continue
-        return progress
+        return activity
 
     # state
 

@@ -1,4 +1,4 @@
-"""The run's progress: the step it stands at, the data cursor, and what it committed (losses,
+"""The run's history: the step it stands at, the data cursor, and what it committed (losses,
 step and evaluation results, counters). One object the controller advances and rewinds and
 the summary reads.
 """
@@ -70,7 +70,7 @@ class CommittedStep:
 
 
 @dataclass
-class RunProgress:
+class RunHistory:
     step: int = 0  # the next step to train
     first_step: int = 0  # where this driver's run began (a resume's step)
     cursor: DataCursor = DataCursor()
