@@ -12,6 +12,8 @@ _EXPORTS = {
     "load_config": "elastic.setup.preflight",
     "ElasticTrainer": "elastic.trainer",
     "RunResult": "elastic.trainer",
+    "StepResult": "elastic.driver.records",
+    "EvalResult": "elastic.driver.records",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -201,7 +201,7 @@ class ElasticTrainer:
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
                                    tp_plan=tp_plan)
-        self.history = history
+        self.progress = progress
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
         self.faults = resolve_random_targets(

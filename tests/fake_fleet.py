@@ -25,7 +25,7 @@ from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
     GroupRecords,
-    PROGRESS_MESSAGES,
+    RECORD_MESSAGES,
     NonFinite,
     RankActivity,
     RankTimes,
@@ -287,7 +287,7 @@ class FakeFleet:
         arrived = run.deliver(self.clock(), watched)
         self.delivered.extend(arrived)
         for rank, message in arrived:
-            if not isinstance(message, PROGRESS_MESSAGES):
+            if not isinstance(message, RECORD_MESSAGES):
                 del stream.generators[rank]
         return arrived
 

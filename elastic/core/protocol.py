@@ -240,7 +240,7 @@ class RunEnd:
 
 
 RunMessage = GroupRecords | RunRecords | RunEnd
-PROGRESS_MESSAGES = (GroupRecords, RunRecords)  # a run's stream goes on after these
+RECORD_MESSAGES = (GroupRecords, RunRecords)  # a run's stream goes on after these
 
 
 class HookFailed(RuntimeError):

@@ -25,7 +25,7 @@ from elastic.core.protocol import (
     EvalRequest,
     HookFailed,
     Failure,
-    PROGRESS_MESSAGES,
+    RECORD_MESSAGES,
     RankActivity,
     RunEnd,
     RunMessage,
@@ -134,7 +134,7 @@ class Fleet(RankProcesses):
         for generator in ready:
             rank = rank_of[id(generator)]
             message = self._next_message(rank, generator)
-            if not isinstance(message, PROGRESS_MESSAGES):
+            if not isinstance(message, RECORD_MESSAGES):
                 del stream.generators[rank]
             arrived.append((rank, message))
         return arrived
