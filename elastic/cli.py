@@ -61,6 +61,7 @@ TRAIN_FLAGS = {
     "precision": "compute.precision",
     "compile": "compute.compile",
     "activation_checkpointing": "compute.activation_checkpointing",
+    "sequence_parallel": "scaling.sequence_parallel",
     "start_fresh": "checkpoint.start_fresh",
     "accept_changed_data": "checkpoint.accept_changed_data",
     "preset": "model.preset",
@@ -98,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA, fp32 on CPU")
     train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.compile each transformer block")
-    train.add_argument("--activation-checkpointing", choices=["none", "full"], help="recompute each block in backward")
+    train.add_argument("--activation-checkpointing", choices=["none", "full", "selective"],
+                       help="full: recompute each block in backward; selective: as compute.selective_checkpointing says "
+                            "(op: half the matmuls and the element-wise ops; N: every Nth block)")
+    train.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                       help="shard the residual stream and norms on the sequence between TP regions "
+                            "(default: on when tp > 1 divides seq_len and the model has no dropout)")
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
                        help="after the warmup: keep the peak, or decay to optimizer.min_lr_ratio x lr")

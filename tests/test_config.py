@@ -141,7 +141,26 @@ def test_compute_settings():
                                        "replicate_precision": "bf16"}})
     assert config.compute.precision == "bf16" and config.compute.compile
     fails({"compute": {"precision": "fp16"}}, "compute.precision")
-    fails({"compute": {"activation_checkpointing": "selective"}}, "compute.activation_checkpointing")
+    fails({"compute": {"activation_checkpointing": "partial"}}, "compute.activation_checkpointing")
+    selective = build_config({"compute": {"activation_checkpointing": "selective", "selective_checkpointing": 2}})
+    assert selective.compute.selective_checkpointing == 2
+    assert build_config({}).compute.selective_checkpointing == "op"
+    fails({"compute": {"selective_checkpointing": 0}}, "compute.selective_checkpointing")
+    fails({"compute": {"selective_checkpointing": "layer"}}, "compute.selective_checkpointing")
+
+
+def test_sequence_parallelism_is_on_with_tp_where_a_single_process_would_compute_the_same():
+    assert build_config({"scaling": {"tp": 2}}).sequence_parallel
+    assert not build_config({"scaling": {"tp": 1}}).sequence_parallel
+    assert not build_config({"scaling": {"tp": 2, "sequence_parallel": False}}).sequence_parallel
+    # Unset, it stays off where it cannot hold: dropout, or a sequence tp does not divide.
+    assert not build_config({"scaling": {"tp": 2}, "model": {"dropout": 0.1}}).sequence_parallel
+    assert not build_config({"scaling": {"tp": 2}, "data": {"seq_len": 63}}).sequence_parallel
+    # Asked for there, it is refused naming the field and the fix.
+    fails({"scaling": {"tp": 2, "sequence_parallel": True}, "model": {"dropout": 0.1}},
+          "scaling.sequence_parallel with model.dropout=0.1", "set model.dropout = 0 or scaling.sequence_parallel = false")
+    fails({"scaling": {"tp": 2, "sequence_parallel": True}, "data": {"seq_len": 63}},
+          "data.seq_len=63 divisible by scaling.tp=2", "scaling.sequence_parallel = false")
 
 
 def test_checkpoint_failure_limit_is_positive():

@@ -3,10 +3,19 @@
 
 The mesh has dimensions ``("shard", "tp")``. Tensor parallelism follows Megatron: q/k/v
 and the SwiGLU gate/up projections are split column-wise, the attention output and down
-projections row-wise, so each block needs one all-reduce forward and one backward. The
-embedding is split by vocabulary rows and the output projection by vocabulary columns
-with replicated logits, so every TP rank computes the same loss. FSDP2 then shards each
-block and the root over the ``shard`` dimension.
+projections row-wise. The embedding is split by vocabulary rows and the output projection
+by vocabulary columns with replicated logits, so every TP rank computes the same loss.
+With sequence parallelism (TorchTitan's Llama plan) the residual stream, the norms and
+dropout between the TP regions hold only the rank's share of the sequence: each region
+all-gathers its input and reduce-scatters its output, the same bytes as one all-reduce,
+and no TP rank holds the whole sequence's activations outside attention and the MLP.
+Without it, each block needs one all-reduce forward and one backward, and the residual
+stream is replicated. FSDP2 then shards each block and the root over the ``shard``
+dimension.
+
+Activation checkpointing is ``full`` (every block recomputed in backward) or ``selective``:
+per op (TorchTitan's policy: the outputs of attention and of every other matmul are saved,
+the cheap element-wise ops recomputed) or every Nth block.
 
 Mixed precision goes through FSDP2's ``MixedPrecisionPolicy``: parameters are all-gathered
 and computed in bf16 while the sharded master copy, the optimizer state and the gradient
@@ -17,8 +26,10 @@ reduction.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -26,32 +37,53 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from workers.model import Transformer
 
 Precision = Literal["auto", "fp32", "bf16"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+# "op", or checkpoint every Nth block
+SelectivePolicy = Literal["op"] | int
 
 
-def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    # Between the TP regions the residual stream is sharded on the sequence (Shard(1)) with
+    # sequence parallelism, replicated without.
+    stream = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(
         model,
         tp_mesh,
         {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            **({"norm": SequenceParallel()} if sequence_parallel else {}),
+            "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
         },
     )
     block_plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
     }
+    if sequence_parallel:
+        block_plan |= {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan)
     if model.args.tie_embeddings:
@@ -86,16 +118,57 @@ def fully_shard_model(
         module.set_force_sum_reduction_for_comms(True)
 
 
-def wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_blocks: bool) -> list[nn.Module]:
+# Ops whose outputs the per-op policy saves: the matmuls (every other one, so that half of
+# them are recomputed), attention (costly to recompute, small to keep) and the collectives
+# TP and FSDP2 issue inside a block (recomputing one would repeat its communication).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _save_attention_and_every_other_matmul(counts: Counter, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # Forward and recomputation count their matmuls apart, so both make the same choices.
+    phase = "recompute" if ctx.is_recompute else "forward"
+    if op == torch.ops.aten.mm.default:
+        counts[phase] += 1
+        if counts[phase] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _per_op_contexts():
+    return create_selective_checkpoint_contexts(partial(_save_attention_and_every_other_matmul, Counter()))
+
+
+def checkpointed(block: nn.Module, index: int, mode: ActivationCheckpointing, selective: SelectivePolicy) -> nn.Module:
+    """``block`` (the ``index``-th) wrapped for the activation checkpointing ``mode`` asks."""
+    if mode == "full":
+        return checkpoint_wrapper(block)
+    if mode == "selective" and selective == "op":
+        return checkpoint_wrapper(block, context_fn=_per_op_contexts)
+    if mode == "selective" and index % selective == 0:
+        return checkpoint_wrapper(block)
+    return block
+
+
+def wrap_blocks(
+    model: Transformer, activation_checkpointing: ActivationCheckpointing, compile_blocks: bool,
+    selective: SelectivePolicy = "op",
+) -> list[nn.Module]:
     """Activation checkpointing, then ``torch.compile``, per transformer block.
 
     One compiled block serves every layer (same code, same shapes), so compile time does not
     grow with depth. FSDP2's hooks stay outside the compiled region. Checkpoint FQNs are
     unchanged: DCP's state dict drops the wrappers' prefixes.
     """
-    for name, block in list(model.layers.named_children()):
-        if activation_checkpointing:
-            block = checkpoint_wrapper(block)
+    for index, (name, block) in enumerate(list(model.layers.named_children())):
+        block = checkpointed(block, index, activation_checkpointing, selective)
         if compile_blocks:
             block = torch.compile(block, fullgraph=True)
         model.layers.register_module(name, block)
@@ -104,13 +177,16 @@ def wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_bloc
 
 @dataclass(frozen=True)
 class Parallelize:
-    """The default ``parallelize_fn``: TP (the reference model's plan, or a custom model's
-    ``tp_plan(model, tp_mesh)``), per-block activation checkpointing and compile (reference
-    model), then FSDP2 with the configured precision (none for a group of one fp32 rank)."""
+    """The default ``parallelize_fn``: TP (the reference model's plan, with or without
+    sequence parallelism, or a custom model's ``tp_plan(model, tp_mesh)``), per-block
+    activation checkpointing and compile (reference model), then FSDP2 with the configured
+    precision (none for a group of one fp32 rank)."""
 
     precision: Precision = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: ActivationCheckpointing = "none"
+    selective: SelectivePolicy = "op"
     compile: bool = False
+    sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -118,13 +194,13 @@ class Parallelize:
             if self.tp_plan is not None:
                 self.tp_plan(model, mesh["tp"])
             elif isinstance(model, Transformer):
-                tensor_parallelize_transformer(model, mesh["tp"])
+                tensor_parallelize_transformer(model, mesh["tp"], self.sequence_parallel)
             else:
                 raise ValueError("scaling.tp > 1 needs a tensor-parallel plan for a custom model: pass tp_plan "
                                  "(FSDP2 and the precision stay the config's) or parallelize_fn")
         blocks = []
         if isinstance(model, Transformer):
-            blocks = wrap_blocks(model, self.activation_checkpointing, self.compile)
+            blocks = wrap_blocks(model, self.activation_checkpointing, self.compile, self.selective)
         dtype = compute_dtype(self.precision, mesh)
         if mesh.size() == 1 and dtype == torch.float32:
             # A group of one rank with nothing to cast: FSDP2 would shard over one rank and

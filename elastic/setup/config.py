@@ -55,6 +55,11 @@ class ScalingConfig(Section):
     # None: one GPU per rank when training on GPUs, none on CPU.
     gpus_per_rank: NonNegativeFloat | None = Field(None, le=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The residual stream, norms and dropout sharded on the sequence between TP regions.
+    # None: on when tp > 1 divides data.seq_len and the model has no dropout (each TP rank
+    # would draw the masks of its own share of the sequence, which a single process draws
+    # differently).
+    sequence_parallel: bool | None = None
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> ScalingConfig:
@@ -206,7 +211,11 @@ class ComputeConfig(Section):
     # dtype of the cross-group gradient all-reduce
     replicate_precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
-    activation_checkpointing: Literal["none", "full"] = "none"
+    # full: every block recomputed in backward; selective: as selective_checkpointing says
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # op: save attention's and every other matmul's outputs, recompute the rest of each
+    # block (TorchTitan's per-op policy); N: recompute every Nth block whole
+    selective_checkpointing: Literal["op"] | PositiveInt = "op"
 
 
 class CheckpointConfig(Section):
@@ -351,6 +360,18 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
+        if self.scaling.sequence_parallel and tp > 1:
+            if model.dropout:
+                raise ValueError(
+                    f"scaling.sequence_parallel with model.dropout={model.dropout:g}: each TP rank would draw "
+                    "dropout masks for its own share of the sequence; set model.dropout = 0 or "
+                    "scaling.sequence_parallel = false"
+                )
+            if self.data.seq_len % tp:
+                raise ValueError(
+                    f"scaling.sequence_parallel needs data.seq_len={self.data.seq_len} divisible by "
+                    f"scaling.tp={tp}; change seq_len to a multiple of {tp} or set scaling.sequence_parallel = false"
+                )
         schedule = self.lr_schedule
         if schedule.decay != "constant" and schedule.warmup_steps >= schedule.decay_steps:
             raise ValueError(
@@ -369,6 +390,16 @@ class TrainConfig(Section):
         scaling = self.scaling
         check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups, scaling.ranks_per_group)
         return self
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the reference model's TP plan shards the sequence between TP regions."""
+        scaling = self.scaling
+        if scaling.tp == 1:
+            return False
+        if scaling.sequence_parallel is None:
+            return not self.model.dropout and self.data.seq_len % scaling.tp == 0
+        return scaling.sequence_parallel
 
     @property
     def lr_schedule(self) -> LRSchedule:

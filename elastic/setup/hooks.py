@@ -77,8 +77,10 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
     compute = config.compute
     return Parallelize(
         precision=compute.precision,
-        activation_checkpointing=compute.activation_checkpointing == "full",
+        activation_checkpointing=compute.activation_checkpointing,
+        selective=compute.selective_checkpointing,
         compile=compute.compile,
+        sequence_parallel=config.sequence_parallel,
         tp_plan=tp_plan,
     )
 
