@@ -105,7 +105,8 @@ def run_plain(config, storage: str) -> dict:
     torch.manual_seed(config.seed)
     with device:
         model = hooks.model_fn()
-    wrap_blocks(model, config.compute.activation_checkpointing == "full", config.compute.compile)
+    wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
+                config.compute.selective_checkpointing)
     optimizer = hooks.optimizer_fn(model.parameters())
     bf16 = config.compute.precision == "bf16" or (config.compute.precision == "auto" and device.type == "cuda")
     dataset, cursor, times, losses = hooks.dataset, DataCursor(), [], []
@@ -143,7 +144,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (compile, allocator)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--activation-checkpointing", choices=["none", "full"], default="none")
+    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (default: by name)")
     args = parser.parse_args()
     from elastic.trainer import start_local_ray
