@@ -89,3 +89,19 @@ def test_below_minimum_stops_with_a_clear_message(ray_cluster, tmp_path):
 
     with pytest.raises(ConfigError, match="but the cluster has"):
         ElasticTrainer(config).fit()
+
+
+def test_sequence_parallel_ranks_lost_at_one_position_come_back_from_memory_with_the_single_process_losses(
+        ray_cluster, tmp_path):
+    """tp 2 shards the sequence between TP regions (the default): losing both copies of one
+    TP position restores it from the memory tier, and the losses stay a single process's."""
+    steps = 14
+    config = tiny_config(tmp_path, groups=2, tp=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=5;kill:rank=3,step=5",
+                         checkpoint__memory_every=2, **FAST_DETECTION)
+    assert config.sequence_parallel
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert sorted(failed(result.summary)) == [(1, "death"), (3, "death")]
+    assert [e for e in result.summary["events"] if e["kind"] == EventKind.RESTORED_FROM_MEMORY]
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5

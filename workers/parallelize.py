@@ -128,7 +128,6 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
-    torch.ops.aten.max.default,
 }
 
 

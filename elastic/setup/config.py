@@ -360,18 +360,9 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
-        if self.scaling.sequence_parallel and tp > 1:
-            if model.dropout:
-                raise ValueError(
-                    f"scaling.sequence_parallel with model.dropout={model.dropout:g}: each TP rank would draw "
-                    "dropout masks for its own share of the sequence; set model.dropout = 0 or "
-                    "scaling.sequence_parallel = false"
-                )
-            if self.data.seq_len % tp:
-                raise ValueError(
-                    f"scaling.sequence_parallel needs data.seq_len={self.data.seq_len} divisible by "
-                    f"scaling.tp={tp}; change seq_len to a multiple of {tp} or set scaling.sequence_parallel = false"
-                )
+        obstacles = self._sequence_parallel_obstacles() if self.scaling.sequence_parallel and tp > 1 else []
+        if obstacles:
+            raise ValueError(obstacles[0])
         schedule = self.lr_schedule
         if schedule.decay != "constant" and schedule.warmup_steps >= schedule.decay_steps:
             raise ValueError(
@@ -391,6 +382,24 @@ class TrainConfig(Section):
         check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups, scaling.ranks_per_group)
         return self
 
+    def _sequence_parallel_obstacles(self) -> list[str]:
+        """Why sequence parallelism would not compute what one process does, each as the
+        refusal of an explicit ``scaling.sequence_parallel = true``."""
+        tp, dropout, seq_len = self.scaling.tp, self.model.dropout, self.data.seq_len
+        obstacles = []
+        if dropout:
+            obstacles.append(
+                f"scaling.sequence_parallel with model.dropout={dropout:g}: each TP rank would draw "
+                "dropout masks for its own share of the sequence; set model.dropout = 0 or "
+                "scaling.sequence_parallel = false"
+            )
+        if seq_len % tp:
+            obstacles.append(
+                f"scaling.sequence_parallel needs data.seq_len={seq_len} divisible by scaling.tp={tp}; "
+                f"change seq_len to a multiple of {tp} or set scaling.sequence_parallel = false"
+            )
+        return obstacles
+
     @property
     def sequence_parallel(self) -> bool:
         """Whether the reference model's TP plan shards the sequence between TP regions."""
@@ -398,7 +407,7 @@ class TrainConfig(Section):
         if scaling.tp == 1:
             return False
         if scaling.sequence_parallel is None:
-            return not self.model.dropout and self.data.seq_len % scaling.tp == 0
+            return not self._sequence_parallel_obstacles()
         return scaling.sequence_parallel
 
     @property
