@@ -10,6 +10,7 @@ loss and gradients as none, and recompute more than none and less than full.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import traceback
 
@@ -88,6 +89,7 @@ def train_once(parallelize, backward_matmuls: MatmulsRun | None = None) -> tuple
 
 def tp_rank(rank: int, init_file: str, connection) -> None:
     try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
         mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("shard", "tp"))
         results = {}
