@@ -1,11 +1,14 @@
 """The product against the same math by hand: (A) elastic (driver, actors, runs) and (B) a
 plain torch.distributed script with no Ray and no driver, doing what A's ranks do each step:
-FSDP2 inside each replica group, the flat cross-group gradient all-reduce, the gradient norm,
-the summed loss, the AdamW update. Same model, data, batch and layout, measured in one run,
-at a short step (about 50 ms here) and a long one (about 500 ms).
+FSDP2 inside each replica group, the cross-group gradient sum in buckets started inside
+backward, the gradient norm, the summed loss, the AdamW update. Same model, data, batch and
+layout, measured in one run, at a short step (about 50 ms here) and a long one (about 500 ms).
 
 Prints each side's median step time and the throughput ratio B/A per size (A's step is its
 ranks' whole loop period, as B's is; the driver is not on it). Target: >= 0.97 at both.
+Then the exposed share of the cross-group sum (from backward's end to the last bucket
+summed, over the step) before the overlap (B run again with one flat all-reduce after
+backward, as the product did), after it (B), and in the product (A, from its step records).
 A runs with the product's defaults: the in-memory tier every step and the integrity check
 every 10. ``--tiers`` also runs (A0) the product with both off and prints what they cost,
 A0/A on the median and on the mean step (the check runs one step in ten: the mean shows it).
@@ -34,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
-from workers.train_step import accumulate_gradients, collate, squared_gradient_norm, sum_across_groups  # noqa: E402
+from workers.gradient_sum import GradientSum  # noqa: E402
+from workers.train_step import accumulate_gradients, collate, squared_gradient_norm  # noqa: E402
 
 SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine
     "short": {"dim": 128, "layers": 2, "seq_len": 96, "global_batch": 8, "micro_batch": 4},
@@ -56,8 +60,9 @@ def job(size: dict, groups: int, steps: int, storage: str, tiers: bool = True, m
     })
 
 
-def plain_rank(rank: int, world: int, port: int, config, result_path: str) -> None:
-    """What a hand-written torchrun script does with one rank per replica group."""
+def plain_rank(rank: int, world: int, port: int, config, result_path: str, overlap: bool) -> None:
+    """What a hand-written torchrun script does with one rank per replica group; without
+    ``overlap``, the gradients' cross-group sum is one flat all-reduce after backward."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
@@ -68,6 +73,8 @@ def plain_rank(rank: int, world: int, port: int, config, result_path: str) -> No
     torch.manual_seed(config.seed)
     model = hooks.parallelize_fn(hooks.model_fn(), group_mesh)
     optimizer = hooks.optimizer_fn(model.parameters())
+    gradient_sum = GradientSum(model, torch.float32, overlap=overlap,
+                               **({} if overlap else {"bucket_bytes": float("inf")}))
     weights = dict.fromkeys(range(world), 1.0)
     cursor, times = DataCursor(), []
     for step in range(config.steps):
@@ -77,29 +84,37 @@ def plain_rank(rank: int, world: int, port: int, config, result_path: str) -> No
         cursor = plan.next_cursor
         micro = plan.groups[rank].micro_batches(0, 1, config.micro_batch)
         batches = [collate(hooks.dataset, mb, torch.device("cpu")) for mb in micro]
-        loss = accumulate_gradients(model, hooks.loss_fn, batches, plan.global_samples * config.data.seq_len)
-        sum_across_groups(model, replicate, lambda work: work.wait())
+        loss = accumulate_gradients(model, hooks.loss_fn, batches, plan.global_samples * config.data.seq_len,
+                                    lambda index: index == len(batches) - 1 and gradient_sum.start(replicate))
+        exposed_s = gradient_sum.finish(lambda work: work.wait()).exposed_s
         scalars = torch.tensor([loss, squared_gradient_norm(model, {"shard": 0, "tp": 0})], dtype=torch.float64)
         dist.all_reduce(scalars, group=replicate)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - started)
+        times.append(f"{time.perf_counter() - started} {exposed_s}")
     if rank == 0:
-        Path(result_path).write_text(" ".join(map(str, times)))
+        Path(result_path).write_text("\n".join(times))
     dist.destroy_process_group()
 
 
-def run_plain(config, groups: int, storage: str) -> list[float]:
+def run_plain(config, groups: int, storage: str, overlap: bool = True) -> list[tuple[float, float]]:
+    """Rank 0's (step seconds, exposed seconds of the cross-group sum) per step."""
     ctx = mp.get_context("spawn")
-    port = 29000 + os.getpid() % 1000
+    port = 29000 + os.getpid() % 1000 + (0 if overlap else 500)
     result_path = str(Path(storage) / "plain-times")
-    procs = [ctx.Process(target=plain_rank, args=(r, groups, port, config, result_path)) for r in range(groups)]
+    procs = [ctx.Process(target=plain_rank, args=(r, groups, port, config, result_path, overlap))
+             for r in range(groups)]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join()
         assert proc.exitcode == 0, f"a plain rank exited {proc.exitcode}"
-    return [float(t) for t in Path(result_path).read_text().split()]
+    return [tuple(map(float, line.split())) for line in Path(result_path).read_text().splitlines()]
+
+
+def exposed_share(steps: list[tuple[float, float]]) -> float:
+    """The cross-group sum's exposed seconds over the step's, on the medians."""
+    return statistics.median(exposed for _, exposed in steps) / statistics.median(step for step, _ in steps)
 
 
 def run_elastic(config) -> tuple[list[float], dict]:
@@ -108,6 +123,11 @@ def run_elastic(config) -> tuple[list[float], dict]:
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     return [record["step_s"] for record in result.summary["steps"]], result.summary
+
+
+def elastic_exposed(summary: dict, warmup: int) -> list[tuple[float, float]]:
+    """The product's (step seconds, rank 0's exposed seconds of the cross-group sum) per step."""
+    return [(record["step_s"], record["rank_grad_sum_exposed_s"]["0"]) for record in summary["steps"][warmup:]]
 
 
 def main() -> int:
@@ -128,7 +148,8 @@ def main() -> int:
         size = SIZES[name]
         with tempfile.TemporaryDirectory() as storage:
             config = job(size, args.groups, args.steps, storage, memory_every=args.memory_every)
-            plain = run_plain(config, args.groups, storage)[args.warmup:]
+            plain_steps = run_plain(config, args.groups, storage)[args.warmup:]
+            flat_steps = run_plain(config, args.groups, storage, overlap=False)[args.warmup:]
             start_local_ray(log_to_driver=False)
             try:
                 elastic_steps, summary = run_elastic(config)
@@ -137,7 +158,7 @@ def main() -> int:
                 bare_steps = run_elastic(bare)[0] if args.tiers else []
             finally:
                 ray.shutdown()
-        a, b = statistics.median(elastic_steps[args.warmup:]), statistics.median(plain)
+        a, b = statistics.median(elastic_steps[args.warmup:]), statistics.median(step for step, _ in plain_steps)
         ratio = b / a
         verdicts.append(ratio >= 0.97)
         print(f"{name}: {args.groups} groups x shard 1, dim {size['dim']}, {size['layers']} layers, "
@@ -145,6 +166,10 @@ def main() -> int:
         print(f"  (A) elastic, driver + actors : median step {a * 1e3:8.1f} ms")
         print(f"  (B) plain torch.distributed  : median step {b * 1e3:8.1f} ms")
         print(f"  throughput B/A... A at {ratio:.3f} of B (target >= 0.97): {'PASS' if ratio >= 0.97 else 'FAIL'}")
+        print(f"  cross-group sum exposed after backward, share of the step: one flat all-reduce after backward "
+              f"{exposed_share(flat_steps) * 100:.1f} %, buckets from inside backward (B) "
+              f"{exposed_share(plain_steps) * 100:.1f} %, the product (A) "
+              f"{exposed_share(elastic_exposed(summary, args.warmup)) * 100:.1f} %")
         if bare_steps:
             timed, bare = elastic_steps[args.warmup:], bare_steps[args.warmup:]
             median_cost = statistics.median(timed) / statistics.median(bare) - 1

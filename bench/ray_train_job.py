@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import ray.train
 from elastic.core.data_plan import DataCursor, plan_step
-from workers.train_step import accumulate_gradients, collate, local_gradients
+from workers.gradient_sum import local_gradient
+from workers.train_step import accumulate_gradients, collate
 
 
 def restore(model, optimizer) -> tuple[int, DataCursor, bool]:
@@ -38,7 +39,7 @@ def train_step(model, optimizer, hooks, config, step: int, cursor: DataCursor, r
     micro = plan.groups[rank].micro_batches(0, 1, config.micro_batch)
     batches = [collate(hooks.dataset, mb, torch.device("cpu")) for mb in micro]
     loss_share = accumulate_gradients(model, hooks.loss_fn, batches, plan.global_samples * config.data.seq_len)
-    grads = local_gradients(model)
+    grads = [local_gradient(param) for param in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss_share])])
     dist.all_reduce(flat)
     offset = 0

@@ -18,11 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
 from workers.failures import CollectiveFailed
+from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
 from workers.step_transaction import (
     NO_FAULTS,
@@ -90,6 +93,21 @@ class FailingCrossGroupSum:
         raise CollectiveFailed("the cross-group sum failed here")
 
 
+class SentBeforeWaiting:
+    """A fault plan that injects nothing and counts the gradient buckets already sent when
+    the rank starts waiting for the sum: those backward sent."""
+
+    def __init__(self, gradient_sum: GradientSum):
+        self.gradient_sum = gradient_sum
+        self.sent = -1
+
+    def after_compute(self, compute_s: float) -> float:
+        return compute_s
+
+    def before_cross_group_sum(self) -> None:
+        self.sent = self.gradient_sum.sent_in_backward
+
+
 @dataclass
 class StepResult:
     """What one rank's step did."""
@@ -102,16 +120,20 @@ class StepResult:
     generators_rewound: bool
 
 
+def whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
 def take_step(transaction: StepTransaction, step: int, batches: list[Batch], report_due: bool = False,
               faults=NO_FAULTS) -> StepResult:
-    parameters = [param.detach().clone() for param in transaction.model.parameters()]
+    parameters = [whole(param) for param in transaction.model.parameters()]
     generators = torch.get_rng_state()
     outcome, raised = None, None
     try:
         outcome = transaction.step(run_spec(), share(step), loaded(batches), report_due, faults)
     except Exception as error:  # noqa: BLE001 - the test reads which
         raised = type(error).__name__
-    after = [param.detach().clone() for param in transaction.model.parameters()]
+    after = [whole(param) for param in transaction.model.parameters()]
     return StepResult(
         outcome, raised, after,
         parameters_unchanged=all(torch.equal(a, b) for a, b in zip(parameters, after)),
@@ -126,9 +148,15 @@ def rank_spec(rank: int, group: int, group_rank: int, shard: int, port: int) -> 
                     store_secret="00", collective_timeout_s=TIMEOUT_S)
 
 
-def new_transaction(spec: RankSpec, world: World) -> tuple[StepTransaction, DriverSignals]:
+def fsdp_units(model: TinyModel, world: World) -> TinyModel:
+    """The model under FSDP2 on the group's mesh, the output layer a unit of its own."""
+    fully_shard(model.output, mesh=world.mesh["shard"])
+    return fully_shard(model, mesh=world.mesh["shard"])
+
+
+def new_transaction(spec: RankSpec, world: World, fsdp: bool = False) -> tuple[StepTransaction, DriverSignals]:
     torch.manual_seed(MODEL_SEED)
-    model = TinyModel()
+    model = fsdp_units(TinyModel(), world) if fsdp else TinyModel()
     signals = DriverSignals()
     transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), token_cross_entropy,
                                   torch.device("cpu"), ActivityTracker(), signals)
@@ -152,6 +180,13 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     if rank == 0:
         signals.request_pause(RUN)
     yield "a pause one rank saw", take_step(transaction, 1, rank_batches(rank, 1))
+
+    # under FSDP2 (which calls the post-accumulate-grad hooks itself), one bucket per parameter
+    transaction, _ = new_transaction(spec, world, fsdp=True)
+    transaction.gradient_sum = GradientSum(transaction.model, torch.float32, bucket_bytes=1)
+    counting = SentBeforeWaiting(transaction.gradient_sum)
+    result = take_step(transaction, 0, rank_batches(rank, 0), faults=counting)
+    yield "buckets sent in backward", (result, counting.sent, len(transaction.gradient_sum.buckets))
 
     # one group of two ranks
     spec = rank_spec(rank, group=0, group_rank=rank, shard=2, port=port)
@@ -238,6 +273,16 @@ def test_every_rank_applies_a_step_that_succeeded_everywhere_as_one_process_woul
     for rank in ranks:
         assert rank.gradients_zero and not rank.parameters_unchanged
         for got, expected in zip(rank.parameters, reference_parameters()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_the_gradient_buckets_go_out_during_backward_and_sum_as_one_flat_all_reduce_would(results):
+    for result, sent_in_backward, buckets in scenario(results, "buckets sent in backward"):
+        assert isinstance(result.outcome, Committed)
+        assert buckets == 3 and sent_in_backward == buckets
+        times = result.outcome.record.times[0]
+        assert 0.0 <= times.grad_sum_exposed_s <= times.grad_sum_s
+        for got, expected in zip(result.parameters, reference_parameters()):
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 

@@ -72,3 +72,10 @@ def test_shares_of_a_masked_batch_rescaled_give_the_whole_batchs_mean_loss_and_g
 
 def broken_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (batch, seq, vocab): a user's bug
+
+
+def test_gradient_buckets_are_consecutive_and_cut_before_they_would_overflow():
+    from workers.gradient_sum import plan_buckets
+
+    assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets([4, 4, 4], float("inf")) == [[0, 1, 2]]

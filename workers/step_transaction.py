@@ -50,6 +50,7 @@ from workers.failures import (
     StepInterrupted,
     VoteFailed,
 )
+from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -60,7 +61,6 @@ from workers.train_step import (
     evaluate_loss,
     scale_gradients,
     squared_gradient_norm,
-    sum_across_groups,
 )
 from workers.world import World
 
@@ -158,7 +158,8 @@ class FaultPlan(Protocol):
         slowdown the plan adds."""
 
     def before_cross_group_sum(self) -> None:
-        """Called as the gradients' cross-group sum starts; may fail it."""
+        """Called as the rank waits for the gradients' cross-group sum (begun in its last
+        backward); may fail it."""
 
 
 class NoFaults:
@@ -228,7 +229,7 @@ class StepTransaction:
         self.activity = activity
         self.signals = signals
         self.compute_timer = ComputeTimer(rank.use_gpu)
-        self.replicate_dtype = torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32
+        self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.shard * rank.tp))
         self.mesh_coordinate = world.mesh_coordinate
@@ -262,19 +263,20 @@ class StepTransaction:
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
         loss_share, compute_s = self._compute(step, on_device, share.global_tokens, faults)
-        self.activity.set(step, "replicate")
         comm_started = time.perf_counter()
-        sum_error, mismatch = None, None
+        self.activity.set(step, "replicate")
+        sum_error, mismatch, sum_times = None, None, SumTimes(0.0, 0.0)
         try:
             if check is not None:
                 self.wait_replicate(check.work, deadline)
                 mismatch = check.verdict(self.rank.position)
-            crossed = self._sum_across_groups(spec, loss_share, counted_tokens(on_device), report_due, deadline, faults)
+            sum_times, crossed = self._sum_across_groups(spec, loss_share, counted_tokens(on_device), report_due,
+                                                         deadline, faults, comm_started)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
-        times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started)
+        times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
         self.activity.set(step, "vote")
         try:
             vote = self._vote(sum_error is None, crossed, mismatch is not None, grad_sq_norm, times)
@@ -293,24 +295,32 @@ class StepTransaction:
         self.activity.set(step, "compute")
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
-        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens,
-                                          on_micro_batch=lambda index: self.at_micro_batch(step, index))
+
+        def at_micro_batch(index: int) -> None:
+            self.at_micro_batch(step, index)
+            if index == len(batches) - 1:
+                # The last backward: the gradients' cross-group sum starts inside it.
+                if self.world.replicate_group is not None:
+                    self.gradient_sum.start(self.world.replicate_group)
+
+        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens, at_micro_batch)
         return loss_share, faults.after_compute(self.compute_timer.seconds())
 
-    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool, deadline: float,
-                           faults: FaultPlan) -> CrossGroupScalars:
-        """The gradients, then the step's scalars, summed with this position's ranks in the
-        other groups."""
+    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool,
+                           deadline: float, faults: FaultPlan, backward_ended: float
+                           ) -> tuple[SumTimes, CrossGroupScalars]:
+        """The gradients' sum (begun in backward) to its end, then the step's scalars, summed
+        with this position's ranks in the other groups."""
         faults.before_cross_group_sum()
+        sum_times = SumTimes(0.0, 0.0)
         if self.world.replicate_group is not None:
-            sum_across_groups(self.model, self.world.replicate_group, lambda work: self.wait_replicate(work, deadline),
-                              self.replicate_dtype)
+            sum_times = self.gradient_sum.finish(lambda work: self.wait_replicate(work, deadline), backward_ended)
         crossed = self._cross_group_scalars(loss_share, counted, self.signals.pause_requested(spec.run), report_due,
                                             deadline)
         # An abort the driver sent (a step failed elsewhere) ends this group's run after
         # this step, which every contribution reached: a group that stops earlier than
         # another leaves the other's next cross-group sum to be aborted and discarded.
-        return replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
+        return sum_times, replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
 
     def _apply_or_discard(self, spec: RunSpec, share: RankShare, vote: Vote, mismatch: IntegrityMismatch | None,
                           report: bool) -> Committed | Discarded:
@@ -401,7 +411,7 @@ class StepTransaction:
             pause=any(row[3] > 0 for row in table),
             integrity_mismatch=any(row[4] > 0 for row in table),
             grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
-            times=tuple(RankTimes(*row[6:10]) for row in table),
+            times=tuple(RankTimes(*row[6:]) for row in table),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:
@@ -417,6 +427,7 @@ class StepTransaction:
         if self._rng_before_step is not None:
             rng.restore(self._rng_before_step)
             self._rng_before_step = None
+        self.gradient_sum.abandon()
         self.optimizer.zero_grad(set_to_none=False)
 
     def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float]:

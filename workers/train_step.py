@@ -1,4 +1,4 @@
-"""One step's math on one rank: gradients over its micro-batches, then the cross-group sum.
+"""One step's math on one rank: gradients over its micro-batches (their cross-group sum is``workers.gradient_sum``'s).
 
 The loss of a step is the sum of per-token losses over the whole global batch divided by
 the global token count. Each rank adds its share of that sum, so the gradient is the same
@@ -123,17 +123,6 @@ def evaluate_loss(
         model.train()
 
 
-def local_gradients(model: nn.Module) -> list[torch.Tensor]:
-    """This rank's gradient shards, in parameter order (identical layout across groups)."""
-    grads = []
-    for param in model.parameters():
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grad = param.grad
-        grads.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
-    return grads
-
-
 def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:
     """Whether this rank counts ``tensor`` toward the group's gradient norm: a tensor
     replicated along a mesh dimension (or not laid out on it at all) is counted only by the
@@ -164,18 +153,3 @@ def scale_gradients(model: nn.Module, scale: float) -> None:
     grads = [param.grad for param in model.parameters() if param.grad is not None]
     if grads and scale != 1.0:
         torch._foreach_mul_([g._local_tensor if isinstance(g, DTensor) else g for g in grads], scale)
-
-
-def sum_across_groups(model: nn.Module, replicate_group, wait: Callable, dtype: torch.dtype = torch.float32) -> None:
-    """Sum gradient shards over the replicate group in one flat all-reduce, in ``dtype``.
-
-    ``wait(work)`` blocks until the all-reduce is done; the step's (``workers.step_transaction``)
-    can be cut short by the driver or by the step's deadline.
-    """
-    grads = local_gradients(model)
-    flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
-    wait(replicate_group.allreduce([flat]))
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()

@@ -135,14 +135,18 @@ class RankActivity:
 
 
 class RankTimes(NamedTuple):
-    """A rank's seconds in a committed step: waiting for its data, computing, in the
-    cross-group sum, and in all until its vote. A tuple, so a group's rows flatten into the
-    run's gather cheaply (``record_row``)."""
+    """A rank's seconds in a committed step: waiting for its data, computing, from the end
+    of its compute to the end of the cross-group sums, and in all until its vote; and the
+    gradients' cross-group sum, which starts inside backward: from its first bucket sent to
+    its last summed, and the part of that after backward ended (what the step waits for).
+    A tuple, so a group's rows flatten into the run's gather cheaply (``record_row``)."""
 
     data_s: float
     compute_s: float
     comm_s: float
     wall_s: float
+    grad_sum_s: float = 0.0  # 0 without other groups to sum with
+    grad_sum_exposed_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class StepResult:
             "rank_step_s": {str(rank): times.wall_s for rank, times in self.rank_times.items()},
             "rank_compute_s": {str(rank): times.compute_s for rank, times in self.rank_times.items()},
             "rank_comm_s": {str(rank): times.comm_s for rank, times in self.rank_times.items()},
+            "rank_grad_sum_s": {str(rank): times.grad_sum_s for rank, times in self.rank_times.items()},
+            "rank_grad_sum_exposed_s": {str(rank): times.grad_sum_exposed_s for rank, times in self.rank_times.items()},
             "group_samples": {str(group): samples for group, samples in self.group_samples.items()},
         }
         if self.straggler_scores is not None:

@@ -40,6 +40,10 @@ class Metrics:
         self.rank_communication_seconds = Gauge(
             "elastic_rank_communication_seconds", "Cross-group reduction time of the rank's last step", ["rank"], **labels
         )
+        self.rank_gradient_sum_exposed_seconds = Gauge(
+            "elastic_rank_gradient_sum_exposed_seconds",
+            "Part of the rank's last cross-group gradient sum left after its backward ended", ["rank"], **labels
+        )
         self.rank_straggler_score = Gauge(
             "elastic_rank_straggler_score", "Rank compute time over the median rank's (1.0 = typical)", ["rank"], **labels
         )
@@ -169,6 +173,7 @@ class Metrics:
             self.rank_step_seconds.labels(rank=label).set(times.wall_s)
             self.rank_compute_seconds.labels(rank=label).set(times.compute_s)
             self.rank_communication_seconds.labels(rank=label).set(times.comm_s)
+            self.rank_gradient_sum_exposed_seconds.labels(rank=label).set(times.grad_sum_exposed_s)
         self.straggler_scores(result.straggler_scores or {})
         self.steps_committed.inc()
         self.step.set(result.step + 1)
