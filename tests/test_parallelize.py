@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from elastic.setup.config import ModelConfig
+from elastic.setup.memory_estimate import activation_bytes
 from workers.model import ModelArgs, Transformer
-from workers.parallelize import Parallelize, wrap_blocks
+from workers.parallelize import Parallelize, tensor_parallelize_transformer, wrap_blocks
 
 ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8)
 TP = 2
@@ -33,15 +35,32 @@ def batch() -> torch.Tensor:
     return torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len + 1), generator=torch.Generator().manual_seed(5))
 
 
-class SavedBytes:
-    """Bytes autograd saves for backward while inside (what a forward holds until backward)."""
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's (local) data lives and its bytes: a storage once however many ops save it."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:  # a wrapper with no storage of its own (a collective's pending output)
+        return id(local), local.numel() * local.element_size()
 
-    def __init__(self):
-        self.total = 0
+
+class SavedBytes:
+    """Bytes autograd saves for backward while inside (what a forward holds until backward),
+    each storage counted once, those in ``held`` (the parameters') not at all."""
+
+    def __init__(self, held: frozenset[int] = frozenset()):
+        self.held = held
+        self._storages: dict[int, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self._storages.values())
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        self.total += local.numel() * local.element_size()
+        key, size = storage_key(tensor)
+        if key not in self.held:
+            self._storages[key] = size
         return tensor
 
     def __enter__(self) -> SavedBytes:
@@ -87,6 +106,18 @@ def train_once(parallelize, backward_matmuls: MatmulsRun | None = None) -> tuple
     return loss.item(), grads, saved.total
 
 
+def tensor_parallel_activation_bytes(tp_mesh, sequence_parallel: bool) -> int:
+    """What the forward of the model under TP alone (no FSDP2, whose gathered weights would
+    count) saves for backward, the parameters aside: the memory estimate's activations."""
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    tensor_parallelize_transformer(model, tp_mesh, sequence_parallel)
+    held = frozenset(storage_key(tensor)[0] for tensor in [*model.parameters(), *model.buffers()])
+    with SavedBytes(held) as saved:
+        model(batch()[:, :-1])
+    return saved.total
+
+
 def tp_rank(rank: int, init_file: str, connection) -> None:
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
@@ -96,6 +127,8 @@ def tp_rank(rank: int, init_file: str, connection) -> None:
         for sequence_parallel in (False, True):
             results[sequence_parallel] = train_once(
                 lambda model: Parallelize(sequence_parallel=sequence_parallel)(model, mesh))
+            results["activations", sequence_parallel] = tensor_parallel_activation_bytes(mesh["tp"],
+                                                                                         sequence_parallel)
         # Plain pickle: a tensor sent as itself would be shared through this process, gone by
         # the time the test reads it.
         connection.send_bytes(pickle.dumps(("ok", results)))
@@ -141,10 +174,20 @@ def test_tensor_parallel_ranks_train_as_one_process(tp_results, sequence_paralle
         assert_same_training(rank_results[sequence_parallel], reference)
 
 
-def test_sequence_parallelism_saves_less_for_backward(tp_results):
+def test_sequence_parallelism_saves_less_for_backward_by_the_memory_estimates_difference(tp_results):
+    model = ModelConfig(vocab_size=ARGS.vocab_size, dim=ARGS.dim, n_layers=ARGS.n_layers, n_heads=ARGS.n_heads,
+                        n_kv_heads=ARGS.n_kv_heads, ffn_hidden=ARGS.ffn_hidden)
+    tokens = batch()[:, :-1].numel()
+    estimate = {sequence_parallel: activation_bytes(model, tp=TP, tokens=tokens, compute=4,
+                                                    activation_checkpointing=False,
+                                                    sequence_parallel=sequence_parallel)
+                for sequence_parallel in (False, True)}
     for rank_results in tp_results:
         plain, sequence_parallel = rank_results[False][2], rank_results[True][2]
         assert sequence_parallel < plain, (sequence_parallel, plain)
+        # The estimate leaves out the logits and the loss's tensors, the same in both.
+        saved = rank_results["activations", False] - rank_results["activations", True]
+        assert saved == estimate[False] - estimate[True]
 
 
 def checkpointing(mode: str, selective="op"):

@@ -21,13 +21,15 @@ from workers.model import Transformer
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
 
 # The largest tp each preset's sizes (heads, kv heads, dim, ffn, vocabulary) allow up to 8.
-FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8}
-# llama3-*: the parameter counts published for Llama 3.2 1B and Llama 3 8B.
+FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8, "llama3-70b": 8, "llama3-405b": 8}
+# llama3-*: the parameter counts published for Llama 3.2 1B, Llama 3 8B and 70B, and Llama 3.1 405B.
 EXPECTED_PARAMETERS = {
     "tiny": pytest.approx(139_584),
     "llama-125m": pytest.approx(125e6, abs=15e6),
     "llama3-1b": 1_235_814_400,
     "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800,
 }
 
 

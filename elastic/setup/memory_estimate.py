@@ -49,34 +49,53 @@ def _norm_activation_bytes(dim: int, compute: int) -> int:
     return (fp32_copies * FP32_BYTES + 2 * compute) * dim + FP32_BYTES
 
 
-def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int) -> float:
+def _norm_and_projection_input_bytes(dim: int, compute: int, tp: int, sequence_parallel: bool) -> float:
+    """Per token, a norm's saved tensors and the input the projections after it save.
+
+    Without sequence parallelism both are whole on every TP rank, and the norm's output is
+    the projections' input (one tensor). With it, the norm runs on the rank's ``1 / tp`` of
+    the sequence, and the projections save the whole sequence's input, gathered after it.
+    """
+    norm = _norm_activation_bytes(dim, compute)
+    if not sequence_parallel:
+        return norm
+    return (norm - compute * dim) / tp + compute * dim
+
+
+def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_parallel: bool) -> float:
     """Per token, what one transformer block saves for backward.
 
-    The norms see the whole hidden state on every TP rank. The rest is split by heads or by
-    ffn columns: SDPA's fused kernel (flash or memory-efficient) saves q, k and v (k and v
-    repeated to every head), its output (which is also wo's input) and an fp32 log-sum-exp
-    per head, and no seq x seq matrix; SwiGLU saves w1's and w3's outputs, silu's output and
-    their product. RoPE saves only its cos/sin buffer.
+    The norms see the whole hidden state on every TP rank, or their share of the sequence
+    with sequence parallelism. The rest is split by heads or by ffn columns: SDPA's fused
+    kernel (flash or memory-efficient) saves q, k and v (k and v repeated to every head), its
+    output (which is also wo's input) and an fp32 log-sum-exp per head, and no seq x seq
+    matrix; SwiGLU saves w1's and w3's outputs, silu's output and their product. RoPE saves
+    only its cos/sin buffer.
     """
     attention = 4 * compute * model.dim + FP32_BYTES * model.n_heads
     feed_forward = 4 * compute * model.ffn_hidden
-    return 2 * _norm_activation_bytes(model.dim, compute) + (attention + feed_forward) / tp
+    norms = 2 * _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
+    return norms + (attention + feed_forward) / tp
 
 
 def activation_bytes(
-    model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool
+    model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool,
+    sequence_parallel: bool = False,
 ) -> float:
-    """What one micro-batch's forward saves for backward, logits and loss aside."""
-    outside_blocks = _norm_activation_bytes(model.dim, compute)
-    layer = _layer_activation_bytes(model, tp, compute)
+    """What one micro-batch's forward saves for backward, logits and loss aside.
+    ``sequence_parallel``: the residual stream between TP regions is split over the TP ranks
+    (``scaling.sequence_parallel``)."""
+    stream = tp if sequence_parallel else 1  # the residual stream's split
+    outside_blocks = _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
+    layer = _layer_activation_bytes(model, tp, compute, sequence_parallel)
     if model.dropout:
         # A one-byte mask per element (CUDA's fused dropout): the embedding's, and each
         # block's two residual branches'.
-        outside_blocks += model.dim
-        layer += 2 * model.dim
+        outside_blocks += model.dim / stream
+        layer += 2 * model.dim / stream
     if activation_checkpointing:
         # Each block keeps only its input; backward recomputes one block at a time.
-        return tokens * (model.n_layers * compute * model.dim + layer + outside_blocks)
+        return tokens * (model.n_layers * compute * model.dim / stream + layer + outside_blocks)
     return tokens * (model.n_layers * layer + outside_blocks)
 
 
@@ -89,6 +108,7 @@ def memory_per_rank(
     micro_batch: int,
     precision: Literal["bf16", "fp32"] = "bf16",
     activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
 
@@ -110,7 +130,8 @@ def memory_per_rank(
         # gradient is copied into an fp32 buffer to be reduce-scattered.
         "unsharded": compute * (root + 2 * block + output_projection) + (compute + FP32_BYTES) * block,
         "activations": activation_bytes(
-            model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing
+            model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing,
+            sequence_parallel=sequence_parallel,
         ),
         # Logits are replicated across TP ranks. Cross-entropy saves them as fp32
         # log-probabilities (the compute-dtype logits are freed once the loss is computed),

@@ -20,6 +20,7 @@ class Layout:
     seq_len: int
     micro_batch: int
     activation_checkpointing: Literal["none", "full"] = "none"
+    sequence_parallel: bool | None = None  # None: the config's default (on where tp > 1 allows it)
 
 
 DOC_LAYOUTS = [
@@ -30,8 +31,13 @@ DOC_LAYOUTS = [
     Layout("llama3-1b", shard=8, tp=2, seq_len=4096, micro_batch=2),
     Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1),
     Layout("llama3-8b", shard=8, tp=1, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-8b", shard=8, tp=4, seq_len=8192, micro_batch=1, sequence_parallel=False),
     Layout("llama3-8b", shard=8, tp=4, seq_len=8192, micro_batch=1),
     Layout("llama3-8b", shard=32, tp=2, seq_len=8192, micro_batch=1),
+    Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1),
+    Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-405b", shard=32, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-405b", shard=64, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
 ]
 
 
@@ -56,15 +62,16 @@ def shapes_table() -> str:
 def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     """One row per layout, each first validated as a full config (so tp divides the shapes)."""
     lines = [
-        "| preset | shard × tp | seq_len × micro_batch | activation checkpointing "
+        "| preset | shard × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
         "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
-        "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
+        "|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
     for layout in layouts:
         config = parse_config({
             "micro_batch": layout.micro_batch,
             "global_batch": layout.micro_batch * layout.shard,
-            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp},
+            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp,
+                        **({} if layout.sequence_parallel is None else {"sequence_parallel": layout.sequence_parallel})},
             "model": {"preset": layout.preset},
             "data": {"seq_len": layout.seq_len},
             "compute": {"precision": "bf16", "activation_checkpointing": layout.activation_checkpointing},
@@ -73,12 +80,14 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
+            sequence_parallel=config.sequence_parallel,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
         lines.append(
             f"| `{layout.preset}` | {layout.shard} × {layout.tp} "
             f"| {layout.seq_len} × {layout.micro_batch} | {layout.activation_checkpointing} "
+            f"| {'yes' if config.sequence_parallel else 'no'} "
             f"| {states:.2f} | {memory['unsharded']:.2f} | {memory['activations']:.2f} | {memory['logits']:.2f} "
             f"| {memory['total']:.2f} | {fits} |"
         )

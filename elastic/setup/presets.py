@@ -24,4 +24,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
         "tie_embeddings": False,
     },
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": {
+        "vocab_size": 128256, "dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_hidden": 28672,
+        "tie_embeddings": False,
+    },
+    # meta-llama/Llama-3.1-405B
+    "llama3-405b": {
+        "vocab_size": 128256, "dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8, "ffn_hidden": 53248,
+        "tie_embeddings": False,
+    },
 }
