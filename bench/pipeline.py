@@ -1,0 +1,161 @@
+"""What the large-model layouts cost and save, measured on the reference model:
+
+- sequence parallelism at tp 2: each rank's peak memory over one forward and backward, with
+  it on and off (two spawned gloo ranks, the product's TP plan), beside the activation
+  memory the estimate (``elastic.setup.memory_estimate``) predicts for each;
+- activation checkpointing: peak memory and step time of ``none``, ``full``, ``selective``
+  per op and ``selective`` every 2nd block, one process each;
+- the pipeline bubble against the schedule's theory: skipped, and said so, until a replica
+  group has pipeline stages (``scaling.pp``).
+
+Peak memory: torch's ``MemTracker`` over one forward and backward (the peak of the tensors
+alive, by kind: parameters, gradients, activations, temporaries), then the median of
+``--steps`` passes untracked for the step time.
+
+    python bench/pipeline.py [--dim 256] [--layers 4] [--seq 512] [--batch 2] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic.setup.config import ModelConfig  # noqa: E402
+from elastic.setup.memory_estimate import activation_bytes  # noqa: E402
+from workers.model import ModelArgs, Transformer  # noqa: E402
+from workers.parallelize import tensor_parallelize_transformer, wrap_blocks  # noqa: E402
+
+MIB = 2**20
+VOCAB = 4096
+
+
+def model_args(args) -> ModelArgs:
+    return ModelArgs(vocab_size=VOCAB, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
+                     ffn_hidden=args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)
+
+
+def measure(model: torch.nn.Module, args, steps: int) -> tuple[int, int, float]:
+    """(peak bytes of all tensors, of activations, over one forward and backward; median step s)."""
+    tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    [peak] = tracker.get_tracker_snapshot("peak").values()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return peak["Total"], peak[_MemRefType.ACT], statistics.median(times)
+
+
+def checkpointing_case(mode: str, selective, args, result_path: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Transformer(model_args(args))
+    wrap_blocks(model, mode, compile_blocks=False, selective=selective)
+    Path(result_path).write_text(" ".join(map(str, measure(model, args, args.steps))))
+
+
+def sequence_parallel_rank(rank: int, init_file: str, sequence_parallel: bool, args, result_path: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = Transformer(model_args(args))
+    tensor_parallelize_transformer(model, tp_mesh, sequence_parallel)
+    Path(f"{result_path}.{rank}").write_text(" ".join(map(str, measure(model, args, args.steps))))
+    dist.destroy_process_group()
+
+
+def in_fresh_process(target, case_args: tuple, processes: int = 1) -> list[tuple[float, float, float]]:
+    """Run ``target(*case_args, result_path)`` (with the rank first when ``processes`` > 1) in
+    fresh spawned processes; what each measured."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as directory:
+        path = str(Path(directory) / "result")
+        if processes == 1:
+            workers = [context.Process(target=target, args=(*case_args, path))]
+            paths = [path]
+        else:
+            init_file = str(Path(directory) / "init")
+            workers = [context.Process(target=target, args=(rank, init_file, *case_args, path))
+                       for rank in range(processes)]
+            paths = [f"{path}.{rank}" for rank in range(processes)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+            assert worker.exitcode == 0, f"a measuring process exited {worker.exitcode}"
+        return [tuple(map(float, Path(each).read_text().split())) for each in paths]
+
+
+def estimated_activations(args, sequence_parallel: bool) -> float:
+    shape = model_args(args)
+    model = ModelConfig(vocab_size=VOCAB, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
+                        n_kv_heads=shape.n_kv_heads, ffn_hidden=shape.ffn_hidden)
+    return activation_bytes(model, tp=2, tokens=args.batch * args.seq, compute=4, activation_checkpointing=False,
+                            sequence_parallel=sequence_parallel)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print(f"reference model: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, fp32, CPU")
+
+    print("sequence parallelism, tp 2 (per rank: peak of all tensors and of activations over one step, "
+          "the estimate's activations, median step)")
+    activations = {}
+    for sequence_parallel in (False, True):
+        ranks = in_fresh_process(sequence_parallel_rank, (sequence_parallel, args), processes=2)
+        total, activations[sequence_parallel], step_s = (max(column) for column in zip(*ranks))
+        print(f"  {'on ' if sequence_parallel else 'off'}: peak {total / MIB:7.1f} MiB, activations "
+              f"{activations[sequence_parallel] / MIB:7.1f} MiB (estimate "
+              f"{estimated_activations(args, sequence_parallel) / MIB:7.1f}), step {step_s * 1e3:7.1f} ms")
+    print(f"  on/off activations: {activations[True] / activations[False]:.3f} measured, "
+          f"{estimated_activations(args, True) / estimated_activations(args, False):.3f} estimated")
+
+    print("activation checkpointing (one process: peak of all tensors and of activations over one step, "
+          "median step)")
+    cases = {"none": ("none", "op"), "full": ("full", "op"), "selective per op": ("selective", "op"),
+             "selective every 2nd block": ("selective", 2)}
+    measured = {name: in_fresh_process(checkpointing_case, (*case, args))[0] for name, case in cases.items()}
+    none, full = measured["none"], measured["full"]
+    for name, (total, acts, step_s) in measured.items():
+        print(f"  {name:26s}: peak {total / MIB:7.1f} MiB ({total / none[0]:.3f} of none, {total / full[0]:.3f} "
+              f"of full), activations {acts / MIB:7.1f} MiB, step {step_s * 1e3:7.1f} ms ({step_s / none[2]:.3f} "
+              f"of none, {step_s / full[2]:.3f} of full)")
+
+    print("pipeline bubble against (p - 1) / (m + p - 1): skipped, a replica group has no pipeline stages "
+          "(scaling.pp) in this code yet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
