@@ -41,8 +41,9 @@ def test_bf16_trains_on_two_groups_of_shard_2_by_tp_2(ray_cluster, tmp_path, ref
     assert 1e-4 < max_relative_difference(result.losses, reference) < 0.05
 
 
-def test_compiled_blocks_train_the_same_model(ray_cluster, tmp_path, reference):
-    config = tiny_config(tmp_path, groups=1, shard=2, steps=STEPS, compute__compile=True)
+def test_compiled_blocks_train_the_same_model_under_selective_recomputation(ray_cluster, tmp_path, reference):
+    config = tiny_config(tmp_path, groups=1, shard=2, steps=STEPS, compute__compile=True,
+                         compute__activation_checkpointing="selective")
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     # Inductor's fused kernels sum in another order than eager ones.
