@@ -85,7 +85,7 @@ def plain_rank(rank: int, world: int, port: int, config, result_path: str, overl
         micro = plan.groups[rank].micro_batches(0, 1, config.micro_batch)
         batches = [collate(hooks.dataset, mb, torch.device("cpu")) for mb in micro]
         loss = accumulate_gradients(model, hooks.loss_fn, batches, plan.global_samples * config.data.seq_len,
-                                    lambda index: index == len(batches) - 1 and gradient_sum.start(replicate))
+                                    lambda index: gradient_sum.before_micro_batch(index, len(batches), replicate))
         exposed_s = gradient_sum.finish(lambda work: work.wait()).exposed_s
         scalars = torch.tensor([loss, squared_gradient_norm(model, {"shard": 0, "tp": 0})], dtype=torch.float64)
         dist.all_reduce(scalars, group=replicate)

@@ -112,6 +112,12 @@ class GradientSum:
         self._error = None
         self._first_sent_at = math.inf
 
+    def before_micro_batch(self, index: int, micro_batches: int, replicate_group) -> None:
+        """Called before each of the step's ``micro_batches``: the last one's backward sends
+        the buckets (none without a replicate group: no other group to sum with)."""
+        if index == micro_batches - 1 and replicate_group is not None:
+            self.start(replicate_group)
+
     def abandon(self) -> None:
         """The step failed or is discarded: what was sent is left to the world being torn
         down, and the next backward sends nothing until ``start``."""

@@ -296,14 +296,11 @@ class StepTransaction:
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
 
-        def at_micro_batch(index: int) -> None:
+        def before_micro_batch(index: int) -> None:
             self.at_micro_batch(step, index)
-            if index == len(batches) - 1:
-                # The last backward: the gradients' cross-group sum starts inside it.
-                if self.world.replicate_group is not None:
-                    self.gradient_sum.start(self.world.replicate_group)
+            self.gradient_sum.before_micro_batch(index, len(batches), self.world.replicate_group)
 
-        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens, at_micro_batch)
+        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens, before_micro_batch)
         return loss_share, faults.after_compute(self.compute_timer.seconds())
 
     def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool,
