@@ -45,12 +45,13 @@ GLOBAL_BATCH, MICRO_BATCH = 16, 1
 
 
 def job_config(storage: str, name: str, steps: int, inject: str, spares: int, memory_every: int,
-               checkpoint_every: int) -> TrainConfig:
+               checkpoint_every: int, scaling: dict | None = None) -> TrainConfig:
+    """``scaling`` overrides the layout's settings (device, groups, shard)."""
     return build_config({
         "run_name": name, "storage": storage, "steps": steps, "global_batch": GLOBAL_BATCH,
         "micro_batch": MICRO_BATCH, "seed": 5,
         "scaling": {"min_groups": 1, "max_groups": GROUPS, "shard": SHARD, "tp": 1, "cpus_per_rank": 0.25,
-                    "spares": spares},
+                    "spares": spares} | (scaling or {}),
         "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 192},
         "data": {"seq_len": 64, "corpus_tokens": 200_000},
         "stragglers": {"enabled": False},
@@ -69,14 +70,14 @@ def ratio(steps: int, healthy_s: float, wall_s: float) -> float:
 
 
 def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares: int, memory_every: int,
-                checkpoint_every: int) -> dict:
+                checkpoint_every: int, scaling: dict | None = None, steps: int | None = None) -> dict:
     from elastic import ElasticTrainer
     from tests.paced import paced_model
 
-    steps = steps_for(interval, kills, step_s)
+    steps = steps or steps_for(interval, kills, step_s)
     inject = ";".join(f"kill:rank=random,at={interval * k:g}" for k in range(1, kills + 1))
     name = f"goodput-{interval:g}-{spares}-{memory_every}"
-    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every)
+    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling)
     summary = ElasticTrainer(config, model_fn=paced_model(config, step_s)).fit().summary
     assert summary["exit"] == "completed", summary["exit"]
     records = summary["steps"]
@@ -84,12 +85,13 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
     events = summary["events"]
     faults = [e for e in events if e["kind"] == EventKind.FAULT_INJECTED]
     assert len(faults) == kills, f"{len(faults)} of {kills} kills fired"
-    healthy = statistics.median(r["step_s"] for r in records if r["live_groups"] == GROUPS)
+    groups, shard = config.scaling.max_groups, config.scaling.shard
+    healthy = statistics.median(r["step_s"] for r in records if r["live_groups"] == groups)
     started, ended = records[0]["t"] - records[0]["step_s"], records[-1]["t"]
     whole = []
     for fault in faults:
         [rank] = fault["ranks"]
-        group = rank // SHARD
+        group = rank // shard
         joined = [e["t"] for e in events if e["kind"] == EventKind.GROUP_JOINED and e["group"] == group
                   and e["t"] >= fault["t"]]
         whole.append((min(joined) - fault["t"]) / healthy if joined else math.inf)
@@ -100,6 +102,7 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
         "steps": steps,
         "whole_steps": whole,
         "spares_taken": sum(e["kind"] == EventKind.SPARE_TAKEN for e in events),
+        "losses": summary["losses"],
     }
 
 

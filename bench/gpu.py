@@ -1,7 +1,8 @@
 """The GPU path against a plain PyTorch script, side by side in one run on one device:
 
 - (A) elastic: 1 replica group x shard 1 x tp 1, through ``ElasticTrainer``, with the
-  configured precision, compile and activation checkpointing, one async checkpoint mid-run;
+  configured precision, compile and activation checkpointing, two async checkpoints mid-run (the second's stall is the steady one: the first also
+  allocates and pins the staging arena);
 - (B) a plain single-process PyTorch script: the same model, data, batch and micro-batches,
   bf16 autocast when A trains in bf16, ``torch.compile`` per block when A compiles, fused
   AdamW on CUDA, then a synchronous ``dcp.save`` of its state (parameters + AdamW).
@@ -50,8 +51,10 @@ PRESETS = {
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def job(args, storage: str):
+def job(args, storage: str, memory_every: int | None = None):
+    """The run A trains; ``memory_every`` overrides the in-memory tier's interval (default: the product's)."""
     shape = PRESETS[args.preset]
+    memory = {} if memory_every is None else {"memory_every": memory_every}
     return build_config({
         "run_name": f"gpu-{args.preset}", "storage": storage, "steps": args.steps,
         "global_batch": shape["global_batch"], "micro_batch": shape["micro_batch"], "seed": 0,
@@ -61,7 +64,7 @@ def job(args, storage: str):
         "data": {"seq_len": shape["seq_len"], "corpus_tokens": max(2_000_000, 4 * shape["global_batch"] * shape["seq_len"])},
         "compute": {"precision": args.precision, "compile": args.compile,
                     "activation_checkpointing": args.activation_checkpointing},
-        "checkpoint": {"every": args.steps // 2},
+        "checkpoint": {"every": args.steps // 3} | memory,
         "stragglers": {"enabled": False},
         "fault_tolerance": {"first_step_deadline_s": 900},
     })
@@ -84,18 +87,25 @@ def run_elastic(config) -> dict:
     events = summary["events"]
     [built] = [e for e in events if e["kind"] == EventKind.GROUP_BUILT]
     mid_run = [e for e in events if e["kind"] == EventKind.CHECKPOINT_COMMITTED and e["step"] < config.steps]
-    assert mid_run, "the mid-run checkpoint did not commit"
+    assert mid_run, "no mid-run checkpoint committed"
     return {
         "step_s": [r["step_s"] for r in summary["steps"]],
+        "rank_step_s": [r["rank_step_s"]["0"] for r in summary["steps"]],  # until its vote
+        "compute_s": [r["rank_compute_s"]["0"] for r in summary["steps"]],
         "losses": summary["losses"],
         "build_s": built["seconds"],
-        "stall_s": mid_run[0]["stall_s"],
-        "upload_s": mid_run[0]["upload_s"],
+        # The first save also allocates and pins the staging arena (once per run): the second's is the steady stall.
+        "first_stall_s": mid_run[0]["stall_s"],
+        "stall_s": mid_run[-1]["stall_s"],
+        "upload_s": mid_run[-1]["upload_s"],
     }
 
 
-def run_plain(config, storage: str) -> dict:
-    """What a user writes by hand for one device."""
+def run_plain(config, storage: str, as_the_product_wraps: bool = False) -> dict:
+    """What a user writes by hand for one device. ``as_the_product_wraps``: the model wrapped
+    by the product's own ``parallelize_fn`` (FSDP2 on a group of one, its precision policy
+    instead of autocast), to tell the wrapping's cost from the rest of A's step."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,10 +115,18 @@ def run_plain(config, storage: str) -> dict:
     torch.manual_seed(config.seed)
     with device:
         model = hooks.model_fn()
-    wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
-                config.compute.selective_checkpointing)
-    optimizer = hooks.optimizer_fn(model.parameters())
     bf16 = config.compute.precision == "bf16" or (config.compute.precision == "auto" and device.type == "cuda")
+    if as_the_product_wraps:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+        model = hooks.parallelize_fn(model, init_device_mesh(device.type, (1, 1), mesh_dim_names=("shard", "tp")))
+        bf16 = False  # the precision policy casts
+    else:
+        wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
+                    config.compute.selective_checkpointing)
+    optimizer = hooks.optimizer_fn(model.parameters())
     dataset, cursor, times, losses = hooks.dataset, DataCursor(), [], []
     for _ in range(config.steps):
         started = time.perf_counter()
@@ -120,6 +138,12 @@ def run_plain(config, storage: str) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - started)
+    if as_the_product_wraps:
+        dist.destroy_process_group()
+        from torch._dynamo.utils import counters
+
+        return {"step_s": times, "losses": losses, "dynamo": {key: dict(value) for key, value in counters.items()
+                                                             if key in ("stats", "recompiles", "graph_break")}}
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     started = time.perf_counter()
     dcp.save(state, checkpoint_id=str(Path(storage) / "plain-sync"), no_dist=True)

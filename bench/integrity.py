@@ -37,6 +37,7 @@ from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from workers.integrity import fingerprints, state_tensors  # noqa: E402
+from workers.parallelize import wrap_blocks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
 EVERY = 10
@@ -67,18 +68,22 @@ def synchronize(device: torch.device) -> None:
 
 
 def in_process_cost(config, device: torch.device, repeats: int = 20) -> tuple[float, float, int]:
-    """(seconds per step, seconds per fingerprint of the whole state, bytes fingerprinted)."""
+    """(seconds per step, seconds per fingerprint of the whole state, bytes fingerprinted); the
+    step in bf16 autocast on CUDA, as the product trains there by default, its blocks compiled
+    when the config compiles."""
     hooks = resolve_hooks(config)
     torch.manual_seed(0)
     with device:
         model = hooks.model_fn()
+    wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile)  # the step as A's
     optimizer = hooks.optimizer_fn(model.parameters())
     batches = [collate(hooks.dataset, list(range(config.micro_batch * index, config.micro_batch * (index + 1))),
                        device) for index in range(config.global_batch // config.micro_batch)]
     tokens = config.global_batch * config.data.seq_len
 
     def step() -> None:
-        accumulate_gradients(model, hooks.loss_fn, batches, tokens)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            accumulate_gradients(model, hooks.loss_fn, batches, tokens)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 

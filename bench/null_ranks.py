@@ -179,7 +179,7 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
         "scaling": {"min_groups": groups, "max_groups": groups, "shard": RANKS_PER_GROUP, "tp": 1,
                     "cpus_per_rank": 0.01},
         "data": {"seq_len": 32, "corpus_tokens": 40_000},
-        "checkpoint": {"every": 0},
+        "checkpoint": {"every": 0, "memory_every": 0},
         "stragglers": {"enabled": True},
     })
     config = on_cluster(config, ray.cluster_resources())

@@ -79,7 +79,8 @@ def real_run(root: str, name: str, steps: int, spares: int = 0, **overrides):
     values = {
         "run_name": name, "storage": os.path.join(root, "runs"), "steps": steps,
         "global_batch": 32, "micro_batch": 4, "seed": 3,
-        "scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 1, "cpus_per_rank": 0.25, "spares": spares},
+        "scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 1, "cpus_per_rank": 0.25, "spares": spares,
+                    "device": "cpu"},  # the control plane's bench: CPU ranks, also where GPUs are
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
         "data": {"seq_len": 32, "corpus_tokens": 40_000},
         "fault_tolerance": {"first_step_deadline_s": 120, "collective_timeout_s": 20},

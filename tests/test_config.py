@@ -122,12 +122,13 @@ def test_device_follows_the_cluster():
     assert on_cluster(auto, {"CPU": 16}).scaling.gpus_per_rank == 0
     cuda = build_config({"scaling": {"device": "cuda"}})
     assert on_cluster(cuda, {"CPU": 16, "GPU": 8}).scaling.gpus_per_rank == 1  # --device cuda: one GPU per rank
-    half = build_config({"scaling": {"device": "cuda", "gpus_per_rank": 0.5}})
+    half = build_config({"scaling": {"device": "cuda", "gpus_per_rank": 0.5, "gpu_collectives": "gloo"}})
     assert on_cluster(half, {"GPU": 8}).scaling.gpus_per_rank == 0.5
     cpu_only = build_config({"scaling": {"gpus_per_rank": 0}})
     assert on_cluster(cpu_only, {"GPU": 8}).scaling.device == "cpu"
     fails({"scaling": {"device": "cuda", "gpus_per_rank": 0}}, "scaling", "device='cuda' needs gpus_per_rank > 0")
     fails({"scaling": {"device": "cpu", "gpus_per_rank": 1}}, "scaling", "set gpus_per_rank = 0")
+    fails({"scaling": {"device": "cuda", "gpus_per_rank": 0.5}}, "scaling", "gpu_collectives = 'gloo'")
 
 
 def test_gpu_layout_larger_than_cluster():

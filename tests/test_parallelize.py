@@ -212,3 +212,24 @@ def test_every_activation_checkpointing_policy_trains_the_same_model_recomputing
     # the checkpoint itself, out of the saved-tensor hooks' sight.
     every_other = train_once(checkpointing("selective", 2))
     assert full[2] < every_other[2] < none[2]
+
+
+def test_a_group_of_one_rank_trains_in_bf16_under_autocast_as_a_plain_script_without_fsdp():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "tp"))
+        loss, grads, _ = train_once(lambda model: Parallelize(precision="bf16")(model, mesh))
+    finally:
+        dist.destroy_process_group()
+    assert not torch.is_autocast_enabled("cpu")  # the forward's context closed behind it
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    tokens = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+    assert logits.dtype == torch.bfloat16
+    reference = F.cross_entropy(logits.reshape(-1, ARGS.vocab_size), tokens[:, 1:].reshape(-1))
+    reference.backward()
+    assert loss == reference.item()
+    for name, parameter in model.named_parameters():
+        assert grads[name].dtype == torch.float32 and torch.equal(grads[name], parameter.grad), name

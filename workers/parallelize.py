@@ -19,7 +19,10 @@ the cheap element-wise ops recomputed) or every Nth block.
 
 Mixed precision goes through FSDP2's ``MixedPrecisionPolicy``: parameters are all-gathered
 and computed in bf16 while the sharded master copy, the optimizer state and the gradient
-reduction stay fp32. Gradients are summed, never averaged: the loss is already divided by
+reduction stay fp32. A group of one rank has nothing to shard: its model is left unwrapped
+and its forward runs under ``torch.autocast``, as a single-device script trains (TorchTitan
+does the same without FSDP). FSDP2 on one rank only adds copies and hooks: on an H200 the
+206 M shape's step took 2.3x the plain script's through it. Gradients are summed, never averaged: the loss is already divided by
 the global token count (see ``workers.train_step``), which also keeps clear of gloo's AVG
 reduction.
 """
@@ -102,6 +105,23 @@ def mixed_precision_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
     if dtype == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """``model``'s forward under ``torch.autocast`` (the weights stay fp32): mixed precision
+    for a model FSDP2 does not wrap. The context closes even when the forward raises."""
+    open_contexts = []
+
+    def enter(module, args) -> None:
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        open_contexts.append(context)
+
+    def leave(module, args, output) -> None:
+        open_contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 def fully_shard_model(
@@ -201,9 +221,10 @@ class Parallelize:
         if isinstance(model, Transformer):
             blocks = wrap_blocks(model, self.activation_checkpointing, self.compile, self.selective)
         dtype = compute_dtype(self.precision, mesh)
-        if mesh.size() == 1 and dtype == torch.float32:
-            # A group of one rank with nothing to cast: FSDP2 would shard over one rank and
-            # only add its per-op DTensor dispatch (a quarter of a small model's CPU step).
+        if mesh.size() == 1:
+            # FSDP2 over one rank would only add copies, hooks and per-op DTensor dispatch.
+            if dtype != torch.float32:
+                autocast_forward(model, mesh.device_type, dtype)
             return model
         fully_shard_model(model, mesh["shard"], blocks, mixed_precision_policy(dtype))
         return model

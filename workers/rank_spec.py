@@ -29,6 +29,11 @@ class RankSpec:
     storage: StorageOptions = StorageOptions()
     upload_in_process: bool = False
     replicate_dtype: str = "fp32"
+    gpu_collectives: str = "nccl"  # or "gloo", where ranks share a GPU (scaling.gpu_collectives)
+
+    @property
+    def nccl(self) -> bool:
+        return self.use_gpu and self.gpu_collectives == "nccl"
 
     @property
     def position(self) -> tuple[int, int]:

@@ -38,7 +38,8 @@ class World:
         self.replica_rank = 0
         # Gloo process groups given up with work in flight: gloo cannot abort a collective
         # and destroying one would block until it times out, so they are kept until the
-        # process ends. NCCL groups are aborted instead.
+        # process ends. NCCL groups are aborted instead. (Gloo also carries CUDA tensors, where
+        # several ranks share one GPU: scaling.gpu_collectives.)
         self._abandoned: list = []
 
     @property
@@ -51,11 +52,11 @@ class World:
         rank = self.rank
         self.leave_replicas()
         if dist.is_initialized():
-            if rank.use_gpu:
+            if rank.nccl:
                 abort_process_groups_on_gpu()
             else:
                 dist.destroy_process_group()
-        backend = "cpu:gloo,cuda:nccl" if rank.use_gpu else "gloo"
+        backend = f"cpu:gloo,cuda:{rank.gpu_collectives}" if rank.use_gpu else "gloo"
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"world{world_build}/group{rank.group}/", self.store),
@@ -76,7 +77,7 @@ class World:
 
     def leave_replicas(self) -> None:
         if self.replicate_group is not None:
-            if self.rank.use_gpu:
+            if self.rank.nccl:
                 self.replicate_group.abort()
             else:
                 self._abandoned.append(self.replicate_group)
@@ -90,7 +91,7 @@ class World:
         if replica_size > 1:
             shard_index, tp_index = self.rank.position
             store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
-            if self.rank.use_gpu:
+            if self.rank.nccl:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout  # the default is 10 minutes
                 self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)

@@ -38,6 +38,7 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         tp=topology.tp,
         seed=config.seed,
         use_gpu=config.scaling.uses_gpu,
+        gpu_collectives=config.scaling.gpu_collectives,
         store_host=rendezvous.host,
         store_port=rendezvous.port,
         store_secret=rendezvous.secret,

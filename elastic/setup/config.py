@@ -55,6 +55,9 @@ class ScalingConfig(Section):
     # None: one GPU per rank when training on GPUs, none on CPU.
     gpus_per_rank: NonNegativeFloat | None = Field(None, le=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # What carries the collectives on GPU tensors. NCCL refuses two ranks on one GPU; gloo
+    # lets several ranks share one (gpus_per_rank < 1), slowly: for checks on a one-GPU machine.
+    gpu_collectives: Literal["nccl", "gloo"] = "nccl"
     # The residual stream, norms and dropout sharded on the sequence between TP regions.
     # None: on when tp > 1 divides data.seq_len and the model has no dropout (each TP rank
     # would draw the masks of its own share of the sequence, which a single process draws
@@ -72,6 +75,9 @@ class ScalingConfig(Section):
             raise ValueError("device='cuda' needs gpus_per_rank > 0; set gpus_per_rank = 1 or leave it unset")
         if self.device == "cpu" and self.gpus_per_rank:
             raise ValueError(f"device='cpu' with gpus_per_rank={self.gpus_per_rank:g}; set gpus_per_rank = 0 or device = 'cuda'")
+        if self.gpu_collectives == "nccl" and self.gpus_per_rank and self.gpus_per_rank < 1:
+            raise ValueError(f"gpus_per_rank={self.gpus_per_rank:g} puts several ranks on one GPU, which NCCL refuses; "
+                             "set gpus_per_rank = 1, or gpu_collectives = 'gloo' (slow: for checks on one GPU)")
         return self
 
     def on_cluster(self, cluster_gpus: float) -> ScalingConfig:

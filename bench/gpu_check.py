@@ -1,0 +1,398 @@
+"""Every GPU figure in one command, for the minutes a GPU machine is lent: each part below is a
+figure (or a few measured together) against its goal, run in a process of its own under a
+time limit, so one part that fails or hangs costs only its own time. Writes ``gpu_check.md``
+(figure, goal, measured, verdict, device, torch, the command that reproduces it) and one log
+per part into ``--out``, and prints what it skipped and why.
+
+Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
+
+- ``throughput``: the 206 M shape (``--preset``), bf16 + compile, through the product (A,
+  the product's defaults), the product with the in-memory tier every step (A1) and a plain
+  single-process script (B), one after the other on the device (``bench/gpu.py``). Figures:
+  A/B tokens/s (>= 0.95), A's MFU, the memory tier's cost at ``memory_every = 1`` (A1's
+  median step over A's: <= 3 %; A's median step has no tier copy in it, the tier's default
+  interval being 10), the checkpoint stall with the pinned staging arena against a
+  synchronous save of the same state (<= 0.05).
+- ``integrity``: the fingerprint of the whole state (parameters + AdamW) against a step,
+  in one process (``bench/integrity.py``): at ``integrity.every = 10``, <= 1 %.
+- ``gloo_ops``: which collectives gloo carries on CUDA tensors, two processes on one GPU:
+  the finding, op by op, with the error where one fails.
+- ``shared_gpu``: several ranks on one GPU, gloo carrying CUDA tensors
+  (``scaling.gpu_collectives = gloo``, ``gpus_per_rank = 0.2``): 2 groups x shard 2 and a
+  warm spare, the in-memory tier every step, steps paced to ``--step-s`` (``tests/paced.py``),
+  one rank killed mid-run (``bench/goodput.py``'s job). Figures: the kill to the whole group
+  again with the spare's CUDA context made ahead (<= 2 step times), and the committed losses
+  against the same job trained on CPU ranks with no kill (equal to 1e-4). Where FSDP2's
+  collectives fail on gloo with CUDA tensors it says so with the error and runs shard 1
+  (the cross-group sum, the heal, the memory tier and the kill without FSDP2's collectives).
+- ``control_plane``: the driver's CPU per steady-state step at 128 null ranks on real Ray
+  actors (``bench/null_ranks.py``): <= 1 ms. Needs the GPU machine's 16 cores, not its GPU.
+- ``stragglers``: ``bench/stragglers.py`` with a warm spare on cores of its own: the share of
+  a slow rank's slowdown the mitigation recovers (>= 60 %). Cores, not the GPU.
+- ``float8``: float8 against bf16 at the 1.23 B shape (>= 1.2x): skipped until the product
+  trains in float8.
+
+With ``--device cpu --quick`` every part runs its smallest form on CPU in seconds (the
+suite's test), so the script does not rot between GPU machines; only the figures of a run
+on ``--device cuda`` mean anything.
+
+    python bench/gpu_check.py --device cuda --out OUT [--only throughput,integrity]
+    python bench/gpu_check.py --device cpu --quick --out /tmp/gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Row:
+    figure: str
+    goal: str
+    measured: str
+    verdict: str  # "pass", "fail", or "info" (a figure with no goal of its own)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    measure: Callable[[argparse.Namespace], list[Row]] | None  # None: not built yet (skip_reason says why)
+    time_limit_s: float  # on the GPU machine; --quick parts get a fraction
+    skip_reason: Callable[[argparse.Namespace], str | None] = lambda args: None
+
+
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def gpu_args(args: argparse.Namespace, preset: str) -> argparse.Namespace:
+    """bench/gpu.py's arguments for one of its shapes, as this check runs it."""
+    cuda = args.device == "cuda"
+    return argparse.Namespace(preset=preset, steps=8 if args.quick else args.steps, warmup=3 if args.quick else 5,
+                              precision="bf16" if cuda else "fp32", compile=cuda, activation_checkpointing="none",
+                              peak_tflops=None)
+
+
+def start_ray(**options) -> None:
+    from elastic.trainer import start_local_ray
+
+    start_local_ray(log_to_driver=False, **options)
+
+
+# the parts
+
+
+def throughput(args: argparse.Namespace) -> list[Row]:
+    import statistics
+
+    import ray
+    from bench import gpu
+
+    shape = gpu_args(args, "tiny" if args.quick else args.preset)
+    with tempfile.TemporaryDirectory() as storage:
+        start_ray()
+        # Each run in storage of its own: a run resumes from the last checkpoint of its name.
+        a = gpu.run_elastic(gpu.job(shape, f"{storage}/a"))
+        a1 = gpu.run_elastic(gpu.job(shape, f"{storage}/a1", memory_every=1))
+        ray.shutdown()
+        config = gpu.job(shape, f"{storage}/b")
+        b = gpu.run_plain(config, storage)
+        wrapped = gpu.run_plain(config, storage, as_the_product_wraps=True)
+    a_tps = gpu.tokens_per_second(config, a["step_s"], shape.warmup)
+    b_tps = gpu.tokens_per_second(config, b["step_s"], shape.warmup)
+    peak = gpu.peak_tflops(None)
+    mfu = a_tps * gpu.flops_per_token(config, b["parameters"]) / (peak * 1e12) if peak else None
+    def median(values: list[float]) -> float:
+        return statistics.median(values[shape.warmup:])
+
+    a_step = median(a["step_s"])
+    a1_step = median(a1["step_s"])
+    tier_cost = a1_step / a_step - 1
+    stall = a["stall_s"] / b["sync_save_s"]
+    what = f"{b['parameters'] / 1e6:.0f} M params, seq {config.data.seq_len}, {shape.precision}" + (
+        " + compile" if shape.compile else "")
+    return [
+        Row(f"tokens/s, product / plain script ({what})", ">= 0.95",
+            f"{a_tps:,.0f} / {b_tps:,.0f} = {a_tps / b_tps:.3f}", verdict(a_tps / b_tps >= 0.95)),
+        Row("MFU of the product (6N + 12·layers·dim·seq flops per token)", "plain script on an H100: 34.9 %",
+            f"{mfu:.1%}" if mfu is not None else "no known peak for this device", "info"),
+        Row("in-memory tier every step: median step over the product's default", "<= 3 %",
+            f"{a1_step * 1e3:.1f} ms / {a_step * 1e3:.1f} ms = {tier_cost:+.1%}", verdict(tier_cost <= 0.03)),
+        Row("checkpoint stall (pinned staging arena, its second save) / synchronous save", "<= 0.05",
+            f"{a['stall_s'] * 1e3:.1f} ms / {b['sync_save_s'] * 1e3:.0f} ms = {stall:.3f} (the first save, which "
+            f"also pins the arena: {a['first_stall_s'] * 1e3:.0f} ms)", verdict(stall <= 0.05)),
+        Row("group build (one rank)", "<= 15 s", f"{a['build_s']:.1f} s", verdict(a["build_s"] <= 15)),
+        Row("where the product's step goes: loop period / the rank's step until its vote / forward and backward; "
+            "the plain script's step, and with the model wrapped by the product's parallelize_fn",
+            "tells the gap's cause",
+            f"{a_step * 1e3:.1f} / {median(a['rank_step_s']) * 1e3:.1f} / {median(a['compute_s']) * 1e3:.1f} ms; "
+            f"plain {median(b['step_s']) * 1e3:.1f} ms, wrapped {median(wrapped['step_s']) * 1e3:.1f} ms "
+            f"(dynamo, wrapped: {wrapped['dynamo']})", "info"),
+    ]
+
+
+def integrity(args: argparse.Namespace) -> list[Row]:
+    from bench import gpu
+    from bench.integrity import EVERY, TARGET, in_process_cost
+
+    shape = gpu_args(args, "tiny" if args.quick else args.preset)
+    with tempfile.TemporaryDirectory() as storage:
+        config = gpu.job(shape, storage)
+    step_s, check_s, size = in_process_cost(config, torch.device(args.device), repeats=3 if args.quick else 20)
+    cost = check_s / (EVERY * step_s)
+    return [Row(f"integrity fingerprint at every = {EVERY} ({size / 2**30:.2f} GiB of state; the step "
+                f"{'bf16 + compile' if args.device == 'cuda' else 'fp32'})", f"<= {TARGET:.0%}",
+                f"{check_s * 1e3:.2f} ms per check, {step_s * 1e3:.1f} ms per step: {cost:.2%}", verdict(cost <= TARGET))]
+
+
+GLOO_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def gloo_op(rank: int, port: int, device: str, answers) -> None:
+    """One of two processes on one device: each collective FSDP2, TP and the sums use, over gloo."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for name in GLOO_OPS:
+        x = torch.full((4,), float(rank + 1), device=device)
+        wide = torch.empty(8, device=device)
+        try:
+            {"all_reduce": lambda: dist.all_reduce(x),
+             "broadcast": lambda: dist.broadcast(x, 0),
+             "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(wide, x),
+             "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x[:2], x),
+             "all_to_all_single": lambda: dist.all_to_all_single(wide[:4], x)}[name]()
+            answers.put((rank, name, "works"))
+        except Exception as error:  # noqa: BLE001 - the error is the finding
+            answers.put((rank, name, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"))
+    dist.destroy_process_group()
+
+
+def gloo_ops(args: argparse.Namespace) -> list[Row]:
+    import multiprocessing
+
+    from tests.loopback import free_port
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=gloo_op, args=(rank, port, args.device, answers)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    found: dict[str, str] = {}
+    while not answers.empty():
+        rank, name, answer = answers.get()
+        if rank == 0 or answer != "works":
+            found[name] = answer
+    return [Row(f"gloo {name} on {args.device} tensors, 2 processes on one device", "finds out",
+                found.get(name, "no answer"), "info") for name in GLOO_OPS]
+
+
+def shared_gpu(args: argparse.Namespace) -> list[Row]:
+    from bench import goodput
+
+    step_s = 0.2 if args.quick else args.step_s
+    interval = 3 * step_s if args.quick else 8 * step_s
+    steps = goodput.steps_for(interval, 1, step_s)
+    on_device = {"device": "cuda", "gpus_per_rank": 0.2, "gpu_collectives": "gloo"} if args.device == "cuda" else {}
+    rows = []
+    start_ray(num_cpus=8)
+    for shard in (2, 1):  # shard 1 where FSDP2's collectives fail on gloo with CUDA tensors
+        layout = on_device | {"shard": shard}
+        figure = f"ranks sharing one GPU over gloo: 2 groups x shard {shard} + a warm spare, memory tier every step"
+        with tempfile.TemporaryDirectory() as storage:
+            try:
+                run = goodput.run_elastic(storage, interval, 1, step_s, 1, 1, 0, layout, steps)
+                clean = goodput.run_elastic(storage, interval, 0, step_s / 20, 0, 1, 0, layout, steps)
+            except Exception as error:  # noqa: BLE001 - the failure is the finding
+                rows.append(Row(figure, "completes", f"failed: {type(error).__name__}: {str(error)[:300]}", "fail"))
+                continue
+        difference = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], clean["losses"]))
+        same = len(run["losses"]) == len(clean["losses"]) == steps and difference <= 1e-5
+        rows.append(Row(figure + ", one rank killed: committed losses against the clean run",
+                        "equal to 1e-5", f"{len(run['losses'])} steps, largest difference {difference:.1e}",
+                        verdict(same)))
+        whole = max(run["whole_steps"])
+        rows.append(Row("kill to the whole group again, warm spare (CUDA context made ahead)", "<= 2 step times",
+                        f"{whole:.2f} step times (step {run['healthy_s']:.2f} s; spares taken {run['spares_taken']})",
+                        verdict(whole <= 2)))
+        break
+    return rows
+
+
+def control_plane(args: argparse.Namespace) -> list[Row]:
+    import ray
+    from bench import null_ranks
+
+    ranks = 8 if args.quick else 128
+    steps = 50 if args.quick else 150
+    ray.cloudpickle.register_pickle_by_value(null_ranks)
+    start_ray(num_cpus=ranks + 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu_s, wait_s = null_ranks.measure_runs(ranks, steps, 0.05, tmp)
+    return [Row(f"driver CPU per steady-state step, {ranks} null ranks on Ray actors ({os.cpu_count()} cores)",
+                "<= 1 ms", f"{cpu_s * 1e3:.3f} ms (ranks' wait {wait_s * 1e3:+.2f} ms per step)",
+                verdict(cpu_s <= 1e-3))]
+
+
+def stragglers(args: argparse.Namespace) -> list[Row]:
+    import contextlib
+    import io
+
+    from bench import stragglers as bench
+
+    argv = ["--sim-steps", "50", "--noise-steps", "4", "--steps", "24", "--onset", "4"] if args.quick else []
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        status = bench.main(argv)
+    text = output.getvalue()
+    print(text)
+    recovered = re.search(r"slowdown recovered by the mitigation: (\S+)%", text)
+    refilled = re.search(r"once the spare taken is replaced .*; recovered (\S+)%", text)
+    measured = f"{recovered.group(1)} % of the slowdown" if recovered else "no figure: " + text.strip()[-200:]
+    if refilled:
+        measured += f" ({refilled.group(1)} % once the spare taken was replaced)"
+    return [Row(f"slow rank's slowdown recovered, spare on cores of its own ({os.cpu_count()} cores)", ">= 60 %",
+                measured, verdict(status == 0))]
+
+
+def needs_cuda(args: argparse.Namespace) -> str | None:
+    return None if args.device == "cpu" or torch.cuda.is_available() else "--device cuda, but torch sees no GPU"
+
+
+PARTS = [
+    Part("throughput", throughput, 330, needs_cuda),
+    Part("integrity", integrity, 90, needs_cuda),
+    Part("gloo_ops", gloo_ops, 60, needs_cuda),
+    Part("shared_gpu", shared_gpu, 180, needs_cuda),
+    Part("control_plane", control_plane, 150),
+    Part("stragglers", stragglers, 180),
+    Part("float8", None, 0, lambda args: "the product does not train in float8 yet (compute.precision has no "
+                                           "float8): the pretrained-weights issue comes first"),
+]
+
+
+# running the parts
+
+
+def command_of(args: argparse.Namespace, part: str) -> str:
+    words = ["python", "bench/gpu_check.py", "--device", args.device, "--only", part, "--out", "OUT"]
+    if args.quick:
+        words.append("--quick")
+    return " ".join(words)
+
+
+def run_part(args: argparse.Namespace, part: Part, out: Path, limit: float) -> tuple[list[Row], float]:
+    """The part in a child process under ``limit`` seconds: its rows, or one row saying how it failed."""
+    result = Path(tempfile.mkdtemp()) / f"{part.name}.json"  # out of --out: a GPU machine sends back few files
+    argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--only", part.name,
+            "--out", str(out), "--preset", args.preset, "--steps", str(args.steps), "--step-s", str(args.step_s),
+            "--result", str(result)] + (["--quick"] if args.quick else [])
+    started = time.perf_counter()
+    with open(out / f"{part.name}.log", "w") as log:
+        # A session of its own, so a part's leftovers (Ray, ranks) go with it on a timeout.
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            code = child.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, 9)
+            child.wait()
+            code = None
+    seconds = time.perf_counter() - started
+    if code == 0 and result.exists():
+        return [Row(**row) for row in json.loads(result.read_text())], seconds
+    tail = (out / f"{part.name}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+    why = f"timed out after {limit:.0f} s" if code is None else f"exit {code}: {tail[0][:300]}"
+    return [Row(part.name, "completes", f"failed ({why}); see {part.name}.log", "fail")], seconds
+
+
+def device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def table(args: argparse.Namespace, rows: list[tuple[str, Row]], skipped: list[tuple[str, str]]) -> str:
+    device = device_name(args.device)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# GPU check, {when}", "",
+             f"{device}; torch {torch.__version__}; Python {platform.python_version()}"
+             + ("; --quick (smallest forms: only whether each part runs means anything)" if args.quick else ""), "",
+             "| figure | goal | measured | verdict | device | torch | command |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for part, row in rows:
+        cells = [row.figure, row.goal, row.measured, row.verdict, device, torch.__version__,
+                 f"`{command_of(args, part)}`"]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    if skipped:
+        lines += ["", "Skipped:"] + [f"- {name}: {why}" for name, why in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", required=True, help="the directory for gpu_check.md and the parts' logs")
+    parser.add_argument("--only", help="comma-separated parts: " + ", ".join(part.name for part in PARTS))
+    parser.add_argument("--quick", action="store_true", help="each part's smallest form (for CPU, in the suite)")
+    parser.add_argument("--preset", default="206m", help="bench/gpu.py's shape for throughput and integrity")
+    parser.add_argument("--steps", type=int, default=30, help="steps of each throughput run")
+    parser.add_argument("--step-s", type=float, default=1.0, help="shared_gpu's paced step time")
+    parser.add_argument("--budget-s", type=float, help="seconds for all the parts: a part gets what is left, "
+                                                        "up to its own limit; none is started with under 30 s")
+    parser.add_argument("--result", help=argparse.SUPPRESS)  # a child's: where it writes its part's rows
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    by_name = {part.name: part for part in PARTS}
+    names = args.only.split(",") if args.only else list(by_name)
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        parser.error(f"--only: unknown part {unknown[0]!r}; use {', '.join(by_name)}")
+    if args.result:
+        [name] = names
+        rows = by_name[name].measure(args)
+        Path(args.result).write_text(json.dumps([asdict(row) for row in rows]))
+        return 0
+    rows, skipped = [], []
+    deadline = time.monotonic() + (args.budget_s or math.inf)
+    for name in names:
+        part = by_name[name]
+        left = deadline - time.monotonic()
+        limit = min(part.time_limit_s / 3 if args.quick else part.time_limit_s, left)
+        why = part.skip_reason(args) or (f"{left:.0f} s left of --budget-s" if left < 30 else None)
+        if why:
+            skipped.append((name, why))
+            print(f"skipped {name}: {why}", flush=True)
+            continue
+        part_rows, seconds = run_part(args, part, out, limit)
+        rows += [(name, row) for row in part_rows]
+        for row in part_rows:
+            print(f"{name} ({seconds:.0f} s): {row.figure}: {row.measured} [{row.verdict}; goal {row.goal}]", flush=True)
+    (out / "gpu_check.md").write_text(table(args, rows, skipped))
+    print(f"table: {out / 'gpu_check.md'}")
+    return 0 if all(row.verdict != "fail" for _, row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
