@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated parts: " + ", ".join(part.name for part in PARTS))
     parser.add_argument("--quick", action="store_true", help="each part's smallest form (for CPU, in the suite)")
     parser.add_argument("--preset", default="206m", help="bench/gpu.py's shape for throughput and integrity")
-    parser.add_argument("--steps", type=int, default=30, help="steps of each throughput run")
+    parser.add_argument("--steps", type=int, default=90, help="steps of each throughput run, a checkpoint "
+                        "after each third of them: apart enough for an upload to end before the next save")
     parser.add_argument("--step-s", type=float, default=1.0, help="shared_gpu's paced step time")
     parser.add_argument("--budget-s", type=float, help="seconds for all the parts: a part gets what is left, "
                                                         "up to its own limit; none is started with under 30 s")
