@@ -91,10 +91,13 @@ def gpu_args(args: argparse.Namespace, preset: str) -> argparse.Namespace:
                               peak_tflops=None)
 
 
-def start_ray(**options) -> None:
+def start_ray(args: argparse.Namespace, **options) -> None:
+    """A local Ray for a part. On CPU it advertises one GPU all the same, as the GPU machine's
+    does: a part whose ranks should stay on CPU and leave ``device = auto`` asks for it
+    there, and fails here too, not only in the minutes a GPU machine is lent."""
     from elastic.trainer import start_local_ray
 
-    start_local_ray(log_to_driver=False, **options)
+    start_local_ray(log_to_driver=False, **({"num_gpus": 1} if args.device == "cpu" else {}), **options)
 
 
 # the parts
@@ -108,7 +111,7 @@ def throughput(args: argparse.Namespace) -> list[Row]:
 
     shape = gpu_args(args, "tiny" if args.quick else args.preset)
     with tempfile.TemporaryDirectory() as storage:
-        start_ray()
+        start_ray(args)
         # Each run in storage of its own: a run resumes from the last checkpoint of its name.
         a = gpu.run_elastic(gpu.job(shape, f"{storage}/a"))
         a1 = gpu.run_elastic(gpu.job(shape, f"{storage}/a1", memory_every=1))
@@ -214,9 +217,10 @@ def shared_gpu(args: argparse.Namespace) -> list[Row]:
     step_s = 0.2 if args.quick else args.step_s
     interval = 3 * step_s if args.quick else 8 * step_s
     steps = goodput.steps_for(interval, 1, step_s)
-    on_device = {"device": "cuda", "gpus_per_rank": 0.2, "gpu_collectives": "gloo"} if args.device == "cuda" else {}
+    on_device = ({"device": "cuda", "gpus_per_rank": 0.2, "gpu_collectives": "gloo"} if args.device == "cuda"
+                 else {"device": "cpu"})
     rows = []
-    start_ray(num_cpus=8)
+    start_ray(args, num_cpus=8)
     for shard in (2, 1):  # shard 1 where FSDP2's collectives fail on gloo with CUDA tensors
         layout = on_device | {"shard": shard}
         figure = f"ranks sharing one GPU over gloo: 2 groups x shard {shard} + a warm spare, memory tier every step"
@@ -247,7 +251,7 @@ def control_plane(args: argparse.Namespace) -> list[Row]:
     ranks = 8 if args.quick else 128
     steps = 50 if args.quick else 150
     ray.cloudpickle.register_pickle_by_value(null_ranks)
-    start_ray(num_cpus=ranks + 2)
+    start_ray(args, num_cpus=ranks + 2)
     with tempfile.TemporaryDirectory() as tmp:
         cpu_s, wait_s = null_ranks.measure_runs(ranks, steps, 0.05, tmp)
     return [Row(f"driver CPU per steady-state step, {ranks} null ranks on Ray actors ({os.cpu_count()} cores)",

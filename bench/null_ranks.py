@@ -177,7 +177,7 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     config = build_config({
         "run_name": f"null-{ranks}", "storage": tmp, "steps": steps, "global_batch": 4 * ranks, "micro_batch": 4,
         "scaling": {"min_groups": groups, "max_groups": groups, "shard": RANKS_PER_GROUP, "tp": 1,
-                    "cpus_per_rank": 0.01},
+                    "cpus_per_rank": 0.01, "device": "cpu"},  # no math: no GPU, also where the cluster has some
         "data": {"seq_len": 32, "corpus_tokens": 40_000},
         "checkpoint": {"every": 0, "memory_every": 0},
         "stragglers": {"enabled": True},
