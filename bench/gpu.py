@@ -36,7 +36,7 @@ from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
-from workers.parallelize import wrap_blocks  # noqa: E402
+from workers.parallelize import fully_shard_model, mixed_precision_policy, wrap_blocks  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
 PRESETS = {
@@ -101,10 +101,10 @@ def run_elastic(config) -> dict:
     }
 
 
-def run_plain(config, storage: str, as_the_product_wraps: bool = False) -> dict:
-    """What a user writes by hand for one device. ``as_the_product_wraps``: the model wrapped
-    by the product's own ``parallelize_fn`` (FSDP2 on a group of one, its precision policy
-    instead of autocast), to tell the wrapping's cost from the rest of A's step."""
+def run_plain(config, storage: str, under_fsdp2: bool = False) -> dict:
+    """What a user writes by hand for one device. ``under_fsdp2``: the compiled blocks and
+    the root under FSDP2 with the bf16 policy on a mesh of one rank, as a group of several
+    ranks wraps them (a group of one is not wrapped): FSDP2's own cost, without communication."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -116,16 +116,16 @@ def run_plain(config, storage: str, as_the_product_wraps: bool = False) -> dict:
     with device:
         model = hooks.model_fn()
     bf16 = config.compute.precision == "bf16" or (config.compute.precision == "auto" and device.type == "cuda")
-    if as_the_product_wraps:
+    blocks = wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
+                         config.compute.selective_checkpointing)
+    if under_fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
 
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
-        model = hooks.parallelize_fn(model, init_device_mesh(device.type, (1, 1), mesh_dim_names=("shard", "tp")))
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
+        fully_shard_model(model, mesh, blocks, mixed_precision_policy(torch.bfloat16 if bf16 else torch.float32))
         bf16 = False  # the precision policy casts
-    else:
-        wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
-                    config.compute.selective_checkpointing)
     optimizer = hooks.optimizer_fn(model.parameters())
     dataset, cursor, times, losses = hooks.dataset, DataCursor(), [], []
     for _ in range(config.steps):
@@ -138,7 +138,7 @@ def run_plain(config, storage: str, as_the_product_wraps: bool = False) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - started)
-    if as_the_product_wraps:
+    if under_fsdp2:
         dist.destroy_process_group()
         from torch._dynamo.utils import counters
 

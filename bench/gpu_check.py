@@ -12,7 +12,8 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
   A/B tokens/s (>= 0.95), A's MFU, the memory tier's cost at ``memory_every = 1`` (A1's
   median step over A's: <= 3 %; A's median step has no tier copy in it, the tier's default
   interval being 10), the checkpoint stall with the pinned staging arena against a
-  synchronous save of the same state (<= 0.05).
+  synchronous save of the same state (<= 0.05); where A's step goes, and the plain script
+  under FSDP2 on one rank (FSDP2's own cost, which groups of several ranks pay).
 - ``integrity``: the fingerprint of the whole state (parameters + AdamW) against a step,
   in one process (``bench/integrity.py``): at ``integrity.every = 10``, <= 1 %.
 - ``gloo_ops``: which collectives gloo carries on CUDA tensors, two processes on one GPU:
@@ -118,7 +119,7 @@ def throughput(args: argparse.Namespace) -> list[Row]:
         ray.shutdown()
         config = gpu.job(shape, f"{storage}/b")
         b = gpu.run_plain(config, storage)
-        wrapped = gpu.run_plain(config, storage, as_the_product_wraps=True)
+        fsdp2 = gpu.run_plain(config, storage, under_fsdp2=True)
     a_tps = gpu.tokens_per_second(config, a["step_s"], shape.warmup)
     b_tps = gpu.tokens_per_second(config, b["step_s"], shape.warmup)
     peak = gpu.peak_tflops(None)
@@ -143,12 +144,12 @@ def throughput(args: argparse.Namespace) -> list[Row]:
             f"{a['stall_s'] * 1e3:.1f} ms / {b['sync_save_s'] * 1e3:.0f} ms = {stall:.3f} (the first save, which "
             f"also pins the arena: {a['first_stall_s'] * 1e3:.0f} ms)", verdict(stall <= 0.05)),
         Row("group build (one rank)", "<= 15 s", f"{a['build_s']:.1f} s", verdict(a["build_s"] <= 15)),
-        Row("where the product's step goes: loop period / the rank's step until its vote / forward and backward; "
-            "the plain script's step, and with the model wrapped by the product's parallelize_fn",
-            "tells the gap's cause",
-            f"{a_step * 1e3:.1f} / {median(a['rank_step_s']) * 1e3:.1f} / {median(a['compute_s']) * 1e3:.1f} ms; "
-            f"plain {median(b['step_s']) * 1e3:.1f} ms, wrapped {median(wrapped['step_s']) * 1e3:.1f} ms "
-            f"(dynamo, wrapped: {wrapped['dynamo']})", "info"),
+        Row("where the product's step goes: loop period / the rank's step until its vote / forward and backward",
+            "tells a gap's cause", f"{a_step * 1e3:.1f} / {median(a['rank_step_s']) * 1e3:.1f} / "
+            f"{median(a['compute_s']) * 1e3:.1f} ms; plain script {median(b['step_s']) * 1e3:.1f} ms", "info"),
+        Row("FSDP2 as groups of several ranks wrap the model, on one rank (no communication): step / plain step",
+            "FSDP2's own cost", f"{median(fsdp2['step_s']) * 1e3:.1f} / {median(b['step_s']) * 1e3:.1f} ms = "
+            f"{median(fsdp2['step_s']) / median(b['step_s']):.2f}x (dynamo: {fsdp2['dynamo']})", "info"),
     ]
 
 
