@@ -1,8 +1,9 @@
 """The GPU path against a plain PyTorch script, side by side in one run on one device:
 
 - (A) elastic: 1 replica group x shard 1 x tp 1, through ``ElasticTrainer``, with the
-  configured precision, compile and activation checkpointing, two async checkpoints mid-run (the second's stall is the steady one: the first also
-  allocates and pins the staging arena);
+  configured precision, compile and activation checkpointing, async checkpoints after each
+  third of the run (the last mid-run one's stall is the steady one where there are two: the
+  first also allocates and pins the staging arena);
 - (B) a plain single-process PyTorch script: the same model, data, batch and micro-batches,
   bf16 autocast when A trains in bf16, ``torch.compile`` per block when A compiles, fused
   AdamW on CUDA, then a synchronous ``dcp.save`` of its state (parameters + AdamW).
@@ -94,7 +95,7 @@ def run_elastic(config) -> dict:
         "compute_s": [r["rank_compute_s"]["0"] for r in summary["steps"]],
         "losses": summary["losses"],
         "build_s": built["seconds"],
-        # The first save also allocates and pins the staging arena (once per run): the second's is the steady stall.
+        # The first save also allocates and pins the staging arena (once per run): a later one's is the steady stall.
         "first_stall_s": mid_run[0]["stall_s"],
         "stall_s": mid_run[-1]["stall_s"],
         "upload_s": mid_run[-1]["upload_s"],
@@ -119,8 +120,10 @@ def run_plain(config, storage: str, under_fsdp2: bool = False) -> dict:
     blocks = wrap_blocks(model, config.compute.activation_checkpointing, config.compute.compile,
                          config.compute.selective_checkpointing)
     if under_fsdp2:
+        from torch._dynamo.utils import counters
         from torch.distributed.device_mesh import init_device_mesh
 
+        counters.clear()  # what dynamo did for this run alone, not for an earlier one in the process
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
@@ -140,8 +143,6 @@ def run_plain(config, storage: str, under_fsdp2: bool = False) -> dict:
         times.append(time.perf_counter() - started)
     if under_fsdp2:
         dist.destroy_process_group()
-        from torch._dynamo.utils import counters
-
         return {"step_s": times, "losses": losses, "dynamo": {key: dict(value) for key, value in counters.items()
                                                              if key in ("stats", "recompiles", "graph_break")}}
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}

@@ -124,6 +124,7 @@ def throughput(args: argparse.Namespace) -> list[Row]:
     b_tps = gpu.tokens_per_second(config, b["step_s"], shape.warmup)
     peak = gpu.peak_tflops(None)
     mfu = a_tps * gpu.flops_per_token(config, b["parameters"]) / (peak * 1e12) if peak else None
+
     def median(values: list[float]) -> float:
         return statistics.median(values[shape.warmup:])
 
@@ -309,23 +310,25 @@ def command_of(args: argparse.Namespace, part: str) -> str:
 
 def run_part(args: argparse.Namespace, part: Part, out: Path, limit: float) -> tuple[list[Row], float]:
     """The part in a child process under ``limit`` seconds: its rows, or one row saying how it failed."""
-    result = Path(tempfile.mkdtemp()) / f"{part.name}.json"  # out of --out: a GPU machine sends back few files
-    argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--only", part.name,
-            "--out", str(out), "--preset", args.preset, "--steps", str(args.steps), "--step-s", str(args.step_s),
-            "--result", str(result)] + (["--quick"] if args.quick else [])
-    started = time.perf_counter()
-    with open(out / f"{part.name}.log", "w") as log:
-        # A session of its own, so a part's leftovers (Ray, ranks) go with it on a timeout.
-        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        try:
-            code = child.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, 9)
-            child.wait()
-            code = None
-    seconds = time.perf_counter() - started
-    if code == 0 and result.exists():
-        return [Row(**row) for row in json.loads(result.read_text())], seconds
+    with tempfile.TemporaryDirectory() as scratch:  # out of --out: a GPU machine sends back few files
+        result = Path(scratch) / f"{part.name}.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--only", part.name,
+                "--out", str(out), "--preset", args.preset, "--steps", str(args.steps), "--step-s", str(args.step_s),
+                "--result", str(result)] + (["--quick"] if args.quick else [])
+        started = time.perf_counter()
+        with open(out / f"{part.name}.log", "w") as log:
+            # A session of its own, so a part's leftovers (Ray, ranks) go with it on a timeout.
+            child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            try:
+                code = child.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, 9)
+                child.wait()
+                code = None
+        seconds = time.perf_counter() - started
+        rows = [Row(**row) for row in json.loads(result.read_text())] if code == 0 and result.exists() else None
+    if rows is not None:
+        return rows, seconds
     tail = (out / f"{part.name}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
     why = f"timed out after {limit:.0f} s" if code is None else f"exit {code}: {tail[0][:300]}"
     return [Row(part.name, "completes", f"failed ({why}); see {part.name}.log", "fail")], seconds

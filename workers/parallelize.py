@@ -22,9 +22,9 @@ and computed in bf16 while the sharded master copy, the optimizer state and the 
 reduction stay fp32. A group of one rank has nothing to shard: its model is left unwrapped
 and its forward runs under ``torch.autocast``, as a single-device script trains (TorchTitan
 does the same without FSDP). FSDP2 on one rank only adds copies and hooks: on an H200 the
-206 M shape's step took 2.3x the plain script's through it. Gradients are summed, never averaged: the loss is already divided by
-the global token count (see ``workers.train_step``), which also keeps clear of gloo's AVG
-reduction.
+206 M shape's step took 2.3x the plain script's through it. Gradients are summed, never
+averaged: the loss is already divided by the global token count (see
+``workers.train_step``), which also keeps clear of gloo's AVG reduction.
 """
 
 from __future__ import annotations
