@@ -52,13 +52,19 @@ class SavedBytes:
     def __init__(self, held: frozenset[int] = frozenset()):
         self.held = held
         self._storages: dict[int, int] = {}
+        # What each key was read from, alive until the count is done: a key taken from an
+        # object's id (a collective's pending output) is reused once that object is freed,
+        # and a later tensor would then not be counted.
+        self._keyed: list[torch.Tensor] = []
 
     @property
     def total(self) -> int:
         return sum(self._storages.values())
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key, size = storage_key(tensor)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        self._keyed.append(local)
+        key, size = storage_key(local)
         if key not in self.held:
             self._storages[key] = size
         return tensor
