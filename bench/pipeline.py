@@ -5,14 +5,18 @@
   memory the estimate (``elastic.setup.memory_estimate``) predicts for each;
 - activation checkpointing: peak memory and step time of ``none``, ``full``, ``selective``
   per op and ``selective`` every 2nd block, one process each;
-- the pipeline bubble against the schedule's theory: skipped, and said so, until a replica
-  group has pipeline stages (``scaling.pp``).
+- the pipeline bubble against the schedule's theory, ``(p - 1) / (m + p - 1)`` for 1F1B: two
+  spawned gloo ranks, each one stage of the reference model (``workers.pipeline``), at m = 4
+  and 8 micro-batches. The bubble is the share of a step a rank spends outside its stage's
+  forward and backward chunks (waiting on the other stage, and the sends and receives). The
+  theory assumes stages of equal cost; the last stage here also holds the output head and the
+  loss, so the first stage waits for it longer than the theory says and the last less.
 
 Peak memory: torch's ``MemTracker`` over one forward and backward (the peak of the tensors
 alive, by kind: parameters, gradients, activations, temporaries), then the median of
 ``--steps`` passes untracked for the step time.
 
-    python bench/pipeline.py [--dim 256] [--layers 4] [--seq 512] [--batch 2] [--steps 5]
+    python bench/pipeline.py [--dim 256] [--layers 4] [--seq 512] [--batch 2] [--steps 5] [--only NAME]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from elastic.setup.config import ModelConfig  # noqa: E402
 from elastic.setup.memory_estimate import activation_bytes  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
 from workers.parallelize import tensor_parallelize_transformer, wrap_blocks  # noqa: E402
+from workers.pipeline import Pipeline, PipelineLayout, cut_stages, split_transformer  # noqa: E402
+from workers.train_step import Batch, token_cross_entropy  # noqa: E402
 
 MIB = 2**20
 VOCAB = 4096
@@ -111,6 +117,47 @@ def in_fresh_process(target, case_args: tuple, processes: int = 1) -> list[tuple
         return [tuple(map(float, Path(each).read_text().split())) for each in paths]
 
 
+class BusyClock:
+    """Seconds a pipeline rank spends inside its stage's chunks (``workers.pipeline``'s watcher)."""
+
+    def __init__(self):
+        self.busy_s = 0.0
+        self._started = 0.0
+
+    def chunk_started(self) -> None:
+        self._started = time.perf_counter()
+
+    def chunk_ended(self) -> None:
+        self.busy_s += time.perf_counter() - self._started
+
+
+def bubble_rank(rank: int, init_file: str, micro_batches: int, args, result_path: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "shard", "tp"))
+    layout = PipelineLayout(pp=2, schedule="1F1B", micro_batch=1)
+    torch.manual_seed(0)
+    clock = BusyClock()
+    [stage] = cut_stages(Transformer(model_args(args)), split_transformer, layout.stages_of(rank), layout.n_stages)
+    pipeline = Pipeline(layout, rank, [stage], mesh["pp"].get_group(), torch.device("cpu"), token_cross_entropy,
+                        clock)
+    tokens = torch.randint(0, VOCAB, (micro_batches, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    batches = [Batch(row[None, :-1], row[None, 1:], torch.ones(1, args.seq), args.seq) for row in tokens]
+    shares = []
+    for step in range(args.steps + 1):  # the first step infers the stages' shapes: not timed
+        dist.barrier()
+        clock.busy_s = 0.0
+        started = time.perf_counter()
+        pipeline.loss_share(batches, micro_batches * args.seq)
+        wall_s = time.perf_counter() - started
+        stage.zero_grad()
+        if step:
+            shares.append(1.0 - clock.busy_s / wall_s)
+    Path(f"{result_path}.{rank}").write_text(f"{statistics.median(shares)}")
+    dist.destroy_process_group()
+
+
 def estimated_activations(args, sequence_parallel: bool) -> float:
     shape = model_args(args)
     model = ModelConfig(vocab_size=VOCAB, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
@@ -119,16 +166,8 @@ def estimated_activations(args, sequence_parallel: bool) -> float:
                             sequence_parallel=sequence_parallel)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
+def sequence_parallelism(args) -> None:
     print(f"reference model: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, fp32, CPU")
-
     print("sequence parallelism, tp 2 (per rank: peak of all tensors and of activations over one step, "
           "the estimate's activations, median step)")
     activations = {}
@@ -141,6 +180,9 @@ def main() -> int:
     print(f"  on/off activations: {activations[True] / activations[False]:.3f} measured, "
           f"{estimated_activations(args, True) / estimated_activations(args, False):.3f} estimated")
 
+
+def activation_checkpointing(args) -> None:
+    print(f"reference model: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, fp32, CPU")
     print("activation checkpointing (one process: peak of all tensors and of activations over one step, "
           "median step)")
     cases = {"none": ("none", "op"), "full": ("full", "op"), "selective per op": ("selective", "op"),
@@ -152,8 +194,33 @@ def main() -> int:
               f"of full), activations {acts / MIB:7.1f} MiB, step {step_s * 1e3:7.1f} ms ({step_s / none[2]:.3f} "
               f"of none, {step_s / full[2]:.3f} of full)")
 
-    print("pipeline bubble against (p - 1) / (m + p - 1): skipped, a replica group has no pipeline stages "
-          "(scaling.pp) in this code yet")
+
+def bubble(args) -> None:
+    print(f"reference model: dim {args.dim}, {args.layers} layers, seq {args.seq}, one sample per micro-batch, "
+          "fp32, CPU")
+    print("pipeline bubble, 1F1B, p = 2 (per rank: median share of a step outside its stage's chunks)")
+    for micro_batches in (4, 8):
+        measured = [share for (share,) in in_fresh_process(bubble_rank, (micro_batches, args), processes=2)]
+        theory = 1 / (micro_batches + 1)
+        print(f"  m = {micro_batches}: stage 0 {measured[0]:.3f}, stage 1 {measured[1]:.3f}; theory {theory:.3f} "
+              f"(measured / theory: {measured[0] / theory:.2f}, {measured[1] / theory:.2f})")
+
+
+PARTS = {"sequence_parallelism": sequence_parallelism, "activation_checkpointing": activation_checkpointing,
+         "bubble": bubble}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", choices=PARTS, help="run one part")
+    args = parser.parse_args()
+    for part in [args.only] if args.only else PARTS:
+        PARTS[part](args)
     return 0
 
 

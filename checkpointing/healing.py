@@ -1,6 +1,6 @@
 """Peer-to-peer healing: a rank's model and optimizer state as plain local tensors.
 
-Groups hold identical state, and ranks at the same ``(shard, tp)`` position hold identical
+Groups hold identical state, and ranks at the same ``(pp, shard, tp)`` position hold identical
 shards, so a healing rank takes its peer's local shards verbatim and re-wraps them in its
 own mesh's DTensor layout. The exported dict holds only CPU tensors and plain Python, so it
 travels through the Ray object store.

@@ -1,7 +1,7 @@
 """One rank's side of a distributed checkpoint: DCP ``save`` and ``load`` through fsspec.
 
 The state dict is DCP's (fully-qualified names, DTensor shards), so a checkpoint saved by a
-group of one (shard, tp) layout loads into any other: DCP reshards on load.
+group of one (pp, shard, tp) layout loads into any other: DCP reshards on load.
 
 A save blocks only while the state is copied into the rank's staging arena (host memory
 kept from one save to the next, pinned on CUDA). The upload then runs beside training, as
@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
@@ -92,9 +93,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def training_state(model: nn.Module, optimizer) -> dict:
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+def training_state(model: nn.Module, optimizer, flat_optimizer: bool = True) -> dict:
+    """The rank's model and optimizer state by fully qualified name. The optimizer's
+    hyperparameters are kept per parameter (``flat_optimizer``, as TorchTitan keeps them): as
+    one list of groups, DCP would keep a single rank's copy, and the ranks of different
+    pipeline stages hold groups of different parameters."""
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer))
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def saved_flat(metadata: Metadata) -> bool:
+    """Whether a checkpoint keeps the optimizer's hyperparameters per parameter: those saved
+    before pipeline stages kept one list of groups, which still loads where it is the same
+    for every rank."""
+    return not any(GROUPED_OPTIMIZER.fullmatch(key) for key in metadata.state_dict_metadata)
+
+
+# DCP flattens a list of groups into keys by group index; per parameter, groups have no "params".
+GROUPED_OPTIMIZER = re.compile(r"optimizer\.param_groups\.\d+\.params")
 
 
 class RankCheckpointIO:
@@ -196,10 +213,12 @@ class RankCheckpointIO:
 
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
-        state = training_state(model, optimizer)
-        dcp.load(state, storage_reader=SafeReader(url, **self.options.for_url(url)), planner=SafeLoadPlanner(),
-                 process_group=self.process_group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        reader = SafeReader(url, **self.options.for_url(url))
+        flat = saved_flat(reader.read_metadata())
+        state = training_state(model, optimizer, flat)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.process_group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return time.perf_counter() - started
 
     def _uploader(self) -> UploadProcess:

@@ -47,6 +47,8 @@ TRAIN_FLAGS = {
     "steps": "steps",
     "shard": "scaling.shard",
     "tp": "scaling.tp",
+    "pp": "scaling.pp",
+    "pp_schedule": "scaling.pp_schedule",
     "spares": "scaling.spares",
     "global_batch": "global_batch",
     "micro_batch": "micro_batch",
@@ -89,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--groups", type=parse_groups, help="replica groups: N or MIN:MAX")
     train.add_argument("--shard", type=int, help="FSDP2 ranks per group")
     train.add_argument("--tp", type=int, help="tensor-parallel ranks per group")
+    train.add_argument("--pp", type=int, help="pipeline stages per group (ranks along the pipeline)")
+    train.add_argument("--pp-schedule", help="1F1B (default), GPipe, Interleaved1F1B or InterleavedZeroBubble")
     train.add_argument("--spares", type=int, help="warm spare ranks started ahead, to replace lost ones at once")
     train.add_argument("--global-batch", type=int, help="samples per step, across all groups")
     train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")

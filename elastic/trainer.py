@@ -189,7 +189,7 @@ class ElasticTrainer:
     callable raises stops the run."""
 
     def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, tp_plan=None,
-                 loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
+                 split_fn=None, loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
                  keep_final_state: bool = False, on_step: Iterable[Callable[[StepResult], None]] = (),
                  on_event: Iterable[Callable[[dict], None]] = ()):
         # A config from build_config or load_config passed this already; one built otherwise has not.
@@ -200,7 +200,7 @@ class ElasticTrainer:
                               "parallelize's tensor-parallel step)")
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
-                                   tp_plan=tp_plan)
+                                   tp_plan=tp_plan, split_fn=split_fn)
         self.progress = progress
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
@@ -264,7 +264,7 @@ class ElasticTrainer:
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
             events.listeners += [metrics.on_event, *self.on_event]
             scaling = self.config.scaling
-            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups)
+            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp)
             injects = bool(self.faults) or self.config.stragglers.noise > 0
             # A Ray this driver started is this machine's alone: its ranks reach the store on
             # loopback (Ray's own node address is the routable one even then).
@@ -351,7 +351,7 @@ class ElasticTrainer:
         summary = {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),
-            "topology": {"groups": groups, "shard": scaling.shard, "tp": scaling.tp,
+            "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
             "resumed_from_step": resumed,
             "first_step": controller.history.first_step if controller else 0,

@@ -13,6 +13,15 @@ def test_the_hang_is_blamed_on_the_rank_furthest_behind():
     assert least_advanced(ranks) == [1]
 
 
+def test_in_a_pipeline_the_stage_stuck_computing_is_blamed_not_the_stages_waiting_for_it():
+    # Stage 0 ran ahead (more chunks entered) and waits for stage 1's gradients; stage 2 never
+    # got its input. Only stage 1 is inside a chunk of compute.
+    ranks = [RankActivity(0, 5, "stage-wait", 0, module_entries=3, phase_age_s=2.0),
+             RankActivity(1, 5, "compute", 0, module_entries=1, phase_age_s=2.0),
+             RankActivity(2, 5, "stage-wait", 0, module_entries=0, phase_age_s=2.0)]
+    assert least_advanced(ranks) == [1]
+
+
 def test_a_rank_that_already_failed_its_step_is_not_the_hung_one():
     # Rank 2 gave up on the cross-group all-reduce at its own deadline a moment before the
     # driver probed: it is through with the step, its error report on the way.

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -158,6 +159,20 @@ def test_consecutive_saves_load_back_the_state_at_save_time(rank, checkpoint_io,
         assert result.upload_s > 0
     for url, state in expected.items():
         assert_same(loaded(checkpoint_io, url), state)
+
+
+def test_a_checkpoint_with_the_optimizers_groups_in_one_list_still_loads(rank, world, tmp_path):
+    """Checkpoints saved before pipeline stages kept the optimizer's hyperparameters as one
+    list of groups, not per parameter; they load as they were saved."""
+    url = str(tmp_path / "step-1")
+    expected = rank.snapshot()
+    state = training_state(rank.model, rank.optimizer, flat_optimizer=False)
+    dcp.save(state, checkpoint_id=url)
+    assert "param_groups" in state["optimizer"]
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
+    assert_same(loaded(checkpoint_io, url), expected)
+    checkpoint_io.close()
 
 
 def test_reported_files_match_what_storage_holds(rank, checkpoint_io, tmp_path):

@@ -65,11 +65,20 @@ COLLECTIVE_CODE = (
 )
 
 
+# The pipeline schedules wait on their stages' sends and receives themselves: an error raised
+# by such a wait (the innermost frame) came from a peer stage. Not any frame of theirs: the
+# stages' forward and backward, the user's model, run under them too.
+PIPELINE_CODE = "torch/distributed/pipelining/"
+
+
 def raised_in_collective(error: BaseException) -> bool:
     if isinstance(error, (dist.DistError, CollectiveFailed, VoteFailed)):
         return True
     frames = traceback.extract_tb(error.__traceback__)
-    return any(frame.filename.replace("\\", "/").endswith(COLLECTIVE_CODE) for frame in frames)
+    paths = [frame.filename.replace("\\", "/") for frame in frames]
+    if frames and PIPELINE_CODE in paths[-1] and ".wait()" in (frames[-1].line or ""):
+        return True
+    return any(path.endswith(COLLECTIVE_CODE) for path in paths)
 
 
 def _package_dir(module) -> str:
@@ -117,7 +126,7 @@ def failure_report(global_rank: int, step: int, error: BaseException, phase: str
     """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
     world is broken when a rank failed in its own work outside an agreed stop (its peers may
     wait for it in a collective of the group), or in the vote."""
-    group_broken = (phase in ("data", "compute") and not isinstance(error, StepInterrupted)
+    group_broken = (phase in ("data", "compute", "stage-wait") and not isinstance(error, StepInterrupted)
                     or isinstance(error, VoteFailed))
     return StepReport(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
                       group_broken=group_broken)

@@ -65,7 +65,10 @@ class InjectedFaults:
         if fault.kind == "slow":
             self.slow_factor = fault.factor
         if fault.kind == "hang":
-            hang_in = next((m for m in model.modules() if isinstance(m, FSDPModule) and m is not model), model)
+            # Inside the first module FSDP2 wraps, else the first module holding parameters
+            # (the model, or a rank's pipeline stages, may run no forward of its own).
+            hang_in = next((m for m in model.modules() if isinstance(m, FSDPModule) and m is not model), None)
+            hang_in = hang_in or next(m for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
             hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
         if fault.kind == "fail-collective":
             self.fail_next_collective = True

@@ -55,7 +55,7 @@ class PendingCheck:
     gathered: list[torch.Tensor]  # one row per group: the group, then its fingerprints
     work: object  # the all-gather in flight
 
-    def verdict(self, position: tuple[int, int]) -> IntegrityMismatch | None:
+    def verdict(self, position: tuple[int, ...]) -> IntegrityMismatch | None:
         rows = [row.cpu().tolist() for row in self.gathered]
         return compare(self.step, position, {row[0]: row[1:] for row in rows}, self.names)
 

@@ -127,7 +127,9 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.dropout = dropout(args.dropout)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        # A dict keyed by layer number: a pipeline stage keeps only its own layers
+        # (``workers.pipeline``), under the names they have in the whole model.
+        self.layers = nn.ModuleDict({str(layer): TransformerBlock(args) for layer in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -145,7 +147,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.dropout(self.tok_embeddings(tokens))
-        for layer in self.layers:
+        """Logits of ``tokens``. A pipeline stage without the embedding takes the previous
+        stage's hidden states instead, and one without the output head returns its own."""
+        h = self.dropout(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, self.freqs)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h

@@ -1,7 +1,8 @@
 """Applies tensor parallelism, activation checkpointing, compile and FSDP2, in that order
-(TorchTitan's), to a model on a replica group's 2-D mesh.
+(TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
+group's mesh.
 
-The mesh has dimensions ``("shard", "tp")``. Tensor parallelism follows Megatron: q/k/v
+The mesh has dimensions ``("pp", "shard", "tp")``; a stage is parallelized over the last two. Tensor parallelism follows Megatron: q/k/v
 and the SwiGLU gate/up projections are split column-wise, the attention output and down
 projections row-wise. The embedding is split by vocabulary rows and the output projection
 by vocabulary columns with replicated logits, so every TP rank computes the same loss.
@@ -62,15 +63,15 @@ def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequ
     # Between the TP regions the residual stream is sharded on the sequence (Shard(1)) with
     # sequence parallelism, replicated without.
     stream = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-            **({"norm": SequenceParallel()} if sequence_parallel else {}),
-            "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
-        },
-    )
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    # A pipeline stage holds the embedding, the head, both or neither; between stages the
+    # residual stream travels as each TP rank's local share of it.
+    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items()
+                                        if getattr(model, name) is not None})
     block_plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -87,7 +88,7 @@ def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequ
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
     if model.args.tie_embeddings:
         # Both layouts shard the vocabulary dimension, so the tie survives as one DTensor.
@@ -191,7 +192,7 @@ def wrap_blocks(
         if compile_blocks:
             block = torch.compile(block, fullgraph=True)
         model.layers.register_module(name, block)
-    return list(model.layers)
+    return list(model.layers.values())
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ class Parallelize:
         if isinstance(model, Transformer):
             blocks = wrap_blocks(model, self.activation_checkpointing, self.compile, self.selective)
         dtype = compute_dtype(self.precision, mesh)
-        if mesh.size() == 1:
+        if mesh["shard"].size() * mesh["tp"].size() == 1:
             # FSDP2 over one rank would only add copies, hooks and per-op DTensor dispatch.
             if dtype != torch.float32:
                 autocast_forward(model, mesh.device_type, dtype)

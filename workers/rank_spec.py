@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing.storage import StorageOptions
+from elastic.core.topology import Position
+from workers.pipeline import PipelineLayout
 
 
 # The global rank and group of a warm spare, until it takes a lost rank's place (``assume``).
@@ -30,11 +32,17 @@ class RankSpec:
     upload_in_process: bool = False
     replicate_dtype: str = "fp32"
     gpu_collectives: str = "nccl"  # or "gloo", where ranks share a GPU (scaling.gpu_collectives)
+    pipeline: PipelineLayout = PipelineLayout()
+    pp_index: int = 0  # its place along the group's pipeline
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.pipeline.pp * self.shard * self.tp
 
     @property
     def nccl(self) -> bool:
         return self.use_gpu and self.gpu_collectives == "nccl"
 
     @property
-    def position(self) -> tuple[int, int]:
-        return (self.shard_index, self.tp_index)
+    def position(self) -> Position:
+        return Position(self.pp_index, self.shard_index, self.tp_index)

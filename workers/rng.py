@@ -3,7 +3,7 @@
 Random ops in the model (dropout) draw from torch's default CPU generator and, on a GPU,
 the device's. Their states are part of what a step commits: captured before the step, put
 back when the step is discarded, copied with the parameters when a replacement heals, and
-saved with checkpoints. Ranks at the same (shard, tp) position in every group draw the same
+saved with checkpoints. Ranks at the same (pp, shard, tp) position in every group draw the same
 stream, so a replacement that copies its peer's state continues exactly where the rank it
 replaces would have. TP ranks of a shard position share the stream too: their replicated
 activations need the same dropout masks.

@@ -30,12 +30,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
@@ -52,6 +54,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
+from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
     Batch,
@@ -110,6 +113,24 @@ class ActivityTracker:
 
     def count_module_entry(self, *_args) -> None:
         self.module_entries += 1
+
+    def count_entries_of(self, model: torch.nn.Module) -> None:
+        """Count each entry into a module FSDP2 wraps. Prepended: counted before FSDP's
+        all-gather, so a rank blocked in compute lags the peers blocked in the next module's."""
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self.count_module_entry, prepend=True)
+
+    def chunk_started(self) -> None:
+        """A pipeline stage begins a micro-batch's forward or backward."""
+        with self._lock:
+            self.module_entries += 1
+            self.phase, self._phase_started = "compute", time.monotonic()
+
+    def chunk_ended(self) -> None:
+        """A pipeline stage is through a chunk: what follows waits on its neighbours."""
+        with self._lock:
+            self.phase, self._phase_started = "stage-wait", time.monotonic()
 
     def read(self, global_rank: int) -> RankActivity:
         with self._lock:
@@ -219,7 +240,8 @@ class StepTransaction:
     """The steps of one rank on the model and optimizer its group built."""
 
     def __init__(self, rank: RankSpec, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, device: torch.device, activity: ActivityTracker, signals: DriverSignals):
+                 loss_fn: LossFn, device: torch.device, activity: ActivityTracker, signals: DriverSignals,
+                 stages: Sequence[torch.nn.Module] = ()):
         self.rank = rank
         self.world = world
         self.model = model
@@ -228,11 +250,17 @@ class StepTransaction:
         self.device = device
         self.activity = activity
         self.signals = signals
+        # the schedule over the rank's stages, where the group is a pipeline
+        self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device, loss_fn,
+                                  activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
         self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # the global ranks of this rank's group, in group-rank order
-        self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.shard * rank.tp))
-        self.mesh_coordinate = world.mesh_coordinate
+        self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.ranks_per_group))
+        # Stages hold different parameters: each counts its own toward the gradient norm.
+        self.mesh_coordinate = {name: index for name, index in world.mesh_coordinate.items() if name != "pp"}
+        # The last stage computes the loss; a TP row's ranks share it, counted by the first.
+        self.counts_loss = rank.tp_index == 0 and rank.pp_index == rank.pipeline.pp - 1
         # The schedule scales these; the optimizer's own lr changes every step, and a heal or
         # restore loads the lr a peer last stepped with.
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -295,6 +323,15 @@ class StepTransaction:
         self.activity.set(step, "compute")
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
+
+        if self.pipeline is not None:
+            # The schedule runs every micro-batch: the group can only stop before it starts,
+            # and the buckets of the cross-group sum go out once it has ended.
+            self.at_micro_batch(step, 0)
+            loss_share = self.pipeline.loss_share(batches, global_tokens)
+            if self.world.replicate_group is not None:
+                self.gradient_sum.start(self.world.replicate_group)
+            return loss_share, faults.after_compute(self.compute_timer.seconds())
 
         def before_micro_batch(index: int) -> None:
             self.at_micro_batch(step, index)
@@ -390,9 +427,7 @@ class StepTransaction:
         """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
         and adds them up in rank order, so all decide the same: apply or discard, and whether
         to stop after this step (a pause every group saw the same, or an abort)."""
-        leads_tp = self.rank.tp_index == 0
-        # A TP row's ranks hold the same samples: its first rank counts them.
-        sums = [crossed.loss_share, crossed.counted_tokens] if leads_tp else [0.0, 0.0]
+        sums = [crossed.loss_share, crossed.counted_tokens] if self.counts_loss else [0.0, 0.0]
         ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times],
                               dtype=torch.float64)
         if self.world.control_group is None:
@@ -435,8 +470,11 @@ class StepTransaction:
         # The held-out loss leaves the training generators where they were.
         with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
             self.compute_timer.start()
-            loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
-                                       on_micro_batch=lambda index: self.at_micro_batch(step, index))
+            if self.pipeline is not None:
+                loss_share = self.pipeline.held_out_loss_share(self.model, batches, global_tokens)
+            else:
+                loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
+                                           on_micro_batch=lambda index: self.at_micro_batch(step, index))
             compute_s = self.compute_timer.seconds()
         self.activity.set(step, "done")
         return loss_share, compute_s

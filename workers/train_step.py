@@ -71,11 +71,15 @@ def collate(dataset, indices: Sequence[int], device: torch.device) -> Batch:
     return Batch(ids[:, :-1], targets, weights, int(weights.sum().item())).to(device)
 
 
-def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
-    """The micro-batch's share of the global loss: its weighted token losses summed, over the
+def weighted_loss(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                  global_tokens: int) -> torch.Tensor:
+    """A micro-batch's share of the global loss: its weighted token losses summed, over the
     global token count."""
-    token_losses = loss_fn(model(batch.inputs), batch.targets)
-    return (token_losses.float() * batch.weights).sum() / global_tokens
+    return (loss_fn(logits, targets).float() * weights).sum() / global_tokens
+
+
+def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
+    return weighted_loss(loss_fn, model(batch.inputs), batch.targets, batch.weights, global_tokens)
 
 
 def _loss_share(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,

@@ -21,11 +21,11 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
@@ -50,6 +50,7 @@ from workers.failures import describe_failure, failure_report, raised_in_collect
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire
 from workers.keyed_store import KeyedStore
+from workers.pipeline import pipeline_micro_batches, stage_model
 from workers.rank_spec import RankSpec
 from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, StepTransaction
 from workers.train_step import collate, counted_tokens
@@ -166,20 +167,17 @@ class RankWorker:
                 self.hooks = load_hooks(self.pickled_hooks)
             with self.device:
                 model = self.hooks.model_fn()
-            self.model = self.hooks.parallelize_fn(model, mesh) or model
+            self.model, stages = stage_model(model, self.hooks.split_fn, self.hooks.parallelize_fn, spec.pipeline,
+                                             spec.pp_index, mesh)
             self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
         except Exception as error:
             if raised_in_collective(error):  # a peer or the transport: worth another try
                 raise
             raise HookFailed(describe_failure(error)) from error
         self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.loss_fn,
-                                           self.device, self.activity, self.signals)
+                                           self.device, self.activity, self.signals, stages)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index))
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                # prepend: counted before FSDP's all-gather, so a rank blocked in compute lags
-                # the peers blocked in the next module's all-gather.
-                module.register_forward_pre_hook(self.activity.count_module_entry, prepend=True)
+        self.activity.count_entries_of(self.model)
         return BuildReport(spec.global_rank, time.perf_counter() - started, ray_node_ip())
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
@@ -225,7 +223,8 @@ class RankWorker:
             share, batches = upcoming, upcoming_batches
 
     def _share(self, spec: RunSpec, step: int, cursor: DataCursor) -> RankShare:
-        return rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.shard)
+        share = rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.shard)
+        return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, self.spec.pipeline))
 
     def _prefetch(self, share: RankShare) -> Future:
         """Read the step's samples on the loader thread while the current step computes."""
@@ -259,7 +258,8 @@ class RankWorker:
         self.signals.begin(request.attempt)
         try:
             self.activity.set(request.step, "data")
-            batches = [collate(self.hooks.eval_dataset, mb, self.device) for mb in request.micro_batches]
+            batches = [collate(self.hooks.eval_dataset, mb, self.device)
+                       for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
             data_s = time.perf_counter() - started
             loss_share, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)
             return StepReport(self.spec.global_rank, request.step, loss_share=loss_share,

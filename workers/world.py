@@ -1,7 +1,7 @@
 """A rank's process groups: its replica group's world, and the replicate group across groups.
 
 Each replica group is its own torch.distributed world (the default process group, with the
-group's 2-D ``(shard, tp)`` mesh on it), rendezvousing on the driver's store under the
+group's 3-D ``(pp, shard, tp)`` mesh on it), rendezvousing on the driver's store under the
 prefix of its build number (one per build of any group's world), with two CPU groups beside it: one for the checkpoint upload thread, one
 for the step's control traffic (the abort agreement and the vote), so neither interleaves
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
@@ -61,13 +61,14 @@ class World:
             backend,
             store=dist.PrefixStore(f"world{world_build}/group{rank.group}/", self.store),
             rank=rank.group_rank,
-            world_size=rank.shard * rank.tp,
+            world_size=rank.ranks_per_group,
             timeout=self.timeout,
         )
         device_type = "cuda" if rank.use_gpu else "cpu"
-        self.mesh = init_device_mesh(device_type, (rank.shard, rank.tp), mesh_dim_names=("shard", "tp"))
+        self.mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
+                                     mesh_dim_names=("pp", "shard", "tp"))
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
-        self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.shard * rank.tp > 1 else None
+        self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.ranks_per_group > 1 else None
         return self.mesh
 
     @property
@@ -89,8 +90,8 @@ class World:
         self.leave_replicas()
         self.replica_rank = replica_rank
         if replica_size > 1:
-            shard_index, tp_index = self.rank.position
-            store = dist.PrefixStore(f"gen{generation}/replicate{shard_index}.{tp_index}/", self.store)
+            position = ".".join(map(str, self.rank.position))
+            store = dist.PrefixStore(f"gen{generation}/replicate{position}/", self.store)
             if self.rank.nccl:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout  # the default is 10 minutes

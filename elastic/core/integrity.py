@@ -28,7 +28,7 @@ class IntegrityMismatch:
     """Replicas of one position disagreed about the state committed before ``step``."""
 
     step: int
-    position: tuple[int, int]  # (shard, tp) index
+    position: tuple[int, ...]  # (pp, shard, tp) index
     suspects: tuple[int, ...]  # the groups to heal: the odd ones, or every group without a majority
     majority: tuple[int, ...]  # the groups that agree (none: no majority)
     tensors: tuple[str, ...]  # the differing tensors' names, at most NAMED_TENSORS
@@ -39,7 +39,7 @@ def check_due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def compare(step: int, position: tuple[int, int], fingerprints: Mapping[int, Sequence[int]],
+def compare(step: int, position: tuple[int, ...], fingerprints: Mapping[int, Sequence[int]],
             names: Sequence[str]) -> IntegrityMismatch | None:
     """The verdict over one position's fingerprints, by group; ``names`` names the tensors."""
     counts = Counter(tuple(fingerprint) for fingerprint in fingerprints.values())

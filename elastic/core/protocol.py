@@ -110,7 +110,9 @@ class StepReport:
         return self.failure is not None and Failure(self.failure).blames_peers
 
 
-PHASES = ("idle", "data", "compute", "replicate", "vote", "done", "failed")
+# In order of progress through a step. ``stage-wait``: a pipeline stage between its chunks of
+# compute, waiting on a neighbouring stage; ahead of a rank stuck computing, which it waits for.
+PHASES = ("idle", "data", "compute", "stage-wait", "replicate", "vote", "done", "failed")
 # The rank is through with its step: its report is on the way, whatever a probe says.
 FINISHED_PHASES = ("done", "failed")
 

@@ -1,14 +1,25 @@
-"""The layout of a run: replica groups of ``shard x tp`` ranks, numbered globally.
+"""The layout of a run: replica groups of ``pp x shard x tp`` ranks, numbered globally.
 
-The one owner of the rank <-> (group, shard index, tp index) formulas: a group's ranks are
-consecutive, and inside a group the tp index varies fastest, so a group rank doubles as the
-rank's bundle index in its group's placement group and as its rank in the group's world.
+The one owner of the rank <-> (group, pipeline index, shard index, tp index) formulas: a
+group's ranks are consecutive, and inside a group the tp index varies fastest, then the shard
+index, then the pipeline stage, so a group rank doubles as the rank's bundle index in its
+group's placement group (TP neighbours packed together) and as its rank in the group's world.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Position(NamedTuple):
+    """Where a rank sits in its group: ranks at the same position in different groups hold
+    the same part of the model and sum their gradients across groups."""
+
+    pp: int
+    shard: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -16,10 +27,11 @@ class Topology:
     shard: int
     tp: int
     max_groups: int = 1
+    pp: int = 1
 
     @property
     def ranks_per_group(self) -> int:
-        return self.shard * self.tp
+        return self.pp * self.shard * self.tp
 
     @property
     def max_ranks(self) -> int:
@@ -38,18 +50,26 @@ class Topology:
         """The rank inside its group's world, and its bundle index in the group's placement."""
         return global_rank % self.ranks_per_group
 
-    def position_of(self, global_rank: int) -> tuple[int, int]:
-        """``(shard index, tp index)``: ranks at the same position in different groups hold
-        the same shard and sum their gradients across groups."""
-        return divmod(self.group_rank(global_rank), self.tp)
+    def position_of(self, global_rank: int) -> Position:
+        stage_and_shard, tp_index = divmod(self.group_rank(global_rank), self.tp)
+        return Position(*divmod(stage_and_shard, self.shard), tp_index)
 
     def shard_index(self, global_rank: int) -> int:
-        return self.position_of(global_rank)[0]
+        return self.position_of(global_rank).shard
 
-    def leads_tp(self, global_rank: int) -> bool:
-        """Whether the rank is its tp group's first: tp ranks share a loss, counted once."""
-        return self.position_of(global_rank)[1] == 0
+    def counts_loss(self, global_rank: int) -> bool:
+        """Whether the rank's loss share counts: the last stage computes the loss, and its tp
+        ranks share one, counted by the first."""
+        position = self.position_of(global_rank)
+        return position.pp == self.pp - 1 and position.tp == 0
+
+    def stream_of(self, global_rank: int) -> str:
+        """The name of the random stream the rank draws from, as a checkpoint keeps it: one per
+        shard position and stage, shared by its tp ranks (the first saves it). The first
+        stage's is named by the shard index alone, as before there were stages."""
+        position = self.position_of(global_rank)
+        return str(position.shard) if position.pp == 0 else f"{position.shard}.stage{position.pp}"
 
     def record(self) -> dict[str, int]:
         """What a checkpoint manifest says of the layout that wrote it."""
-        return {"shard": self.shard, "tp": self.tp, "max_groups": self.max_groups}
+        return {"pp": self.pp, "shard": self.shard, "tp": self.tp, "max_groups": self.max_groups}

@@ -89,8 +89,8 @@ class CheckpointCoordinator:
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
         """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds.
 
-        Each rank gets the generator states saved at its shard position (the TP ranks of a
-        position share one stream). A shard position the saving layout did not have restarts
+        Each rank gets the generator states saved at its shard position and stage (the TP
+        ranks of a position share one stream). A stream the saving layout did not have restarts
         its stream from the seed and the step instead, which is reported: its random draws
         differ from the run that saved it."""
         started = self.clock()
@@ -104,7 +104,7 @@ class CheckpointCoordinator:
         return self.clock() - started
 
     def _saved_generators(self, checkpoint: Restorable, rank: int) -> dict[str, bytes] | None:
-        saved = checkpoint.manifest.rng.get(str(self.topology.shard_index(rank)))
+        saved = checkpoint.manifest.rng.get(self.topology.stream_of(rank))
         return None if saved is None else {name: base64.b64decode(state) for name, state in saved.items()}
 
     # saving
@@ -179,10 +179,10 @@ class CheckpointCoordinator:
                 config=self.config_record,
                 data=self.data_identity,
                 rng={
-                    str(self.topology.shard_index(result.global_rank)): {
+                    self.topology.stream_of(result.global_rank): {
                         name: base64.b64encode(state).decode() for name, state in result.rng.items()
                     }
-                    for result in results if result.rng and self.topology.position_of(result.global_rank)[1] == 0
+                    for result in results if result.rng and self.topology.position_of(result.global_rank).tp == 0
                 },
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries

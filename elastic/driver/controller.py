@@ -36,6 +36,7 @@ from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights
 from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
+from elastic.core.topology import Position
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
@@ -423,7 +424,7 @@ class Controller:
             self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=reason, grace_s=grace_s)
         return committed
 
-    def final_state(self) -> dict[tuple[int, int], list]:
+    def final_state(self) -> dict[Position, list]:
         """Committed local parameter shards of the first live group, by position."""
         _, ranks = self.groups.saving_group()
         shards = self.fleet.local_parameters(ranks)

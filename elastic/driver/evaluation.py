@@ -46,8 +46,9 @@ class Evaluation:
         self.ledger.charge("evaluation" if failure is None else "discarded", elapsed)
         if failure is not None:
             return failure
-        # Each TP row's share once: its ranks compute the same replicated logits.
-        leading = [report for rank, report in reports.items() if self.topology.leads_tp(rank)]
+        # Each shard position's share once: the last stage's loss, whose TP ranks compute the
+        # same replicated logits.
+        leading = [report for rank, report in reports.items() if self.topology.counts_loss(rank)]
         loss = sum(report.loss_share for report in leading) * token_rescale(
             global_tokens, sum(report.counted_tokens for report in leading))
         result = EvalResult(step, loss, plan.global_samples, round(elapsed, 4))

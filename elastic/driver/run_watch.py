@@ -71,7 +71,7 @@ class RunWatch:
         dead: set[int] = set()
         heard_at = dict.fromkeys(groups, started)
         state = {"next": spec.first_step, "committed_until": started, "nonfinite": None}
-        mismatches: dict[tuple[int, int], IntegrityMismatch] = {}  # by position, from the ranks that found them
+        mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
 
         def file(arrived) -> list[tuple[int, StepReport | None]]:
             finals = []

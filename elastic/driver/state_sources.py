@@ -108,7 +108,7 @@ class StateSources:
         else:
             positions = [self.topology.position_of(rank) for rank in self.topology.global_ranks(groups[0])]
             raise TrainingStopped(
-                f"every copy of the state is lost (shard, tp positions {positions}): no live group holds it, "
+                f"every copy of the state is lost ((pp, shard, tp) positions {positions}): no live group holds it, "
                 f"no committed checkpoint is left, and the run resumed from step {self.history.first_step}, so "
                 "the initial state is not its state; run with more replica groups (--groups) or checkpoint more "
                 "often (--checkpoint-every N)"

@@ -21,19 +21,23 @@ from elastic.core.spares import SPARES, Slot, Slots, Spare
 from elastic.core.topology import Topology
 from elastic.fleet.api import Pending
 from elastic.fleet.rendezvous import Rendezvous
+from workers.pipeline import PipelineLayout
 from workers.rank_spec import SPARE, RankSpec
 from workers.worker import RankActor
 
 
 def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int) -> RankSpec:
     """What a rank's process is started with: its place in the layout, the store, its settings."""
-    shard_index, tp_index = topology.position_of(global_rank)
+    position = topology.position_of(global_rank)
+    scaling = config.scaling
     return RankSpec(
         global_rank=global_rank,
         group=topology.group_of(global_rank),
         group_rank=topology.group_rank(global_rank),
-        shard_index=shard_index,
-        tp_index=tp_index,
+        shard_index=position.shard,
+        tp_index=position.tp,
+        pp_index=position.pp,
+        pipeline=PipelineLayout(scaling.pp, scaling.pp_schedule, scaling.stages_per_rank, config.micro_batch),
         shard=topology.shard,
         tp=topology.tp,
         seed=config.seed,
@@ -77,7 +81,8 @@ class RankProcesses:
     # placement
 
     def reserve(self, group: int) -> None:
-        strategy = "STRICT_PACK" if self.scaling.uses_gpu else "PACK"
+        # A group's GPUs on one node; a pipeline's stages on as few as can hold them.
+        strategy = "STRICT_PACK" if self.scaling.uses_gpu and self.scaling.pp == 1 else "PACK"
         self._place(group, self.topology.ranks_per_group, strategy)
 
     def reserve_spares(self) -> None:

@@ -58,6 +58,11 @@ class ScalingConfig(Section):
     # What carries the collectives on GPU tensors. NCCL refuses two ranks on one GPU; gloo
     # lets several ranks share one (gpus_per_rank < 1), slowly: for checks on a one-GPU machine.
     gpu_collectives: Literal["nccl", "gloo"] = "nccl"
+    # Pipeline stages: a group is pp x shard x tp ranks, each holding pp_stages_per_rank
+    # stages of the model (1 for GPipe and 1F1B, None: 2 for the interleaved schedules).
+    pp: PositiveInt = Field(1, le=1024)
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"
+    pp_stages_per_rank: PositiveInt | None = Field(None, le=64)
     # The residual stream, norms and dropout sharded on the sequence between TP regions.
     # None: on when tp > 1 divides data.seq_len and the model has no dropout (each TP rank
     # would draw the masks of its own share of the sequence, which a single process draws
@@ -75,6 +80,9 @@ class ScalingConfig(Section):
             raise ValueError("device='cuda' needs gpus_per_rank > 0; set gpus_per_rank = 1 or leave it unset")
         if self.device == "cpu" and self.gpus_per_rank:
             raise ValueError(f"device='cpu' with gpus_per_rank={self.gpus_per_rank:g}; set gpus_per_rank = 0 or device = 'cuda'")
+        if self.pp_schedule in ("1F1B", "GPipe") and self.stages_per_rank != 1:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} runs one stage per rank, not pp_stages_per_rank="
+                             f"{self.stages_per_rank}; set pp_stages_per_rank = 1 or pp_schedule = 'Interleaved1F1B'")
         if self.gpu_collectives == "nccl" and self.gpus_per_rank and self.gpus_per_rank < 1:
             raise ValueError(f"gpus_per_rank={self.gpus_per_rank:g} puts several ranks on one GPU, which NCCL refuses; "
                              "set gpus_per_rank = 1, or gpu_collectives = 'gloo' (slow: for checks on one GPU)")
@@ -95,8 +103,14 @@ class ScalingConfig(Section):
         return self.device == "cuda" or (self.device == "auto" and bool(self.gpus_per_rank))
 
     @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in ("1F1B", "GPipe") else 2
+
+    @property
     def ranks_per_group(self) -> int:
-        return self.shard * self.tp
+        return self.pp * self.shard * self.tp
 
 
 class ModelConfig(Section):
@@ -380,7 +394,29 @@ class TrainConfig(Section):
                 f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}; "
                 "lower micro_batch"
             )
+        if self.scaling.pp > 1:
+            self._check_pipeline()
         return self
+
+    def _check_pipeline(self) -> None:
+        scaling, model = self.scaling, self.model
+        stages = scaling.pp * scaling.stages_per_rank
+        if model.n_layers < stages:
+            raise ValueError(f"scaling.pp={scaling.pp} x {scaling.stages_per_rank} stages per rank needs at least "
+                             f"{stages} layers, model.n_layers is {model.n_layers}; lower scaling.pp or "
+                             "pp_stages_per_rank")
+        if model.tie_embeddings:
+            raise ValueError("scaling.pp > 1 with model.tie_embeddings: the embedding and the output head live on "
+                             "different stages; set model.tie_embeddings = false or scaling.pp = 1")
+        # The fewest micro-batches a rank gets: the most groups, the smallest group's share.
+        rows = -(-(self.global_batch // scaling.max_groups) // scaling.shard)
+        micro_batches = -(-rows // self.micro_batch)
+        if micro_batches < scaling.pp:
+            raise ValueError(
+                f"scaling.pp={scaling.pp} stages need at least {scaling.pp} micro-batches per step, and a rank gets "
+                f"{micro_batches} (global_batch={self.global_batch} over {scaling.max_groups} groups x shard "
+                f"{scaling.shard}, micro_batch={self.micro_batch}); lower micro_batch to "
+                f"{max(1, rows // scaling.pp)} or raise global_batch")
 
     @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:

@@ -18,6 +18,7 @@ from elastic.setup.dataset import default_datasets
 from elastic.setup.errors import ConfigError
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
+from workers.pipeline import SplitFn, split_transformer
 from workers.train_step import IGNORE_INDEX, sample_ids, token_cross_entropy
 
 
@@ -56,6 +57,9 @@ class TrainHooks:
     dataset: Any
     optimizer_fn: Callable[[Any], torch.optim.Optimizer]
     eval_dataset: Any = None  # held out for evaluation; None: the run has none
+    # the module of pipeline stage ``stage`` of ``n_stages``, cut from the whole model; None:
+    # the model cannot be split (scaling.pp = 1 only)
+    split_fn: SplitFn | None = None
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -94,6 +98,7 @@ def resolve_hooks(
     eval_dataset=None,
     optimizer_fn=None,
     tp_plan=None,
+    split_fn=None,
 ) -> TrainHooks:
     """The given hooks, defaults for the rest. A given ``dataset`` comes with its own
     ``eval_dataset`` (or none); otherwise both are made from ``config.data``, unless an
@@ -111,6 +116,7 @@ def resolve_hooks(
         optimizer_fn=optimizer_fn
         or AdamW(optimizer.lr, optimizer.weight_decay, (optimizer.beta1, optimizer.beta2), optimizer.eps),
         eval_dataset=eval_dataset,
+        split_fn=split_fn or (split_transformer if model_fn is None else None),
     )
 
 
@@ -159,3 +165,7 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
             raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
                               f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
                               "scaling.tp = 1")
+    if config.scaling.pp > 1 and hooks.split_fn is None:
+        raise ConfigError(f"scaling.pp = {config.scaling.pp} needs the model split into stages: pass "
+                          "split_fn(model, stage, n_stages) returning the stage's module (keeping its parameters' "
+                          "names), or set scaling.pp = 1")

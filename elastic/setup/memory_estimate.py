@@ -31,10 +31,16 @@ def _block_parameters(model: ModelConfig, tp: int) -> int:
     return (attention + feed_forward) // tp + 2 * model.dim
 
 
-def _root_parameters(model: ModelConfig, tp: int) -> int:
-    """The embedding, the output projection unless tied, and the final norm, on one TP rank."""
-    projections = 1 if model.tie_embeddings else 2
+def _root_parameters(model: ModelConfig, tp: int, pp: int = 1) -> int:
+    """The embedding, the output projection unless tied, and the final norm, on one TP rank;
+    with pipeline stages, what the first or the last stage holds of them (one projection)."""
+    projections = 1 if model.tie_embeddings or pp > 1 else 2
     return projections * model.vocab_size * model.dim // tp + model.dim
+
+
+def _stage_layers(model: ModelConfig, pp: int) -> int:
+    """The blocks of the largest pipeline stage (``workers.pipeline.layers_of_stage``)."""
+    return -(-model.n_layers // pp)
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -80,11 +86,12 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_
 
 def activation_bytes(
     model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, layers: int | None = None,
 ) -> float:
-    """What one micro-batch's forward saves for backward, logits and loss aside.
-    ``sequence_parallel``: the residual stream between TP regions is split over the TP ranks
-    (``scaling.sequence_parallel``)."""
+    """What one micro-batch's forward saves for backward, logits and loss aside, over
+    ``layers`` blocks (all of the model's by default). ``sequence_parallel``: the residual
+    stream between TP regions is split over the TP ranks (``scaling.sequence_parallel``)."""
+    layers = model.n_layers if layers is None else layers
     stream = tp if sequence_parallel else 1  # the residual stream's split
     outside_blocks = _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
     layer = _layer_activation_bytes(model, tp, compute, sequence_parallel)
@@ -95,8 +102,8 @@ def activation_bytes(
         layer += 2 * model.dim / stream
     if activation_checkpointing:
         # Each block keeps only its input; backward recomputes one block at a time.
-        return tokens * (model.n_layers * compute * model.dim / stream + layer + outside_blocks)
-    return tokens * (model.n_layers * layer + outside_blocks)
+        return tokens * (layers * compute * model.dim / stream + layer + outside_blocks)
+    return tokens * (layers * layer + outside_blocks)
 
 
 def memory_per_rank(
@@ -109,16 +116,21 @@ def memory_per_rank(
     precision: Literal["bf16", "fp32"] = "bf16",
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
+    pp: int = 1,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
 
     The terms are added as if they peaked together. They do not quite (the loss's fp32
-    buffers are freed before the blocks' gradients appear), so the total leans high.
+    buffers are freed before the blocks' gradients appear), so the total leans high. With
+    ``pp`` pipeline stages (1F1B) a rank holds the largest stage's blocks and one of the two
+    projections; the first stage keeps ``pp`` micro-batches' activations in flight and the
+    last the logits, counted here as if one rank held both (high again).
     """
     compute = COMPUTE_BYTES[precision]
     tokens = micro_batch * seq_len
-    block, root = _block_parameters(model, tp), _root_parameters(model, tp)
-    shard_parameters = (root + model.n_layers * block) / shard
+    layers = _stage_layers(model, pp)
+    block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
+    shard_parameters = (root + layers * block) / shard
     output_projection = model.vocab_size * model.dim // tp
     held_bytes = {
         "parameters": FP32_BYTES * shard_parameters,
@@ -129,9 +141,9 @@ def memory_per_rank(
         # the output projection's gradient waits for the root's reduce-scatter, and a block's
         # gradient is copied into an fp32 buffer to be reduce-scattered.
         "unsharded": compute * (root + 2 * block + output_projection) + (compute + FP32_BYTES) * block,
-        "activations": activation_bytes(
+        "activations": pp * activation_bytes(
             model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, layers=layers,
         ),
         # Logits are replicated across TP ranks. Cross-entropy saves them as fp32
         # log-probabilities (the compute-dtype logits are freed once the loss is computed),
@@ -143,7 +155,7 @@ def memory_per_rank(
     return memory
 
 
-def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int) -> dict[str, float]:
+def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int, pp: int = 1) -> dict[str, float]:
     """GiB of host memory one rank holds for its committed state's copies, by what holds it.
 
     The committed state is the fp32 parameters and AdamW's two fp32 moments of the rank's
@@ -151,7 +163,8 @@ def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int) -> dict[str
     snapshots) and two of the state of the rank it is buddy to (the same size at every
     position of a layout); a checkpoint's staging arena holds one more.
     """
-    state = 3 * FP32_BYTES * (_root_parameters(model, tp) + model.n_layers * _block_parameters(model, tp)) / shard
+    parameters = _root_parameters(model, tp, pp) + _stage_layers(model, pp) * _block_parameters(model, tp)
+    state = 3 * FP32_BYTES * parameters / shard
     memory = {"state": state / GIB, "memory_tier": 4 * state / GIB, "staging": state / GIB}
     memory["total"] = memory["memory_tier"] + memory["staging"]
     return memory

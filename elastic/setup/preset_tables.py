@@ -21,6 +21,7 @@ class Layout:
     micro_batch: int
     activation_checkpointing: Literal["none", "full"] = "none"
     sequence_parallel: bool | None = None  # None: the config's default (on where tp > 1 allows it)
+    pp: int = 1
 
 
 DOC_LAYOUTS = [
@@ -36,8 +37,11 @@ DOC_LAYOUTS = [
     Layout("llama3-8b", shard=32, tp=2, seq_len=8192, micro_batch=1),
     Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1),
     Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-70b", shard=4, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=4),
     Layout("llama3-405b", shard=32, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
     Layout("llama3-405b", shard=64, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
+    Layout("llama3-405b", shard=8, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=8),
+    Layout("llama3-405b", shard=4, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=16),
 ]
 
 
@@ -62,15 +66,16 @@ def shapes_table() -> str:
 def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     """One row per layout, each first validated as a full config (so tp divides the shapes)."""
     lines = [
-        "| preset | shard × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
+        "| preset | pp × shard × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
         "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
         "|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
     for layout in layouts:
         config = parse_config({
             "micro_batch": layout.micro_batch,
-            "global_batch": layout.micro_batch * layout.shard,
-            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp,
+            # as many micro-batches per rank as stages: the fewest a pipeline takes
+            "global_batch": layout.micro_batch * layout.shard * layout.pp,
+            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp, "pp": layout.pp,
                         **({} if layout.sequence_parallel is None else {"sequence_parallel": layout.sequence_parallel})},
             "model": {"preset": layout.preset},
             "data": {"seq_len": layout.seq_len},
@@ -80,12 +85,12 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
-            sequence_parallel=config.sequence_parallel,
+            sequence_parallel=config.sequence_parallel, pp=config.scaling.pp,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
         lines.append(
-            f"| `{layout.preset}` | {layout.shard} × {layout.tp} "
+            f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.tp} "
             f"| {layout.seq_len} × {layout.micro_batch} | {layout.activation_checkpointing} "
             f"| {'yes' if config.sequence_parallel else 'no'} "
             f"| {states:.2f} | {memory['unsharded']:.2f} | {memory['activations']:.2f} | {memory['logits']:.2f} "
@@ -95,19 +100,21 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
 
 
 def host_memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
-    """Host memory per rank for each distinct (preset, shard, tp) of the layouts."""
+    """Host memory per rank for each distinct (preset, pp, shard, tp) of the layouts."""
     lines = [
-        "| preset | shard × tp | committed state | memory tier (4 copies) | checkpoint staging | total host |",
+        "| preset | pp × shard × tp | committed state | memory tier (4 copies) | checkpoint staging | total host |",
         "|---|--:|--:|--:|--:|--:|",
     ]
     seen = set()
     for layout in layouts:
-        if (layout.preset, layout.shard, layout.tp) in seen:
+        if (layout.preset, layout.pp, layout.shard, layout.tp) in seen:
             continue
-        seen.add((layout.preset, layout.shard, layout.tp))
-        memory = host_memory_per_rank(ModelConfig(preset=layout.preset), shard=layout.shard, tp=layout.tp)
+        seen.add((layout.preset, layout.pp, layout.shard, layout.tp))
+        memory = host_memory_per_rank(ModelConfig(preset=layout.preset), shard=layout.shard, tp=layout.tp,
+                                      pp=layout.pp)
         lines.append(
-            f"| `{layout.preset}` | {layout.shard} × {layout.tp} | {memory['state']:.2f} | {memory['memory_tier']:.2f} "
+            f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.tp} | {memory['state']:.2f} "
+            f"| {memory['memory_tier']:.2f} "
             f"| {memory['staging']:.2f} | {memory['total']:.2f} |"
         )
     return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""Pipeline stages inside a replica group (``workers.pipeline``): the split keeps every
+parameter's name and initial value, the schedules from ``torch.distributed.pipelining`` train
+the single process's losses with FSDP2 and TP (with sequence parallelism) inside the stages,
+layouts the schedules cannot run are refused before any actor starts, and on a real Ray the
+step stays a transaction across stages: faults in either stage and a change of ``pp`` at a
+resume leave the single process's losses.
+
+The schedules run on four spawned gloo processes and no Ray, every layout and schedule in
+turn in the same processes; each writes its losses to a file the test reads."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from elastic import ElasticTrainer
+from elastic.core.data_plan import PADDING_INDEX
+from elastic.setup.errors import ConfigError
+from elastic.setup.hooks import check_hooks, resolve_hooks
+from tests.paced import paced_model
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+from workers.model import ModelArgs, Transformer
+from workers.parallelize import Parallelize
+from workers.pipeline import (
+    Pipeline,
+    PipelineLayout,
+    StagesOfRank,
+    cut_stages,
+    layers_of_stage,
+    pipeline_micro_batches,
+    split_transformer,
+    stage_model,
+)
+from workers.train_step import accumulate_gradients, collate, token_cross_entropy
+
+ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = 16, 8, 2, 3
+SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]
+LAYOUTS = {"pp 2 x shard 2": (2, 2, 1), "pp 2 x tp 2, sequence parallel": (2, 1, 2)}
+
+
+def whole_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ARGS)
+
+
+def test_stages_keep_the_whole_models_names_and_initial_values():
+    whole = whole_model().state_dict()
+    for layout in (PipelineLayout(pp=2), PipelineLayout(pp=2, schedule="Interleaved1F1B", stages_per_rank=2)):
+        seen = {}
+        for pp_index in range(layout.pp):
+            stages = cut_stages(whole_model(), split_transformer, layout.stages_of(pp_index), layout.n_stages)
+            rank_part = stages[0] if len(stages) == 1 else StagesOfRank(stages)
+            state = rank_part.state_dict()
+            assert not set(state) & set(seen), "a parameter on two ranks"
+            seen |= state
+        assert set(seen) == set(whole)
+        assert all(torch.equal(seen[name], whole[name]) for name in whole)
+    assert [list(layers_of_stage(5, stage, 2)) for stage in range(2)] == [[0, 1], [2, 3, 4]]
+
+
+def test_a_ranks_stages_run_only_through_the_schedule():
+    layout = PipelineLayout(pp=2, schedule="Interleaved1F1B", stages_per_rank=2)
+    stages = StagesOfRank(cut_stages(whole_model(), split_transformer, layout.stages_of(0), layout.n_stages))
+    # stages 0 and 2 of 4: the embedding and layers 0 and 2, not the head
+    assert sorted(stages.layers) == ["0", "2"] and stages.tok_embeddings is not None and not hasattr(stages, "output")
+    with pytest.raises(RuntimeError, match="pipeline schedule"):
+        stages(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_micro_batches_are_padded_to_one_size_and_a_multiple_of_the_stages():
+    layout = PipelineLayout(pp=2, micro_batch=3)
+    padded = pipeline_micro_batches(((1, 2, 3), (4,), (5, 6, 7)), layout)
+    assert padded == ((1, 2, 3), (4, PADDING_INDEX, PADDING_INDEX), (5, 6, 7), (PADDING_INDEX,) * 3)
+    assert pipeline_micro_batches(((1,),), PipelineLayout()) == ((1,),)  # no pipeline: as planned
+
+
+def test_layouts_the_schedules_cannot_run_are_refused_before_any_actor_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"scaling.pp=2 stages need at least 2 micro-batches .* lower micro_batch to 1"):
+        tiny_config(tmp_path, groups=2, global_batch=4, scaling__pp=2)
+    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+        tiny_config(tmp_path, model__tie_embeddings=True, scaling__pp=2)
+    with pytest.raises(ConfigError, match="at least 4 layers"):
+        tiny_config(tmp_path, scaling__pp=2, scaling__pp_schedule="Interleaved1F1B")
+    with pytest.raises(ConfigError, match="one stage per rank"):
+        tiny_config(tmp_path, scaling__pp=2, scaling__pp_stages_per_rank=2)
+    config = tiny_config(tmp_path, scaling__pp=2)
+
+    class Custom(torch.nn.Module):
+        def forward(self, ids):
+            return ids
+
+    with pytest.raises(ConfigError, match="scaling.pp = 2 needs the model split into stages: pass split_fn"):
+        check_hooks(config, resolve_hooks(config, model_fn=Custom))
+
+
+def train_every_layout(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                           timeout=datetime.timedelta(seconds=60))
+    generator = torch.Generator().manual_seed(1)
+    dataset = [torch.randint(0, ARGS.vocab_size, (SEQ + 1,), generator=generator) for _ in range(GLOBAL_BATCH * STEPS)]
+    global_tokens = GLOBAL_BATCH * SEQ
+    results = {}
+    for name, shape in LAYOUTS.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "shard", "tp"))
+        pp_index, shard_index, tp_index = mesh.get_coordinate()
+        for schedule, stages_per_rank in SCHEDULES:
+            layout = PipelineLayout(2, schedule, stages_per_rank, MICRO_BATCH)
+            part, stages = stage_model(whole_model(), split_transformer, Parallelize(sequence_parallel=shape[2] > 1),
+                                       layout, pp_index, mesh)
+            pipeline = Pipeline(layout, pp_index, stages, mesh["pp"].get_group(), torch.device("cpu"),
+                                token_cross_entropy)
+            optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
+            losses = []
+            for step in range(STEPS):
+                batch = list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+                mine = batch[shard_index * GLOBAL_BATCH // shape[1]:(shard_index + 1) * GLOBAL_BATCH // shape[1]]
+                micro_batches = [tuple(mine[i:i + MICRO_BATCH]) for i in range(0, len(mine), MICRO_BATCH)]
+                batches = [collate(dataset, mb, torch.device("cpu")) for mb in pipeline_micro_batches(
+                    tuple(micro_batches), layout)]
+                share = pipeline.loss_share(batches, global_tokens)
+                counted = torch.tensor([share if pipeline.holds_last_stage and tp_index == 0 else 0.0],
+                                       dtype=torch.float64)
+                dist.all_reduce(counted)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(counted.item())
+            results[f"{name}, {schedule}"] = losses
+    if rank == 0:
+        model = whole_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reference = []
+        for step in range(STEPS):
+            batches = [collate(dataset, list(range(start, start + MICRO_BATCH)), torch.device("cpu"))
+                       for start in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH, MICRO_BATCH)]
+            reference.append(accumulate_gradients(model, token_cross_entropy, batches, global_tokens))
+            optimizer.step()
+            optimizer.zero_grad()
+        with open(out, "w") as file:
+            json.dump({"reference": reference, "runs": results}, file)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_every_schedule_trains_the_single_process_losses_with_fsdp2_and_tp_inside_the_stages(tmp_path):
+    out = tmp_path / "losses.json"
+    mp.spawn(train_every_layout, args=(free_port(), str(out)), nprocs=4)
+    found = json.loads(out.read_text())
+    assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
+    reference = found["reference"]
+    for run, losses in found["runs"].items():
+        assert max(abs(a - b) / b for a, b in zip(losses, reference)) <= 1e-5, (run, losses, reference)
+
+
+FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
+
+
+def events_of(summary, kind):
+    return [event for event in summary["events"] if event["kind"] == kind]
+
+
+def test_faults_in_either_stage_commit_the_single_process_losses_and_read_nothing_from_storage(
+        ray_cluster, tmp_path):
+    """Two groups of two stages (1F1B) on a real Ray, neither training without the other
+    (``min_groups = 2``, so every fault finds both live): a rank killed in stage 0, a hang in
+    stage 1, a bit flipped in stage 1 (found by the check the step begins with: both groups go
+    back to a verified state), then both copies of stage 1 killed at once (the memory tier
+    restores them). Every committed loss is the single process's, and the
+    checkpoints the run writes are never read."""
+    steps = 16
+    inject = "kill:rank=0,step=3;hang:rank=3,step=6;flip:rank=1,step=8;kill:rank=1,step=12;kill:rank=3,step=12"
+    config = tiny_config(tmp_path, groups=2, min_groups=2, steps=steps, scaling__pp=2, scaling__spares=1,
+                         integrity__every=4, checkpoint__memory_every=2, checkpoint__every=5,
+                         fault_tolerance__inject=inject, **FAST_DETECTION)
+    result = ElasticTrainer(config, model_fn=paced_model(config, 0.1), split_fn=split_transformer).fit()
+    summary = result.summary
+    assert result.ok, (result.exit, [e for e in summary["events"] if "checkpoint" not in e["kind"]])
+    assert summary["topology"] == {"groups": 2, "pp": 2, "shard": 1, "tp": 1, "ranks": 4}
+    failed = sorted((event["step"], event["rank"], event["cause"]) for event in events_of(summary, "rank-failed"))
+    assert failed == [(3, 0, "death"), (6, 3, "hang"), (12, 1, "death"), (12, 3, "death")]
+    [found] = events_of(summary, "integrity-mismatch")
+    assert (found["step"], found["position"], found["suspects"]) == (8, [1, 0, 0], [0, 1])
+    # the double kill left no live copy of stage 1: the memory tier's newest (its snapshot
+    # of step 12 may still be on its way to the buddy, then step 10's) restores it
+    killed_at = max(event["t"] for event in events_of(summary, "rank-failed"))
+    [restored] = [event for event in events_of(summary, "restored-from-memory") if event["t"] > killed_at]
+    assert restored["step"] in (10, 12) and restored["groups"]
+    assert events_of(summary, "checkpoint-committed") and not events_of(summary, "restored-from-checkpoint")
+    assert [record["step"] for record in summary["steps"]] == list(range(steps))
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_a_checkpoint_resumes_across_a_change_of_pipeline_stages(ray_cluster, tmp_path):
+    """Saved at pp 2, resumed at pp 1, saved again and resumed at pp 2 (GPipe): DCP reshards
+    by name, and the losses go on as one uninterrupted single-process run's."""
+    legs = [(6, {"scaling__pp": 2}), (10, {}), (14, {"scaling__pp": 2, "scaling__pp_schedule": "GPipe"})]
+    start = 0
+    for stop, layout in legs:
+        config = tiny_config(tmp_path, groups=1, steps=stop, checkpoint__every=2, **layout)
+        result = ElasticTrainer(config).fit()
+        assert result.ok, result.exit
+        assert result.summary["resumed_from_step"] == (start or None)
+        reference, _ = reference_run(config, stop)
+        assert max_relative_difference(result.losses, reference[start:]) <= 1e-5, (layout, start)
+        start = stop
