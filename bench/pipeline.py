@@ -9,8 +9,9 @@
   spawned gloo ranks, each one stage of the reference model (``workers.pipeline``), at m = 4
   and 8 micro-batches. The bubble is the share of a step a rank spends outside its stage's
   forward and backward chunks (waiting on the other stage, and the sends and receives). The
-  theory assumes stages of equal cost; the last stage here also holds the output head and the
-  loss, so the first stage waits for it longer than the theory says and the last less.
+  theory assumes stages of equal cost: the model has a small vocabulary (``BUBBLE_VOCAB``) so
+  that the last stage's head and loss cost little; what imbalance is left makes the first
+  stage wait longer than the theory says and the last less.
 
 Peak memory: torch's ``MemTracker`` over one forward and backward (the peak of the tensors
 alive, by kind: parameters, gradients, activations, temporaries), then the median of
@@ -47,10 +48,13 @@ from workers.train_step import Batch, token_cross_entropy  # noqa: E402
 
 MIB = 2**20
 VOCAB = 4096
+# The bubble's model: a small vocabulary keeps the last stage's head and loss cheap, so the
+# two stages cost about the same, as the schedule's theory assumes.
+BUBBLE_VOCAB = 256
 
 
-def model_args(args) -> ModelArgs:
-    return ModelArgs(vocab_size=VOCAB, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
+def model_args(args, vocab: int = VOCAB) -> ModelArgs:
+    return ModelArgs(vocab_size=vocab, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                      ffn_hidden=args.dim * 8 // 3 // 64 * 64, max_seq_len=args.seq)
 
 
@@ -139,10 +143,11 @@ def bubble_rank(rank: int, init_file: str, micro_batches: int, args, result_path
     layout = PipelineLayout(pp=2, schedule="1F1B", micro_batch=1)
     torch.manual_seed(0)
     clock = BusyClock()
-    [stage] = cut_stages(Transformer(model_args(args)), split_transformer, layout.stages_of(rank), layout.n_stages)
+    model = Transformer(model_args(args, BUBBLE_VOCAB))
+    [stage] = cut_stages(model, split_transformer, layout.stages_of(rank), layout.n_stages)
     pipeline = Pipeline(layout, rank, [stage], mesh["pp"].get_group(), torch.device("cpu"), token_cross_entropy,
                         clock)
-    tokens = torch.randint(0, VOCAB, (micro_batches, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, BUBBLE_VOCAB, (micro_batches, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batches = [Batch(row[None, :-1], row[None, 1:], torch.ones(1, args.seq), args.seq) for row in tokens]
     shares = []
     for step in range(args.steps + 1):  # the first step infers the stages' shapes: not timed
@@ -196,8 +201,8 @@ def activation_checkpointing(args) -> None:
 
 
 def bubble(args) -> None:
-    print(f"reference model: dim {args.dim}, {args.layers} layers, seq {args.seq}, one sample per micro-batch, "
-          "fp32, CPU")
+    print(f"reference model: dim {args.dim}, {args.layers} layers, vocab {BUBBLE_VOCAB}, seq {args.seq}, one sample "
+          "per micro-batch, fp32, CPU")
     print("pipeline bubble, 1F1B, p = 2 (per rank: median share of a step outside its stage's chunks)")
     for micro_batches in (4, 8):
         measured = [share for (share,) in in_fresh_process(bubble_rank, (micro_batches, args), processes=2)]

@@ -23,24 +23,18 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from elastic.core.data_plan import PADDING_INDEX, MicroBatches
 from workers.model import Transformer
 from workers.train_step import Batch, LossFn, weighted_loss
 
-# One stage per rank, or several (looped over the ranks: stage i on rank i mod pp).
+# torch.distributed.pipelining's schedule classes by ``scaling.pp_schedule``: one stage per
+# rank, or several (looped over the ranks: stage i on rank i mod pp).
 SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
 }
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
@@ -166,7 +160,7 @@ class ChunkWatcher(Protocol):
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-def _watch_chunks(stage: PipelineStage, activity: ChunkWatcher) -> None:
+def _watch_chunks(stage, activity: ChunkWatcher) -> None:
     """Tell ``activity`` when ``stage`` computes and when it waits: a rank stuck computing
     is told apart from the stages that wait for it (``elastic.core.diagnosis``)."""
     for name in CHUNK_METHODS:
@@ -189,8 +183,13 @@ class Pipeline:
 
     def __init__(self, layout: PipelineLayout, pp_index: int, modules: Sequence[nn.Module], pp_group,
                  device: torch.device, loss_fn: LossFn, activity: ChunkWatcher | None = None):
+        # Imported here, by ranks that hold stages: torch.distributed.pipelining imports
+        # dynamo, 0.3 s of the 2.4 s a rank's start-up spends on imports.
+        from torch.distributed import pipelining
+
         self.layout = layout
-        self.stages = [PipelineStage(module, stage, layout.n_stages, device, group=pp_group)
+        self.schedule_class = getattr(pipelining, SCHEDULES[layout.schedule])
+        self.stages = [pipelining.PipelineStage(module, stage, layout.n_stages, device, group=pp_group)
                        for module, stage in zip(modules, layout.stages_of(pp_index))]
         if activity is not None:
             for stage in self.stages:
@@ -207,10 +206,9 @@ class Pipeline:
 
     def _schedule_for(self, micro_batches: int):
         if self._schedule_size != micro_batches:
-            schedule_class = SCHEDULES[self.layout.schedule]
             stages = self.stages[0] if self.layout.schedule in SINGLE_STAGE_SCHEDULES else self.stages
             # Summed, never averaged: each micro-batch's loss is already its share of the global one.
-            self._schedule = schedule_class(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
+            self._schedule = self.schedule_class(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
             self._schedule_size = micro_batches
         return self._schedule
 
