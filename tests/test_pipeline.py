@@ -39,7 +39,7 @@ from workers.pipeline import (
     split_transformer,
     stage_model,
 )
-from workers.train_step import accumulate_gradients, collate, token_cross_entropy
+from workers.train_step import accumulate_gradients, collate, evaluate_loss, token_cross_entropy
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = 16, 8, 2, 3
@@ -92,6 +92,8 @@ def test_layouts_the_schedules_cannot_run_are_refused_before_any_actor_starts(tm
         tiny_config(tmp_path, scaling__pp=2, scaling__pp_schedule="Interleaved1F1B")
     with pytest.raises(ConfigError, match="one stage per rank"):
         tiny_config(tmp_path, scaling__pp=2, scaling__pp_stages_per_rank=2)
+    with pytest.raises(ConfigError, match="InterleavedZeroBubble.*wrong weight gradients with FSDP2 or TP"):
+        tiny_config(tmp_path, shard=2, scaling__pp=2, scaling__pp_schedule="InterleavedZeroBubble")
     config = tiny_config(tmp_path, scaling__pp=2)
 
     class Custom(torch.nn.Module):
@@ -102,7 +104,25 @@ def test_layouts_the_schedules_cannot_run_are_refused_before_any_actor_starts(tm
         check_hooks(config, resolve_hooks(config, model_fn=Custom))
 
 
+def shard_batches(dataset, step: int, shard_index: int, shard: int, layout: PipelineLayout) -> list:
+    """The micro-batches of ``step`` at ``shard_index``, padded for ``layout``'s pipeline."""
+    batch = list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+    mine = batch[shard_index * GLOBAL_BATCH // shard:(shard_index + 1) * GLOBAL_BATCH // shard]
+    micro_batches = tuple(tuple(mine[i:i + MICRO_BATCH]) for i in range(0, len(mine), MICRO_BATCH))
+    return [collate(dataset, mb, torch.device("cpu")) for mb in pipeline_micro_batches(micro_batches, layout)]
+
+
+def summed(share: float, counts: bool) -> float:
+    """The group's loss: the shares of the ranks that count one, summed."""
+    total = torch.tensor([share if counts else 0.0], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item()
+
+
 def train_every_layout(rank: int, port: int, out: str) -> None:
+    """Each layout and schedule trains ``STEPS`` steps, then takes the held-out loss of the
+    first step's batch (forward only, through the schedule's ``eval``); rank 0 adds one
+    process's."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                            timeout=datetime.timedelta(seconds=60))
@@ -119,32 +139,28 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
                                        layout, pp_index, mesh)
             pipeline = Pipeline(layout, pp_index, stages, mesh["pp"].get_group(), torch.device("cpu"),
                                 token_cross_entropy)
+            counts = pipeline.holds_last_stage and tp_index == 0
             optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
             losses = []
             for step in range(STEPS):
-                batch = list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
-                mine = batch[shard_index * GLOBAL_BATCH // shape[1]:(shard_index + 1) * GLOBAL_BATCH // shape[1]]
-                micro_batches = [tuple(mine[i:i + MICRO_BATCH]) for i in range(0, len(mine), MICRO_BATCH)]
-                batches = [collate(dataset, mb, torch.device("cpu")) for mb in pipeline_micro_batches(
-                    tuple(micro_batches), layout)]
-                share = pipeline.loss_share(batches, global_tokens)
-                counted = torch.tensor([share if pipeline.holds_last_stage and tp_index == 0 else 0.0],
-                                       dtype=torch.float64)
-                dist.all_reduce(counted)
+                batches = shard_batches(dataset, step, shard_index, shape[1], layout)
+                losses.append(summed(pipeline.loss_share(batches, global_tokens), counts))
                 optimizer.step()
                 optimizer.zero_grad()
-                losses.append(counted.item())
+            held_out = shard_batches(dataset, 0, shard_index, shape[1], layout)
+            losses.append(summed(pipeline.held_out_loss_share(part, held_out, global_tokens), counts))
             results[f"{name}, {schedule}"] = losses
     if rank == 0:
         model = whole_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         reference = []
         for step in range(STEPS):
-            batches = [collate(dataset, list(range(start, start + MICRO_BATCH)), torch.device("cpu"))
-                       for start in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH, MICRO_BATCH)]
-            reference.append(accumulate_gradients(model, token_cross_entropy, batches, global_tokens))
+            reference.append(accumulate_gradients(model, token_cross_entropy,
+                                                  shard_batches(dataset, step, 0, 1, PipelineLayout()), global_tokens))
             optimizer.step()
             optimizer.zero_grad()
+        reference.append(evaluate_loss(model, token_cross_entropy, shard_batches(dataset, 0, 0, 1, PipelineLayout()),
+                                       global_tokens))
         with open(out, "w") as file:
             json.dump({"reference": reference, "runs": results}, file)
     dist.destroy_process_group()
@@ -156,13 +172,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_every_schedule_trains_the_single_process_losses_with_fsdp2_and_tp_inside_the_stages(tmp_path):
+def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp2_and_tp_inside_the_stages(
+        tmp_path):
     out = tmp_path / "losses.json"
     mp.spawn(train_every_layout, args=(free_port(), str(out)), nprocs=4)
     found = json.loads(out.read_text())
     assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
-    reference = found["reference"]
+    reference = found["reference"]  # the steps' losses, then the held-out loss
+    assert len(reference) == STEPS + 1
     for run, losses in found["runs"].items():
+        assert len(losses) == len(reference), run
         assert max(abs(a - b) / b for a, b in zip(losses, reference)) <= 1e-5, (run, losses, reference)
 
 
@@ -206,12 +225,14 @@ def test_faults_in_either_stage_commit_the_single_process_losses_and_read_nothin
 
 
 def test_a_checkpoint_resumes_across_a_change_of_pipeline_stages(ray_cluster, tmp_path):
-    """Saved at pp 2, resumed at pp 1, saved again and resumed at pp 2 (GPipe): DCP reshards
+    """Saved at pp 2 (1F1B), resumed at pp 1, saved again and resumed at pp 2 with two stages
+    per rank (InterleavedZeroBubble, which runs where no stage has FSDP2 or TP): DCP reshards
     by name, and the losses go on as one uninterrupted single-process run's."""
-    legs = [(6, {"scaling__pp": 2}), (10, {}), (14, {"scaling__pp": 2, "scaling__pp_schedule": "GPipe"})]
+    legs = [(6, {"scaling__pp": 2}), (10, {}),
+            (14, {"scaling__pp": 2, "scaling__pp_schedule": "InterleavedZeroBubble"})]
     start = 0
     for stop, layout in legs:
-        config = tiny_config(tmp_path, groups=1, steps=stop, checkpoint__every=2, **layout)
+        config = tiny_config(tmp_path, groups=1, steps=stop, checkpoint__every=2, model__n_layers=4, **layout)
         result = ElasticTrainer(config).fit()
         assert result.ok, result.exit
         assert result.summary["resumed_from_step"] == (start or None)
