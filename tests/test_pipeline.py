@@ -112,6 +112,19 @@ def shard_batches(dataset, step: int, shard_index: int, shard: int, layout: Pipe
     return [collate(dataset, mb, torch.device("cpu")) for mb in pipeline_micro_batches(micro_batches, layout)]
 
 
+class Phases:
+    """What a stage reports of itself (``ActivityTracker``'s chunk calls), in order."""
+
+    def __init__(self):
+        self.seen = []
+
+    def chunk_started(self) -> None:
+        self.seen.append("compute")
+
+    def chunk_ended(self) -> None:
+        self.seen.append("stage-wait")
+
+
 def summed(share: float, counts: bool) -> float:
     """The group's loss: the shares of the ranks that count one, summed."""
     total = torch.tensor([share if counts else 0.0], dtype=torch.float64)
@@ -129,7 +142,7 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
     generator = torch.Generator().manual_seed(1)
     dataset = [torch.randint(0, ARGS.vocab_size, (SEQ + 1,), generator=generator) for _ in range(GLOBAL_BATCH * STEPS)]
     global_tokens = GLOBAL_BATCH * SEQ
-    results = {}
+    results, phases = {}, Phases()
     for name, shape in LAYOUTS.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "shard", "tp"))
         pp_index, shard_index, tp_index = mesh.get_coordinate()
@@ -138,7 +151,7 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
             part, stages = stage_model(whole_model(), split_transformer, Parallelize(sequence_parallel=shape[2] > 1),
                                        layout, pp_index, mesh)
             pipeline = Pipeline(layout, pp_index, stages, mesh["pp"].get_group(), torch.device("cpu"),
-                                token_cross_entropy)
+                                token_cross_entropy, phases if not results else None)
             counts = pipeline.holds_last_stage and tp_index == 0
             optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
             losses = []
@@ -148,7 +161,7 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             held_out = shard_batches(dataset, 0, shard_index, shape[1], layout)
-            losses.append(summed(pipeline.held_out_loss_share(part, held_out, global_tokens), counts))
+            losses.append(summed(pipeline.held_out_loss_share(held_out, global_tokens), counts))
             results[f"{name}, {schedule}"] = losses
     if rank == 0:
         model = whole_model()
@@ -162,7 +175,7 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
         reference.append(evaluate_loss(model, token_cross_entropy, shard_batches(dataset, 0, 0, 1, PipelineLayout()),
                                        global_tokens))
         with open(out, "w") as file:
-            json.dump({"reference": reference, "runs": results}, file)
+            json.dump({"reference": reference, "runs": results, "phases": phases.seen}, file)
     dist.destroy_process_group()
 
 
@@ -178,6 +191,11 @@ def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp
     mp.spawn(train_every_layout, args=(free_port(), str(out)), nprocs=4)
     found = json.loads(out.read_text())
     assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
+    # Stage 0 of the first run: waiting, not computing, until its first chunk (a hang before it
+    # is not blamed on the stage that waits); every chunk of compute is followed by a wait.
+    phases = found["phases"]
+    assert phases[:2] == ["stage-wait", "compute"] and phases[-1] == "stage-wait"
+    assert all(after == "stage-wait" for before, after in zip(phases, phases[1:]) if before == "compute")
     reference = found["reference"]  # the steps' losses, then the held-out loss
     assert len(reference) == STEPS + 1
     for run, losses in found["runs"].items():

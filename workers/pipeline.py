@@ -191,6 +191,7 @@ class Pipeline:
         self.schedule_class = getattr(pipelining, SCHEDULES[layout.schedule])
         self.stages = [pipelining.PipelineStage(module, stage, layout.n_stages, device, group=pp_group)
                        for module, stage in zip(modules, layout.stages_of(pp_index))]
+        self.activity = activity
         if activity is not None:
             for stage in self.stages:
                 _watch_chunks(stage, activity)
@@ -217,20 +218,26 @@ class Pipeline:
         loss: the micro-batches' summed shares on the last stage, 0 elsewhere."""
         return self._run(batches, global_tokens, backward=True)
 
-    def held_out_loss_share(self, model: nn.Module, batches: Sequence[Batch], global_tokens: int) -> float:
-        """This rank's share of the held-out loss, forward only, in eval mode (no dropout)."""
-        model.eval()
+    def held_out_loss_share(self, batches: Sequence[Batch], global_tokens: int) -> float:
+        """This rank's share of the held-out loss, forward only, with every stage in eval mode
+        (no dropout)."""
+        for stage in self.stages:
+            stage.submod.eval()
         try:
             with torch.no_grad():
                 return self._run(batches, global_tokens, backward=False)
         finally:
-            model.train()
+            for stage in self.stages:
+                stage.submod.train()
 
     def _run(self, batches: Sequence[Batch], global_tokens: int, backward: bool) -> float:
         self._global_tokens = global_tokens
         schedule = self._schedule_for(len(batches))
         inputs, targets = torch.cat([batch.inputs for batch in batches]), _packed_targets(batches)
         losses: list[torch.Tensor] = []
+        if self.activity is not None:
+            # A stage waits for its first input before its first chunk: waiting, not computing.
+            self.activity.chunk_ended()
         if backward:
             schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         else:

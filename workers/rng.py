@@ -6,7 +6,8 @@ back when the step is discarded, copied with the parameters when a replacement h
 saved with checkpoints. Ranks at the same (pp, shard, tp) position in every group draw the same
 stream, so a replacement that copies its peer's state continues exactly where the rank it
 replaces would have. TP ranks of a shard position share the stream too: their replicated
-activations need the same dropout masks.
+activations need the same dropout masks. Each pipeline stage has a stream of its own, so its
+layers do not draw the masks another stage's draw.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 RngState = dict[str, bytes]
 
 
-def training_seed(seed: int, shard_index: int, step: int = 0) -> int:
-    """The seed of a shard position's training stream (``step``: where a stream that could
-    not be restored restarts)."""
-    return int(np.random.SeedSequence([seed, shard_index, step]).generate_state(1, np.uint64)[0] >> 1)
+def training_seed(seed: int, shard_index: int, step: int = 0, stage: int = 0) -> int:
+    """The seed of a shard position's training stream on pipeline stage ``stage`` (``step``:
+    where a stream that could not be restored restarts). The first stage's is the seed of a
+    run without stages."""
+    entropy = [seed, shard_index, step] + ([stage] if stage else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)
 
 
 def capture(on_gpu: bool) -> RngState:

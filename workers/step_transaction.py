@@ -325,9 +325,9 @@ class StepTransaction:
         self.compute_timer.start()
 
         if self.pipeline is not None:
-            # The schedule runs every micro-batch: the group can only stop before it starts,
-            # and the buckets of the cross-group sum go out once it has ended.
-            self.at_micro_batch(step, 0)
+            # The schedule runs every micro-batch in one call: the group cannot stop inside it
+            # (the driver's abort takes effect at the cross-group sum), and the buckets of that
+            # sum go out once it has ended.
             loss_share = self.pipeline.loss_share(batches, global_tokens)
             if self.world.replicate_group is not None:
                 self.gradient_sum.start(self.world.replicate_group)
@@ -471,7 +471,7 @@ class StepTransaction:
         with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
             self.compute_timer.start()
             if self.pipeline is not None:
-                loss_share = self.pipeline.held_out_loss_share(self.model, batches, global_tokens)
+                loss_share = self.pipeline.held_out_loss_share(batches, global_tokens)
             else:
                 loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
                                            on_micro_batch=lambda index: self.at_micro_batch(step, index))

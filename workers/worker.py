@@ -176,7 +176,7 @@ class RankWorker:
             raise HookFailed(describe_failure(error)) from error
         self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.loss_fn,
                                            self.device, self.activity, self.signals, stages)
-        torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index))
+        torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index, stage=spec.pp_index))
         self.activity.count_entries_of(self.model)
         return BuildReport(spec.global_rank, time.perf_counter() - started, ray_node_ip())
 
@@ -330,7 +330,7 @@ class RankWorker:
         seconds = self.checkpoint_io.load(self.model, self.optimizer, url)
         self.transaction.discard_uncommitted()
         if generators is None:
-            torch.manual_seed(rng.training_seed(self.spec.seed, self.spec.shard_index, step))
+            torch.manual_seed(rng.training_seed(self.spec.seed, self.spec.shard_index, step, self.spec.pp_index))
         else:
             rng.restore(generators)
         return seconds

@@ -96,9 +96,9 @@ class CheckpointCoordinator:
         started = self.clock()
         generators = {rank: self._saved_generators(checkpoint, rank) for rank in ranks}
         self.fleet.restore(ranks, checkpoint.url, checkpoint.step, generators)
-        reseeded = sorted({self.topology.shard_index(rank) for rank, state in generators.items() if state is None})
+        reseeded = sorted({self.topology.stream_of(rank) for rank, state in generators.items() if state is None})
         if reseeded:
-            self.events.emit(EventKind.RNG_RESEEDED, step=checkpoint.step, shard_positions=reseeded,
+            self.events.emit(EventKind.RNG_RESEEDED, step=checkpoint.step, streams=reseeded,
                              saved_layout=checkpoint.manifest.topology)
         self.last_committed_step = self.restored_step = checkpoint.step
         return self.clock() - started

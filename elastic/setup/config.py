@@ -83,7 +83,7 @@ class ScalingConfig(Section):
         if self.pp_schedule in ("1F1B", "GPipe") and self.stages_per_rank != 1:
             raise ValueError(f"pp_schedule={self.pp_schedule!r} runs one stage per rank, not pp_stages_per_rank="
                              f"{self.stages_per_rank}; set pp_stages_per_rank = 1 or pp_schedule = 'Interleaved1F1B'")
-        if self.pp_schedule == "InterleavedZeroBubble" and self.shard * self.tp > 1:
+        if self.pp > 1 and self.pp_schedule == "InterleavedZeroBubble" and self.shard * self.tp > 1:
             # Its separate weight-gradient pass: measured off by 1e-2 from one process at shard 2
             # or tp 2 (tests/test_pipeline.py), exact with neither.
             raise ValueError(f"pp_schedule='InterleavedZeroBubble' computes wrong weight gradients with FSDP2 or TP "
@@ -414,15 +414,16 @@ class TrainConfig(Section):
         if model.tie_embeddings:
             raise ValueError("scaling.pp > 1 with model.tie_embeddings: the embedding and the output head live on "
                              "different stages; set model.tie_embeddings = false or scaling.pp = 1")
-        # The fewest micro-batches a rank gets: the most groups, the smallest group's share.
+        # The fewest micro-batches a rank gets with groups of equal weight: the most groups, the
+        # smallest group's share. (A straggler's reweighing may give fewer: the ranks pad them.)
         rows = -(-(self.global_batch // scaling.max_groups) // scaling.shard)
         micro_batches = -(-rows // self.micro_batch)
         if micro_batches < scaling.pp:
+            fix = f"lower micro_batch to {rows // scaling.pp} or raise" if rows >= scaling.pp else "raise"
             raise ValueError(
                 f"scaling.pp={scaling.pp} stages need at least {scaling.pp} micro-batches per step, and a rank gets "
                 f"{micro_batches} (global_batch={self.global_batch} over {scaling.max_groups} groups x shard "
-                f"{scaling.shard}, micro_batch={self.micro_batch}); lower micro_batch to "
-                f"{max(1, rows // scaling.pp)} or raise global_batch")
+                f"{scaling.shard}, micro_batch={self.micro_batch}); {fix} global_batch")
 
     @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:
@@ -563,7 +564,7 @@ def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> 
         needed = needed_ranks * per_rank
         if needed > available + 1e-9:
             raise ConfigError(
-                f"scaling: min_groups x shard x tp = {scaling.min_groups} x {scaling.shard} x "
+                f"scaling: min_groups x pp x shard x tp = {scaling.min_groups} x {scaling.pp} x {scaling.shard} x "
                 f"{scaling.tp} = {needed_ranks} ranks need {needed:g} {resource} at "
                 f"{resource.lower()}s_per_rank={per_rank:g}, but the cluster has {available:g}; "
                 f"lower the layout or {resource.lower()}s_per_rank, or add nodes"
