@@ -65,14 +65,22 @@ class UploadResult:
 
 class SafeReader(FsspecReader):
     """DCP's fsspec reader with ``.metadata`` read by ``safe_loading.load_metadata``: no
-    class but DCP's metadata classes is unpickled."""
+    class but DCP's metadata classes is unpickled. Each metadata file is read once: a load
+    reads it, and so does the look at its optimizer's form before (``saved_flat``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metadata: dict[str, Metadata] = {}
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs["rank"]) if "rank" in kwargs else self._get_metadata_path()
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(stream)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        if path not in self._metadata:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_metadata(stream)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._metadata[path] = metadata
+        metadata = self._metadata[path]
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

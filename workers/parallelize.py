@@ -2,10 +2,11 @@
 (TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
 group's mesh.
 
-The mesh has dimensions ``("pp", "shard", "tp")``; a stage is parallelized over the last two. Tensor parallelism follows Megatron: q/k/v
-and the SwiGLU gate/up projections are split column-wise, the attention output and down
-projections row-wise. The embedding is split by vocabulary rows and the output projection
-by vocabulary columns with replicated logits, so every TP rank computes the same loss.
+The mesh has dimensions ``("pp", "shard", "tp")``; a stage is parallelized over the last
+two. Tensor parallelism follows Megatron: q/k/v and the SwiGLU gate/up projections are split
+column-wise, the attention output and down projections row-wise. The embedding is split by
+vocabulary rows and the output projection by vocabulary columns with replicated logits, so
+every TP rank computes the same loss.
 With sequence parallelism (TorchTitan's Llama plan) the residual stream, the norms and
 dropout between the TP regions hold only the rank's share of the sequence: each region
 all-gathers its input and reduce-scatters its output, the same bytes as one all-reduce,

@@ -43,6 +43,10 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
+# The pipeline schedules that run one stage per rank (workers.pipeline names the same two).
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+
+
 class ScalingConfig(Section):
     min_groups: PositiveInt = Field(1, le=4096)
     max_groups: PositiveInt = Field(2, le=4096)
@@ -80,7 +84,7 @@ class ScalingConfig(Section):
             raise ValueError("device='cuda' needs gpus_per_rank > 0; set gpus_per_rank = 1 or leave it unset")
         if self.device == "cpu" and self.gpus_per_rank:
             raise ValueError(f"device='cpu' with gpus_per_rank={self.gpus_per_rank:g}; set gpus_per_rank = 0 or device = 'cuda'")
-        if self.pp_schedule in ("1F1B", "GPipe") and self.stages_per_rank != 1:
+        if self.pp_schedule in SINGLE_STAGE_SCHEDULES and self.stages_per_rank != 1:
             raise ValueError(f"pp_schedule={self.pp_schedule!r} runs one stage per rank, not pp_stages_per_rank="
                              f"{self.stages_per_rank}; set pp_stages_per_rank = 1 or pp_schedule = 'Interleaved1F1B'")
         if self.pp > 1 and self.pp_schedule == "InterleavedZeroBubble" and self.shard * self.tp > 1:
@@ -112,7 +116,7 @@ class ScalingConfig(Section):
     def stages_per_rank(self) -> int:
         if self.pp_stages_per_rank is not None:
             return self.pp_stages_per_rank
-        return 1 if self.pp_schedule in ("1F1B", "GPipe") else 2
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
 
     @property
     def ranks_per_group(self) -> int:
