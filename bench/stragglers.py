@@ -4,21 +4,25 @@
     every rank's compute time through ``StragglerMitigation`` (fake clock, no Ray), then a
     real run of ``--noise-steps`` steps with ``stragglers.noise`` set to the same amplitude.
     Target: zero mitigations in both.
-(b) One rank slowed ``--factor`` x from step ``--onset``, three real runs of ``--steps``
-    steps: healthy, slowed with mitigation, slowed with mitigation off. Reports the steps
-    from onset to the ``straggler-detected`` event (target <= 10) and the median step time
-    once the mitigation has taken effect (from the first full-quorum step after the
-    decision, past ``--settle`` warm-up steps) against the healthy run's over the same
-    steps (target within 10 %), and the mitigation-off run's; the share of the slowdown the
-    mitigation recovered (target >= 60 %), and the steps from the decision until the full
-    quorum is back. Every run keeps ``--spares`` warm spares (default 1), so a replaced
-    rank's place goes to a process started ahead.
+(b) One rank slowed ``--factor`` x from ``--onset-s`` seconds into training (by then the
+    warm spare has started, as in any run past its first minutes; the bench says when it
+    had not), three real runs of ``--steps`` steps: healthy, slowed with mitigation, slowed
+    with mitigation off. Reports the steps from the onset to the ``straggler-detected``
+    event (target <= 10) and the median step time once the mitigation has taken effect
+    (from the first step the replacement takes part in, past ``--settle`` warm-up steps)
+    against the healthy run's over the same steps (target within 10 %), and the
+    mitigation-off run's; the share of the slowdown the mitigation recovered (target >=
+    60 %), and the steps from the decision until the full quorum is back. Every run keeps
+    ``--spares`` warm spares (default 1), so a replaced rank's place goes to a process
+    started ahead; the mitigated run's straggler and spare events and its steps around
+    the decision are printed in order.
 
-    python bench/stragglers.py [--steps 120] [--onset 20] [--factor 1.5] [--spares 1]
+    python bench/stragglers.py [--steps 160] [--onset-s 8] [--factor 1.5] [--spares 1]
 
-Real runs use 2 groups x 2 ranks (shard 2) of the tiny test model with 8 samples per rank
-per step, so compute is most of a step; on a shared machine step times carry the other
-load's noise, which is why the comparisons use medians.
+Real runs use 2 groups x 2 ranks (shard 2) of a small model (``MODEL``, 2 layers of dim 256,
+seq 128) with 8 samples per rank per step, so compute is a large share of a step; on a
+shared machine step times carry the other load's noise, which is why the comparisons use
+medians.
 """
 
 from __future__ import annotations
@@ -75,14 +79,20 @@ def simulated_noise(steps: int, noise: float, groups: int, ranks_per_group: int,
     return len(events.of_kind(EventKind.STRAGGLER_DETECTED)), len(events.of_kind(EventKind.STRAGGLER_MITIGATED))
 
 
+# Large enough that compute is most of a step (a slowed rank slows the step by most of its
+# factor, as a slow GPU would): with the tiny test model, per-step overheads were 4/5 of it.
+MODEL = {"dim": 256, "n_layers": 2, "n_heads": 4, "ffn_hidden": 768}
+SEQ_LEN = 128
+
+
 def real_run(root: str, name: str, steps: int, spares: int = 0, **overrides):
     values = {
         "run_name": name, "storage": os.path.join(root, "runs"), "steps": steps,
         "global_batch": 32, "micro_batch": 4, "seed": 3,
         "scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 1, "cpus_per_rank": 0.25, "spares": spares,
                     "device": "cpu"},  # the control plane's bench: CPU ranks, also where GPUs are
-        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
-        "data": {"seq_len": 32, "corpus_tokens": 40_000},
+        "model": MODEL,
+        "data": {"seq_len": SEQ_LEN, "corpus_tokens": 400_000},
         "fault_tolerance": {"first_step_deadline_s": 120, "collective_timeout_s": 20},
     }
     for key, value in overrides.items():
@@ -104,15 +114,46 @@ def median_step_s(summary: dict, first: int, last: int | None = None) -> float:
     return float(np.median([r["step_s"] for r in summary["steps"] if first <= r["step"] < (last or 1 << 30)]))
 
 
+TIMELINE = ("straggler-detected", "straggler-recovered", "straggler-decided", "straggler-mitigated", "spare-ready",
+            "spare-taken", "spare-lost", "rank-evicted", "rank-failed", "group-healed", "group-evicted")
+
+
+def print_timeline(summary: dict) -> None:
+    """The mitigated run's straggler and spare events, in order, with seconds since the first
+    step: what a figure below the target is made of."""
+    start = summary["steps"][0]["t"] - summary["steps"][0]["step_s"]
+    events = [event for event in summary["events"] if event["kind"] in TIMELINE]
+    decided = [event["step"] for event in events if event["kind"] == "straggler-decided"]
+    shown = range(min(decided, default=0) - 5, max(decided, default=0) + 15)
+    lines = [(event["t"], f"{event['kind']}: {({k: v for k, v in event.items() if k not in ('t', 'kind')})}")
+             for event in events]
+    lines += [(record["t"], f"step {record['step']}: {record['step_s'] * 1e3:.1f} ms, compute ms by rank "
+                            f"{ {rank: round(s * 1e3, 1) for rank, s in record['rank_compute_s'].items()} }")
+              for record in summary["steps"] if record["step"] in shown]
+    for t, line in sorted(lines, key=lambda item: item[0]):
+        print(f"  {t - start:+7.2f} s {line}")
+
+
+def joined_again(summary: dict, action: dict) -> int | None:
+    """The first step with every rank again after ``action`` took effect: the membership's
+    generation changes as a replaced rank's group leaves and as it heals (an eviction lands
+    a few steps after the decision, and a warm spare may heal the group before the next
+    step starts)."""
+    ranks = max(r["live_ranks"] for r in summary["steps"])
+    decided = next(r["generation"] for r in summary["steps"] if r["step"] >= action["step"])
+    return next((r["step"] for r in summary["steps"]
+                 if r["step"] > action["step"] and r["generation"] != decided and r["live_ranks"] == ranks), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sim-steps", type=int, default=1000)
     parser.add_argument("--sim-groups", type=int, default=8)
     parser.add_argument("--sim-ranks-per-group", type=int, default=4)
     parser.add_argument("--noise", type=float, default=0.15)
-    parser.add_argument("--noise-steps", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--onset", type=int, default=20)
+    parser.add_argument("--noise-steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--onset-s", type=float, default=8.0, help="seconds into training the slowdown starts")
     parser.add_argument("--factor", type=float, default=1.5)
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--settle", type=int, default=3, help="warm-up steps skipped after a replacement joins")
@@ -134,23 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  real: {args.noise_steps} steps x 4 ranks: {real_flags} flags, {real_mitigations} mitigations")
     verdicts.append(mitigations == 0 and real_mitigations == 0)
 
-    print(f"(b) rank {args.slow_rank} slowed {args.factor}x from step {args.onset}")
-    slow = f"slow:rank={args.slow_rank},factor={args.factor},step={args.onset}"
+    print(f"(b) rank {args.slow_rank} slowed {args.factor}x from {args.onset_s:g} s into training")
+    slow = f"slow:rank={args.slow_rank},factor={args.factor},at={args.onset_s}"
     healthy = real_run(root, "healthy", args.steps, args.spares)
     mitigated = real_run(root, "mitigated", args.steps, args.spares, fault_tolerance__inject=slow)
     unmitigated = real_run(root, "unmitigated", args.steps, args.spares, fault_tolerance__inject=slow,
                            stragglers__mitigate=False)
-    for event in of_kind(mitigated, "straggler-detected") + of_kind(mitigated, "straggler-mitigated"):
-        print("  event:", {k: v for k, v in event.items() if k != "t"})
+    print_timeline(mitigated)
     detected = [e for e in of_kind(mitigated, "straggler-detected") if e["rank"] == args.slow_rank]
     actions = of_kind(mitigated, "straggler-mitigated")
     if not detected or not actions:
         print("  the slow rank was not detected and mitigated: FAIL")
         return 1
-    to_detect = detected[0]["step"] - args.onset
-    ranks = max(r["live_ranks"] for r in mitigated["steps"])
-    back = next((r["step"] for r in mitigated["steps"] if r["step"] > actions[0]["step"] and r["live_ranks"] == ranks),
-                None)
+    onset = of_kind(mitigated, "fault-injected")[0]["step"]
+    to_detect = detected[0]["step"] - onset
+    back = joined_again(mitigated, actions[0])
     if back is None or back + args.settle >= args.steps:
         print(f"  the mitigation did not take effect before the run ended (step {back}): FAIL")
         return 1
@@ -165,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  median step time from step {first}: healthy {healthy_s * 1e3:.1f} ms, mitigated "
           f"{after_s * 1e3:.1f} ms ({after_s / healthy_s - 1:+.1%}, target within 10%), mitigation off "
           f"{off_s * 1e3:.1f} ms ({off_s / healthy_s - 1:+.1%})")
-    before = (args.onset, detected[0]["step"] + 1)
+    before = (onset, detected[0]["step"] + 1)
     print(f"  steps {before[0]}..{before[1] - 1} (slowed, before the decision): mitigated run "
           f"{median_step_s(mitigated, *before) * 1e3:.1f} ms, healthy run {median_step_s(healthy, *before) * 1e3:.1f} ms")
     recovered = (off_s - after_s) / (off_s - healthy_s) if off_s > healthy_s else float("nan")
