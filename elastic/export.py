@@ -118,6 +118,11 @@ def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs) -> tuple[
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
+        "rope_scaling": None if args.rope_scaling is None else {
+            "rope_type": "llama3", "factor": args.rope_scaling.factor,
+            "low_freq_factor": args.rope_scaling.low_freq_factor,
+            "high_freq_factor": args.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": args.rope_scaling.original_max_len},
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

@@ -17,9 +17,10 @@ from workers.model import ModelArgs, Transformer
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
-    """One group of shard 2 by tp 2, checkpoints at steps 3 and 6, held-out loss at the end."""
+    """One group of shard 2 by tp 2 with Llama 3.1's RoPE, checkpoints at steps 3 and 6, held-out loss at the end."""
     config = tiny_config(tmp_path_factory.mktemp("export"), shard=2, tp=2, steps=6, checkpoint__every=3, eval__every=6,
-                         eval__samples=16, model__n_kv_heads=2)
+                         eval__samples=16, model__n_kv_heads=2, model__rope_theta=500000.0,
+                         model__rope_scaling={"factor": 8.0, "original_max_len": 16})  # Llama 3.1's RoPE, as HF reads it
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     return config, result

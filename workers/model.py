@@ -7,11 +7,26 @@ runs whole or with q/k/v sharded column-wise across tensor-parallel ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in a HuggingFace config), which
+    stretches a model trained at ``original_max_len`` positions to longer contexts:
+    wavelengths longer than ``original_max_len / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``original_max_len / high_freq_factor`` kept, and those
+    between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
 
 
 @dataclass(frozen=True)
@@ -24,24 +39,44 @@ class ModelArgs:
     ffn_hidden: int = 192
     max_seq_len: int = 64
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
-def rope_frequencies(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+def rope_frequencies(head_dim: int, seq_len: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """(cos, sin) of each position's angles, shape (seq_len, head_dim // 2, 2).
 
     Real arithmetic rather than complex numbers: torch.compile generates no code for
     complex operators and would fall back to eager kernels for every rotation.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """``inv_freq`` under Llama 3.1's scaling (see ``RopeScaling``), as Meta's reference code
+    computes it."""
+    wavelength = 2 * math.pi / inv_freq
+    long_wavelength = scaling.original_max_len / scaling.low_freq_factor
+    short_wavelength = scaling.original_max_len / scaling.high_freq_factor
+    smooth = (scaling.original_max_len / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return torch.where(wavelength < short_wavelength, inv_freq,
+                       torch.where(wavelength > long_wavelength, inv_freq / scaling.factor, blended))
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -135,7 +170,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer(
-            "freqs", rope_frequencies(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+            "freqs", rope_frequencies(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling), persistent=False
         )
         self.reset_parameters()
 

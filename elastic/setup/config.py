@@ -123,6 +123,23 @@ class ScalingConfig(Section):
         return self.pp * self.shard * self.tp
 
 
+class RopeScaling(Section):
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in a HuggingFace config; see
+    ``workers.model.RopeScaling``)."""
+
+    factor: Annotated[float, Field(ge=1)]
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_len: PositiveInt = 8192
+
+    @model_validator(mode="after")
+    def _bands_ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must be above "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
 class ModelConfig(Section):
     vocab_size: PositiveInt = Field(256, le=2**20)
     dim: PositiveInt = Field(64, le=2**16)
@@ -131,6 +148,8 @@ class ModelConfig(Section):
     n_kv_heads: PositiveInt | None = Field(None, le=1024)
     ffn_hidden: PositiveInt = Field(192, le=2**18)
     tie_embeddings: bool = False
+    rope_theta: PositiveFloat = 10000.0  # RoPE's base: Llama 3's is 500000
+    rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's frequency scaling; None: none
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0

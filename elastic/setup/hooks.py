@@ -16,7 +16,7 @@ from torch import nn
 from elastic.setup.config import TrainConfig
 from elastic.setup.dataset import default_datasets
 from elastic.setup.errors import ConfigError
-from workers.model import ModelArgs, Transformer
+from workers.model import ModelArgs, RopeScaling, Transformer
 from workers.parallelize import Parallelize
 from workers.pipeline import SplitFn, split_transformer
 from workers.train_step import IGNORE_INDEX, sample_ids, token_cross_entropy
@@ -72,6 +72,8 @@ def model_args(config: TrainConfig) -> ModelArgs:
         n_kv_heads=model.kv_heads,
         ffn_hidden=model.ffn_hidden,
         max_seq_len=config.data.seq_len,
+        rope_theta=model.rope_theta,
+        rope_scaling=RopeScaling(**model.rope_scaling.model_dump()) if model.rope_scaling else None,
         tie_embeddings=model.tie_embeddings,
         dropout=model.dropout,
     )

@@ -51,14 +51,16 @@ def _format_count(count: int) -> str:
 
 def shapes_table() -> str:
     lines = [
-        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | tie_embeddings |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | tie_embeddings "
+        "| rope_theta | rope_scaling factor |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|",
     ]
     for name in PRESETS:
         model = ModelConfig(preset=name)
         lines.append(
             f"| `{name}` | {_format_count(parameter_count(model))} | {model.vocab_size} | {model.dim} | {model.n_layers} "
-            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} | {str(model.tie_embeddings).lower()} |"
+            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} | {str(model.tie_embeddings).lower()} "
+            f"| {model.rope_theta:g} | {f'{model.rope_scaling.factor:g}' if model.rope_scaling else '-'} |"
         )
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""The named model shapes: standard Llama shapes as presets of the ``model`` section.
+"""The named model shapes: standard Llama shapes, with their RoPE settings, as presets of the ``model`` section.
 
 ``model.preset`` fills the shape fields the config leaves out (see ``ModelConfig``). This
 table is plain data, below the config that reads it; what each shape costs in memory is
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The RoPE frequency scaling of the published configs (their rope_scaling, rope_type llama3).
+LLAMA_3_1_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192}
+LLAMA_3_2_SCALING = {**LLAMA_3_1_SCALING, "factor": 32.0}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The ModelConfig defaults: trains in seconds on CPU, for tests.
     "tiny": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 192},
@@ -17,21 +21,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.2-1B
     "llama3-1b": {
         "vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 8192,
-        "tie_embeddings": True,
+        "tie_embeddings": True, "rope_theta": 500000.0, "rope_scaling": LLAMA_3_2_SCALING,
     },
     # meta-llama/Meta-Llama-3-8B
     "llama3-8b": {
         "vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
-        "tie_embeddings": False,
+        "tie_embeddings": False, "rope_theta": 500000.0,
     },
     # meta-llama/Meta-Llama-3-70B
     "llama3-70b": {
         "vocab_size": 128256, "dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_hidden": 28672,
-        "tie_embeddings": False,
+        "tie_embeddings": False, "rope_theta": 500000.0,
     },
     # meta-llama/Llama-3.1-405B
     "llama3-405b": {
         "vocab_size": 128256, "dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8, "ffn_hidden": 53248,
-        "tie_embeddings": False,
+        "tie_embeddings": False, "rope_theta": 500000.0, "rope_scaling": LLAMA_3_1_SCALING,
     },
 }
