@@ -8,9 +8,8 @@ into whole tensors in one process, with no process group and no code run from st
   the run trained (``workers.model.Transformer`` for the reference model, whose
   ``ModelArgs`` go beside it in ``model_args.json``);
 - ``huggingface`` (the reference model only): HuggingFace Llama's names and ``config.json``,
-  loadable by ``LlamaForCausalLM.from_pretrained``. The reference model rotates adjacent
-  pairs of each head's dimensions, Llama the two halves: the query and key projections'
-  rows are permuted to match, as Meta's own Llama conversion does.
+  loadable by ``LlamaForCausalLM.from_pretrained``, converted by the table
+  ``model.init_from`` reads with (``checkpointing.huggingface``).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing.catalog import CheckpointCatalog
+from checkpointing.huggingface import WEIGHTS_NAME, LlamaLayout, config_json, huggingface_state
 from checkpointing.manifest import signing_key_from_environment
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
 from checkpointing.safe_loading import load_metadata
@@ -35,7 +35,6 @@ from elastic.setup.config import TrainConfig
 from elastic.setup.errors import ConfigError
 from workers.model import ModelArgs
 
-WEIGHTS_NAME = "model.safetensors"
 MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optimizer": ...}, flattened
 
 
@@ -80,54 +79,10 @@ def is_reference_model(state: dict[str, torch.Tensor], args: ModelArgs) -> bool:
     return set(state) == set(expected) and all(state[name].shape == expected[name].shape for name in expected)
 
 
-def _rotate_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a query or key projection, from adjacent-pair rotary order to halves order."""
-    rows, columns = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
-
-
 def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], dict]:
     """The reference model's state under HuggingFace Llama's names, and its ``config.json``."""
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
-    if not args.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
-    for layer in range(args.n_layers):
-        ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
-        out |= {
-            f"{theirs}self_attn.q_proj.weight": _rotate_halves(state[f"{ours}attention.wq.weight"], args.n_heads),
-            f"{theirs}self_attn.k_proj.weight": _rotate_halves(state[f"{ours}attention.wk.weight"], args.n_kv_heads),
-            f"{theirs}self_attn.v_proj.weight": state[f"{ours}attention.wv.weight"],
-            f"{theirs}self_attn.o_proj.weight": state[f"{ours}attention.wo.weight"],
-            f"{theirs}mlp.gate_proj.weight": state[f"{ours}feed_forward.w1.weight"],
-            f"{theirs}mlp.down_proj.weight": state[f"{ours}feed_forward.w2.weight"],
-            f"{theirs}mlp.up_proj.weight": state[f"{ours}feed_forward.w3.weight"],
-            f"{theirs}input_layernorm.weight": state[f"{ours}attention_norm.weight"],
-            f"{theirs}post_attention_layernorm.weight": state[f"{ours}ffn_norm.weight"],
-        }
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None if args.rope_scaling is None else {
-            "rope_type": "llama3", "factor": args.rope_scaling.factor,
-            "low_freq_factor": args.rope_scaling.low_freq_factor,
-            "high_freq_factor": args.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": args.rope_scaling.original_max_len},
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-    return out, config
+    layout = LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads, args.tie_embeddings)
+    return huggingface_state(state, layout), config_json(asdict(args), args.max_seq_len)
 
 
 def export_checkpoint(run: str, output: str, step: int | None = None,

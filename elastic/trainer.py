@@ -24,7 +24,7 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
-from elastic.setup.preflight import preflight
+from elastic.setup.preflight import check_pretrained_weights, preflight
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
@@ -275,6 +275,9 @@ class ElasticTrainer:
             if resume is not None:
                 check_resumable(self.config, self.run_name, resume)
                 resume = resume_over_data(self.config, self.run_name, resume, self.data_identity, events)
+                fleet.resume_from_checkpoint()
+            elif self.config.model.init_from:
+                check_pretrained_weights(self.config)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):

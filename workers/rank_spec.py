@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from checkpointing.huggingface import PretrainedSource
 from checkpointing.storage import StorageOptions
 from elastic.core.topology import Position
 from workers.pipeline import PipelineLayout
@@ -34,6 +35,7 @@ class RankSpec:
     gpu_collectives: str = "nccl"  # or "gloo", where ranks share a GPU (scaling.gpu_collectives)
     pipeline: PipelineLayout = PipelineLayout()
     pp_index: int = 0  # its place along the group's pipeline
+    pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
 
     @property
     def ranks_per_group(self) -> int:

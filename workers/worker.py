@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.healing import export_local_state, import_local_state
+from checkpointing.huggingface import load_pretrained
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
@@ -112,13 +113,11 @@ class RankWorker:
 
     @ray.method(concurrency_group="control")
     def abort_step(self, attempt: int) -> None:
-        """Give up on the step dispatched as ``attempt``: stop at the next micro-batch boundary the group agrees on, or
-        at the cross-group all-reduce, whichever comes first.
-
-        A rank computing its own share is healthy: it ends its micro-batch, so its group keeps
-        its committed state and stays a source to heal from. A rank stuck inside its group's
-        FSDP or TP collectives cannot be released; the driver replaces it.
-        """
+        """Give up on the step dispatched as ``attempt``: stop at the next micro-batch boundary the
+        group agrees on, or at the cross-group all-reduce, whichever comes first. A rank computing
+        its own share is healthy: it ends its micro-batch, so its group keeps its committed state
+        and stays a source to heal from. A rank stuck inside its group's FSDP or TP collectives
+        cannot be released; the driver replaces it."""
         self.signals.request_abort(attempt)
 
     @ray.method(concurrency_group="control")
@@ -169,6 +168,7 @@ class RankWorker:
                 model = self.hooks.model_fn()
             self.model, stages = stage_model(model, self.hooks.split_fn, self.hooks.parallelize_fn, spec.pipeline,
                                              spec.pp_index, mesh)
+            load_pretrained(self.model, spec.pretrained, self.world.checkpoint_group)  # a fresh run's weights
             self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
         except Exception as error:
             if raised_in_collective(error):  # a peer or the transport: worth another try

@@ -21,13 +21,24 @@ from elastic.core.spares import SPARES, Slot, Slots, Spare
 from elastic.core.topology import Topology
 from elastic.fleet.api import Pending
 from elastic.fleet.rendezvous import Rendezvous
+from checkpointing.huggingface import LlamaLayout, PretrainedSource
 from workers.pipeline import PipelineLayout
 from workers.rank_spec import SPARE, RankSpec
 from workers.worker import RankActor
 
 
-def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int) -> RankSpec:
-    """What a rank's process is started with: its place in the layout, the store, its settings."""
+def pretrained_source(config: TrainConfig) -> PretrainedSource | None:
+    model = config.model
+    if not model.init_from:
+        return None
+    return PretrainedSource(model.init_from, LlamaLayout(model.n_layers, model.n_heads, model.kv_heads,
+                                                         model.tie_embeddings))
+
+
+def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int,
+              pretrained: PretrainedSource | None = None) -> RankSpec:
+    """What a rank's process is started with: its place in the layout, the store, its settings,
+    and the weights its builds load (``pretrained``)."""
     position = topology.position_of(global_rank)
     scaling = config.scaling
     return RankSpec(
@@ -50,6 +61,7 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         storage=config.checkpoint.storage_options(),
         upload_in_process=config.checkpoint.upload_in_process(config.scaling.uses_gpu),
         replicate_dtype=config.compute.replicate_precision,
+        pretrained=pretrained,
     )
 
 
@@ -68,6 +80,9 @@ class RankProcesses:
         self.topology = topology
         self.rendezvous = rendezvous
         self.actor_class = actor_class
+        # A built group holds the run's initial state: the weights of model.init_from, until
+        # the run is known to resume from its own checkpoint.
+        self.pretrained = pretrained_source(config)
         self.hooks_ref = ray.put(ray.cloudpickle.dumps(hooks))  # bytes: each rank unpickles them itself
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.placements: dict[int | str, PlacementGroup] = {}  # by group, and SPARES
@@ -105,6 +120,10 @@ class RankProcesses:
         ready, _ = ray.wait([self.readiness[placement]], timeout=0)
         return bool(ready)
 
+    def resume_from_checkpoint(self) -> None:
+        """The run resumes from its own checkpoints: builds never read model.init_from again."""
+        self.pretrained = None
+
     def has_spare_slot(self) -> bool:
         """Whether a rank could be replaced now without waiting for the cluster: a warm spare
         is ready, or one more rank fits outside every reserved bundle."""
@@ -129,7 +148,7 @@ class RankProcesses:
             self.kill(rank)
         refs = {}
         for rank in ranks:
-            spec = rank_spec(self.config, self.topology, self.rendezvous, rank)
+            spec = rank_spec(self.config, self.topology, self.rendezvous, rank, self.pretrained)
             if rank in spares:
                 self.actors[rank] = self.spare_processes.pop(spares[rank]).actor
                 self.slots.spare_takes_place(spares[rank], rank)
@@ -155,7 +174,8 @@ class RankProcesses:
 
     def start_spares(self, count: int) -> list[int]:
         """Start up to ``count`` spares in vacant bundles; returns the ids of those started."""
-        spec = replace(rank_spec(self.config, self.topology, self.rendezvous, 0), global_rank=SPARE, group=SPARE)
+        spec = replace(rank_spec(self.config, self.topology, self.rendezvous, 0, self.pretrained), global_rank=SPARE,
+                       group=SPARE)
         started = []
         for _ in range(count):
             slot = self.slots.for_spare(self.spares_started, self.placed)

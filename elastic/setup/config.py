@@ -148,11 +148,16 @@ class ModelConfig(Section):
     n_kv_heads: PositiveInt | None = Field(None, le=1024)
     ffn_hidden: PositiveInt = Field(192, le=2**18)
     tie_embeddings: bool = False
+    norm_eps: PositiveFloat = 1e-5  # RMSNorm's epsilon
     rope_theta: PositiveFloat = 10000.0  # RoPE's base: Llama 3's is 500000
     rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's frequency scaling; None: none
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    # A HuggingFace Llama directory (config.json and safetensors) whose weights a new run starts
+    # from; its config gives the fields above (elastic.setup.preflight). A resume starts from
+    # the run's own checkpoints, never from it again.
+    init_from: str | None = None
     # A named shape from elastic.setup.presets under the fields given here. Left out of dumps: the
     # fields it filled are recorded, so a resume compares the shape however it was spelled.
     preset: str | None = Field(None, exclude=True)

@@ -72,6 +72,7 @@ def model_args(config: TrainConfig) -> ModelArgs:
         n_kv_heads=model.kv_heads,
         ffn_hidden=model.ffn_hidden,
         max_seq_len=config.data.seq_len,
+        norm_eps=model.norm_eps,
         rope_theta=model.rope_theta,
         rope_scaling=RopeScaling(**model.rope_scaling.model_dump()) if model.rope_scaling else None,
         tie_embeddings=model.tie_embeddings,
@@ -154,8 +155,9 @@ def check_sample(sample, seq_len: int, vocab_size: int | None) -> None:
 def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     """What the ranks would fail on, found on the driver before any actor starts: a first
     sample that is not ``seq_len + 1`` integer token ids (or a dict of them), ids outside the
-    reference model's vocabulary, and ``scaling.tp > 1`` for a custom model with no
-    tensor-parallel plan (its model is built on the meta device to tell)."""
+    reference model's vocabulary, ``scaling.tp > 1`` for a custom model with no
+    tensor-parallel plan (its model is built on the meta device to tell), and
+    ``model.init_from`` with a custom model."""
     check_sample(hooks.dataset[0], config.data.seq_len,
                  hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
     parallelize = hooks.parallelize_fn
@@ -167,6 +169,9 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
             raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
                               f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
                               "scaling.tp = 1")
+    if config.model.init_from and not isinstance(hooks.model_fn, ReferenceModel):
+        raise ConfigError(f"model.init_from = {config.model.init_from} loads Llama weights into the reference model; a "
+                          "custom model_fn loads its own (read them in model_fn), or leave model.init_from out")
     if config.scaling.pp > 1 and hooks.split_fn is None:
         raise ConfigError(f"scaling.pp = {config.scaling.pp} needs the model split into stages: pass "
                           "split_fn(model, stage, n_stages) returning the stage's module (keeping its parameters' "

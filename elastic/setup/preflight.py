@@ -21,7 +21,10 @@ from elastic.setup.errors import ConfigError
 
 
 def preflight(config: TrainConfig) -> TrainConfig:
-    """``config``, once its storage is writable and its data readable; else ConfigError."""
+    """``config``, its model fields read from ``model.init_from`` where it names one, once its
+    storage is writable and its data readable; else ConfigError."""
+    if config.model.init_from:
+        config = with_pretrained_fields(config)
     # Here, not at the top: the dataset brings torch, and a config refused for its shape never
     # gets here, so its refusal need not wait for torch.
     from elastic.setup.dataset import check_readable
@@ -39,6 +42,50 @@ def preflight(config: TrainConfig) -> TrainConfig:
     except ValueError as error:
         raise ConfigError(invalid_config([str(error)])) from None
     return config
+
+
+def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
+    """The model fields of ``model.init_from``'s ``config.json``; a field the config gives
+    explicitly must agree."""
+    from checkpointing.huggingface import model_fields, read_config
+
+    # Its weights are checked where the run is known to start from them, not to resume.
+    source = config.model.init_from
+    try:
+        fields = model_fields(read_config(source))
+    except (OSError, ValueError, KeyError) as error:
+        raise pretrained_refused(source, error) from None
+    given = config.model.model_dump(include=config.model.model_fields_set)
+    differing = [f"{name} {given[name]!r} (the checkpoint's {fields[name]!r})" for name in sorted(given)
+                 if name in fields and given[name] != fields[name]]
+    if differing:
+        raise ConfigError(invalid_config([f"model: {', '.join(differing)} differ from model.init_from's "
+                                          "config.json; leave them out to take the checkpoint's"]))
+    model = {**config.model.model_dump(exclude={"preset"}), **fields}
+    return parse_config({**config.model_dump(exclude_unset=True), "model": model})
+
+
+def check_pretrained_weights(config: TrainConfig) -> None:
+    """For a run that starts from ``model.init_from``: every tensor the model needs is there."""
+    from safetensors import SafetensorError
+
+    from checkpointing.huggingface import LlamaLayout, llama_names, weight_files
+
+    model = config.model
+    try:
+        files = weight_files(model.init_from)
+        layout = LlamaLayout(model.n_layers, model.n_heads, model.kv_heads, model.tie_embeddings)
+        missing = sorted(set(llama_names(layout).values()) - files.keys())
+        if missing:
+            raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
+    except (OSError, ValueError, KeyError, SafetensorError) as error:
+        raise pretrained_refused(model.init_from, error) from None
+
+
+def pretrained_refused(source: str, error: Exception) -> ConfigError:
+    what = f"no {error.args[0]!r} in config.json" if isinstance(error, KeyError) else str(error)
+    return ConfigError(invalid_config([f"model.init_from: {source}: {what}; give a HuggingFace Llama directory "
+                                       "(config.json, and model.safetensors or its index and shards)"]))
 
 
 def build_config(values: dict[str, Any]) -> TrainConfig:

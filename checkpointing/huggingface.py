@@ -1,0 +1,276 @@
+"""HuggingFace Llama checkpoints, out and in: the one table of names and layouts between the
+reference model (``workers.model.Transformer``) and ``LlamaForCausalLM``, used by ``elastic
+export --format huggingface`` and by ``model.init_from``.
+
+- Names: ``tok_embeddings`` is ``model.embed_tokens``, ``layers.N.attention.wq`` is
+  ``model.layers.N.self_attn.q_proj``, and so on; with tied embeddings Llama has no
+  ``lm_head`` and the output projection is the embedding.
+- Layout: the reference model rotates adjacent pairs of each head's dimensions, Llama the
+  two halves, so the query and key projections' rows are permuted, as Meta's own Llama
+  conversion does.
+- The config: ``config.json``'s fields as the ``model`` section's (``model_fields``), and back.
+
+``PretrainedReader`` is a DCP storage reader over a HuggingFace directory that presents it in
+the reference model's names and layout: ``dcp.load`` then gives each rank only the slices
+its shards hold (FSDP2 and tensor-parallel pieces alike), read lazily from the safetensors
+files, so no process reads the whole model. Nothing in the directory runs code: JSON and
+safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class LlamaLayout:
+    """What the name table depends on: the reference model's layers, heads and tying."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    tie_embeddings: bool
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """The weights a run starts from (``model.init_from``): a HuggingFace Llama directory."""
+
+    directory: str
+    layout: LlamaLayout
+
+
+def llama_names(layout: LlamaLayout) -> dict[str, str]:
+    """The reference model's parameter names -> Llama's (tied: the output is the embedding)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "model.embed_tokens.weight" if layout.tie_embeddings else "lm_head.weight"}
+    for layer in range(layout.n_layers):
+        ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
+        names |= {
+            f"{ours}attention.wq.weight": f"{theirs}self_attn.q_proj.weight",
+            f"{ours}attention.wk.weight": f"{theirs}self_attn.k_proj.weight",
+            f"{ours}attention.wv.weight": f"{theirs}self_attn.v_proj.weight",
+            f"{ours}attention.wo.weight": f"{theirs}self_attn.o_proj.weight",
+            f"{ours}feed_forward.w1.weight": f"{theirs}mlp.gate_proj.weight",
+            f"{ours}feed_forward.w2.weight": f"{theirs}mlp.down_proj.weight",
+            f"{ours}feed_forward.w3.weight": f"{theirs}mlp.up_proj.weight",
+            f"{ours}attention_norm.weight": f"{theirs}input_layernorm.weight",
+            f"{ours}ffn_norm.weight": f"{theirs}post_attention_layernorm.weight",
+        }
+    return names
+
+
+def rotary_heads(name: str, layout: LlamaLayout) -> int | None:
+    """The heads of a projection whose rows are in rotary order (query, key), else None."""
+    if name.endswith("attention.wq.weight"):
+        return layout.n_heads
+    if name.endswith("attention.wk.weight"):
+        return layout.n_kv_heads
+    return None
+
+
+def to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a query or key projection, from adjacent-pair rotary order to halves order."""
+    rows, columns = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def halves_rows(rows: range, total_rows: int, heads: int) -> torch.Tensor:
+    """For rows of a projection in adjacent-pair order, the rows of Llama's halves order that
+    hold them: row ``i`` of a head is pair ``i // 2``'s ``i % 2``-th element."""
+    head_dim = total_rows // heads
+    index = torch.arange(rows.start, rows.stop)
+    within = index % head_dim
+    return index - within + (within % 2) * (head_dim // 2) + within // 2
+
+
+def huggingface_state(state: dict[str, torch.Tensor], layout: LlamaLayout) -> dict[str, torch.Tensor]:
+    """The reference model's whole state under Llama's names and layout."""
+    out = {}
+    for ours, theirs in llama_names(layout).items():
+        if ours == "output.weight" and layout.tie_embeddings:
+            continue
+        heads = rotary_heads(ours, layout)
+        out[theirs] = to_halves(state[ours], heads) if heads else state[ours]
+    return out
+
+
+def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
+    """``config.json`` of a model whose ``model`` section (or ``ModelArgs``) has ``fields``."""
+    scaling = fields.get("rope_scaling")
+    heads, kv_heads = fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": fields["vocab_size"],
+        "hidden_size": fields["dim"],
+        "intermediate_size": fields["ffn_hidden"],
+        "num_hidden_layers": fields["n_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": fields["dim"] // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": fields["norm_eps"],
+        "rope_theta": fields["rope_theta"],
+        "rope_scaling": None if scaling is None else {
+            "rope_type": "llama3", "factor": scaling["factor"], "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_max_position_embeddings": scaling["original_max_len"]},
+        "tie_word_embeddings": fields["tie_embeddings"],
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def model_fields(config: dict) -> dict[str, Any]:
+    """The ``model`` section's fields of a HuggingFace Llama ``config.json``; ValueError names
+    what the reference model cannot compute."""
+    if config.get("model_type") != "llama":
+        raise ValueError(f"model_type is {config.get('model_type')!r}: only Llama-family checkpoints "
+                         "(model_type 'llama') load into the reference model")
+    unsupported = [f"{key}={config.get(key)!r}" for key, ours in
+                   (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+                   if config.get(key, ours) != ours]
+    heads = config["num_attention_heads"]
+    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        unsupported.append(f"head_dim={config['head_dim']!r} (not hidden_size / num_attention_heads)")
+    # transformers 5 writes rope_parameters (the base inside it); earlier versions rope_theta
+    # and rope_scaling.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        unsupported.append(f"rope_type={rope_type!r}")
+    if unsupported:
+        raise ValueError(f"the reference model does not compute {', '.join(unsupported)}")
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads", heads),
+        "ffn_hidden": config["intermediate_size"],
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "rope_scaling": None if rope_type != "llama3" else {
+            "factor": float(rope["factor"]), "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_len": int(rope["original_max_position_embeddings"])},
+    }
+
+
+def read_config(directory: str) -> dict:
+    with open(os.path.join(directory, CONFIG_NAME)) as file:
+        return json.load(file)
+
+
+def weight_files(directory: str) -> dict[str, str]:
+    """Each tensor's safetensors file in ``directory``: from the index of a sharded checkpoint,
+    else the one ``model.safetensors``."""
+    index = os.path.join(directory, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as file:
+            weight_map = json.load(file)["weight_map"]
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    path = os.path.join(directory, WEIGHTS_NAME)
+    with safe_open(path, framework="pt") as weights:
+        return dict.fromkeys(weights.keys(), path)
+
+
+class PretrainedReader(StorageReader):
+    """A HuggingFace Llama directory as a DCP checkpoint of the reference model's state: its
+    names and rotary layout, each requested slice read from the safetensors files alone."""
+
+    def __init__(self, source: PretrainedSource):
+        super().__init__()
+        self.source = source
+        self.names = llama_names(source.layout)
+        self.files: dict[str, str] = {}
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        from safetensors import safe_open
+
+        self.files = weight_files(self.source.directory)
+        missing = sorted({theirs for theirs in self.names.values() if theirs not in self.files})
+        if missing:
+            raise ValueError(f"{self.source.directory} lacks {len(missing)} of the model's tensors: {missing[:3]}")
+        tensors = {}
+        for ours, theirs in self.names.items():
+            with safe_open(self.files[theirs], framework="pt") as weights:
+                shape = torch.Size(weights.get_slice(theirs).get_shape())
+            tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), shape,
+                                                  [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+        return Metadata(state_dict_metadata=tensors)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from safetensors import safe_open
+
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.files[self.names[item.storage_index.fqn]], []).append(item)
+        for path, items in by_file.items():
+            with safe_open(path, framework="pt") as weights:
+                for item in items:
+                    piece = self._piece(weights, item)
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(piece)
+                    planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _piece(self, weights, item: ReadItem) -> torch.Tensor:
+        """The requested box of a tensor in the reference model's layout."""
+        ours = item.storage_index.fqn
+        stored = weights.get_slice(self.names[ours])
+        boxes = [slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths)]
+        heads = rotary_heads(ours, self.source.layout)
+        if heads is None:
+            return stored[tuple(boxes)]
+        rows = halves_rows(range(boxes[0].start, boxes[0].stop), stored.get_shape()[0], heads)
+        first, last = int(rows.min()), int(rows.max()) + 1  # the whole heads the rows lie in
+        return stored[(slice(first, last), *boxes[1:])][rows - first]
+
+
+def load_pretrained(model: torch.nn.Module, source: PretrainedSource | None, process_group) -> None:
+    """Overwrite the (sharded) reference model's parameters with ``source``'s weights; nothing
+    without a source."""
+    import torch.distributed.checkpoint as dcp
+
+    if source is None:
+        return
+
+    names = llama_names(source.layout)
+    state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
+    dcp.load(state, storage_reader=PretrainedReader(source), process_group=process_group)

@@ -1,0 +1,163 @@
+"""``model.init_from``: a run starts from a HuggingFace Llama checkpoint's weights.
+
+- On real gloo groups and no Ray: four processes shard the reference model ``shard 2 x tp
+  2`` (FSDP2 over TP) and load a checkpoint's weights, each rank reading only its slices;
+  the whole model gathered back equals the model the checkpoint was written from.
+- The config: the model fields come from ``config.json``; a field given that differs is
+  refused before anything starts, naming it; a directory that is not a Llama checkpoint is
+  refused naming what is missing.
+- On Ray: a run from a checkpoint trains its first step from those weights (its loss is the
+  checkpoint's own on that batch), and its resume reads its own checkpoints, not the source.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from checkpointing.huggingface import INDEX_NAME, LlamaLayout, PretrainedSource, load_pretrained
+from elastic import ElasticTrainer
+from elastic.export import huggingface_llama
+from elastic.setup.errors import ConfigError
+from tests.tiny import tiny_config
+from workers.model import ModelArgs, RopeScaling, Transformer
+from workers.parallelize import Parallelize
+
+ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32,
+                 rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0, original_max_len=16))
+WORLD = 4
+
+
+def write_checkpoint(directory, args: ModelArgs = ARGS, sharded: bool = False) -> dict[str, torch.Tensor]:
+    """A HuggingFace Llama directory of a seeded model; returns the model's own state."""
+    torch.manual_seed(11)
+    state = Transformer(args).state_dict()
+    weights, config = huggingface_llama(state, args)
+    os.makedirs(directory, exist_ok=True)
+    if sharded:  # two files and their index, as large checkpoints come
+        names = sorted(weights)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, part in halves.items():
+            save_file({name: weights[name].contiguous() for name in part}, os.path.join(directory, file))
+        index = {"weight_map": {name: file for file, part in halves.items() for name in part}}
+        (directory / INDEX_NAME).write_text(json.dumps(index))
+    else:
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+    return state
+
+
+def loading_rank(rank: int, init_file: str, directory: str, connection) -> None:
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+        torch.manual_seed(0)  # another initialisation than the checkpoint's
+        model = Parallelize()(Transformer(ARGS), mesh)
+        layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+        load_pretrained(model, PretrainedSource(directory, layout), dist.group.WORLD)
+        whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+                 for name, tensor in model.state_dict().items()}
+        connection.send_bytes(pickle.dumps(("ok", whole)))
+    except BaseException:
+        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded-with-index"])
+def test_fsdp_and_tp_ranks_load_their_slices_of_a_huggingface_checkpoint(tmp_path, sharded):
+    expected = write_checkpoint(tmp_path / "llama", sharded=sharded)
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(WORLD)]
+    processes = [context.Process(target=loading_rank, args=(rank, str(tmp_path / "init"), str(tmp_path / "llama"),
+                                                            pipes[rank][1])) for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    for receiver, _ in pipes:
+        assert receiver.poll(120), "a rank sent nothing within 120 s"
+        status, whole = pickle.loads(receiver.recv_bytes())
+        assert status == "ok", whole
+        assert whole.keys() == expected.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(whole[name], tensor, rtol=0, atol=0, msg=name)
+    for process in processes:
+        process.join(30)
+
+
+def test_the_model_fields_come_from_the_checkpoints_config(tmp_path):
+    write_checkpoint(tmp_path / "llama")
+    config = tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"))
+    model = config.model
+    assert (model.dim, model.n_layers, model.n_heads, model.kv_heads, model.ffn_hidden, model.vocab_size) == (
+        32, 2, 4, 2, 64, 256)
+    assert model.rope_theta == 500000.0 and model.rope_scaling.factor == 8.0
+    assert model.rope_scaling.original_max_len == 16
+
+
+def test_a_model_field_that_differs_from_the_checkpoints_is_refused_naming_it(tmp_path):
+    write_checkpoint(tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"model: ffn_hidden 128 \(the checkpoint's 64\) differ from "
+                                          r"model.init_from's config.json; leave them out"):
+        tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), model__ffn_hidden=128)
+
+
+def test_a_directory_that_is_not_a_llama_checkpoint_is_refused_naming_what_it_lacks(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="model.init_from: .*empty: .*config.json"):
+        tiny_config(tmp_path, model__init_from=str(tmp_path / "empty"))
+    write_checkpoint(tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type is 'gpt2': only Llama-family checkpoints"):
+        tiny_config(tmp_path, model__init_from=str(tmp_path / "other"))
+
+
+def first_batch_loss(state: dict[str, torch.Tensor], config) -> float:
+    """The first step's loss of the model in ``state``, on the batch the run trains first."""
+    from elastic.core.data_plan import DataCursor, epoch_order
+    from elastic.setup.hooks import resolve_hooks
+
+    hooks = resolve_hooks(config)
+    order = epoch_order(len(hooks.dataset), config.seed, DataCursor().epoch)
+    tokens = torch.stack([hooks.dataset[int(i)] for i in order[:config.global_batch]])
+    model = Transformer(ModelArgs(**{**ARGS.__dict__, "max_seq_len": config.data.seq_len}))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
+def test_a_run_starts_from_the_checkpoints_weights_and_resumes_from_its_own(ray_cluster, tmp_path):
+    expected = write_checkpoint(tmp_path / "llama")
+    config = tiny_config(tmp_path, shard=2, tp=2, steps=2, checkpoint__every=2,
+                         model__init_from=str(tmp_path / "llama"))
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert result.losses[0] == pytest.approx(first_batch_loss(expected, config), rel=1e-5)
+    # The source gone, the run goes on from its own checkpoint of step 2.
+    for file in os.listdir(tmp_path / "llama"):
+        if file.endswith(".safetensors"):
+            os.remove(tmp_path / "llama" / file)
+    resumed = ElasticTrainer(tiny_config(tmp_path, shard=2, tp=2, steps=3, checkpoint__every=2,
+                                         model__init_from=str(tmp_path / "llama"))).fit()
+    assert resumed.ok, resumed.exit
+    assert resumed.summary["resumed_from_step"] == 2 and len(resumed.losses) == 1
+
+
+def test_a_custom_model_with_init_from_is_refused_before_any_actor_starts(tmp_path):
+    write_checkpoint(tmp_path / "llama")
+    config = tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"))
+    with pytest.raises(ConfigError, match="model.init_from = .* loads Llama weights into the reference model"):
+        ElasticTrainer(config, model_fn=lambda: Transformer(ARGS)).fit()
