@@ -201,6 +201,7 @@ class PretrainedReader(StorageReader):
         self.source = source
         self.names = llama_names(source.layout)
         self.files: dict[str, str] = {}
+        self.bytes_read = 0
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -257,20 +258,25 @@ class PretrainedReader(StorageReader):
         boxes = [slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths)]
         heads = rotary_heads(ours, self.source.layout)
         if heads is None:
-            return stored[tuple(boxes)]
+            piece = stored[tuple(boxes)]
+            self.bytes_read += piece.nbytes
+            return piece
         rows = halves_rows(range(boxes[0].start, boxes[0].stop), stored.get_shape()[0], heads)
         first, last = int(rows.min()), int(rows.max()) + 1  # the whole heads the rows lie in
-        return stored[(slice(first, last), *boxes[1:])][rows - first]
+        block = stored[(slice(first, last), *boxes[1:])]
+        self.bytes_read += block.nbytes
+        return block[rows - first]
 
 
-def load_pretrained(model: torch.nn.Module, source: PretrainedSource | None, process_group) -> None:
-    """Overwrite the (sharded) reference model's parameters with ``source``'s weights; nothing
-    without a source."""
+def load_pretrained(model: torch.nn.Module, source: PretrainedSource | None, process_group) -> int:
+    """Overwrite the (sharded) reference model's parameters with ``source``'s weights; returns
+    the bytes this rank read (nothing without a source)."""
     import torch.distributed.checkpoint as dcp
 
     if source is None:
-        return
-
+        return 0
     names = llama_names(source.layout)
     state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    dcp.load(state, storage_reader=PretrainedReader(source), process_group=process_group)
+    reader = PretrainedReader(source)
+    dcp.load(state, storage_reader=reader, process_group=process_group)
+    return reader.bytes_read
