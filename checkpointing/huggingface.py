@@ -13,8 +13,8 @@ export --format huggingface`` and by ``model.init_from``.
 ``PretrainedReader`` is a DCP storage reader over a HuggingFace directory that presents it in
 the reference model's names and layout: ``dcp.load`` then gives each rank only the slices
 its shards hold (FSDP2 and tensor-parallel pieces alike), read lazily from the safetensors
-files, so no process reads the whole model. Nothing in the directory runs code: JSON and
-safetensors only.
+files, so no process reads the whole model (``checkpointing.pretrained`` loads with it).
+Nothing in the directory runs code: JSON and safetensors only.
 """
 
 from __future__ import annotations
@@ -42,14 +42,6 @@ class LlamaLayout:
     n_heads: int
     n_kv_heads: int
     tie_embeddings: bool
-
-
-@dataclass(frozen=True)
-class PretrainedSource:
-    """The weights a run starts from (``model.init_from``): a HuggingFace Llama directory."""
-
-    directory: str
-    layout: LlamaLayout
 
 
 def llama_names(layout: LlamaLayout) -> dict[str, str]:
@@ -196,10 +188,10 @@ class PretrainedReader(StorageReader):
     """A HuggingFace Llama directory as a DCP checkpoint of the reference model's state: its
     names and rotary layout, each requested slice read from the safetensors files alone."""
 
-    def __init__(self, source: PretrainedSource):
+    def __init__(self, directory: str, layout: LlamaLayout):
         super().__init__()
-        self.source = source
-        self.names = llama_names(source.layout)
+        self.directory, self.layout = directory, layout
+        self.names = llama_names(layout)
         self.files: dict[str, str] = {}
         self.bytes_read = 0
 
@@ -213,10 +205,10 @@ class PretrainedReader(StorageReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         from safetensors import safe_open
 
-        self.files = weight_files(self.source.directory)
+        self.files = weight_files(self.directory)
         missing = sorted({theirs for theirs in self.names.values() if theirs not in self.files})
         if missing:
-            raise ValueError(f"{self.source.directory} lacks {len(missing)} of the model's tensors: {missing[:3]}")
+            raise ValueError(f"{self.directory} lacks {len(missing)} of the model's tensors: {missing[:3]}")
         tensors = {}
         for ours, theirs in self.names.items():
             with safe_open(self.files[theirs], framework="pt") as weights:
@@ -256,7 +248,7 @@ class PretrainedReader(StorageReader):
         ours = item.storage_index.fqn
         stored = weights.get_slice(self.names[ours])
         boxes = [slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths)]
-        heads = rotary_heads(ours, self.source.layout)
+        heads = rotary_heads(ours, self.layout)
         if heads is None:
             piece = stored[tuple(boxes)]
             self.bytes_read += piece.nbytes
@@ -266,17 +258,3 @@ class PretrainedReader(StorageReader):
         block = stored[(slice(first, last), *boxes[1:])]
         self.bytes_read += block.nbytes
         return block[rows - first]
-
-
-def load_pretrained(model: torch.nn.Module, source: PretrainedSource | None, process_group) -> int:
-    """Overwrite the (sharded) reference model's parameters with ``source``'s weights; returns
-    the bytes this rank read (nothing without a source)."""
-    import torch.distributed.checkpoint as dcp
-
-    if source is None:
-        return 0
-    names = llama_names(source.layout)
-    state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    reader = PretrainedReader(source)
-    dcp.load(state, storage_reader=reader, process_group=process_group)
-    return reader.bytes_read

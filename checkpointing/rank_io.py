@@ -40,7 +40,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
@@ -109,6 +110,14 @@ def training_state(model: nn.Module, optimizer, flat_optimizer: bool = True) -> 
     model_state, optimizer_state = get_state_dict(
         model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer))
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_weights(model: nn.Module, url: str, options: StorageOptions, process_group) -> None:
+    """Only the model's weights of the checkpoint at ``url`` (another run's, to start from)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=SafeReader(url, **options.for_url(url)), planner=SafeLoadPlanner(),
+             process_group=process_group)
+    set_model_state_dict(model, state["model"])
 
 
 def saved_flat(metadata: Metadata) -> bool:

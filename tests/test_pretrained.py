@@ -26,9 +26,11 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing.huggingface import INDEX_NAME, LlamaLayout, PretrainedSource, load_pretrained
+from checkpointing.huggingface import INDEX_NAME, LlamaLayout
+from checkpointing.pretrained import PretrainedSource, load_pretrained
+from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
-from elastic.export import huggingface_llama
+from elastic.export import huggingface_llama, model_state
 from elastic.setup.errors import ConfigError
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, RopeScaling, Transformer
@@ -66,7 +68,7 @@ def loading_rank(rank: int, init_file: str, directory: str, connection) -> None:
         torch.manual_seed(0)  # another initialisation than the checkpoint's
         model = Parallelize()(Transformer(ARGS), mesh)
         layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
-        read = load_pretrained(model, PretrainedSource(directory, layout), dist.group.WORLD)
+        read = load_pretrained(model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)
         whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
                  for name, tensor in model.state_dict().items()}
         connection.send_bytes(pickle.dumps(("ok", (whole, read))))
@@ -112,8 +114,8 @@ def test_the_model_fields_come_from_the_checkpoints_config(tmp_path):
 
 def test_a_model_field_that_differs_from_the_checkpoints_is_refused_naming_it(tmp_path):
     write_checkpoint(tmp_path / "llama")
-    with pytest.raises(ConfigError, match=r"model: ffn_hidden 128 \(the checkpoint's 64\) differ from "
-                                          r"model.init_from's config.json; leave them out"):
+    with pytest.raises(ConfigError, match=r"model: ffn_hidden 128 \(the source's 64\) differ from "
+                                          r"model.init_from's model; leave them out"):
         tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), model__ffn_hidden=128)
 
 
@@ -131,12 +133,12 @@ def test_a_directory_that_is_not_a_llama_checkpoint_is_refused_naming_what_it_la
 def first_batch_loss(state: dict[str, torch.Tensor], config) -> float:
     """The first step's loss of the model in ``state``, on the batch the run trains first."""
     from elastic.core.data_plan import DataCursor, epoch_order
-    from elastic.setup.hooks import resolve_hooks
+    from elastic.setup.hooks import model_args, resolve_hooks
 
     hooks = resolve_hooks(config)
     order = epoch_order(len(hooks.dataset), config.seed, DataCursor().epoch)
     tokens = torch.stack([hooks.dataset[int(i)] for i in order[:config.global_batch]])
-    model = Transformer(ModelArgs(**{**ARGS.__dict__, "max_seq_len": config.data.seq_len}))
+    model = Transformer(model_args(config))
     model.load_state_dict(state)
     with torch.no_grad():
         logits = model(tokens[:, :-1])
@@ -164,3 +166,19 @@ def test_a_custom_model_with_init_from_is_refused_before_any_actor_starts(tmp_pa
     config = tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"))
     with pytest.raises(ConfigError, match="model.init_from = .* loads Llama weights into the reference model"):
         ElasticTrainer(config, model_fn=lambda: Transformer(ARGS)).fit()
+
+
+def test_a_run_starts_from_another_runs_checkpoint_its_weights_only(ray_cluster, tmp_path):
+    source = ElasticTrainer(tiny_config(tmp_path, run_name="source", steps=2, checkpoint__every=2)).fit()
+    assert source.ok, source.exit
+    config = tiny_config(tmp_path, run_name="tuned", shard=2, steps=1, model__init_from=source.run_dir)
+    assert config.model.init_from == f"{source.run_dir}@2"  # the newest checkpoint, pinned for the resume
+    weights = model_state(f"{source.run_dir}/checkpoints/step-00000002", StorageOptions())
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    # Weights only: the run's own first batch (its cursor starts fresh) through the source's model
+    assert result.losses[0] == pytest.approx(first_batch_loss(weights, config), rel=1e-5)
+    with pytest.raises(ConfigError, match=r"model: dim 64 \(the source's 32\) differ"):
+        tiny_config(tmp_path, run_name="other", model__init_from=source.run_dir, model__dim=64)
+    with pytest.raises(ConfigError, match=r"model.init_from: .*@7: .*step 7"):
+        tiny_config(tmp_path, run_name="other", model__init_from=f"{source.run_dir}@7")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from checkpointing.huggingface import PretrainedSource
+from checkpointing.pretrained import PretrainedSource
 from checkpointing.storage import StorageOptions
 from elastic.core.topology import Position
 from workers.pipeline import PipelineLayout

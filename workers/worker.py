@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.healing import export_local_state, import_local_state
-from checkpointing.huggingface import load_pretrained
+from checkpointing.pretrained import load_pretrained
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
@@ -168,7 +168,7 @@ class RankWorker:
                 model = self.hooks.model_fn()
             self.model, stages = stage_model(model, self.hooks.split_fn, self.hooks.parallelize_fn, spec.pipeline,
                                              spec.pp_index, mesh)
-            load_pretrained(self.model, spec.pretrained, self.world.checkpoint_group)  # a fresh run's weights
+            load_pretrained(self.model, spec.pretrained, spec.storage, self.world.checkpoint_group)
             self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
         except Exception as error:
             if raised_in_collective(error):  # a peer or the transport: worth another try

@@ -154,9 +154,9 @@ class ModelConfig(Section):
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    # A HuggingFace Llama directory (config.json and safetensors) whose weights a new run starts
-    # from; its config gives the fields above (elastic.setup.preflight). A resume starts from
-    # the run's own checkpoints, never from it again.
+    # The weights a new run starts from: a HuggingFace Llama directory (config.json and
+    # safetensors) or another run (RUN or RUN@STEP, weights only); it gives the fields above
+    # (elastic.setup.preflight). A resume starts from the run's own checkpoints, never from it.
     init_from: str | None = None
     # A named shape from elastic.setup.presets under the fields given here. Left out of dumps: the
     # fields it filled are recorded, so a resume compares the shape however it was spelled.

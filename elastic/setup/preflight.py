@@ -45,33 +45,64 @@ def preflight(config: TrainConfig) -> TrainConfig:
 
 
 def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
-    """The model fields of ``model.init_from``'s ``config.json``; a field the config gives
-    explicitly must agree."""
-    from checkpointing.huggingface import model_fields, read_config
+    """The model fields of what ``model.init_from`` names: a HuggingFace directory's
+    ``config.json``, or the model a run's checkpoint was trained with (``RUN`` resolved to
+    ``RUN@STEP``, its newest verified checkpoint). A field the config gives explicitly must
+    agree."""
+    from checkpointing.pretrained import is_huggingface
 
-    # Its weights are checked where the run is known to start from them, not to resume.
     source = config.model.init_from
-    try:
-        fields = model_fields(read_config(source))
-    except (OSError, ValueError, KeyError) as error:
-        raise pretrained_refused(source, error) from None
+    if is_huggingface(source):
+        from checkpointing.huggingface import model_fields, read_config
+
+        # Its weights are checked where the run is known to start from them, not to resume.
+        try:
+            fields = model_fields(read_config(source))
+        except (OSError, ValueError, KeyError) as error:
+            raise pretrained_refused(source, error) from None
+    else:
+        fields, source = checkpoint_fields(config, source)
     given = config.model.model_dump(include=config.model.model_fields_set)
-    differing = [f"{name} {given[name]!r} (the checkpoint's {fields[name]!r})" for name in sorted(given)
+    differing = [f"{name} {given[name]!r} (the source's {fields[name]!r})" for name in sorted(given)
                  if name in fields and given[name] != fields[name]]
     if differing:
-        raise ConfigError(invalid_config([f"model: {', '.join(differing)} differ from model.init_from's "
-                                          "config.json; leave them out to take the checkpoint's"]))
-    model = {**config.model.model_dump(exclude={"preset"}), **fields}
+        raise ConfigError(invalid_config([f"model: {', '.join(differing)} differ from model.init_from's model; "
+                                          "leave them out to take the source's"]))
+    model = {**config.model.model_dump(exclude={"preset"}), **fields, "init_from": source}
     return parse_config({**config.model_dump(exclude_unset=True), "model": model})
 
 
+def checkpoint_fields(config: TrainConfig, init_from: str) -> tuple[dict[str, Any], str]:
+    """The model section a run's checkpoint was trained with, and ``RUN@STEP`` naming it."""
+    from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
+    from checkpointing.manifest import signing_key_from_environment
+    from checkpointing.pretrained import run_and_step
+
+    run, step = run_and_step(init_from)
+    catalog = CheckpointCatalog(run, config.checkpoint.storage_options(), every=1, keep=1,
+                                signing_key=signing_key_from_environment())
+    try:
+        checkpoint = catalog.find(step)
+    except (NoUsableCheckpoint, OSError, ValueError) as error:
+        raise pretrained_refused(init_from, error) from None
+    recorded = (checkpoint.manifest.config or {}).get("model")
+    if not recorded:
+        raise pretrained_refused(init_from, ValueError("its checkpoint does not record the model it trained"))
+    fields = {name: value for name, value in recorded.items() if name != "init_from"}
+    return fields, f"{run}@{checkpoint.step}"
+
+
 def check_pretrained_weights(config: TrainConfig) -> None:
-    """For a run that starts from ``model.init_from``: every tensor the model needs is there."""
+    """For a run that starts from ``model.init_from``'s HuggingFace directory: every tensor the
+    model needs is there (a run's checkpoint was verified when it was found)."""
     from safetensors import SafetensorError
 
     from checkpointing.huggingface import LlamaLayout, llama_names, weight_files
+    from checkpointing.pretrained import is_huggingface
 
     model = config.model
+    if not is_huggingface(model.init_from):
+        return
     try:
         files = weight_files(model.init_from)
         layout = LlamaLayout(model.n_layers, model.n_heads, model.kv_heads, model.tie_embeddings)
@@ -85,7 +116,8 @@ def check_pretrained_weights(config: TrainConfig) -> None:
 def pretrained_refused(source: str, error: Exception) -> ConfigError:
     what = f"no {error.args[0]!r} in config.json" if isinstance(error, KeyError) else str(error)
     return ConfigError(invalid_config([f"model.init_from: {source}: {what}; give a HuggingFace Llama directory "
-                                       "(config.json, and model.safetensors or its index and shards)"]))
+                                       "(config.json, and model.safetensors or its index and shards), or a run "
+                                       "of this project (RUN or RUN@STEP)"]))
 
 
 def build_config(values: dict[str, Any]) -> TrainConfig:
