@@ -189,7 +189,8 @@ class ElasticTrainer:
     callable raises stops the run."""
 
     def __init__(self, config: TrainConfig | None = None, *, model_fn=None, parallelize_fn=None, tp_plan=None,
-                 split_fn=None, loss_fn=None, dataset=None, eval_dataset=None, optimizer_fn=None, progress: bool = False,
+                 split_fn=None, loss_fn=None, batch_loss_fn=None, collate_fn=None, dataset=None, eval_dataset=None,
+                 optimizer_fn=None, progress: bool = False,
                  keep_final_state: bool = False, on_step: Iterable[Callable[[StepResult], None]] = (),
                  on_event: Iterable[Callable[[dict], None]] = ()):
         # A config from build_config or load_config passed this already; one built otherwise has not.
@@ -200,7 +201,8 @@ class ElasticTrainer:
                               "parallelize's tensor-parallel step)")
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
-                                   tp_plan=tp_plan, split_fn=split_fn)
+                                   tp_plan=tp_plan, split_fn=split_fn, batch_loss_fn=batch_loss_fn,
+                                   collate_fn=collate_fn)
         self.progress = progress
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling

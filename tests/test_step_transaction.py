@@ -35,7 +35,7 @@ from workers.step_transaction import (
     ActivityTracker,
     StepTransaction,
 )
-from workers.train_step import Batch, accumulate_gradients, collate, token_cross_entropy
+from workers.train_step import Batch, TokenLoss, accumulate_gradients, collate, token_cross_entropy
 from workers.world import World
 
 TIMEOUT_S = 60.0
@@ -158,7 +158,7 @@ def new_transaction(spec: RankSpec, world: World, fsdp: bool = False) -> tuple[S
     torch.manual_seed(MODEL_SEED)
     model = fsdp_units(TinyModel(), world) if fsdp else TinyModel()
     signals = DriverSignals()
-    transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), token_cross_entropy,
+    transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), TokenLoss(token_cross_entropy),
                                   torch.device("cpu"), ActivityTracker(), signals)
     signals.begin(RUN)
     torch.manual_seed(TRAINING_SEED)

@@ -58,10 +58,10 @@ from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
     Batch,
-    LossFn,
-    accumulate_gradients,
+    MicroBatchLoss,
+    accumulate_counted,
     counted_tokens,
-    evaluate_loss,
+    evaluate_counted,
     scale_gradients,
     squared_gradient_norm,
 )
@@ -240,19 +240,20 @@ class StepTransaction:
     """The steps of one rank on the model and optimizer its group built."""
 
     def __init__(self, rank: RankSpec, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, device: torch.device, activity: ActivityTracker, signals: DriverSignals,
+                 loss: MicroBatchLoss, device: torch.device, activity: ActivityTracker, signals: DriverSignals,
                  stages: Sequence[torch.nn.Module] = ()):
         self.rank = rank
         self.world = world
         self.model = model
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.loss = loss
         self.device = device
         self.activity = activity
         self.signals = signals
-        # the schedule over the rank's stages, where the group is a pipeline
-        self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device, loss_fn,
-                                  activity) if stages else None)
+        # the schedule over the rank's stages, where the group is a pipeline (the next-token form
+        # only: the hooks check refuses a batch_loss_fn with stages)
+        self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device,
+                                  loss.loss_fn, activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
         self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # the global ranks of this rank's group, in group-rank order
@@ -290,7 +291,7 @@ class StepTransaction:
         self.activity.set(step, "data")
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
-        loss_share, compute_s = self._compute(step, on_device, share.global_tokens, faults)
+        loss_share, counted, compute_s = self._compute(step, on_device, share.global_tokens, faults)
         comm_started = time.perf_counter()
         self.activity.set(step, "replicate")
         sum_error, mismatch, sum_times = None, None, SumTimes(0.0, 0.0)
@@ -298,7 +299,7 @@ class StepTransaction:
             if check is not None:
                 self.wait_replicate(check.work, deadline)
                 mismatch = check.verdict(self.rank.position)
-            sum_times, crossed = self._sum_across_groups(spec, loss_share, counted_tokens(on_device), report_due,
+            sum_times, crossed = self._sum_across_groups(spec, loss_share, counted, report_due,
                                                          deadline, faults, comm_started)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
@@ -318,8 +319,9 @@ class StepTransaction:
         self.activity.set(step, "done")
         return outcome
 
-    def _compute(self, step: int, batches: list[Batch], global_tokens: int, faults: FaultPlan) -> tuple[float, float]:
-        """This rank's share of the step: (loss share, its own compute seconds)."""
+    def _compute(self, step: int, batches: list[Batch], global_tokens: int,
+                 faults: FaultPlan) -> tuple[float, float, float]:
+        """This rank's share of the step: (loss share, what it counted, its own compute seconds)."""
         self.activity.set(step, "compute")
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
@@ -331,16 +333,16 @@ class StepTransaction:
             loss_share = self.pipeline.loss_share(batches, global_tokens)
             if self.world.replicate_group is not None:
                 self.gradient_sum.start(self.world.replicate_group)
-            return loss_share, faults.after_compute(self.compute_timer.seconds())
+            return loss_share, counted_tokens(batches), faults.after_compute(self.compute_timer.seconds())
 
         def before_micro_batch(index: int) -> None:
             self.at_micro_batch(step, index)
             self.gradient_sum.before_micro_batch(index, len(batches), self.world.replicate_group)
 
-        loss_share = accumulate_gradients(self.model, self.loss_fn, batches, global_tokens, before_micro_batch)
-        return loss_share, faults.after_compute(self.compute_timer.seconds())
+        loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch)
+        return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
 
-    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: int, report_due: bool,
+    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: float, report_due: bool,
                            deadline: float, faults: FaultPlan, backward_ended: float
                            ) -> tuple[SumTimes, CrossGroupScalars]:
         """The gradients' sum (begun in backward) to its end, then the step's scalars, summed
@@ -462,22 +464,22 @@ class StepTransaction:
         self.gradient_sum.abandon()
         self.optimizer.zero_grad(set_to_none=False)
 
-    def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float]:
-        """This rank's share of the held-out loss of the committed state, and its compute
-        seconds: computed as a step's share is, with the same agreement to stop, committing
-        nothing."""
+    def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float, float]:
+        """This rank's share of the held-out loss of the committed state, what it counted, and
+        its compute seconds: computed as a step's share is, with the same agreement to stop,
+        committing nothing."""
         self.activity.set(step, "compute")
         # The held-out loss leaves the training generators where they were.
         with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
             self.compute_timer.start()
             if self.pipeline is not None:
-                loss_share = self.pipeline.held_out_loss_share(batches, global_tokens)
+                loss_share, counted = self.pipeline.held_out_loss_share(batches, global_tokens), counted_tokens(batches)
             else:
-                loss_share = evaluate_loss(self.model, self.loss_fn, batches, global_tokens,
-                                           on_micro_batch=lambda index: self.at_micro_batch(step, index))
+                loss_share, counted = evaluate_counted(self.model, self.loss, batches, global_tokens,
+                                                       on_micro_batch=lambda index: self.at_micro_batch(step, index))
             compute_s = self.compute_timer.seconds()
         self.activity.set(step, "done")
-        return loss_share, compute_s
+        return loss_share, counted, compute_s
 
     def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:
         """The ``rows`` of this position's rank in every group, by replica rank; None when

@@ -10,16 +10,20 @@ over those (``token_rescale``) once every share is in.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Any model, any batch: (the batch's summed loss, how many things it summed over)
+BatchLossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, "torch.Tensor | int"]]
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -45,20 +49,28 @@ def sample_ids(sample) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Batch(NamedTuple):
     """A micro-batch: inputs and next-token targets of shape (batch, seq), each target's weight
-    (0 for padding rows and ignored labels), and how many targets count."""
+    (0 for padding rows and ignored labels), and how many targets count. For a
+    ``batch_loss_fn``: ``inputs`` is what ``collate_fn`` made of the real samples, ``weights``
+    one weight for them all (0 for a micro-batch of padding only), no targets."""
 
-    inputs: torch.Tensor
+    inputs: Any
     targets: torch.Tensor
     weights: torch.Tensor
     counted_tokens: int
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.inputs.to(device), self.targets.to(device), self.weights.to(device), self.counted_tokens)
+        inputs = tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.inputs)
+        return Batch(inputs, self.targets.to(device), self.weights.to(device), self.counted_tokens)
 
 
-def collate(dataset, indices: Sequence[int], device: torch.device) -> Batch:
-    """Stack samples into a batch; padding rows carry zero weight."""
+def collate(dataset, indices: Sequence[int], device: torch.device, collate_fn: Callable | None = None) -> Batch:
+    """Stack samples into a batch; padding rows carry zero weight. With ``collate_fn`` (a
+    ``batch_loss_fn``'s samples), its batch of the real samples: padding rows are left out, and
+    a micro-batch of padding only runs on sample 0 weighted 0, as its group's collectives must."""
     real = [i for i in indices if i != PADDING_INDEX]
+    if collate_fn is not None:
+        inputs = collate_fn([dataset[i] for i in (real or [0])])
+        return Batch(inputs, torch.empty(0), torch.tensor(1.0 if real else 0.0), 0).to(device)
     template = sample_ids(dataset[real[0]] if real else dataset[0])
     rows = [sample_ids(dataset[i]) if i != PADDING_INDEX else tuple(map(torch.zeros_like, template)) for i in indices]
     ids = torch.stack([row[0] for row in rows])
@@ -78,53 +90,90 @@ def weighted_loss(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor, 
     return (loss_fn(logits, targets).float() * weights).sum() / global_tokens
 
 
+@dataclass(frozen=True)
+class TokenLoss:
+    """The next-token form: ``loss_fn(logits, targets)``'s per-token losses, weighted, summed;
+    the count is the targets that count."""
+
+    loss_fn: LossFn
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, float]:
+        return (self.loss_fn(model(batch.inputs), batch.targets).float() * batch.weights).sum(), batch.counted_tokens
+
+
+@dataclass(frozen=True)
+class SampleLoss:
+    """Any model, any batch: ``batch_loss_fn(model, batch) -> (loss_sum, count)``. The step is
+    normalised by the count summed over every rank and group, so it is the same at any number
+    of live groups."""
+
+    batch_loss_fn: BatchLossFn
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum, count = self.batch_loss_fn(model, batch.inputs)
+        weight = batch.weights
+        return loss_sum.float() * weight, torch.as_tensor(count, dtype=torch.float64, device=weight.device) * weight
+
+
+MicroBatchLoss = TokenLoss | SampleLoss
+
+
 def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
     return weighted_loss(loss_fn, model(batch.inputs), batch.targets, batch.weights, global_tokens)
 
 
-def _loss_share(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
-                on_micro_batch: Callable[[int], None], backward: bool) -> float:
-    """The micro-batches' summed loss shares, summed on the device and read once, so the host
-    never waits for the device between micro-batches."""
-    loss_share = torch.zeros((), device=batches[0].inputs.device)
+def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
+                on_micro_batch: Callable[[int], None], backward: bool) -> tuple[float, float]:
+    """The micro-batches' summed loss shares over ``global_tokens`` and their summed counts,
+    the shares summed on the device and read once, so the host never waits for the device
+    between micro-batches."""
+    loss_share = torch.zeros((), device=batches[0].weights.device)
+    counted = 0.0
     for index, batch in enumerate(batches):
         on_micro_batch(index)
-        loss = micro_batch_loss(model, loss_fn, batch, global_tokens)
+        loss_sum, count = loss(model, batch)
+        share = loss_sum / global_tokens
         if backward:
-            loss.backward()
-        loss_share += loss.detach()
-    return loss_share.item()
+            share.backward()
+        loss_share += share.detach()
+        counted = counted + count
+    return loss_share.item(), float(counted)
 
 
 def counted_tokens(batches: Sequence[Batch]) -> int:
     return sum(batch.counted_tokens for batch in batches)
 
 
-def accumulate_gradients(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batches: Sequence[Batch],
-    global_tokens: int,
-    on_micro_batch: Callable[[int], None] = lambda index: None,
-) -> float:
-    """Forward and backward over each micro-batch; returns this rank's share of the loss."""
-    return _loss_share(model, loss_fn, batches, global_tokens, on_micro_batch, backward=True)
+def accumulate_counted(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
+                       on_micro_batch: Callable[[int], None] = lambda index: None) -> tuple[float, float]:
+    """Forward and backward over each micro-batch; returns this rank's share of the loss over
+    ``global_tokens``, and what it counted (``token_rescale`` makes the step the mean over
+    every rank's count)."""
+    return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=True)
 
 
-def evaluate_loss(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batches: Sequence[Batch],
-    global_tokens: int,
-    on_micro_batch: Callable[[int], None] = lambda index: None,
-) -> float:
-    """This rank's share of the held-out loss, in eval mode (no dropout), with no gradients."""
+def accumulate_gradients(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
+                         on_micro_batch: Callable[[int], None] = lambda index: None) -> float:
+    """``accumulate_counted`` of the next-token form: the share of the loss."""
+    return accumulate_counted(model, TokenLoss(loss_fn), batches, global_tokens, on_micro_batch)[0]
+
+
+def evaluate_counted(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
+                     on_micro_batch: Callable[[int], None] = lambda index: None) -> tuple[float, float]:
+    """This rank's share of the held-out loss and its count, in eval mode (no dropout), with no
+    gradients."""
     model.eval()
     try:
         with torch.no_grad():
-            return _loss_share(model, loss_fn, batches, global_tokens, on_micro_batch, backward=False)
+            return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=False)
     finally:
         model.train()
+
+
+def evaluate_loss(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
+                  on_micro_batch: Callable[[int], None] = lambda index: None) -> float:
+    """``evaluate_counted`` of the next-token form: the share of the held-out loss."""
+    return evaluate_counted(model, TokenLoss(loss_fn), batches, global_tokens, on_micro_batch)[0]
 
 
 def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:

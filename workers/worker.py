@@ -54,7 +54,6 @@ from workers.keyed_store import KeyedStore
 from workers.pipeline import pipeline_micro_batches, stage_model
 from workers.rank_spec import RankSpec
 from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, StepTransaction
-from workers.train_step import collate, counted_tokens
 from workers.world import World
 
 CPU = torch.device("cpu")
@@ -174,7 +173,7 @@ class RankWorker:
             if raised_in_collective(error):  # a peer or the transport: worth another try
                 raise
             raise HookFailed(describe_failure(error)) from error
-        self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.loss_fn,
+        self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.micro_loss,
                                            self.device, self.activity, self.signals, stages)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index, stage=spec.pp_index))
         self.activity.count_entries_of(self.model)
@@ -228,7 +227,7 @@ class RankWorker:
 
     def _prefetch(self, share: RankShare) -> Future:
         """Read the step's samples on the loader thread while the current step computes."""
-        return self.loader.submit(lambda: [collate(self.hooks.dataset, mb, CPU) for mb in share.micro_batches])
+        return self.loader.submit(lambda: [self.hooks.micro_batch(mb, CPU) for mb in share.micro_batches])
 
     def _held_records(self, loop: RankRunLoop) -> Iterator[GroupRecords]:
         held = loop.held()
@@ -258,12 +257,12 @@ class RankWorker:
         self.signals.begin(request.attempt)
         try:
             self.activity.set(request.step, "data")
-            batches = [collate(self.hooks.eval_dataset, mb, self.device)
+            batches = [self.hooks.micro_batch(mb, self.device, held_out=True)
                        for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
             data_s = time.perf_counter() - started
-            loss_share, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)
-            return StepReport(self.spec.global_rank, request.step, loss_share=loss_share,
-                              counted_tokens=counted_tokens(batches), data_s=data_s, compute_s=compute_s,
+            share, counted, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)
+            return StepReport(self.spec.global_rank, request.step, loss_share=share,
+                              counted_tokens=counted, data_s=data_s, compute_s=compute_s,
                               wall_s=time.perf_counter() - started)
         except Exception as error:
             return self._failed(request.step, error)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from elastic.setup.config import TrainConfig
 from elastic.setup.dataset import default_datasets
@@ -19,7 +20,8 @@ from elastic.setup.errors import ConfigError
 from workers.model import ModelArgs, RopeScaling, Transformer
 from workers.parallelize import Parallelize
 from workers.pipeline import SplitFn, split_transformer
-from workers.train_step import IGNORE_INDEX, sample_ids, token_cross_entropy
+from workers.train_step import (IGNORE_INDEX, Batch, BatchLossFn, MicroBatchLoss, SampleLoss, TokenLoss, collate,
+                                sample_ids, token_cross_entropy)
 
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -60,6 +62,18 @@ class TrainHooks:
     # the module of pipeline stage ``stage`` of ``n_stages``, cut from the whole model; None:
     # the model cannot be split (scaling.pp = 1 only)
     split_fn: SplitFn | None = None
+    # Any model, any loss: batch_loss_fn(model, batch) -> (loss_sum, count) over what
+    # collate_fn made of a micro-batch's samples, in place of loss_fn's next-token form
+    batch_loss_fn: BatchLossFn | None = None
+    collate_fn: Callable[[list], Any] | None = None
+
+    @property
+    def micro_loss(self) -> MicroBatchLoss:
+        return SampleLoss(self.batch_loss_fn) if self.batch_loss_fn is not None else TokenLoss(self.loss_fn)
+
+    def micro_batch(self, indices, device: torch.device, held_out: bool = False) -> Batch:
+        """The micro-batch of these samples of the training (or held-out) data."""
+        return collate(self.eval_dataset if held_out else self.dataset, indices, device, self.collate_fn)
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -102,6 +116,8 @@ def resolve_hooks(
     optimizer_fn=None,
     tp_plan=None,
     split_fn=None,
+    batch_loss_fn=None,
+    collate_fn=None,
 ) -> TrainHooks:
     """The given hooks, defaults for the rest. A given ``dataset`` comes with its own
     ``eval_dataset`` (or none); otherwise both are made from ``config.data``, unless an
@@ -120,7 +136,37 @@ def resolve_hooks(
         or AdamW(optimizer.lr, optimizer.weight_decay, (optimizer.beta1, optimizer.beta2), optimizer.eps),
         eval_dataset=eval_dataset,
         split_fn=split_fn or (split_transformer if model_fn is None else None),
+        batch_loss_fn=batch_loss_fn,
+        collate_fn=collate_fn or (default_collate if batch_loss_fn is not None else None),
     )
+
+
+def check_batch_loss(config: TrainConfig, hooks: TrainHooks) -> None:
+    """A ``batch_loss_fn`` run once on sample 0, model and batch on the meta device (no memory,
+    no compute): it must return (loss_sum, count), the loss a floating-point scalar. An op the
+    meta device cannot run leaves the check to the ranks."""
+    if config.scaling.pp > 1:
+        raise ConfigError(f"scaling.pp = {config.scaling.pp}: a batch_loss_fn trains without pipeline stages (their "
+                          "schedule computes the next-token form); set scaling.pp = 1")
+    batch = hooks.micro_batch([0], torch.device("meta"))
+    with torch.device("meta"):
+        model = hooks.model_fn()
+    try:
+        result = hooks.batch_loss_fn(model, batch.inputs)
+    except (NotImplementedError, RuntimeError) as error:
+        if isinstance(error, NotImplementedError) or "meta" in str(error):
+            return
+        raise
+    loss_sum = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+    if not (isinstance(loss_sum, torch.Tensor) and loss_sum.dim() == 0 and loss_sum.is_floating_point()):
+        if loss_sum is None:
+            described = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
+        elif isinstance(loss_sum, torch.Tensor):
+            described = f"a loss of shape {tuple(loss_sum.shape)} and dtype {loss_sum.dtype}"
+        else:
+            described = f"a loss of type {type(loss_sum).__name__}"
+        raise ConfigError(f"batch_loss_fn: on sample 0 it returned {described}; return (loss_sum, count): the "
+                          "batch's summed loss as a floating-point scalar tensor, and how many things it summed over")
 
 
 SAMPLE_FORMS = ("each sample must be a 1-D integer tensor of data.seq_len + 1 = {n} token ids (inputs and the "
@@ -158,8 +204,11 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     reference model's vocabulary, ``scaling.tp > 1`` for a custom model with no
     tensor-parallel plan (its model is built on the meta device to tell), and
     ``model.init_from`` with a custom model."""
-    check_sample(hooks.dataset[0], config.data.seq_len,
-                 hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
+    if hooks.batch_loss_fn is not None:
+        check_batch_loss(config, hooks)
+    else:
+        check_sample(hooks.dataset[0], config.data.seq_len,
+                     hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
     parallelize = hooks.parallelize_fn
     planless = isinstance(parallelize, Parallelize) and parallelize.tp_plan is None  # the default, no tp_plan
     if config.scaling.tp > 1 and planless and not isinstance(hooks.model_fn, ReferenceModel):
