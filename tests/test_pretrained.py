@@ -182,3 +182,39 @@ def test_a_run_starts_from_another_runs_checkpoint_its_weights_only(ray_cluster,
         tiny_config(tmp_path, run_name="other", model__init_from=source.run_dir, model__dim=64)
     with pytest.raises(ConfigError, match=r"model.init_from: .*@7: .*step 7"):
         tiny_config(tmp_path, run_name="other", model__init_from=f"{source.run_dir}@7")
+
+
+def test_a_tiny_llama_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(ray_cluster, tmp_path):
+    """GQA, RoPE base 500000 and Llama 3.1's scaling, saved with save_pretrained; started at
+    shard 2 x tp 2, the first step's loss is transformers' own on that batch, and after steps
+    that change nothing (SGD at learning rate 0) the export gives back the source's tensors."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from elastic.cli import main
+    from elastic.core.data_plan import DataCursor, epoch_order
+    from elastic.setup.hooks import resolve_hooks
+
+    source = tmp_path / "hf-llama"
+    torch.manual_seed(5)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=64, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}))
+    llama.save_pretrained(source)
+    config = tiny_config(tmp_path, shard=2, tp=2, steps=2, checkpoint__every=2, model__init_from=str(source))
+    assert (config.model.n_kv_heads, config.model.rope_theta, config.model.rope_scaling.factor) == (2, 500000.0, 8.0)
+    result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.0)).fit()
+    assert result.ok, result.exit
+    dataset = resolve_hooks(config).dataset
+    order = epoch_order(len(dataset), config.seed, DataCursor().epoch)
+    tokens = torch.stack([dataset[int(i)] for i in order[:config.global_batch]])
+    with torch.no_grad():
+        logits = llama(tokens[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    assert abs(result.losses[0] - expected) <= 1e-4 * expected
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "out"), "--format", "huggingface"]) == 0
+    exported, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(source / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[name], original[name]) for name in original)
