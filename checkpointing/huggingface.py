@@ -209,12 +209,15 @@ class PretrainedReader(StorageReader):
         missing = sorted({theirs for theirs in self.names.values() if theirs not in self.files})
         if missing:
             raise ValueError(f"{self.directory} lacks {len(missing)} of the model's tensors: {missing[:3]}")
-        tensors = {}
-        for ours, theirs in self.names.items():
-            with safe_open(self.files[theirs], framework="pt") as weights:
-                shape = torch.Size(weights.get_slice(theirs).get_shape())
-            tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), shape,
-                                                  [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+        shapes = {}
+        for path in set(self.files[theirs] for theirs in self.names.values()):  # each file's header read once
+            with safe_open(path, framework="pt") as weights:
+                shapes |= {theirs: torch.Size(weights.get_slice(theirs).get_shape())
+                           for theirs in self.names.values() if self.files[theirs] == path}
+        tensors = {ours: TensorStorageMetadata(TensorProperties(dtype=torch.float32), shapes[theirs],
+                                               [ChunkStorageMetadata(torch.Size([0] * len(shapes[theirs])),
+                                                                     shapes[theirs])])
+                   for ours, theirs in self.names.items()}
         return Metadata(state_dict_metadata=tensors)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
