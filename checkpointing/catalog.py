@@ -49,6 +49,10 @@ class NoUsableCheckpoint(RuntimeError):
     silently discard the run."""
 
 
+# A run's checkpoints, under its directory.
+CHECKPOINTS_DIR = "checkpoints"
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -68,7 +72,7 @@ class Restorable:
 class CheckpointCatalog:
     def __init__(self, run_url: str, options: StorageOptions, every: int, keep: int, generation: int = 0,
                  signing_key: bytes | None = None):
-        self.root_url = join_url(run_url, "checkpoints")
+        self.root_url = join_url(run_url, CHECKPOINTS_DIR)
         self.options = options
         self.every = every
         self.keep = keep
@@ -200,7 +204,8 @@ class CheckpointCatalog:
 
     def commit(self, step: int, cursor: dict, topology: dict, config_hash: str,
                files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None,
-               rng: dict[str, dict[str, str]] | None = None, data: dict[str, str] | None = None) -> Manifest:
+               rng: dict[str, dict[str, str]] | None = None, data: dict[str, str] | None = None,
+               source: dict[str, str] | None = None) -> Manifest:
         manifest = Manifest(
             step=step,
             sequence=self._next_sequence(),
@@ -209,6 +214,7 @@ class CheckpointCatalog:
             config_hash=config_hash,
             config=config or {},
             data=data or {},
+            source=source or {},
             lease_generation=self.generation,
             files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,

@@ -67,6 +67,7 @@ class Manifest(_Strict):
     config_hash: str
     config: dict[str, Any] = Field(default_factory=dict)  # the settings the state depends on
     data: dict[str, str] = Field(default_factory=dict)  # what the data was: file -> size and fingerprint
+    source: dict[str, str] = Field(default_factory=dict)  # what model.init_from was: file -> fingerprint
     lease_generation: NonNegativeInt = 0  # of the driver that committed it (0: before leases)
     files: tuple[FileRecord, ...] = Field(min_length=1)
     timings: dict[str, float] = Field(default_factory=dict)

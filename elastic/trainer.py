@@ -21,10 +21,11 @@ import ray
 from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
 from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.manifest import signing_key_from_environment
+from checkpointing.pretrained import changed_files, source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
-from elastic.setup.preflight import check_pretrained_weights, preflight
+from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
@@ -114,6 +115,21 @@ def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, iden
     cursor = {"epoch": checkpoint.manifest.cursor.get("epoch", 0) + 1, "position": 0}
     events.emit(EventKind.DATA_CHANGED, step=checkpoint.step, files=changed, cursor=cursor)
     return replace(checkpoint, manifest=checkpoint.manifest.model_copy(update={"cursor": cursor}))
+
+
+def check_same_source(run: str, checkpoint: Restorable, identity: dict[str, str]) -> dict[str, str]:
+    """The source identity a resumed run records: the one it started from. A resume never reads
+    ``model.init_from`` again (it may be gone), but a source changed under the same name is
+    refused: the run's record would name weights it did not start from."""
+    saved = checkpoint.manifest.source
+    changed = changed_files(saved, identity) if saved else []
+    if changed:
+        described = "; ".join(f"{file}: {saved.get(file, 'absent')} -> {identity[file]}" for file in changed[:3])
+        raise ConfigError(
+            f"run {run!r} resumes from step {checkpoint.step}, but model.init_from changed since the run started "
+            f"from it: {described}; restore the source, or start a new run (--run-name) from it"
+        )
+    return saved or identity
 
 
 @dataclass
@@ -221,8 +237,18 @@ class ElasticTrainer:
         check_hooks(self.config, self.hooks)
         self.eval_len = self._eval_len()
         self.data_identity = data_identity(self.hooks.dataset)
+        self.source_identity = self._source_identity()
         self.run_name = self.config.run_name or default_run_name()
         self.run_dir = join_url(self.config.storage, self.run_name)
+
+    def _source_identity(self) -> dict[str, str]:
+        init_from = self.config.model.init_from
+        if not init_from:
+            return {}
+        try:
+            return source_identity(init_from, self.config.checkpoint.storage_options())
+        except OSError as error:
+            raise pretrained_refused(init_from, error) from None
 
     def _eval_len(self) -> int:
         """The validation set's size; fails fast when evaluation is on without one."""
@@ -277,6 +303,8 @@ class ElasticTrainer:
             if resume is not None:
                 check_resumable(self.config, self.run_name, resume)
                 resume = resume_over_data(self.config, self.run_name, resume, self.data_identity, events)
+                self.source_identity = check_same_source(self.run_name, resume, self.source_identity)
+                checkpoints.source_identity = self.source_identity
                 fleet.resume_from_checkpoint()
             elif self.config.model.init_from:
                 check_pretrained_weights(self.config)
@@ -327,7 +355,8 @@ class ElasticTrainer:
         return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
                                      settings.max_consecutive_failures, settings.upload_timeout_s, clock,
                                      config_record=config_record(self.config),
-                                     start_fresh=settings.start_fresh, lease=lease, data_identity=self.data_identity)
+                                     start_fresh=settings.start_fresh, lease=lease, data_identity=self.data_identity,
+                                     source_identity=self.source_identity)
 
     @staticmethod
     def _lease_lost(why: str, events: EventLog, stop: threading.Event) -> None:
@@ -356,6 +385,7 @@ class ElasticTrainer:
         summary = {
             "run": self.run_name,
             "config": self.config.model_dump(mode="json"),
+            "init_from": self.source_identity,  # what the weights started from, file by file
             "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
             "resumed_from_step": resumed,

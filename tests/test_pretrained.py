@@ -151,14 +151,22 @@ def test_a_run_starts_from_the_checkpoints_weights_and_resumes_from_its_own(ray_
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     assert result.losses[0] == pytest.approx(first_batch_loss(expected, config), rel=1e-5)
-    # The source gone, the run goes on from its own checkpoint of step 2.
-    for file in os.listdir(tmp_path / "llama"):
-        if file.endswith(".safetensors"):
-            os.remove(tmp_path / "llama" / file)
-    resumed = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=3, checkpoint__every=2,
-                                         model__init_from=str(tmp_path / "llama"))).fit()
+    started_from = result.summary["init_from"]
+    assert sorted(started_from) == ["config.json", "model.safetensors"]
+    resume = tiny_config(tmp_path, shard=2, steps=3, checkpoint__every=2, model__init_from=str(tmp_path / "llama"))
+    # Other weights under the source's name: the resume is refused, naming the file.
+    torch.manual_seed(5)
+    weights, _ = huggingface_llama(Transformer(ARGS).state_dict(), ARGS)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp_path / "llama" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"model.init_from changed since the run started from it: "
+                                          r"model.safetensors: .* bytes, sha256"):
+        ElasticTrainer(resume).fit()
+    # The source gone, the run goes on from its own checkpoint of step 2, and records what it started from.
+    os.remove(tmp_path / "llama" / "model.safetensors")
+    resumed = ElasticTrainer(resume).fit()
     assert resumed.ok, resumed.exit
     assert resumed.summary["resumed_from_step"] == 2 and len(resumed.losses) == 1
+    assert resumed.summary["init_from"] == started_from
 
 
 def test_a_custom_model_with_init_from_is_refused_before_any_actor_starts(tmp_path):
@@ -178,6 +186,7 @@ def test_a_run_starts_from_another_runs_checkpoint_its_weights_only(ray_cluster,
     assert result.ok, result.exit
     # Weights only: the run's own first batch (its cursor starts fresh) through the source's model
     assert result.losses[0] == pytest.approx(first_batch_loss(weights, config), rel=1e-5)
+    assert list(result.summary["init_from"]) == ["manifest.json"]  # it holds every file's sha256
     with pytest.raises(ConfigError, match=r"model: dim 64 \(the source's 32\) differ"):
         tiny_config(tmp_path, run_name="other", model__init_from=source.run_dir, model__dim=64)
     with pytest.raises(ConfigError, match=r"model.init_from: .*@7: .*step 7"):

@@ -52,7 +52,8 @@ class CheckpointCoordinator:
     def __init__(self, catalog: CheckpointCatalog, fleet: FleetApi, events: EventLog, ledger: TimeLedger,
                  topology: Topology, config_hash: str, max_consecutive_failures: int, upload_timeout_s: float,
                  clock=time.monotonic, config_record: dict | None = None, start_fresh: bool = False,
-                 lease: RunLease | None = None, data_identity: dict[str, str] | None = None):
+                 lease: RunLease | None = None, data_identity: dict[str, str] | None = None,
+                 source_identity: dict[str, str] | None = None):
         self.catalog = catalog
         self.lease = lease
         self.fleet = fleet
@@ -62,6 +63,7 @@ class CheckpointCoordinator:
         self.config_hash = config_hash
         self.config_record = config_record or {}
         self.data_identity = data_identity or {}  # what the data is: recorded with every checkpoint
+        self.source_identity = source_identity or {}  # what model.init_from is: likewise
         self.start_fresh = start_fresh
         self.restored_step: int | None = None  # the checkpoint the run resumed or rolled back to
         self.clock = clock
@@ -178,6 +180,7 @@ class CheckpointCoordinator:
                 timings={"stall_s": round(save.stall_s, 4), "upload_s": round(upload_s, 4)},
                 config=self.config_record,
                 data=self.data_identity,
+                source=self.source_identity,
                 rng={
                     self.topology.stream_of(result.global_rank): {
                         name: base64.b64encode(state).decode() for name, state in result.rng.items()

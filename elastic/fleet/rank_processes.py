@@ -21,24 +21,10 @@ from elastic.core.spares import SPARES, Slot, Slots, Spare
 from elastic.core.topology import Topology
 from elastic.fleet.api import Pending
 from elastic.fleet.rendezvous import Rendezvous
-from checkpointing.catalog import CheckpointCatalog
-from checkpointing.huggingface import LlamaLayout
-from checkpointing.pretrained import PretrainedSource, is_huggingface, run_and_step
+from checkpointing.pretrained import PretrainedSource, pretrained_source
 from workers.pipeline import PipelineLayout
 from workers.rank_spec import SPARE, RankSpec
 from workers.worker import RankActor
-
-
-def pretrained_source(config: TrainConfig) -> PretrainedSource | None:
-    """What ``model.init_from`` names (preflight resolved a run's to ``RUN@STEP``)."""
-    model = config.model
-    if not model.init_from:
-        return None
-    if is_huggingface(model.init_from):
-        return PretrainedSource(model.init_from, LlamaLayout(model.n_layers, model.n_heads, model.kv_heads,
-                                                             model.tie_embeddings))
-    run, step = run_and_step(model.init_from)
-    return PretrainedSource(CheckpointCatalog(run, config.checkpoint.storage_options(), every=1, keep=1).url(step), None)
 
 
 def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, global_rank: int,
@@ -88,7 +74,7 @@ class RankProcesses:
         self.actor_class = actor_class
         # A built group holds the run's initial state: the weights of model.init_from, until
         # the run is known to resume from its own checkpoint.
-        self.pretrained = pretrained_source(config)
+        self.pretrained = pretrained_source(config.model, config.checkpoint.storage_options())
         self.hooks_ref = ray.put(ray.cloudpickle.dumps(hooks))  # bytes: each rank unpickles them itself
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.placements: dict[int | str, PlacementGroup] = {}  # by group, and SPARES

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from checkpointing.storage import StorageOptions, absolute_url
 from elastic.core.faults import check_targets, parse_faults
@@ -356,6 +356,9 @@ class MetricsConfig(Section):
 
 
 class TrainConfig(Section):
+    # The fields as preflight passed them: a config checked once (build_config, then the
+    # trainer) is not checked again, since the checks read storage and hash checkpoints.
+    _preflighted_as: dict | None = PrivateAttr(None)
     run_name: str | None = Field(None, max_length=128)
     storage: str = Field(default="./runs", validate_default=True)
     steps: PositiveInt = Field(60, le=MAX_STEPS)

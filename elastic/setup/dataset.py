@@ -16,7 +16,6 @@ it: the config is imported only as a type, so reading data never loads pydantic.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from checkpointing.storage import fingerprint
 from elastic.setup.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,9 +47,6 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 # default); unmapping drops them from the process's RSS (they stay in the page cache), so a
 # rank that reads a file far larger than memory stays at about this many times 64 KiB.
 _WINDOWS_PER_MAP = 256
-
-# Bytes at each end of a file that its fingerprint hashes.
-_FINGERPRINT_BYTES = 65_536
 
 # Printable ASCII and whitespace: what a text file is made of.
 _TEXT_BYTES = bytes(range(32, 127)) + b"\t\n\r"
@@ -94,20 +91,6 @@ def resolve_text_files(path: str, storage_options: dict | None = None) -> list[s
         except OSError as error:
             raise OSError(f"{path!r}: {file} is unreadable ({error})") from None
     return [fs.unstrip_protocol(p) for p in files]
-
-
-def fingerprint(fs: fsspec.AbstractFileSystem, file: str) -> str:
-    """What a file is, cheaply: its size and its ETag where the store keeps one (S3), else a
-    sha256 of its first and last 64 KiB."""
-    info = fs.info(file)
-    size = int(info["size"])
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return f"{size} bytes, etag {str(etag).strip(chr(34))}"
-    ends = fs.cat_file(file, start=0, end=min(size, _FINGERPRINT_BYTES))
-    if size > _FINGERPRINT_BYTES:
-        ends += fs.cat_file(file, start=max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES), end=size)
-    return f"{size} bytes, sha256 of the ends {hashlib.sha256(ends).hexdigest()[:16]}"
 
 
 def data_identity(dataset) -> dict[str, str]:

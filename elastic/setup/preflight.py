@@ -23,6 +23,8 @@ from elastic.setup.errors import ConfigError
 def preflight(config: TrainConfig) -> TrainConfig:
     """``config``, its model fields read from ``model.init_from`` where it names one, once its
     storage is writable and its data readable; else ConfigError."""
+    if config._preflighted_as is not None and config._preflighted_as == config.model_dump():
+        return config
     if config.model.init_from:
         config = with_pretrained_fields(config)
     # Here, not at the top: the dataset brings torch, and a config refused for its shape never
@@ -41,6 +43,7 @@ def preflight(config: TrainConfig) -> TrainConfig:
         check_readable(config)  # names the field in its message
     except ValueError as error:
         raise ConfigError(invalid_config([str(error)])) from None
+    config._preflighted_as = config.model_dump()
     return config
 
 
@@ -97,16 +100,16 @@ def check_pretrained_weights(config: TrainConfig) -> None:
     model needs is there (a run's checkpoint was verified when it was found)."""
     from safetensors import SafetensorError
 
-    from checkpointing.huggingface import LlamaLayout, llama_names, weight_files
-    from checkpointing.pretrained import is_huggingface
+    from checkpointing.huggingface import llama_names, weight_files
+    from checkpointing.pretrained import pretrained_source
 
     model = config.model
-    if not is_huggingface(model.init_from):
+    source = pretrained_source(model, config.checkpoint.storage_options())
+    if source is None or source.layout is None:
         return
     try:
         files = weight_files(model.init_from)
-        layout = LlamaLayout(model.n_layers, model.n_heads, model.kv_heads, model.tie_embeddings)
-        missing = sorted(set(llama_names(layout).values()) - files.keys())
+        missing = sorted(set(llama_names(source.layout).values()) - files.keys())
         if missing:
             raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
     except (OSError, ValueError, KeyError, SafetensorError) as error:
