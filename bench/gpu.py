@@ -52,8 +52,9 @@ PRESETS = {
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def job(args, storage: str, memory_every: int | None = None):
-    """The run A trains; ``memory_every`` overrides the in-memory tier's interval (default: the product's)."""
+def job(args, storage: str, memory_every: int | None = None, float8: bool = False):
+    """The run A trains; ``memory_every`` overrides the in-memory tier's interval (default: the
+    product's); ``float8`` trains its linear layers in float8 (``compute.float8``)."""
     shape = PRESETS[args.preset]
     memory = {} if memory_every is None else {"memory_every": memory_every}
     return build_config({
@@ -64,7 +65,7 @@ def job(args, storage: str, memory_every: int | None = None):
         "model": {k: shape[k] for k in ("dim", "n_layers", "n_heads", "ffn_hidden")} | {"vocab_size": 256},
         "data": {"seq_len": shape["seq_len"], "corpus_tokens": max(2_000_000, 4 * shape["global_batch"] * shape["seq_len"])},
         "compute": {"precision": args.precision, "compile": args.compile,
-                    "activation_checkpointing": args.activation_checkpointing},
+                    "activation_checkpointing": args.activation_checkpointing, "float8": float8},
         "checkpoint": {"every": args.steps // 3} | memory,
         "stragglers": {"enabled": False},
         "fault_tolerance": {"first_step_deadline_s": 900},

@@ -30,8 +30,11 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
   actors (``bench/null_ranks.py``): <= 1 ms. Needs the GPU machine's 16 cores, not its GPU.
 - ``stragglers``: ``bench/stragglers.py`` with a warm spare on cores of its own: the share of
   a slow rank's slowdown the mitigation recovers (>= 60 %). Cores, not the GPU.
-- ``float8``: float8 against bf16 at the 1.23 B shape (>= 1.2x): skipped until the product
-  trains in float8.
+- ``float8``: the product at the 1.23 B shape, bf16 + compile, then the same with
+  ``compute.float8`` (torchao's float8 linear layers): tokens/s side by side (>= 1.2x) and
+  the losses of the two runs. Needs a GPU of compute capability 8.9 or later; on CPU it is
+  skipped (the product refuses float8 on CPU ranks; ``tests/test_float8.py`` holds the
+  conversion and its composition with TP and FSDP2 there).
 
 With ``--device cpu --quick`` every part runs its smallest form on CPU in seconds (the
 suite's test), so the script does not rot between GPU machines; only the figures of a run
@@ -76,7 +79,7 @@ class Row:
 @dataclass(frozen=True)
 class Part:
     name: str
-    measure: Callable[[argparse.Namespace], list[Row]] | None  # None: not built yet (skip_reason says why)
+    measure: Callable[[argparse.Namespace], list[Row]]
     time_limit_s: float  # on the GPU machine; --quick parts get a fraction
     skip_reason: Callable[[argparse.Namespace], str | None] = lambda args: None
 
@@ -313,6 +316,38 @@ def stragglers(args: argparse.Namespace) -> list[Row]:
                 measured, verdict(status == 0))]
 
 
+def float8(args: argparse.Namespace) -> list[Row]:
+    import ray
+    from bench import gpu
+
+    shape = gpu_args(args, "1b")
+    with tempfile.TemporaryDirectory() as storage:
+        start_ray(args)
+        bf16 = gpu.run_elastic(gpu.job(shape, f"{storage}/bf16"))
+        fp8 = gpu.run_elastic(gpu.job(shape, f"{storage}/float8", float8=True))
+        ray.shutdown()
+        config = gpu.job(shape, f"{storage}/bf16")
+    bf16_tps = gpu.tokens_per_second(config, bf16["step_s"], shape.warmup)
+    fp8_tps = gpu.tokens_per_second(config, fp8["step_s"], shape.warmup)
+    drift = max(abs(a - b) / a for a, b in zip(bf16["losses"], fp8["losses"]))
+    return [Row("tokens/s, float8 / bf16, both with compile (1.23 B: dim 2048, 24 layers, ffn 5632, seq 2048)",
+                ">= 1.2x", f"{fp8_tps:,.0f} / {bf16_tps:,.0f} = {fp8_tps / bf16_tps:.2f}x",
+                verdict(fp8_tps / bf16_tps >= 1.2)),
+            Row("float8's losses against bf16's, the same steps", "tells float8's drift",
+                f"largest relative difference {drift:.2%} over {len(fp8['losses'])} steps "
+                f"(last: {fp8['losses'][-1]:.4f} / {bf16['losses'][-1]:.4f})", "info")]
+
+
+def supports_float8(args: argparse.Namespace) -> str | None:
+    if args.device == "cpu":
+        return "float8 is refused on CPU ranks; tests/test_float8.py holds its conversion, TP and FSDP2 on CPU"
+    if not torch.cuda.is_available():
+        return "--device cuda, but torch sees no GPU"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return f"{torch.cuda.get_device_name()} has compute capability {torch.cuda.get_device_capability()}, under 8.9"
+    return None
+
+
 def needs_cuda(args: argparse.Namespace) -> str | None:
     return None if args.device == "cpu" or torch.cuda.is_available() else "--device cuda, but torch sees no GPU"
 
@@ -324,8 +359,7 @@ PARTS = [
     Part("shared_gpu", shared_gpu, 180, needs_cuda),
     Part("control_plane", control_plane, 150),
     Part("stragglers", stragglers, 300),
-    Part("float8", None, 0, lambda args: "the product does not train in float8 yet (compute.precision has no "
-                                           "float8): the pretrained-weights issue comes first"),
+    Part("float8", float8, 420, supports_float8),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Applies tensor parallelism, activation checkpointing, compile and FSDP2, in that order
-(TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
+"""Applies float8 training, tensor parallelism, activation checkpointing, compile and FSDP2, in
+that order (TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
 group's mesh.
 
 The mesh has dimensions ``("pp", "shard", "tp")``; a stage is parallelized over the last
@@ -58,6 +58,29 @@ Precision = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
 # "op", or checkpoint every Nth block
 SelectivePolicy = Literal["op"] | int
+# float8's matmul (cuBLASLt, through torch._scaled_mm) takes sizes that are multiples of 16.
+FLOAT8_MULTIPLE = 16
+
+
+def convert_to_float8(model: nn.Module, device_type: str) -> None:
+    """torchao's float8 training (TorchTitan's converter): every linear layer whose sizes suit
+    float8's matmul becomes a ``Float8Linear`` (dynamic tensorwise scales: inputs and weights in
+    e4m3, gradients in e5m2), except the output projection, whose logits float8 would coarsen.
+    Before TP and FSDP2, which then shard the converted layers with their usual styles: TP's
+    collectives carry the compute dtype. torchao's float8 TP styles, which gather in float8,
+    are left out: gloo carries no float8 ("Invalid scalar type"), so no CPU test could hold
+    them, and on one GPU there is no TP."""
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(f"compute.float8 needs a GPU of compute capability 8.9 or later (H100, L40S, ...); "
+                         f"{torch.cuda.get_device_name()} is {torch.cuda.get_device_capability()}; "
+                         "set compute.float8 = false")
+    from torchao.float8 import convert_to_float8_training
+
+    def suits(module: nn.Module, name: str) -> bool:
+        return (name != "output" and isinstance(module, nn.Linear)
+                and module.in_features % FLOAT8_MULTIPLE == 0 and module.out_features % FLOAT8_MULTIPLE == 0)
+
+    convert_to_float8_training(model, module_filter_fn=suits)
 
 
 def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -209,8 +232,11 @@ class Parallelize:
     compile: bool = False
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
+    float8: bool = False
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if self.float8:
+            convert_to_float8(model, mesh.device_type)
         if mesh["tp"].size() > 1:
             if self.tp_plan is not None:
                 self.tp_plan(model, mesh["tp"])

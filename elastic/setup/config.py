@@ -270,6 +270,10 @@ class ComputeConfig(Section):
     # op: save attention's and every other matmul's outputs, recompute the rest of each
     # block (TorchTitan's per-op policy); N: recompute every Nth block whole
     selective_checkpointing: Literal["op"] | PositiveInt = "op"
+    # torchao's float8 training of the linear layers (the float8 extra; GPUs of compute
+    # capability 8.9+: H100, H200, L40S, ...), applied before TP and FSDP2 as TorchTitan does;
+    # fastest with compile, which fuses the scaling and casts.
+    float8: bool = False
 
 
 class CheckpointConfig(Section):
@@ -585,8 +589,13 @@ def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> Trai
 
 
 def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> None:
-    """Fail before any actor starts if the minimum layout cannot be placed."""
+    """Fail before any actor starts if the minimum layout cannot be placed, or placed where it
+    cannot compute as configured."""
     scaling = config.scaling
+    if config.compute.float8 and scaling.device != "cuda":
+        raise ConfigError("compute.float8: the ranks train on CPU (scaling.device resolved to cpu); float8 "
+                          "training needs GPUs of compute capability 8.9 or later (H100, L40S, ...); set "
+                          "compute.float8 = false or run on such GPUs")
     needed_ranks = scaling.min_groups * scaling.ranks_per_group
     for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank or 0.0)]:
         if per_rank == 0:

@@ -6,6 +6,8 @@ tensor parallelism, the model on the meta device, before any actor starts.
 
 from __future__ import annotations
 
+import importlib.util
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +105,7 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
         compile=compute.compile,
         sequence_parallel=config.sequence_parallel,
         tp_plan=tp_plan,
+        float8=compute.float8,
     )
 
 
@@ -203,7 +206,7 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     sample that is not ``seq_len + 1`` integer token ids (or a dict of them), ids outside the
     reference model's vocabulary, ``scaling.tp > 1`` for a custom model with no
     tensor-parallel plan (its model is built on the meta device to tell), and
-    ``model.init_from`` with a custom model."""
+    ``model.init_from`` with a custom model, ``compute.float8`` without torchao."""
     if hooks.batch_loss_fn is not None:
         check_batch_loss(config, hooks)
     else:
@@ -218,6 +221,9 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
             raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
                               f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
                               "scaling.tp = 1")
+    if config.compute.float8 and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("compute.float8 trains through torchao, which is not installed: pip install "
+                          "'elastic-trainer[float8]', or set compute.float8 = false")
     if config.model.init_from and not isinstance(hooks.model_fn, ReferenceModel):
         raise ConfigError(f"model.init_from = {config.model.init_from} loads Llama weights into the reference model; a "
                           "custom model_fn loads its own (read them in model_fn), or leave model.init_from out")
