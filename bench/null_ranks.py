@@ -99,7 +99,7 @@ class NullRank:
                 records.append(StepRecord(step, group, 1.0, 0.0, 1.0, spec.schedule.lr(step), share.global_samples,
                                           share.group_samples, share.next_cursor, ranks,
                                           (RankTimes(data_s=0.0, compute_s=self.step_s, comm_s=0.0, wall_s=wall),) * len(ranks),
-                                          step_s=wall))
+                                          step_s=wall, counted=share.global_samples * spec.seq_len))
             cursor = share.next_cursor
             last = step + 1 == spec.stop_step or self.pause_run == spec.run
             if leads_group and (last or (step - spec.first_step) % every == 0):

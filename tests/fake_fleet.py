@@ -535,7 +535,8 @@ class FakeRun:
                           for rank in ranks)
             decided[group] = loop.committed(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
-                plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times), pause, self.report, at)
+                plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times,
+                counted=plan.global_samples * spec.seq_len), pause, self.report, at)
         sent = {group: after.send for group, after in decided.items() if after.send is not None}
         if any(send.gathered for send in sent.values()):  # one message for the run, from its first group
             self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], RunRecords.of_groups(

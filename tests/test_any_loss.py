@@ -56,6 +56,10 @@ def test_an_image_classifier_with_a_rank_killed_commits_the_clean_runs_losses(ra
     clean = run(tmp_path / "clean", classifier)
     assert clean.ok, clean.exit
     assert clean.losses[-1] < 0.85 * clean.losses[0]  # it learns the bands
+    # Throughput counts what the loss counted: here samples, a global batch a step.
+    for record in clean.summary["steps"]:
+        assert record["tokens_per_s"] * record["step_s"] == pytest.approx(clean.summary["config"]["global_batch"],
+                                                                          rel=1e-3)
     killed = run(tmp_path / "killed", classifier, fault_tolerance__inject="kill:rank=1,step=4")
     assert killed.ok, killed.exit
     assert any(event["kind"] == "rank-failed" for event in killed.summary["events"])

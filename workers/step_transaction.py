@@ -374,7 +374,7 @@ class StepTransaction:
         self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
-                            vote.times)
+                            vote.times, counted=vote.counted_tokens)
         return Committed(record, vote.pause, report)
 
     def at_micro_batch(self, step: int, index: int) -> None:

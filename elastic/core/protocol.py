@@ -167,6 +167,9 @@ class StepRecord:
     ranks: tuple[int, ...]  # the group's global ranks, ascending
     times: tuple[RankTimes, ...]  # per rank, in the order of ``ranks``
     step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
+    # What the loss counted over the whole step: target tokens in the next-token form, the
+    # count batch_loss_fn returns otherwise. The run's throughput is this per second.
+    counted: int = 0
 
 
 @dataclass(frozen=True)

@@ -317,9 +317,8 @@ class Controller:
             if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
                 self.straggler_actions = actions
             scores = self.stragglers.scores(4)
-        result = self.history.commit(committed, seq_len=self.config.data.seq_len,
-                                      generation=self.membership.generation,
-                                      t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
+        result = self.history.commit(committed, generation=self.membership.generation,
+                                     t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
         self.deadline.record(result.step_s)
         self.divergence.committed()
         self.timing.close(self.history.step)

@@ -86,13 +86,13 @@ class RunHistory:
     # corruption the check finds later arose after it.
     verified_step: int = 0
 
-    def commit(self, committed: CommittedStep, *, seq_len: int, generation: int, t: float,
+    def commit(self, committed: CommittedStep, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
         """Record a step every group of a run committed (their votes agree on the loss, the
         norm and the clipping factor; each group reports its own ranks' times). Returns the
         step's result."""
         first, arrays, step_s = committed.record, committed.ranks, committed.step_s
-        tokens = first.global_samples * seq_len
+        tokens = first.counted
         rounded = np.round(np.column_stack(arrays.times), 5).tolist()
         result = StepResult(
             step=self.step, t=t, loss=first.loss, lr=first.lr, grad_norm=first.grad_norm,
