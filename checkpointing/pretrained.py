@@ -86,14 +86,11 @@ def changed_files(saved: dict[str, str], identity: dict[str, str]) -> list[str]:
     return sorted(name for name, now in identity.items() if saved.get(name) != now)
 
 
-def load_pretrained(model: nn.Module, source: PretrainedSource | None, options: StorageOptions,
-                    process_group) -> int:
+def load_pretrained(model: nn.Module, source: PretrainedSource, options: StorageOptions, process_group) -> int:
     """Overwrite the (sharded) model's parameters with ``source``'s weights; returns the bytes
-    this rank read from a HuggingFace directory (nothing without a source)."""
+    this rank read from a HuggingFace directory (0 from a run's checkpoint)."""
     import torch.distributed.checkpoint as dcp
 
-    if source is None:
-        return 0
     if source.layout is None:
         from checkpointing.rank_io import load_weights
 

@@ -34,6 +34,7 @@ from elastic.export import huggingface_llama, model_state
 from elastic.setup.errors import ConfigError
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, RopeScaling, Transformer
+from workers.model_build import first_model
 from workers.parallelize import Parallelize
 
 ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32,
@@ -65,12 +66,16 @@ def loading_rank(rank: int, init_file: str, directory: str, connection) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-        torch.manual_seed(0)  # another initialisation than the checkpoint's
-        model = Parallelize()(Transformer(ARGS), mesh)
         layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
-        read = load_pretrained(model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)
+        read = []
+        # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
+        model, _ = first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []),
+                               torch.device("cpu"), lambda model: read.append(load_pretrained(
+                                   model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)))
+        read = read[0]
         whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
                  for name, tensor in model.state_dict().items()}
+        torch.testing.assert_close(model.freqs, Transformer(ARGS).freqs, rtol=0, atol=0)  # computed again
         connection.send_bytes(pickle.dumps(("ok", (whole, read))))
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))

@@ -169,10 +169,17 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer(
-            "freqs", rope_frequencies(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling), persistent=False
-        )
+        self.register_buffer("freqs", self.rope(), persistent=False)
         self.reset_parameters()
+
+    def rope(self) -> torch.Tensor:
+        args = self.args
+        return rope_frequencies(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE table again: a model built on the meta device and then allocated
+        (``to_empty``) holds no values, and no checkpoint holds this table."""
+        self.freqs.copy_(self.rope())
 
     def reset_parameters(self) -> None:
         for name, param in self.named_parameters():

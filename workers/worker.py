@@ -19,6 +19,7 @@ import datetime
 import os
 import time
 import warnings
+from functools import partial
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from checkpointing.healing import export_local_state, import_local_state
 from checkpointing.pretrained import load_pretrained
+from workers.model_build import first_model
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
@@ -163,11 +165,11 @@ class RankWorker:
         try:
             if self.hooks is None:
                 self.hooks = load_hooks(self.pickled_hooks)
-            with self.device:
-                model = self.hooks.model_fn()
-            self.model, stages = stage_model(model, self.hooks.split_fn, self.hooks.parallelize_fn, spec.pipeline,
-                                             spec.pp_index, mesh)
-            load_pretrained(self.model, spec.pretrained, spec.storage, self.world.checkpoint_group)
+            place = partial(stage_model, split_fn=self.hooks.split_fn, parallelize_fn=self.hooks.parallelize_fn,
+                            layout=spec.pipeline, pp_index=spec.pp_index, mesh=mesh)
+            load = spec.pretrained and partial(load_pretrained, source=spec.pretrained, options=spec.storage,
+                                               process_group=self.world.checkpoint_group)
+            self.model, stages = first_model(self.hooks.model_fn, place, self.device, load)
             self.optimizer = self.hooks.optimizer_fn(self.model.parameters())
         except Exception as error:
             if raised_in_collective(error):  # a peer or the transport: worth another try
