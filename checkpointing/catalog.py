@@ -13,7 +13,7 @@ unless a newer generation marked it: that one belongs to the driver that took th
 sequence number: retention keeps the newest ``keep`` commits in commit order (a resume from
 an older checkpoint makes its later commits the newest, whatever their step numbers), and
 never the checkpoint just committed or the one the run resumed from. A checkpoint that
-fails verification is moved aside to ``corrupt-step-NNNNNNNN`` (kept for inspection, never
+fails verification is moved aside to ``corrupt-step-NNNNNNNN[.K]`` (kept for inspection, never
 loaded, never counted). Storage calls only, no Ray, no torch.
 """
 
@@ -189,8 +189,14 @@ class CheckpointCatalog:
         return found
 
     def _move_aside(self, fs, step: int) -> None:
+        """To ``corrupt-step-N``, or ``corrupt-step-N.K`` when the same step was corrupt
+        before (a step retrained and corrupted again): a move never lands inside an earlier one."""
         source = self._step_dirs()[step]
-        fs.mv(source, source.rsplit("/", 1)[0] + "/corrupt-" + step_dir_name(step), recursive=True)
+        root = source.rsplit("/", 1)[0]
+        target, again = f"{root}/corrupt-{step_dir_name(step)}", 1
+        while fs.exists(target):
+            target, again = f"{root}/corrupt-{step_dir_name(step)}.{again}", again + 1
+        fs.mv(source, target, recursive=True)
 
     def _next_sequence(self) -> int:
         fs, _ = self._filesystem()

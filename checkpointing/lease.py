@@ -48,7 +48,8 @@ from checkpointing.storage import StorageOptions, join_url
 
 log = logging.getLogger("elastic.lease")
 
-RECORD = re.compile(r"^(\d{8})\.json$")
+# Eight digits and more: generation 100,000,000 is 100000000.json, and still the newest.
+RECORD = re.compile(r"^(\d{8,})\.json$")
 FIELD_TYPES = {"generation": int, "holder": str, "expires_at": (int, float), "released": bool}
 
 

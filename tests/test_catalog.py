@@ -112,6 +112,20 @@ def test_when_every_checkpoint_is_corrupt_the_run_stops_unless_told_to_start_fre
     assert committed_dirs(catalog) == ["corrupt-step-00000005", "corrupt-step-00000010"]
 
 
+def test_the_same_step_corrupted_again_and_again_is_moved_aside_each_time_under_a_name_of_its_own(tmp_path):
+    catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=10)
+    save(catalog, 5)
+    for _ in range(3):  # the step retrained from step 5 and its shard truncated again
+        directory = save(catalog, 10)
+        with open(f"{directory}/__0_0.distcp", "r+b") as shard:
+            shard.truncate(100)
+        assert catalog.latest().step == 5
+    assert committed_dirs(catalog) == ["corrupt-step-00000010", "corrupt-step-00000010.1", "corrupt-step-00000010.2",
+                                       "step-00000005"]
+    fs, root = catalog.options.filesystem(catalog.root_url)
+    assert fs.ls(f"{root}/corrupt-step-00000010.2", detail=False)  # whole, not nested in another
+
+
 def test_retention_follows_commit_order_and_keeps_the_checkpoint_resumed_from(tmp_path):
     catalog = CheckpointCatalog(str(tmp_path / "run"), StorageOptions(), every=5, keep=2)
     for step in (5, 10, 15):

@@ -105,6 +105,24 @@ def test_credentials_in_a_data_url_are_never_printed(tmp_path, url, secrets):
         assert secret not in completed.stdout + completed.stderr
 
 
+def test_credentials_in_a_storage_url_are_refused_and_never_printed(tmp_path):
+    completed = elastic("train", "--storage", "s3://AKIALEAKME:LEAKEDSECRET@bkt/runs", cwd=tmp_path)
+    line = refusal(completed)
+    assert "storage" in line and "through the environment" in line, line
+    assert "AKIALEAKME" not in completed.stderr and "LEAKEDSECRET" not in completed.stderr
+
+
+@pytest.mark.parametrize("name,make,says", [
+    ("empty.bin", lambda path: path.write_bytes(b""), "holds 0 tokens, fewer than one sample"),
+    ("three.txt", lambda path: path.write_bytes(b"abc"), "holds 3 tokens, fewer than one sample"),
+    ("fifo.bin", lambda path: os.mkfifo(path), "is not a regular file"),
+])
+def test_data_too_small_or_not_a_file_is_one_line_and_exit_2(tmp_path, name, make, says):
+    make(tmp_path / name)
+    line = refusal(elastic("train", "--data", name, cwd=tmp_path))
+    assert "data.path" in line and says in line, line
+
+
 def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_the_run(tmp_path):
     from checkpointing.lease import RunLease
     from checkpointing.storage import StorageOptions

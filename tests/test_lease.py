@@ -15,9 +15,11 @@ from checkpointing.lease import (
     LeaseDirectory,
     LeaseHeld,
     LeaseLost,
+    LeaseRecord,
     LeaseUnsafe,
     RunLease,
     break_lease,
+    lease_url,
 )
 from checkpointing.storage import StorageOptions
 from elastic.cli import main as cli_main
@@ -67,6 +69,15 @@ def test_a_dead_drivers_lease_expires_and_the_next_driver_takes_over(run_url):
     RunLease(url, options, ttl_s=60, holder="dead", clock=clock).acquire()  # never renewed, never released
     clock.now += 61
     assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 2
+
+
+def test_generations_past_eight_digits_stay_the_newest(run_url):
+    url, options = run_url
+    clock = FakeClock()
+    LeaseDirectory(lease_url(url), options).create(LeaseRecord(99_999_999, "old", clock.now - 1, released=True))
+    assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 100_000_000
+    with pytest.raises(LeaseHeld, match="next"):
+        RunLease(url, options, ttl_s=60, holder="third", clock=clock).acquire()
 
 
 def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url, monkeypatch):

@@ -217,12 +217,12 @@ def test_prepare_shows_progress_in_bytes_on_large_input(tmp_path, monkeypatch, c
 
 
 def test_cli_prepare_writes_the_file_and_the_config_to_train_on_it(tmp_path, capsys):
-    (tmp_path / "a.txt").write_text("hello\n")
+    (tmp_path / "a.txt").write_text("hello\n" * 20)  # one sample of the default seq_len and more
     out = tmp_path / "data" / "train.bin"
     assert main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--eos", "300", "--quiet"]) == 0
-    assert read_tokens(out) == [*b"hello\n", 300]
+    assert read_tokens(out) == [*b"hello\n" * 20, 300]
     printed = capsys.readouterr().out
-    assert f"wrote 7 uint16 tokens to {out}" in printed
+    assert f"wrote 121 uint16 tokens to {out}" in printed
     config = build_config(tomllib.loads(printed.split("in the config file:\n", 1)[1]))
     assert config.data.path == str(out) and config.data.format == "tokens" and config.data.token_dtype == "uint16"
     assert config.model.vocab_size == 320  # token 300 fits, and any tp up to 64 divides it

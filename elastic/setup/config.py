@@ -385,6 +385,10 @@ class TrainConfig(Section):
     @field_validator("storage")
     @classmethod
     def _storage_absolute(cls, storage: str) -> str:
+        if "://" in storage and "@" in storage.split("://", 1)[1].split("/", 1)[0]:
+            # s3fs would take the user:secret for a bucket's name and print it in its error.
+            raise ValueError("a URL with credentials in it (***@); give them through the environment "
+                             "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), never in the URL")
         return absolute_url(storage)
 
     @field_validator("run_name")

@@ -130,7 +130,8 @@ class TokenWindows:
     def __len__(self) -> int:
         size = self.n_tokens()
         if size < self.seq_len + 1:
-            raise ValueError(f"the data holds {size} tokens, fewer than one sample of seq_len + 1")
+            raise ValueError(f"the data holds {size} tokens, fewer than one sample of seq_len + 1; give more "
+                             "data or lower data.seq_len")
         return (size - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> torch.Tensor:
@@ -265,7 +266,10 @@ class TokenFile(TokenWindows):
 
     @cached_property
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        return url_to_fs(self.path, **self.storage_options)
+        fs, file = url_to_fs(self.path, **self.storage_options)
+        if not fs.isfile(file):  # a FIFO or a device would block or never end
+            raise OSError(f"{self.path!r} is not a regular file (a directory, FIFO or device?)")
+        return fs, file
 
     @cached_property
     def _n_tokens(self) -> int:
@@ -360,10 +364,10 @@ def check_readable(config: TrainConfig) -> None:
         if path is None:
             continue
         try:
+            dataset = file_dataset(config, path)
+            len(dataset)  # sizes only: enough data for one sample
             if config.data.format_of(path) == "tokens":
-                tokens = file_dataset(config, path)
-                tokens.n_tokens()
-                if tokens.looks_like_text():
+                if dataset.looks_like_text():
                     raise ValueError(f"{path} looks like text, not {config.data.token_dtype} token ids; train on "
                                      "it as text (data.format = \"text\") or tokenize it with `elastic prepare`")
             else:
