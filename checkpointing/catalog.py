@@ -144,7 +144,7 @@ class CheckpointCatalog:
             on_skip(step, reason)
         for step, reason in corrupt:
             log.warning("checkpoint at step %d is corrupt, moved aside: %s", step, reason)
-            self._move_aside(fs, step)
+            self.move_aside(step)
         return found
 
     def _newest_verified(self, fs, step: int | None = None,
@@ -188,9 +188,10 @@ class CheckpointCatalog:
                                      + (f" ({problems})" if problems else f"; checkpoints there: {steps or 'none'}"))
         return found
 
-    def _move_aside(self, fs, step: int) -> None:
+    def move_aside(self, step: int) -> None:
         """To ``corrupt-step-N``, or ``corrupt-step-N.K`` when the same step was corrupt
         before (a step retrained and corrupted again): a move never lands inside an earlier one."""
+        fs, _ = self._filesystem()
         source = self._step_dirs()[step]
         root = source.rsplit("/", 1)[0]
         target, again = f"{root}/corrupt-{step_dir_name(step)}", 1
@@ -249,7 +250,7 @@ class CheckpointCatalog:
                 committed.append((self._read(fs, step, path).sequence, step))
             except CorruptCheckpoint as problem:
                 log.warning("checkpoint at step %d is corrupt, moved aside: %s", step, problem)
-                self._move_aside(fs, step)
+                self.move_aside(step)
         newest_first = [step for _, step in sorted(committed, reverse=True)]
         doomed = [step for step in newest_first[self.keep:] if step not in protect]
         doomed = sorted(doomed + partial)

@@ -41,6 +41,12 @@ class CorruptCheckpoint(ValueError):
     pass
 
 
+class UnloadableCheckpoint(CorruptCheckpoint):
+    """A committed checkpoint whose files match its manifest but do not load into a rank
+    (bytes written by someone without the signing key, or refused by the safe loader): the
+    checkpoint is bad, not the rank. Raised by every rank of the load alike."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
 from checkpointing.digests import DigestingFileSystem
+from checkpointing.manifest import CorruptCheckpoint, UnloadableCheckpoint
 from checkpointing.safe_loading import UnsafeCheckpoint, load_metadata
 from checkpointing.staging_arena import StagingArena
 from checkpointing.storage import StorageOptions
@@ -231,9 +232,14 @@ class RankCheckpointIO:
     def load(self, model: nn.Module, optimizer, url: str) -> float:
         started = time.perf_counter()
         reader = SafeReader(url, **self.options.for_url(url))
-        flat = saved_flat(reader.read_metadata())
-        state = training_state(model, optimizer, flat)
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.process_group)
+        try:
+            flat = saved_flat(reader.read_metadata())
+            state = training_state(model, optimizer, flat)
+            # DCP gathers a read's failure on any rank into every rank's CheckpointException;
+            # a peer lost mid-load raises a collective's error instead, and is no fault of the files.
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.process_group)
+        except (CheckpointException, CorruptCheckpoint) as error:
+            raise UnloadableCheckpoint(f"{url} does not load: {' '.join(str(error).split())[:400]}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return time.perf_counter() - started

@@ -133,7 +133,7 @@ def test_retention_follows_commit_order_and_keeps_the_checkpoint_resumed_from(tm
     assert catalog.prune() == [5]
     # The run resumed from step 10 (step 15's data went bad and was moved aside); its next
     # commits carry lower step numbers than the old newest, and are the newest all the same.
-    catalog._move_aside(catalog.options.filesystem(catalog.root_url)[0], 15)
+    catalog.move_aside(15)
     for step in (11, 12):
         save(catalog, step)
         catalog.prune(protect=(step, 10))

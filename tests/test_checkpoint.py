@@ -1,5 +1,6 @@
 """Checkpoints on real Ray actors, to a local directory and to a real S3 API server (moto)."""
 
+import hashlib
 import json
 import os
 import signal
@@ -59,6 +60,28 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     [skipped] = kinds(third.summary, "checkpoint-skipped")
     assert skipped["step"] == 20 and "__1_0.distcp" in skipped["reason"]
     assert continues_reference(third, config, 15)
+
+    # Other bytes under step 25's shard, its manifest rewritten to match them (what someone
+    # who can write the bucket but lacks the signing key can do): it verifies, but does not
+    # load. It is moved aside and step 20 loaded into the same ranks, none replaced.
+    shard = checkpoints / "step-00000025" / "__1_0.distcp"
+    forged = os.urandom(shard.stat().st_size)
+    shard.write_bytes(forged)
+    manifest_path = checkpoints / "step-00000025" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for record in manifest["files"]:
+        if record["name"] == "__1_0.distcp":
+            record["sha256"] = hashlib.sha256(forged).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+    config = tiny_config(tmp_path, shard=2, steps=30, checkpoint__every=5)
+    fourth = ElasticTrainer(config).fit()
+    assert fourth.ok, fourth.exit
+    assert fourth.summary["resumed_from_step"] == 20
+    [skipped] = kinds(fourth.summary, "checkpoint-skipped")
+    assert skipped["step"] == 25 and "does not load" in skipped["reason"]
+    assert not kinds(fourth.summary, "rank-failed") and not kinds(fourth.summary, "rank-evicted")
+    assert (checkpoints / "corrupt-step-00000025").is_dir()
+    assert continues_reference(fourth, config, 20)
 
 
 def test_ranks_can_upload_through_processes_of_their_own(ray_cluster, tmp_path):

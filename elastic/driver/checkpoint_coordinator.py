@@ -21,13 +21,13 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from checkpointing.catalog import CheckpointCatalog, Restorable
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
 from checkpointing.lease import RunLease
 from elastic.core.data_plan import DataCursor
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet.api import FleetApi, FleetError, Pending
+from elastic.fleet.api import CallFailed, FleetApi, FleetError, Pending
 from elastic.core.protocol import describe_error
 
 log = logging.getLogger("elastic.driver.checkpoint_coordinator")
@@ -88,22 +88,42 @@ class CheckpointCoordinator:
 
         return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh, at_most=at_most)
 
-    def restore(self, checkpoint: Restorable, ranks: list[int]) -> float:
-        """Load a committed checkpoint into ranks of any layout (DCP reshards); returns seconds.
+    def restore(self, checkpoint: Restorable, ranks: list[int]) -> tuple[Restorable, float]:
+        """Load a committed checkpoint into ranks of any layout (DCP reshards); returns the
+        checkpoint loaded and the seconds it took.
 
+        A checkpoint whose files match its manifest but do not load is corrupt all the same:
+        it is moved aside and the one before it loaded into the same ranks, none replaced.
         Each rank gets the generator states saved at its shard position and stage (the TP
         ranks of a position share one stream). A stream the saving layout did not have restarts
         its stream from the seed and the step instead, which is reported: its random draws
         differ from the run that saved it."""
         started = self.clock()
-        generators = {rank: self._saved_generators(checkpoint, rank) for rank in ranks}
-        self.fleet.restore(ranks, checkpoint.url, checkpoint.step, generators)
+        while True:
+            generators = {rank: self._saved_generators(checkpoint, rank) for rank in ranks}
+            try:
+                self.fleet.restore(ranks, checkpoint.url, checkpoint.step, generators)
+                break
+            except CallFailed as error:
+                if not error.unloadable or set(error.ranks) - set(error.unloadable):
+                    raise
+                checkpoint = self._instead_of_unloadable(checkpoint, next(iter(error.unloadable.values())))
         reseeded = sorted({self.topology.stream_of(rank) for rank, state in generators.items() if state is None})
         if reseeded:
             self.events.emit(EventKind.RNG_RESEEDED, step=checkpoint.step, streams=reseeded,
                              saved_layout=checkpoint.manifest.topology)
         self.last_committed_step = self.restored_step = checkpoint.step
-        return self.clock() - started
+        return checkpoint, self.clock() - started
+
+    def _instead_of_unloadable(self, checkpoint: Restorable, why: str) -> Restorable:
+        self.catalog.move_aside(checkpoint.step)
+        self.events.emit(EventKind.CHECKPOINT_SKIPPED, step=checkpoint.step, reason=why)
+        log.warning("checkpoint at step %d does not load, moved aside: %s", checkpoint.step, why)
+        earlier = self.latest(at_most=checkpoint.step - 1)
+        if earlier is None:
+            raise NoUsableCheckpoint(f"the checkpoint of step {checkpoint.step} does not load ({why}) and no earlier "
+                                     "one is usable; restore the run's checkpoints, or start a new run")
+        return earlier
 
     def _saved_generators(self, checkpoint: Restorable, rank: int) -> dict[str, bytes] | None:
         saved = checkpoint.manifest.rng.get(self.topology.stream_of(rank))

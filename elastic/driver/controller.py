@@ -234,7 +234,11 @@ class Controller:
             # groups that lost ranks rebuild and heal, or restore it again.
             self.history.first_step = self.resume.step
             self.state_sources.rewind(self.resume)
-            seconds = self.checkpoints.restore(self.resume, self.topology.ranks_of(self.membership.live_groups()))
+            restored, seconds = self.checkpoints.restore(self.resume, self.topology.ranks_of(self.membership.live_groups()))
+            if restored is not self.resume:  # it did not load: the one before it did
+                self.resume = restored
+                self.history.first_step = restored.step
+                self.state_sources.rewind(restored)
             self.events.emit(EventKind.RESUMED, step=self.resume.step, url=self.resume.url, seconds=round(seconds, 4))
 
     # runs: the steps the ranks take on their own

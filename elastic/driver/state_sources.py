@@ -135,7 +135,7 @@ class StateSources:
         return True
 
     def _restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
-        seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
+        checkpoint, seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))
         self.timing.add("heal_s", seconds)
         rolled_back = self.rewind(checkpoint)
         self.events.emit(

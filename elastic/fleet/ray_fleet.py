@@ -19,6 +19,7 @@ import ray
 from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from checkpointing.manifest import UnloadableCheckpoint
 from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
 from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
@@ -81,7 +82,7 @@ class Fleet(RankProcesses):
         refs = list(pending.refs.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         ready = set(ready)
-        results, lost, failed, hooks_failed = {}, {}, {}, {}
+        results, lost, failed, hooks_failed, unloadable = {}, {}, {}, {}, {}
         for rank, ref in pending.refs.items():
             if ref not in ready:
                 failed[rank] = f"no answer within {timeout:.0f}s"
@@ -93,6 +94,8 @@ class Fleet(RankProcesses):
             except RayTaskError as error:
                 if isinstance(error.cause, HookFailed):  # its own one line, not Ray's traceback
                     failed[rank] = hooks_failed[rank] = str(error.cause)
+                elif isinstance(error.cause, UnloadableCheckpoint):
+                    failed[rank] = unloadable[rank] = str(error.cause)
                 else:
                     failed[rank] = describe_error(error, 500)
             except (RayError, GetTimeoutError) as error:
@@ -101,7 +104,7 @@ class Fleet(RankProcesses):
             raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())), call)
         if failed:
             raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call,
-                             hooks_failed)
+                             hooks_failed, unloadable)
         return results
 
     # runs
