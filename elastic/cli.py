@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 import tomllib
@@ -190,6 +192,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     trainer = ElasticTrainer(config, progress=not args.quiet)
     result = trainer.fit()
+    # The run has its ending, written: a late signal must not end the process in a traceback
+    # (Ray's exit hook still runs), nor change the exit code. Lingering takes Ctrl-C again.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     summary = result.summary
     print(redact_credentials(
         f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
@@ -208,6 +214,7 @@ def linger_for_scrapes(events: list[dict], seconds: float, sleep=time.sleep) -> 
         return
     print(f"metrics stay up at http://{serving[-1]}/metrics for {seconds:.0f} s (metrics.linger_s); Ctrl-C ends them",
           flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sleep(seconds)
     except KeyboardInterrupt:
@@ -251,7 +258,40 @@ def fail(error: Exception, exit_status: int) -> int:
     return exit_status
 
 
+class ReaderMayLeave:
+    """stdout or stderr whose reader may go: a pipe into ``tee`` that the same Ctrl-C stopped,
+    a closed terminal. From its first broken write the stream's file goes to /dev/null, so that
+    nothing printed (a log line, the progress bar, the last summary line) turns a preemption or
+    a completed run into a failure; the run's own log and summary still hold everything."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (BrokenPipeError, ConnectionResetError, ValueError):  # ValueError: the stream was closed
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    sys.stdout, sys.stderr = ReaderMayLeave(sys.stdout), ReaderMayLeave(sys.stderr)
     handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])

@@ -282,8 +282,11 @@ class ElasticTrainer:
         exit_reason = "completed"
         final_state = None
         summary_path = None
+        signals = StopOnSignals(stop, events)
         try:
+            signals.catch()
             started_ray = connect_ray()
+            signals.catch()  # again: ray.init puts a SIGTERM handler of its own in place
             lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             self.config = on_cluster(self.config, ray.cluster_resources())
             check_capacity(self.config, ray.cluster_resources())
@@ -310,7 +313,7 @@ class ElasticTrainer:
                 check_pretrained_weights(self.config)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
-            with ProgressBar(self.config.steps, enabled=self.progress) as bar, StopOnSignals(stop, events):
+            with ProgressBar(self.config.steps, enabled=self.progress) as bar:
                 events.listeners.append(bar.on_event)
                 controller = Controller(
                     self.config, fleet, self.dataset_len, events, ledger, clock=clock,
@@ -328,10 +331,14 @@ class ElasticTrainer:
         except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", redact_credentials(str(error)))
+        except SecondSignal as second:
+            exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; it "
+                           "resumes from its last committed checkpoint")
         except BaseException as error:  # refused settings, a bug, a second Ctrl-C: never "completed"
             exit_reason = f"failed: {describe_error(error, 1000)}"
             raise
         finally:
+            signals.finishing = True
             renewing.set()
             try:
                 events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
@@ -346,6 +353,7 @@ class ElasticTrainer:
                 if started_ray:
                     ray.shutdown()
                 self._release(lease)
+                signals.release()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
 
     def _checkpoints(self, fleet, events, ledger, topology, clock, lease: RunLease) -> CheckpointCoordinator:
@@ -426,27 +434,39 @@ class ElasticTrainer:
         return join_url(self.run_dir, "summary.json")
 
 
+class SecondSignal(BaseException):
+    """A second SIGTERM or Ctrl-C while the run stops: it stops at once, not at the step
+    boundary. A BaseException, so that no handler of errors between here and ``fit`` takes it
+    for a fault of the run's own."""
+
+
 class StopOnSignals:
     """SIGTERM (preemption, ``ray job stop``, pod eviction) and Ctrl-C ask the controller to
-    stop at the next step boundary with a checkpoint, instead of killing the driver mid-step."""
+    stop at the next step boundary with a checkpoint, instead of killing the driver mid-step;
+    a second one stops the run at once (``SecondSignal``). Once the run is ``finishing`` (its
+    summary written, its actors stopped) a signal changes nothing: the run has its ending."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, stop: threading.Event, events: EventLog):
         self.stop, self.events, self.previous = stop, events, {}
+        self.finishing = False
 
     def _handle(self, signum, _frame) -> None:
+        if self.finishing:
+            return
         if self.stop.is_set():
-            raise KeyboardInterrupt  # a second signal: the user insists
+            raise SecondSignal(signal.Signals(signum).name)  # the user insists
         self.stop.set()
         self.events.emit(EventKind.STOP_REQUESTED, signal=signal.Signals(signum).name)
 
-    def __enter__(self) -> StopOnSignals:
+    def catch(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
+            for sig in self.SIGNALS:
+                previous = signal.signal(sig, self._handle)
+                self.previous.setdefault(sig, previous)
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 

@@ -3,8 +3,10 @@ end; bad input is refused before any actor starts, with one line and exit code 2
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,34 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     final = Path(summary["last_checkpoint"])
     assert final.is_relative_to(tmp_path / "runs")
     assert (final / "manifest.json").exists() and (final / ".metadata").exists()
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemption(ray_cluster, tmp_path, presses):
+    """`elastic train ... 2>&1 | tee log`, then Ctrl-C: tee stops with it, and every later
+    write of the driver's finds the pipe broken. The run still stops at a step boundary with
+    a checkpoint, and says so: preempted, exit 143. Pressed twice, it stops at once, and says
+    that too."""
+    from tests.loopback import wait_for
+
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "elastic", "train", "--run-name", "piped", "--steps", "2000", "--groups", "1",
+         "--shard", "1", "--tp", "1", "--checkpoint-every", "5"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        run = tmp_path / "runs" / "piped"
+        wait_for(lambda: (run / "checkpoints" / "step-00000005" / "manifest.json").exists(), 240, "a checkpoint")
+        driver.stdout.close()  # the reader is gone
+        for _ in range(presses):
+            driver.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        assert driver.wait(120) == 143
+    finally:
+        driver.kill()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit"].startswith("preempted" if presses == 1 else "preempted: a second SIGINT stopped the run at once")
+    assert summary["last_checkpoint"] or presses == 2
 
 
 # `elastic` in a process where Ray cannot even be imported: these inputs must be refused
