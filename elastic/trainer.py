@@ -343,6 +343,7 @@ class ElasticTrainer:
             try:
                 events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
                 summary = self._summary(controller, events, ledger, exit_reason)
+                metrics.time_spent(summary["goodput"], summary["time_breakdown"])
                 if lease.lost:  # the summary is the new holder's to write now
                     log.error("the run's summary is not written: %s", lease.lost)
                 else:

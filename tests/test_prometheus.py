@@ -118,6 +118,18 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
     [evicted] = prometheus.query('increase(elastic_evictions_total{cause="death"}[1h])')
     assert float(evicted["value"][1]) > 0
 
+    # What the endpoint serves once the run has ended (while it lingers) is the summary's figures.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        samples = {(sample.name, sample.labels.get("category")): sample.value
+                   for family in text_string_to_metric_families(response.read().decode())
+                   for sample in family.samples}
+    assert samples[("elastic_goodput_ratio", None)] == pytest.approx(result.summary["goodput"], rel=1e-9)
+    for category, seconds in result.summary["time_breakdown"].items():
+        if category != "wall_s":
+            assert samples[("elastic_time_seconds", category)] == pytest.approx(seconds, rel=1e-9, abs=1e-9), category
+
     scraped = set(prometheus.api("label/__name__/values"))
     used = set().union(*(metric_names(expr) for _, expr in dashboard_queries()))
     assert used <= scraped, f"the dashboard uses metrics the run did not export: {sorted(used - scraped)}"

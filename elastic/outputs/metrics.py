@@ -181,8 +181,13 @@ class Metrics:
         self.learning_rate.set(result.lr)
         self.grad_norm.set(result.grad_norm)
         self.tokens_per_second.set(result.tokens_per_s)
-        self.goodput_ratio.set(ledger.goodput())
-        for category, seconds in ledger.breakdown().items():
+        self.time_spent(ledger.goodput(), ledger.breakdown())
+
+    def time_spent(self, goodput: float, breakdown: dict[str, float]) -> None:
+        """Goodput and the wall time by category: the ledger's after each step, and once the run
+        has ended the summary's own (served as they are while the endpoint lingers)."""
+        self.goodput_ratio.set(goodput)
+        for category, seconds in breakdown.items():
             if category != "wall_s":
                 self.time_seconds.labels(category=category).set(seconds)
 
