@@ -20,7 +20,7 @@ import io
 import pickle
 from typing import Any
 
-from checkpointing.manifest import CorruptCheckpoint
+from checkpointing.manifest import DCP_FILE, CorruptCheckpoint
 
 METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -59,6 +59,13 @@ def load_metadata(stream: io.BufferedIOBase):
         raise CorruptCheckpoint(f".metadata does not load: {type(error).__name__}: {error}") from error
     if type(metadata).__module__ != "torch.distributed.checkpoint.metadata" or type(metadata).__name__ != "Metadata":
         raise UnsafeCheckpoint(f".metadata holds a {type(metadata).__name__}, not DCP metadata: refused")
+    # Where each item's bytes lie: a file DCP writes, in the checkpoint's own directory. A
+    # forged path (absolute, or with ..) would have a rank or an export read any file at all.
+    for storage in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(storage, "relative_path", None)
+        if not isinstance(path, str) or not DCP_FILE.match(path) or path == ".metadata":
+            raise UnsafeCheckpoint(f".metadata places data in {path!r}, not a file DCP writes in the checkpoint's "
+                                   "directory: refused, not read")
     return metadata
 
 

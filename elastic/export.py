@@ -23,11 +23,12 @@ from typing import Literal
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing.catalog import CheckpointCatalog
 from checkpointing.huggingface import WEIGHTS_NAME, LlamaLayout, config_json, huggingface_state
-from checkpointing.manifest import signing_key_from_environment
+from checkpointing.manifest import CorruptCheckpoint, signing_key_from_environment
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
 from checkpointing.safe_loading import load_metadata
 from checkpointing.storage import StorageOptions
@@ -95,10 +96,18 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         from safetensors.torch import save_file
     except ImportError:
         raise ConfigError("elastic export needs safetensors: pip install 'elastic-trainer[export]'") from None
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"--output {output}: a file is there; give a directory (new, or one to write into)")
     options = options or StorageOptions()
     catalog = CheckpointCatalog(run, options, every=1, keep=1, signing_key=signing_key_from_environment())
     checkpoint = catalog.find(step)
-    state = model_state(checkpoint.url, options)
+    try:
+        state = model_state(checkpoint.url, options)
+    except (CheckpointException, CorruptCheckpoint) as error:
+        failures = getattr(error, "failures", None)
+        first = str(next(iter(failures.values()))) if failures else str(error)
+        raise ConfigError(f"{checkpoint.url} does not load: {' '.join(first.split())[:400]}; nothing was "
+                          "exported") from None
     if dtype is not None:
         state = {name: tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
                  for name, tensor in state.items()}
@@ -117,8 +126,12 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
     elif reference:
         _write_json(os.path.join(output, "model_args.json"), asdict(args))
         files.append("model_args.json")
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(output, WEIGHTS_NAME),
+    weights = os.path.join(output, WEIGHTS_NAME)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, weights,
               metadata={"format": "pt", "step": str(checkpoint.step)})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # safetensors writes it 0600: readable as the JSON beside it is
     return Exported(checkpoint.step, output, tuple(files), sum(tensor.numel() for tensor in state.values()))
 
 

@@ -122,9 +122,16 @@ class HuggingFaceTokenizer:
             raise ConfigError("--tokenizer needs HuggingFace transformers: pip install 'elastic-trainer[tokenizer]'") \
                 from None
         try:
-            return cls(AutoTokenizer.from_pretrained(name_or_path))
+            # Never the tokenizer's own code: said outright, transformers does not leave it to a
+            # prompt on the terminal (answering y there ran the directory's Python).
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"--tokenizer {name_or_path!r}: {error}") from None
+            raise ConfigError(f"--tokenizer {name_or_path!r}: {' '.join(str(error).split())}") from None
+        if tokenizer.init_kwargs.get("auto_map"):
+            # Loaded without its code, it may not split text as its authors' code does.
+            raise ConfigError(f"--tokenizer {name_or_path!r} is a tokenizer of its own code (auto_map), which "
+                              "this product never runs; give a tokenizer that transformers ships")
+        return cls(tokenizer)
 
     @property
     def vocab_size(self) -> int:

@@ -40,6 +40,7 @@ def test_the_native_export_loads_into_the_transformer_and_gives_the_runs_held_ou
     config, result = trained
     assert main(["export", result.run_dir, "--output", str(tmp_path)]) == 0
     assert "exported step 6" in capsys.readouterr().out
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o044  # readable by others, as the JSON beside it
     model = Transformer(ModelArgs(**json.loads((tmp_path / "model_args.json").read_text())))
     model.load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: every name, every shape
     assert abs(held_out_loss(model, config) - result.summary["final_eval_loss"]) <= 1e-5
@@ -67,3 +68,35 @@ def test_an_earlier_step_exports_and_a_missing_one_is_refused_naming_those_there
     assert main(["export", result.run_dir, "--output", str(tmp_path), "--step", "4"]) == 2
     assert capsys.readouterr().err.strip().endswith("no usable checkpoint of step 4 under "
                                                     f"{result.run_dir}/checkpoints; checkpoints there: [3, 6]")
+    (tmp_path / "a-file").write_text("")
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "a-file")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "a-file: a file is there; give a directory" in line
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line_and_nothing_is_exported(trained, tmp_path, capsys):
+    """Its .metadata forged to read a file outside the checkpoint, its manifest rewritten to match."""
+    import hashlib
+    import pickle
+    import shutil
+    from dataclasses import replace
+
+    from checkpointing.safe_loading import load_metadata
+
+    _, result = trained
+    shutil.copytree(result.run_dir, tmp_path / "run")
+    step = tmp_path / "run" / "checkpoints" / "step-00000006"
+    metadata = load_metadata(open(step / ".metadata", "rb"))
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = replace(metadata.storage_data[index], relative_path="/etc/passwd")
+    forged = pickle.dumps(metadata)
+    (step / ".metadata").write_bytes(forged)
+    manifest = json.loads((step / "manifest.json").read_text())
+    for record in manifest["files"]:
+        if record["name"] == ".metadata":
+            record.update(size=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out"), "--step", "6"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "/etc/passwd" in line and "refused" in line, line
+    assert not (tmp_path / "out").exists()

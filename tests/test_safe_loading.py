@@ -80,6 +80,24 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize("forged", ["/etc/passwd", "../../outside.distcp", ".metadata"])
+def test_metadata_that_places_data_outside_the_checkpoints_files_is_refused(tmp_path, forged):
+    """A forged ``relative_path`` would have a rank (or an export) read any file at all."""
+    from dataclasses import replace
+
+    from checkpointing.safe_loading import load_metadata
+
+    saved = state_of(*trained())
+    dcp.save(saved, checkpoint_id=str(tmp_path))
+    metadata = load_metadata(open(tmp_path / ".metadata", "rb"))
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = replace(metadata.storage_data[index], relative_path=forged)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointException) as raised:
+        load(tmp_path, state_of(*trained()))
+    assert f".metadata places data in {forged!r}, not a file DCP writes" in failures(raised)
+
+
 def test_an_optimizer_value_that_would_run_code_is_refused(tmp_path):
     saved = state_of(*trained())
     saved["optimizer"]["param_groups"][0]["poison"] = RunsCode(tmp_path / "ran")  # saved as a bytes item

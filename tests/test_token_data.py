@@ -519,3 +519,21 @@ def test_prepare_with_a_huggingface_tokenizer_from_a_local_directory(tmp_path, c
     assert main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
                      str(tmp_path / "missing")]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+    # A directory whose tokenizer is its own code (an auto_map): refused, the code never run,
+    # whatever a terminal would have answered.
+    import json
+    import shutil
+
+    shutil.copytree(tmp_path / "tokenizer", tmp_path / "custom")
+    config_path = tmp_path / "custom" / "tokenizer_config.json"
+    settings = json.loads(config_path.read_text())
+    settings["auto_map"] = {"AutoTokenizer": ["custom_code.CustomTokenizer", "custom_code.CustomTokenizer"]}
+    config_path.write_text(json.dumps(settings))
+    marker = tmp_path / "ran"
+    (tmp_path / "custom" / "custom_code.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast as CustomTokenizer\n")
+    assert main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
+                 str(tmp_path / "custom")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert not marker.exists()
