@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,16 @@ def check_writable(url: str) -> None:
         raise ValueError(
             f"cannot create or write {path}: {existing} is not writable; give a directory this process can write"
         )
+    # Permissions do not tell everything (/proc and /sys refuse root too; a full disk takes no
+    # byte): a byte written where the run would start writing does. Nothing is left behind.
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-probe-") as probe:
+            probe.write(b"\0")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise ValueError(f"cannot create or write {path}: {error.strerror or error}; give a directory this "
+                         "process can write") from None
 
 
 def check_protocol(url: str) -> None:

@@ -135,6 +135,21 @@ def test_credentials_in_a_data_url_are_never_printed(tmp_path, url, secrets):
         assert secret not in completed.stdout + completed.stderr
 
 
+def test_storage_the_system_refuses_and_a_busy_metrics_port_are_one_line_before_ray(tmp_path):
+    import socket
+
+    line = refusal(elastic("train", "--storage", "/proc/elastic-runs", cwd=tmp_path))
+    assert "storage: cannot create or write /proc/elastic-runs" in line, line
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(elastic("train", "--metrics-port", str(port), cwd=tmp_path))
+    assert f"metrics: cannot listen on 127.0.0.1:{port} (Address already in use)" in line, line
+    line = refusal(elastic("train", "--metrics-host", "no-such-host.invalid", "--metrics-port", "0", cwd=tmp_path))
+    assert "metrics: cannot listen on no-such-host.invalid:0" in line, line
+
+
 def test_credentials_in_a_storage_url_are_refused_and_never_printed(tmp_path):
     completed = elastic("train", "--storage", "s3://AKIALEAKME:LEAKEDSECRET@bkt/runs", cwd=tmp_path)
     line = refusal(completed)

@@ -12,6 +12,7 @@ config built any other way is checked before a run too. A problem is one line, r
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,25 @@ def preflight(config: TrainConfig) -> TrainConfig:
         check_readable(config)  # names the field in its message
     except ValueError as error:
         raise ConfigError(invalid_config([str(error)])) from None
+    check_metrics_address(config.metrics.host, config.metrics.port)
     config._preflighted_as = config.model_dump()
     return config
+
+
+def check_metrics_address(host: str, port: int) -> None:
+    """The metrics endpoint can listen where the config says: the host resolves and the port
+    is free now (else it would fail after Ray and the actors had started)."""
+    if not port and host == "127.0.0.1":
+        return  # not served
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself binds
+            probe.bind(address)
+    except OSError as error:
+        raise ConfigError(invalid_config([f"metrics: cannot listen on {host}:{port} ({error.strerror or error}); "
+                                          "free the port or give another (metrics.port; 0 takes any free one), "
+                                          "and a host of this machine (metrics.host)"])) from None
 
 
 def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
