@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--global-batch", type=int, help="samples per step, across all groups")
     train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")
     train.add_argument("--seed", type=int)
-    train.add_argument("--data", help="text data: a path, glob or fsspec URL (default: a generated corpus)")
+    train.add_argument("--data", help="training data, text or token ids (.bin: see elastic prepare): a path, "
+                                      "glob or fsspec URL (default: a generated corpus)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="auto: GPUs when the cluster has them; cuda: one GPU per rank unless gpus_per_rank says otherwise")
     train.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA, fp32 on CPU")
@@ -199,7 +200,8 @@ def run_train(args: argparse.Namespace) -> int:
     summary = result.summary
     print(redact_credentials(
         f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
-        f"{summary['steps_discarded']} discarded; final loss {summary['final_loss']}; "
+        f"{summary['steps_discarded']} discarded; final loss "
+        f"{'none' if summary['final_loss'] is None else format(summary['final_loss'], '.4f')}; "
         f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
         f"summary at {result.summary_path}"
     ))

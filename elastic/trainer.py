@@ -185,8 +185,12 @@ def connect_ray() -> bool:
 
 
 def start_local_ray(**options) -> None:
-    """A local Ray instance on loopback only; gloo follows the same interface."""
+    """A local Ray instance on loopback only; gloo follows the same interface. Ray 2.60 turns
+    token authentication on for it and says so on every run: that notice is dropped (the
+    README says it). Ray's usage statistics are off."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(
         address="local",  # a new instance, even when another one runs on this machine
         _node_ip_address="127.0.0.1",
@@ -393,7 +397,7 @@ class ElasticTrainer:
         last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
         summary = {
             "run": self.run_name,
-            "config": self.config.model_dump(mode="json"),
+            "config": {**self.config.model_dump(mode="json"), "run_name": self.run_name},  # a generated name too
             "init_from": self.source_identity,  # what the weights started from, file by file
             "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},

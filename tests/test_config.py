@@ -248,6 +248,13 @@ def test_the_largest_sizes_and_times_are_accepted():
     assert config.fault_tolerance.collective_timeout_s == 86400
 
 
+def test_a_boolean_is_never_taken_for_a_number():
+    fails({"steps": True}, "steps: true is a boolean, not what this field takes; give a value of its type")
+    fails({"scaling": {"tp": True}}, "scaling.tp: true is a boolean")
+    fails({"steps": {"x": 1}}, "steps: Input should be a valid integer, got {'x': 1}; give a number")
+    assert build_config({"compute": {"compile": True}}).compute.compile is True
+
+
 def test_seed_is_not_negative():
     fails({"seed": -1}, "seed", "use a positive value")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import string
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -39,8 +39,20 @@ MAX_STEPS = 1_000_000_000
 _RUN_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_.")
 
 
+def _takes_bool(annotation) -> bool:
+    return annotation is bool or any(_takes_bool(argument) for argument in get_args(annotation))
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info):
+        # pydantic takes true for 1 in an int field: `--set steps=true` would train one step.
+        if isinstance(value, bool) and not _takes_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(value).lower()} is a boolean, not what this field takes; give a value of its type")
+        return value
 
 
 # The pipeline schedules that run one stage per rank (workers.pipeline names the same two).
@@ -528,6 +540,10 @@ def describe(error: ValidationError) -> str:
             message = f"{message}, got {item['input']!r}; inf and nan are not allowed, give a number"
         elif item["type"] == "string_too_long":
             message = f"{message}; use a shorter one"
+        elif item["type"] in {"int_type", "int_parsing", "float_type", "float_parsing", "int_from_float"}:
+            message = f"{message}, got {item['input']!r}; give a number"
+        elif item["type"] in {"bool_type", "bool_parsing"}:
+            message = f"{message}, got {item['input']!r}; give true or false"
         # A check over several sections names its fields itself.
         lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
     return invalid_config(lines)
