@@ -202,8 +202,10 @@ def run_train(args: argparse.Namespace) -> int:
         f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
         f"{summary['steps_discarded']} discarded; final loss "
         f"{'none' if summary['final_loss'] is None else format(summary['final_loss'], '.4f')}; "
-        f"goodput {summary['goodput']:.1%}; last checkpoint {summary['last_checkpoint']}; "
-        f"summary at {result.summary_path}"
+        f"goodput {summary['goodput']:.1%}"
+        + (f" (the whole run, {summary['run_total']['legs']} legs: {summary['run_total']['goodput']:.1%})"
+           if summary.get("leg", 1) > 1 else "")
+        + f"; last checkpoint {summary['last_checkpoint']}; summary at {result.summary_path}"
     ))
     linger_for_scrapes(summary["events"], config.metrics.linger_s)
     return exit_code(result.exit)

@@ -37,6 +37,7 @@ from elastic.fleet.ray_fleet import Fleet
 from elastic.fleet.rendezvous import Rendezvous
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.outputs.metrics import Metrics
+from elastic.outputs.run_record import SUMMARY_NAME, earlier_legs, with_history, write_summary
 from elastic.core.protocol import describe_error
 
 log = logging.getLogger("elastic")
@@ -274,6 +275,8 @@ class ElasticTrainer:
         settings = self.config.checkpoint
         lease = RunLease(self.run_dir, settings.storage_options(), settings.lease_ttl_s)
         lease.acquire()
+        # Read before anything of this leg is written: the run's record of its earlier legs.
+        earlier = earlier_legs(*settings.storage_options().filesystem(self.run_dir), self.run_name)
         started_ray = False
         clock = time.monotonic
         events = EventLog(clock)
@@ -346,7 +349,7 @@ class ElasticTrainer:
             renewing.set()
             try:
                 events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
-                summary = self._summary(controller, events, ledger, exit_reason)
+                summary = with_history(self._summary(controller, events, ledger, exit_reason), earlier)
                 metrics.time_spent(summary["goodput"], summary["time_breakdown"])
                 if lease.lost:  # the summary is the new holder's to write now
                     log.error("the run's summary is not written: %s", lease.lost)
@@ -433,10 +436,8 @@ class ElasticTrainer:
 
     def _write_summary(self, summary: dict) -> str:
         fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)
-        fs.makedirs(path, exist_ok=True)
-        with fs.open(f"{path}/summary.json", "w") as handle:
-            json.dump(summary, handle, indent=1, default=str, allow_nan=False)
-        return join_url(self.run_dir, "summary.json")
+        write_summary(fs, path, summary)
+        return join_url(self.run_dir, SUMMARY_NAME)
 
 
 class SecondSignal(BaseException):

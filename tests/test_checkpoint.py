@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from elastic import ElasticTrainer
@@ -82,6 +83,19 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     assert not kinds(fourth.summary, "rank-failed") and not kinds(fourth.summary, "rank-evicted")
     assert (checkpoints / "corrupt-step-00000025").is_dir()
     assert continues_reference(fourth, config, 20)
+
+    # One run, one history: every leg's record is kept, and the report draws them all.
+    from elastic.outputs.report import whole_run
+
+    summary = json.loads(Path(fourth.run_dir, "summary.json").read_text())
+    assert summary["leg"] == 4 and [leg["resumed_from_step"] for leg in summary["earlier_legs"]] == [None, 10, 15]
+    assert [len(leg["losses"]) for leg in summary["earlier_legs"]] == [10, 10, 10]
+    assert summary["earlier_legs"][0]["losses"] == first.losses
+    total = summary["run_total"]
+    assert total["legs"] == 4 and total["steps_committed"] == 40 and total["exits"] == ["completed"] * 4
+    assert total["wall_s"] == pytest.approx(sum(leg["time_breakdown"]["wall_s"] for leg in [*summary["earlier_legs"], summary]))
+    drawn = whole_run(summary)
+    assert len(drawn["steps"]) == 40 and [r["t"] for r in drawn["steps"]] == sorted(r["t"] for r in drawn["steps"])
 
 
 def test_ranks_can_upload_through_processes_of_their_own(ray_cluster, tmp_path):

@@ -262,3 +262,33 @@ def test_event_labels_close_in_time_read_as_one():
         (75.1, ["rank 3 death", "rank 3 death evicted", "rank 0 stuck-in-collective evicted"], "red"),
         (90.0, ["ckpt failed"], "red"),
     ]
+
+
+def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_path):
+    """One run, one history (elastic.outputs.run_record): a leg keeps the legs before it, an
+    unreadable record is moved aside, never overwritten, and the report is the whole run's."""
+    import fsspec
+
+    from elastic.outputs.run_record import earlier_legs, with_history, write_summary
+
+    fs = fsspec.filesystem("file")
+    directory = str(tmp_path / "run")
+    assert earlier_legs(fs, directory, "demo-run") == []
+    first = make_summary()
+    write_summary(fs, directory, with_history(first, earlier_legs(fs, directory, "demo-run")))
+    second = {**make_summary(), "resumed_from_step": 20, "exit": "preempted"}
+    write_summary(fs, directory, with_history(second, earlier_legs(fs, directory, "demo-run")))
+    recorded = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert recorded["leg"] == 2 and recorded["earlier_legs"] == [{**first, "leg": 1}]
+    total = recorded["run_total"]
+    assert total["exits"] == ["completed", "preempted"] and total["steps_committed"] == 2 * first["steps_committed"]
+    assert total["wall_s"] == pytest.approx(2 * first["wall_s"]) and total["goodput"] == pytest.approx(first["goodput"])
+
+    png, breakdown = report(directory)
+    assert_valid_png(png)
+    assert breakdown["wall_s"] == pytest.approx(2 * first["wall_s"])
+
+    (tmp_path / "run" / "summary.json").write_text("{not json")
+    assert earlier_legs(fs, directory, "demo-run") == []
+    [aside] = (tmp_path / "run").glob("summary-unreadable-*.json")
+    assert aside.read_text() == "{not json"

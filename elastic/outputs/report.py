@@ -520,12 +520,32 @@ def _default_output(run: str, summary: dict[str, Any]) -> str:
     return os.path.join(os.getcwd(), f"{safe}-timeline.png")
 
 
+def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary of every leg of the run as one (``elastic.outputs.run_record``): each leg's
+    steps and events in order, their times after the legs before it, the time breakdown and
+    goodput summed over the legs. A single leg's summary is itself."""
+    legs = [*summary.get("earlier_legs", []), summary]
+    if len(legs) == 1:
+        return summary
+    steps, events, offset = [], [], 0.0
+    for leg in legs:
+        steps += [{**record, "t": record["t"] + offset} for record in leg.get("steps") or []
+                  if record.get("t") is not None]
+        events += [{**event, "t": event["t"] + offset} for event in leg.get("events") or []
+                   if event.get("t") is not None]
+        offset += float((leg.get("time_breakdown") or {}).get("wall_s") or leg.get("wall_s") or 0.0)
+    total = summary["run_total"]
+    return {**summary, "steps": steps, "events": events, "time_breakdown": total["time_breakdown"],
+            "wall_s": total["wall_s"], "goodput": total["goodput"]}
+
+
 def report(run: str, output: str | None = None) -> tuple[str, dict[str, float]]:
-    """Load a run's summary, write its timeline PNG and return (png path, goodput breakdown).
+    """Load a run's summary, write its timeline PNG of every leg and return (png path, goodput
+    breakdown over the whole run).
 
     The PNG goes to ``output`` if given, else ``timeline.png`` in the run directory when it is
     local, else ``<run>-timeline.png`` in the current directory."""
-    summary = load_summary(run)
+    summary = whole_run(load_summary(run))
     breakdown = goodput_breakdown(summary)
     path = output if output is not None else _default_output(run, summary)
     plot_timeline(summary, path)
