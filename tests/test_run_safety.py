@@ -195,3 +195,12 @@ def test_tensor_parallelism_for_a_custom_model_without_a_plan_is_refused_up_fron
     with pytest.raises(ConfigError, match="tp_plan: give it or parallelize_fn, not both"):
         ElasticTrainer(tiny_config(tmp_path, tp=2), model_fn=model_fn, tp_plan=lambda model, mesh: None,
                        parallelize_fn=lambda model, mesh: model)
+
+
+def test_an_optimizer_fn_that_returns_no_optimizer_is_refused_up_front_naming_the_hook(tmp_path):
+    import torch
+
+    with pytest.raises(ConfigError, match=r"^optimizer_fn: returned NoneType, not an optimizer; return a "
+                                          r"torch.optim.Optimizer"):
+        ElasticTrainer(tiny_config(tmp_path), optimizer_fn=lambda parameters: None)
+    ElasticTrainer(tiny_config(tmp_path), optimizer_fn=lambda parameters: torch.optim.SGD(parameters, lr=0.1))

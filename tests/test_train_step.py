@@ -79,3 +79,20 @@ def test_gradient_buckets_are_consecutive_and_cut_before_they_would_overflow():
 
     assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
     assert plan_buckets([4, 4, 4], float("inf")) == [[0, 1, 2]]
+
+
+def test_a_loss_fn_that_returns_other_than_one_loss_per_target_is_named():
+    import pytest
+
+    from workers.train_step import TokenLoss
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=8))
+    batch = collate([torch.randint(0, 32, (9,)) for _ in range(2)], [0, 1], torch.device("cpu"))
+
+    def flattened(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+    with pytest.raises(ValueError, match=r"loss_fn returned losses of shape \(16,\) for targets of shape \(2, 8\): "
+                                         r"return one loss per target"):
+        TokenLoss(flattened)(model, batch)

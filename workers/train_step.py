@@ -83,11 +83,21 @@ def collate(dataset, indices: Sequence[int], device: torch.device, collate_fn: C
     return Batch(ids[:, :-1], targets, weights, int(weights.sum().item())).to(device)
 
 
+def per_target_losses(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss_fn``'s losses, one per target, checked: another shape would fail far from the
+    hook that made it, or broadcast into a wrong sum."""
+    losses = loss_fn(logits, targets)
+    if losses.shape != targets.shape:
+        raise ValueError(f"loss_fn returned losses of shape {tuple(losses.shape)} for targets of shape "
+                         f"{tuple(targets.shape)}: return one loss per target (reduction='none')")
+    return losses.float()
+
+
 def weighted_loss(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                   global_tokens: int) -> torch.Tensor:
     """A micro-batch's share of the global loss: its weighted token losses summed, over the
     global token count."""
-    return (loss_fn(logits, targets).float() * weights).sum() / global_tokens
+    return (per_target_losses(loss_fn, logits, targets) * weights).sum() / global_tokens
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,8 @@ class TokenLoss:
     loss_fn: LossFn
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, float]:
-        return (self.loss_fn(model(batch.inputs), batch.targets).float() * batch.weights).sum(), batch.counted_tokens
+        losses = per_target_losses(self.loss_fn, model(batch.inputs), batch.targets)
+        return (losses * batch.weights).sum(), batch.counted_tokens
 
 
 @dataclass(frozen=True)

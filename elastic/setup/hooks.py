@@ -172,6 +172,23 @@ def check_batch_loss(config: TrainConfig, hooks: TrainHooks) -> None:
                           "batch's summed loss as a floating-point scalar tensor, and how many things it summed over")
 
 
+def check_optimizer(hooks: TrainHooks) -> None:
+    """A custom ``optimizer_fn`` run once over the model's parameters on the meta device: it
+    must return an optimizer (one returning None failed every rank's build, and the run spent
+    its recoveries on it). A model the meta device cannot build leaves the check to the ranks."""
+    if isinstance(hooks.optimizer_fn, AdamW):
+        return
+    try:
+        with torch.device("meta"):
+            model = hooks.model_fn()
+    except (NotImplementedError, RuntimeError):
+        return
+    optimizer = hooks.optimizer_fn(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer_fn: returned {type(optimizer).__name__}, not an optimizer; return a "
+                          "torch.optim.Optimizer over the parameters it is given")
+
+
 SAMPLE_FORMS = ("each sample must be a 1-D integer tensor of data.seq_len + 1 = {n} token ids (inputs and the "
                 "next-token targets), or a dict with input_ids of that shape and optional labels beside them "
                 "({ignore} where no loss is taken)")
@@ -212,6 +229,7 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     else:
         check_sample(hooks.dataset[0], config.data.seq_len,
                      hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
+    check_optimizer(hooks)
     parallelize = hooks.parallelize_fn
     planless = isinstance(parallelize, Parallelize) and parallelize.tp_plan is None  # the default, no tp_plan
     if config.scaling.tp > 1 and planless and not isinstance(hooks.model_fn, ReferenceModel):
