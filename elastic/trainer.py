@@ -24,7 +24,7 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.pretrained import changed_files, source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
-from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster
+from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster, spares_beyond_capacity
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
@@ -179,6 +179,8 @@ def connect_ray() -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        # Ray retries an address that does not answer for minutes without a word.
+        log.info("joining the Ray cluster at %s (RAY_ADDRESS)", os.environ.get("RAY_ADDRESS", "of this job"))
         ray.init(log_to_driver=True)
         return False
     start_local_ray()
@@ -292,11 +294,15 @@ class ElasticTrainer:
         signals = StopOnSignals(stop, events)
         try:
             signals.catch()
+            # Renewed from here: starting Ray took up to a minute on a busy machine, longer than
+            # a short lease_ttl_s, which then expired before the first renewal.
+            lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             started_ray = connect_ray()
             signals.catch()  # again: ray.init puts a SIGTERM handler of its own in place
-            lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             self.config = on_cluster(self.config, ray.cluster_resources())
             check_capacity(self.config, ray.cluster_resources())
+            if (warning := spares_beyond_capacity(self.config, ray.cluster_resources())) is not None:
+                log.warning("%s", warning)
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")

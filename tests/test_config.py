@@ -54,6 +54,17 @@ def test_layout_larger_than_cluster():
         check_capacity(config, {"CPU": 2.0})
 
 
+def test_spares_the_cluster_has_no_room_for_are_warned_of():
+    from elastic.setup.config import spares_beyond_capacity
+
+    config = build_config({"scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 2, "spares": 100}})
+    assert spares_beyond_capacity(config, {"CPU": 2.0}) == (
+        "scaling.spares = 100, but beside 8 ranks at cpus_per_rank=0.25 the cluster has room for 0 (2 CPU); the "
+        "others start only if the cluster grows")
+    assert spares_beyond_capacity(config.model_copy(update={"scaling": config.scaling.model_copy(
+        update={"spares": 2})}), {"CPU": 4.0}) is None
+
+
 def test_bad_fault_spec():
     fails({"fault_tolerance": {"inject": "explode:rank=1,step=2"}}, "unknown kind 'explode'")
     fails({"fault_tolerance": {"inject": "kill:step=2"}}, "needs rank=N")

@@ -608,6 +608,24 @@ def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> Trai
     return config.model_copy(update={"scaling": scaling})
 
 
+def spares_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> str | None:
+    """What to warn of when ``scaling.spares`` cannot all start beside the groups the run
+    wants (they would wait for room, silently, the whole run); None when they fit."""
+    scaling = config.scaling
+    if not scaling.spares:
+        return None
+    ranks = scaling.max_groups * scaling.ranks_per_group
+    for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank or 0.0)]:
+        if not per_rank:
+            continue
+        room = int((cluster_resources.get(resource, 0.0) - ranks * per_rank) / per_rank + 1e-9)
+        if room < scaling.spares:
+            return (f"scaling.spares = {scaling.spares}, but beside {ranks} ranks at {resource.lower()}s_per_rank="
+                    f"{per_rank:g} the cluster has room for {max(room, 0)} ({cluster_resources.get(resource, 0.0):g} "
+                    f"{resource}); the others start only if the cluster grows")
+    return None
+
+
 def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> None:
     """Fail before any actor starts if the minimum layout cannot be placed, or placed where it
     cannot compute as configured."""
