@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,10 @@ DEFAULT_PNG_NAME = "timeline.png"
 
 # Above this many ranks the per-rank step times are drawn as a ranks x steps heatmap.
 MAX_RANK_LINES = 16
+# Above this many, the ranks' lines become a band and its median, the slow ranks named.
+MAX_RANKS_APART = 4
+# A rank whose median step is this much over the ranks' median stands out of the band.
+OUTLIER_FACTOR = 1.15
 
 # Event category -> (label, colour, line style, event kinds).
 EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
@@ -41,6 +46,9 @@ EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", (K.CHECKPOINT_FAILED,)),
     "discarded": ("step discarded", "#7f7f7f", ":", (K.STEP_DISCARDED,)),
 }
+# Goodput categories -> colour, for the wall-time bar.
+BREAKDOWN_COLOURS = {"committed": "#2ca02c", "evaluation": "#bcbd22", "recovery": "#d62728", "discarded": "#7f7f7f",
+                     "checkpoint_stall": "#1f77b4", "startup": "#bbbbbb", "idle": "#e7e7e7"}
 _CATEGORY_OF_KIND = {kind.value: cat for cat, (_, _, _, kinds) in EVENT_CATEGORIES.items() for kind in kinds}
 
 
@@ -160,6 +168,8 @@ class TimelineStep:
     (``StepResult.to_json``): what a record lacks (a summary cut short, an older one) is None."""
 
     t: float  # when it was committed
+    step: int | None
+    leg: int  # of the run (1 unless resumed)
     step_s: float | None
     loss: float | None
     live_ranks: float | None  # counts, as drawn
@@ -171,7 +181,8 @@ class TimelineStep:
         def number(key: str) -> float | None:
             return None if record.get(key) is None else float(record[key])
 
-        return cls(t=float(record["t"]), step_s=number("step_s"), loss=number("loss"),
+        return cls(t=float(record["t"]), step=None if record.get("step") is None else int(record["step"]),
+                   leg=int(record.get("leg", 1)), step_s=number("step_s"), loss=number("loss"),
                    live_ranks=number("live_ranks"), live_groups=number("live_groups"),
                    rank_step_s={int(rank): float(seconds) for rank, seconds in (record.get("rank_step_s") or {}).items()
                                 if seconds is not None})
@@ -293,7 +304,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator, PercentFormatter
 
     steps = sorted((TimelineStep.of_record(record) for record in summary.get("steps") or []
                     if record.get("t") is not None), key=lambda step: step.t)
@@ -313,19 +324,19 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(3, 2, height_ratios=[2.2, 1.3, 1.0], width_ratios=[1.0, 0.16])
     ax_rank = fig.add_subplot(grid[0, 0])
-    ax_loss = fig.add_subplot(grid[1, 0], sharex=ax_rank)
+    ax_loss = fig.add_subplot(grid[1, 0])  # against the step, not the clock
     ax_live = fig.add_subplot(grid[2, 0], sharex=ax_rank)
     side_top = fig.add_subplot(grid[0, 1])
     side_mid = fig.add_subplot(grid[1:, 1])
     side_mid.axis("off")
-    axes = (ax_rank, ax_loss, ax_live)
+    axes = (ax_rank, ax_live)  # the panels drawn against the clock
 
     # (1) per-rank step time -------------------------------------------------------------------
     ranks, matrix = _rank_matrix(steps)
     times = [step.t for step in steps]
     # start-up: the ledger's (placing and building the ranks); without one, until the first
     # committed step began (a rollback to step 0 drops the earlier steps' records)
-    if breakdown and breakdown.get("startup"):
+    if breakdown and breakdown.get("startup") and not summary.get("leg_starts"):  # one leg: it began the run
         startup_end = float(breakdown["startup"])
     else:
         startup_end = max(0.0, steps[0].started) if steps else wall
@@ -373,12 +384,32 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         (total,) = ax_rank.plot(xs, series(step_s), color="#555555", linewidth=2.5, alpha=0.35,
                                 zorder=1, label="step (slowest)")
         handles = []
-        for i, rank in enumerate(ranks):
+        drawn = range(len(ranks))
+        if len(ranks) > MAX_RANKS_APART:
+            # More lines than an eye tells apart: the ranks as a band (fastest to slowest) and
+            # their median, with the ranks that stand out (slow, or failed) drawn and named.
+            import numpy as np
+
+            columns = np.array(matrix, dtype=float)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                low, middle, high = (np.nanmin(columns, 0), np.nanmedian(columns, 0), np.nanmax(columns, 0))
+                typical = np.nanmedian(np.nanmedian(columns, 1))
+                slow = [i for i, row in enumerate(columns) if np.nanmedian(row) > OUTLIER_FACTOR * typical]
+            ax_rank.fill_between(xs, series(list(low)), series(list(high)), color="#1f77b4", alpha=0.18,
+                                 linewidth=0, zorder=1)
+            (median,) = ax_rank.plot(xs, series(list(middle)), color="#1f77b4", linewidth=1.2, zorder=2,
+                                     label=f"median of {len(ranks)} ranks")
+            handles += [median, Patch(color="#1f77b4", alpha=0.18, label="fastest to slowest rank")]
+            drawn = sorted(set(slow) | {i for i, rank in enumerate(ranks) if str(rank) in failed_ranks})
+        for i in drawn:
+            rank = ranks[i]
             failed = str(rank) in failed_ranks
             (line,) = ax_rank.plot(xs, series(matrix[i]), marker="X" if failed else "o",
                                    markersize=4.5 if failed else 2.5, linewidth=2.4 if failed else 1.0,
                                    color=cmap(i % cmap.N), zorder=4 if failed else 2,
-                                   label=f"rank {rank} (failed)" if failed else f"rank {rank}")
+                                   label=f"rank {rank} (failed)" if failed else (
+                                       f"rank {rank}" if len(ranks) <= MAX_RANKS_APART else f"rank {rank} (slow)"))
             handles.append(line)
         handles.append(total)
         ax_rank.set_ylabel("step time (s)")
@@ -389,15 +420,26 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
                         title_fontsize=9, borderaxespad=0.0)
 
     # (2) loss per committed step ----------------------------------------------------------------
-    loss_points = [(step.t, step.loss) for step in steps if step.loss is not None]
-    eval_points = [(float(e["t"]), float(e["loss"])) for e in events if e.get("kind") == K.EVALUATED]
-    if loss_points:
-        ax_loss.plot([p[0] for p in loss_points], [p[1] for p in loss_points], color="#333333",
-                     marker=".", markersize=3, linewidth=1.0, label="training")
+    loss_points = [(step.step, step.loss, step.leg) for step in steps
+                   if step.loss is not None and step.step is not None]
+    eval_points = [(int(e["step"]), float(e["loss"])) for e in events
+                   if e.get("kind") == K.EVALUATED and e.get("step") is not None]
+    legs = sorted({leg for _, _, leg in loss_points})
+    for leg in legs:  # a resumed leg goes back to its checkpoint's step: drawn as a line of its own
+        points = [(step, loss) for step, loss, of in loss_points if of == leg]
+        ax_loss.plot([p[0] for p in points], [p[1] for p in points], marker=".", markersize=3, linewidth=1.0,
+                     color="#333333" if len(legs) == 1 else matplotlib.colormaps["tab10"](leg % 10),
+                     label="training" if len(legs) == 1 else f"training, leg {leg}")
     if eval_points:
         ax_loss.plot([p[0] for p in eval_points], [p[1] for p in eval_points], color="#d62728",
                      marker="o", markersize=5, linewidth=1.2, label="held-out")
+    if eval_points or len(legs) > 1:
         ax_loss.legend(loc="upper right", fontsize=8, frameon=False)
+    if loss_points or eval_points:
+        drawn_steps = [p[0] for p in loss_points] + [p[0] for p in eval_points]
+        margin = max(1.0, 0.02 * (max(drawn_steps) - min(drawn_steps)))  # the last point never on the edge
+        ax_loss.set_xlim(min(drawn_steps) - margin, max(drawn_steps) + margin)
+    ax_loss.set_xlabel("step")
     if not loss_points and not eval_points:
         ax_loss.text(0.5, 0.5, "no losses", ha="center", va="center", transform=ax_loss.transAxes)
     ax_loss.set_ylabel("loss")
@@ -426,15 +468,27 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
             ax_live.set_ylim(0, topo_ranks * 1.15 + 0.5)
     ax_live.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_live.set_ylabel("live ranks", color="#17becf")
-    ax_live.set_xlabel("seconds since run start")
+    if wall > 2 * 3600:  # a run of days read in hours
+        hours_a_tick = next(h for h in (1, 2, 3, 4, 6, 12, 24, 48, 96, 10**9) if wall / 3600 / h <= 12)
+        ax_live.xaxis.set_major_locator(MultipleLocator(3600 * hours_a_tick))
+        ax_live.xaxis.set_major_formatter(FuncFormatter(lambda t, _: f"{t / 3600:g}"))
+        ax_live.set_xlabel("hours since run start")
+    else:
+        ax_live.set_xlabel("seconds since run start")
     ax_live.set_title("live ranks (solid) and groups (dashed)", fontsize=10, loc="left")
 
     # events -------------------------------------------------------------------------------------
     for ax in axes:
         ax.axvspan(0, startup_end, color="#bbbbbb", alpha=0.18, zorder=0)
     if startup_end > 0:
-        ax_rank.text(startup_end / 2, 0.5, f"start-up\n{startup_end:.0f} s", transform=ax_rank.get_xaxis_transform(),
-                     ha="center", va="center", fontsize=9, color="#666666")
+        ax_rank.text(startup_end / 2, 0.5, f"start-up:\nRay, actors,\ngroups built\n{startup_end:.0f} s",
+                     transform=ax_rank.get_xaxis_transform(), ha="center", va="center", fontsize=9, color="#666666")
+    for number, start in enumerate(summary.get("leg_starts") or [], start=1):
+        if number > 1:  # where a resume began: the time axis runs on over every leg
+            for ax in axes:
+                ax.axvline(start, color="black", linewidth=1.2, linestyle=(0, (6, 3)), zorder=3)
+            ax_live.annotate(f"leg {number}", xy=(start, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
+                             textcoords="offset points", fontsize=8)
     present: list[str] = []
     labels: list[tuple[float, str, str]] = []  # (time, text, colour), merged below
     for event in sorted(events, key=lambda e: e["t"]):
@@ -470,13 +524,27 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         side_mid.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="events",
                         title_fontsize=9, borderaxespad=0.0)
 
-    for ax in axes:
+    if breakdown:  # where the wall time went, drawn as one bar under the event legend
+        bar = side_mid.inset_axes([0.0, 0.0, 0.9, 0.3])
+        left = 0.0
+        for category in CATEGORIES:
+            share = breakdown[category] / breakdown["wall_s"] if breakdown["wall_s"] > 0 else 0.0
+            bar.barh(0, share, left=left, color=BREAKDOWN_COLOURS[category], label=f"{category} {share:.0%}")
+            left += share
+        bar.set_xlim(0, 1)
+        bar.set_yticks([])
+        bar.xaxis.set_major_formatter(PercentFormatter(1.0))
+        bar.tick_params(labelsize=7)
+        bar.set_title("wall time", fontsize=9, loc="left")
+        bar.legend(loc="lower left", bbox_to_anchor=(0.0, 1.25), fontsize=7, frameon=False, ncol=2)
+
+    for ax in (*axes, ax_loss):
         ax.grid(True, alpha=0.25)
+    for ax in axes:
         ax.set_xlim(0, max(wall, 1e-9))
     if len(ranks) > MAX_RANK_LINES:
         ax_rank.grid(False)
-    for ax in (ax_rank, ax_loss):
-        ax.tick_params(labelbottom=False)
+    ax_rank.tick_params(labelbottom=False)
 
     run_name = summary.get("run") or "run"
     title = (f"{run_name} — goodput {100.0 * goodput:.1f}% — "
@@ -527,16 +595,18 @@ def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
     legs = [*summary.get("earlier_legs", []), summary]
     if len(legs) == 1:
         return summary
-    steps, events, offset = [], [], 0.0
-    for leg in legs:
-        steps += [{**record, "t": record["t"] + offset} for record in leg.get("steps") or []
+    steps, events, offset, starts = [], [], 0.0, []
+    for number, leg in enumerate(legs, start=1):
+        starts.append(offset)
+        steps += [{**record, "t": record["t"] + offset, "leg": number} for record in leg.get("steps") or []
                   if record.get("t") is not None]
-        events += [{**event, "t": event["t"] + offset} for event in leg.get("events") or []
+        events += [{**event, "t": event["t"] + offset, "leg": number} for event in leg.get("events") or []
                    if event.get("t") is not None]
         offset += float((leg.get("time_breakdown") or {}).get("wall_s") or leg.get("wall_s") or 0.0)
     total = summary["run_total"]
     return {**summary, "steps": steps, "events": events, "time_breakdown": total["time_breakdown"],
-            "wall_s": total["wall_s"], "goodput": total["goodput"]}
+            "wall_s": total["wall_s"], "goodput": total["goodput"], "leg_starts": starts,
+            "steps_committed": total["steps_committed"], "steps_discarded": total["steps_discarded"]}
 
 
 def report(run: str, output: str | None = None) -> tuple[str, dict[str, float]]:
