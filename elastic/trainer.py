@@ -344,6 +344,12 @@ class ElasticTrainer:
         except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", redact_credentials(str(error)))
+        except SystemExit as error:
+            if error.code != signal.SIGTERM:
+                exit_reason = f"failed: {describe_error(error, 1000)}"
+                raise
+            # ray.init's own SIGTERM handler, in place while Ray starts, exits with the signal's number.
+            exit_reason = "preempted: SIGTERM while Ray was starting, before any step"
         except SecondSignal as second:
             exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; it "
                            "resumes from its last committed checkpoint")
