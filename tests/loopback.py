@@ -6,10 +6,20 @@ import socket
 import time
 
 
+# Every port given out: a caller takes several before binding any (a Ray node's components,
+# each on one), and the kernel may hand the same free port out twice in a row.
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free now on loopback, and never one this process was given before."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def own_outside_address() -> str:
