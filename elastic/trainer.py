@@ -350,12 +350,13 @@ class ElasticTrainer:
                 raise
             # ray.init's own SIGTERM handler, in place while Ray starts, exits with the signal's number.
             exit_reason = "preempted: SIGTERM while Ray was starting, before any step"
-        except SecondSignal as second:
+        except BaseException as error:  # refused settings, a bug: never "completed"
+            second = second_signal_behind(error)
+            if second is None:
+                exit_reason = f"failed: {describe_error(error, 1000)}"
+                raise
             exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; it "
                            "resumes from its last committed checkpoint")
-        except BaseException as error:  # refused settings, a bug, a second Ctrl-C: never "completed"
-            exit_reason = f"failed: {describe_error(error, 1000)}"
-            raise
         finally:
             signals.finishing = True
             renewing.set()
@@ -456,6 +457,14 @@ class SecondSignal(BaseException):
     """A second SIGTERM or Ctrl-C while the run stops: it stops at once, not at the step
     boundary. A BaseException, so that no handler of errors between here and ``fit`` takes it
     for a fault of the run's own."""
+
+
+def second_signal_behind(error: BaseException) -> SecondSignal | None:
+    """The second signal ``error`` is, or came from: raised in a call into Ray's C++ core (a
+    wait), it comes out as that call's SystemError, caused by it."""
+    while error is not None and not isinstance(error, SecondSignal):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 class StopOnSignals:

@@ -46,9 +46,12 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
     from tests.loopback import wait_for
 
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    # Pressed twice, the second press must land before the first stop reaches its step
+    # boundary: from step 6 on, steps take seconds (a slowdown, and a deadline well past it).
+    slow_steps = ["--inject", "slow:rank=0,factor=100,step=6", "--set", "fault_tolerance.min_deadline_s=300"]
     driver = subprocess.Popen(
         [sys.executable, "-m", "elastic", "train", "--run-name", "piped", "--steps", "2000", "--groups", "1",
-         "--shard", "1", "--tp", "1", "--checkpoint-every", "5"],
+         "--shard", "1", "--tp", "1", "--checkpoint-every", "5", *(slow_steps if presses == 2 else [])],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         run = tmp_path / "runs" / "piped"
@@ -56,7 +59,7 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
         driver.stdout.close()  # the reader is gone
         for _ in range(presses):
             driver.send_signal(signal.SIGINT)
-            time.sleep(0.2)
+            time.sleep(0.5)
         assert driver.wait(120) == 143
     finally:
         driver.kill()
