@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import pickle
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +35,7 @@ from checkpointing.huggingface import LlamaLayout  # noqa: E402
 from checkpointing.pretrained import PretrainedSource, load_pretrained  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
 from elastic.export import huggingface_llama  # noqa: E402
+from tests.gloo_ranks import gloo_ranks  # noqa: E402
 from tests.memory import rss_bytes  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
 from workers.model_build import first_model  # noqa: E402
@@ -84,64 +82,40 @@ def write_checkpoint(directory: Path, args: ModelArgs) -> int:
     return sum(tensor.nbytes for tensor in weights.values())
 
 
-def rank(index: int, world: tuple[int, int], init_file: str, directory: str | None, args: ModelArgs,
-         connection) -> None:
+def rank(index: int, world: tuple[int, int], directory: str | None, args: ModelArgs) -> tuple[int, int, int]:
+    """One rank's peak private memory and mapped file pages over its build's start, and its
+    shards' bytes."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=index,
-                                world_size=world[0] * world[1])
-        mesh = init_device_mesh("cpu", world, mesh_dim_names=("shard", "tp"))
-        torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", world, mesh_dim_names=("shard", "tp"))
+    torch.manual_seed(0)
 
-        def build(args: ModelArgs, directory: str | None):
-            load = None
-            if directory is not None:
-                source = PretrainedSource(directory, LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads,
-                                                                 args.tie_embeddings))
-                load = lambda model: load_pretrained(model, source, StorageOptions(), dist.group.WORLD)  # noqa: E731
-            return first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
-                               torch.device("cpu"), load)[0]
+    def build(args: ModelArgs, directory: str | None):
+        load = None
+        if directory is not None:
+            source = PretrainedSource(directory, LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads,
+                                                             args.tie_embeddings))
+            load = lambda model: load_pretrained(model, source, StorageOptions(), dist.group.WORLD)  # noqa: E731
+        return first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
+                           torch.device("cpu"), load)[0]
 
-        # What any first build costs once (the code FSDP2, DTensor and DCP bring in) is not the model's.
-        import torch.distributed.checkpoint as dcp  # noqa: F401
-        build(model_args(1, 64), None)
-        with PeakMemory() as peak:
-            model = build(args, directory)
-        held = sum(tensor.to_local().nbytes if hasattr(tensor, "to_local") else tensor.nbytes
-                   for tensor in model.parameters())
-        dist.barrier()
-        connection.send_bytes(pickle.dumps(("ok", (peak.private, peak.mapped, held))))
-    except BaseException:
-        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # What any first build costs once (the code FSDP2, DTensor and DCP bring in) is not the model's.
+    import torch.distributed.checkpoint as dcp  # noqa: F401
+    build(model_args(1, 64), None)
+    with PeakMemory() as peak:
+        model = build(args, directory)
+    held = sum(tensor.to_local().nbytes if hasattr(tensor, "to_local") else tensor.nbytes
+               for tensor in model.parameters())
+    dist.barrier()
+    return peak.private, peak.mapped, held
 
 
 def peak_growth(world: tuple[int, int], scratch: Path, directory: Path | None,
                 args: ModelArgs) -> tuple[int, int, int]:
     """The largest rank's peak private memory and mapped file pages over its build's start, and
     its shards' bytes."""
-    context = multiprocessing.get_context("spawn")
-    size = world[0] * world[1]
-    init_file = scratch / f"init-{os.urandom(4).hex()}"
-    pipes = [context.Pipe(duplex=False) for _ in range(size)]
-    processes = [context.Process(target=rank, args=(index, world, str(init_file),
-                                                    str(directory) if directory else None, args, pipes[index][1]),
-                                 daemon=True)
-                 for index in range(size)]
-    for process in processes:
-        process.start()
-    answers = []
-    for receiver, _ in pipes:
-        status, answer = pickle.loads(receiver.recv_bytes())
-        if status != "ok":
-            raise RuntimeError(answer)
-        answers.append(answer)
-    for process in processes:
-        process.join(60)
+    answers = gloo_ranks(rank, world[0] * world[1], str(scratch / f"init-{os.urandom(4).hex()}"), world,
+                         str(directory) if directory else None, args, wait_s=600)
     return tuple(max(answer[index] for answer in answers) for index in range(3))
 
 

@@ -95,6 +95,13 @@ def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> No
         )
 
 
+def described_changes(saved: dict[str, str], now: dict[str, str], files: list[str], shown: int = 5) -> str:
+    """Each changed file, what it was and what it is (``absent`` for none), the first
+    ``shown`` of them."""
+    return "; ".join(f"{file}: {saved.get(file, 'absent')} -> {now.get(file, 'absent')}" for file in files[:shown]) + (
+        f"; and {len(files) - shown} more" if len(files) > shown else "")
+
+
 def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, identity: dict[str, str],
                      events: EventLog) -> Restorable:
     """The checkpoint to resume from, given the data as it is now. Data changed under the same
@@ -105,8 +112,7 @@ def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, iden
     changed = sorted(file for file in saved.keys() | identity.keys() if saved.get(file) != identity.get(file))
     if not saved or not changed:
         return checkpoint
-    described = "; ".join(f"{file}: {saved.get(file, 'absent')} -> {identity.get(file, 'absent')}"
-                          for file in changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+    described = described_changes(saved, identity, changed)
     if not config.checkpoint.accept_changed_data:
         raise ConfigError(
             f"run {run!r} resumes from step {checkpoint.step}, but its data changed since: {described}; its data "
@@ -125,10 +131,9 @@ def check_same_source(run: str, checkpoint: Restorable, identity: dict[str, str]
     saved = checkpoint.manifest.source
     changed = changed_files(saved, identity) if saved else []
     if changed:
-        described = "; ".join(f"{file}: {saved.get(file, 'absent')} -> {identity[file]}" for file in changed[:3])
         raise ConfigError(
             f"run {run!r} resumes from step {checkpoint.step}, but model.init_from changed since the run started "
-            f"from it: {described}; restore the source, or start a new run (--run-name) from it"
+            f"from it: {described_changes(saved, identity, changed)}; restore the source, or start a new run (--run-name) from it"
         )
     return saved or identity
 
@@ -299,9 +304,10 @@ class ElasticTrainer:
             lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             started_ray = connect_ray()
             signals.catch()  # again: ray.init puts a SIGTERM handler of its own in place
-            self.config = on_cluster(self.config, ray.cluster_resources())
-            check_capacity(self.config, ray.cluster_resources())
-            if (warning := spares_beyond_capacity(self.config, ray.cluster_resources())) is not None:
+            cluster = ray.cluster_resources()
+            self.config = on_cluster(self.config, cluster)
+            check_capacity(self.config, cluster)
+            if (warning := spares_beyond_capacity(self.config, cluster)) is not None:
                 log.warning("%s", warning)
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)

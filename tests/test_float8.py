@@ -10,20 +10,15 @@ before any actor starts; float8's speed is a GPU figure (``bench/gpu_check.py --
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import pickle
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from elastic import ElasticTrainer
 from elastic.setup.errors import ConfigError
+from tests.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
@@ -52,44 +47,23 @@ def train(model: torch.nn.Module) -> list[float]:
     return losses
 
 
-def float8_rank(rank: int, init_file: str, sequence_parallel: bool, connection) -> None:
+def float8_rank(rank: int, sequence_parallel: bool) -> tuple[list[str], bool, list[float]]:
     from torchao.float8.float8_linear import Float8Linear
 
-    try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-        torch.manual_seed(0)
-        model = Parallelize(float8=True, sequence_parallel=sequence_parallel)(Transformer(ARGS), mesh)
-        converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
-        sharded = all(isinstance(module.weight, DTensor) and module.weight.device_mesh.ndim == 2
-                      for module in model.modules() if isinstance(module, Float8Linear))
-        connection.send_bytes(pickle.dumps(("ok", (converted, sharded, train(model)))))
-    except BaseException:
-        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    torch.manual_seed(0)
+    model = Parallelize(float8=True, sequence_parallel=sequence_parallel)(Transformer(ARGS), mesh)
+    converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
+    sharded = all(isinstance(module.weight, DTensor) and module.weight.device_mesh.ndim == 2
+                  for module in model.modules() if isinstance(module, Float8Linear))
+    return converted, sharded, train(model)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_float8_linears_shard_under_tp_and_fsdp2_and_train_as_fp32_does(tmp_path, sequence_parallel):
     torch.manual_seed(0)
     reference = train(Transformer(ARGS))
-    context = multiprocessing.get_context("spawn")
-    pipes = [context.Pipe(duplex=False) for _ in range(WORLD)]
-    processes = [context.Process(target=float8_rank, args=(rank, str(tmp_path / "init"), sequence_parallel,
-                                                           pipes[rank][1])) for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    answers = []
-    for receiver, _ in pipes:
-        assert receiver.poll(180), "a rank sent nothing within 180 s"
-        status, answer = pickle.loads(receiver.recv_bytes())
-        assert status == "ok", answer
-        answers.append(answer)
-    for process in processes:
-        process.join(30)
+    answers = gloo_ranks(float8_rank, WORLD, str(tmp_path / "init"), sequence_parallel, wait_s=180)
     converted, sharded, losses = answers[0]
     blocks = [f"layers.{layer}.{name}" for layer in range(ARGS.n_layers)
               for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",

@@ -9,11 +9,6 @@ loss and gradients as none, and recompute more than none and less than full.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import pickle
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from elastic.setup.config import ModelConfig
 from elastic.setup.memory_estimate import activation_bytes
 from workers.model import ModelArgs, Transformer
+from tests.gloo_ranks import gloo_ranks
 from workers.parallelize import Parallelize, tensor_parallelize_transformer, wrap_blocks
 
 ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8)
@@ -124,44 +120,19 @@ def tensor_parallel_activation_bytes(tp_mesh, sequence_parallel: bool) -> int:
     return saved.total
 
 
-def tp_rank(rank: int, init_file: str, connection) -> None:
-    try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
-        mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("shard", "tp"))
-        results = {}
-        for sequence_parallel in (False, True):
-            results[sequence_parallel] = train_once(
-                lambda model: Parallelize(sequence_parallel=sequence_parallel)(model, mesh))
-            results["activations", sequence_parallel] = tensor_parallel_activation_bytes(mesh["tp"],
-                                                                                         sequence_parallel)
-        # Plain pickle: a tensor sent as itself would be shared through this process, gone by
-        # the time the test reads it.
-        connection.send_bytes(pickle.dumps(("ok", results)))
-    except BaseException:
-        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def tp_rank(rank: int) -> dict:
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("shard", "tp"))
+    results = {}
+    for sequence_parallel in (False, True):
+        results[sequence_parallel] = train_once(
+            lambda model: Parallelize(sequence_parallel=sequence_parallel)(model, mesh))
+        results["activations", sequence_parallel] = tensor_parallel_activation_bytes(mesh["tp"], sequence_parallel)
+    return results
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    context = multiprocessing.get_context("spawn")
-    init_file = str(tmp_path_factory.mktemp("tp") / "init")
-    pipes = [context.Pipe(duplex=False) for _ in range(TP)]
-    processes = [context.Process(target=tp_rank, args=(rank, init_file, pipes[rank][1])) for rank in range(TP)]
-    for process in processes:
-        process.start()
-    results = []
-    for receiver, _ in pipes:
-        assert receiver.poll(120), "a TP rank sent nothing within 120 s"
-        status, value = pickle.loads(receiver.recv_bytes())
-        assert status == "ok", value
-        results.append(value)
-    for process in processes:
-        process.join(30)
-    return results
+    return gloo_ranks(tp_rank, TP, str(tmp_path_factory.mktemp("tp") / "init"))
 
 
 def assert_same_training(result, reference) -> None:

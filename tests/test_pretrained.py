@@ -14,10 +14,7 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import pickle
-import traceback
 
 import pytest
 import torch
@@ -32,6 +29,7 @@ from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
 from elastic.export import huggingface_llama, model_state
 from elastic.setup.errors import ConfigError
+from tests.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, RopeScaling, Transformer
 from workers.model_build import first_model
@@ -61,50 +59,29 @@ def write_checkpoint(directory, args: ModelArgs = ARGS, sharded: bool = False) -
     return state
 
 
-def loading_rank(rank: int, init_file: str, directory: str, connection) -> None:
-    try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-        layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
-        read = []
-        # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
-        model, _ = first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []),
-                               torch.device("cpu"), lambda model: read.append(load_pretrained(
-                                   model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)))
-        read = read[0]
-        whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-                 for name, tensor in model.state_dict().items()}
-        torch.testing.assert_close(model.freqs, Transformer(ARGS).freqs, rtol=0, atol=0)  # computed again
-        connection.send_bytes(pickle.dumps(("ok", (whole, read))))
-    except BaseException:
-        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def loading_rank(rank: int, directory: str) -> tuple[dict[str, torch.Tensor], int]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+    read = []
+    # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
+    model, _ = first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []),
+                           torch.device("cpu"), lambda model: read.append(load_pretrained(
+                               model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)))
+    whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+             for name, tensor in model.state_dict().items()}
+    torch.testing.assert_close(model.freqs, Transformer(ARGS).freqs, rtol=0, atol=0)  # computed again
+    return whole, read[0]
 
 
 def test_fsdp_and_tp_ranks_load_their_slices_of_a_sharded_huggingface_checkpoint(tmp_path):
     expected = write_checkpoint(tmp_path / "llama", sharded=True)  # one file: the run below
-    context = multiprocessing.get_context("spawn")
-    pipes = [context.Pipe(duplex=False) for _ in range(WORLD)]
-    processes = [context.Process(target=loading_rank, args=(rank, str(tmp_path / "init"), str(tmp_path / "llama"),
-                                                            pipes[rank][1])) for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    for receiver, _ in pipes:
-        assert receiver.poll(120), "a rank sent nothing within 120 s"
-        status, answer = pickle.loads(receiver.recv_bytes())
-        assert status == "ok", answer
-        whole, read = answer
+    for whole, read in gloo_ranks(loading_rank, WORLD, str(tmp_path / "init"), str(tmp_path / "llama")):
         assert whole.keys() == expected.keys()
         for name, tensor in expected.items():
             torch.testing.assert_close(whole[name], tensor, rtol=0, atol=0, msg=name)
         # A quarter of the matrices (FSDP2 over TP), half of the norms (replicated over TP), and
         # the query and key rows of whole heads: the share a rank reads falls with the ranks.
         assert read <= 0.3 * sum(tensor.nbytes for tensor in expected.values()), read
-    for process in processes:
-        process.join(30)
 
 
 def test_the_model_fields_come_from_the_checkpoints_config(tmp_path):

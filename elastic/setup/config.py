@@ -120,6 +120,11 @@ class ScalingConfig(Section):
             gpus = 1.0 if device == "cuda" else 0.0
         return self.model_copy(update={"device": device, "gpus_per_rank": gpus})
 
+    def per_rank_resources(self) -> list[tuple[str, float]]:
+        """The Ray resources a rank asks for, by name, that it asks for at all."""
+        return [(name, amount) for name, amount in [("CPU", self.cpus_per_rank), ("GPU", self.gpus_per_rank or 0.0)]
+                if amount]
+
     @property
     def uses_gpu(self) -> bool:
         return self.device == "cuda" or (self.device == "auto" and bool(self.gpus_per_rank))
@@ -615,9 +620,7 @@ def spares_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, flo
     if not scaling.spares:
         return None
     ranks = scaling.max_groups * scaling.ranks_per_group
-    for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank or 0.0)]:
-        if not per_rank:
-            continue
+    for resource, per_rank in scaling.per_rank_resources():
         room = int((cluster_resources.get(resource, 0.0) - ranks * per_rank) / per_rank + 1e-9)
         if room < scaling.spares:
             return (f"scaling.spares = {scaling.spares}, but beside {ranks} ranks at {resource.lower()}s_per_rank="
@@ -635,9 +638,7 @@ def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> 
                           "training needs GPUs of compute capability 8.9 or later (H100, L40S, ...); set "
                           "compute.float8 = false or run on such GPUs")
     needed_ranks = scaling.min_groups * scaling.ranks_per_group
-    for resource, per_rank in [("CPU", scaling.cpus_per_rank), ("GPU", scaling.gpus_per_rank or 0.0)]:
-        if per_rank == 0:
-            continue
+    for resource, per_rank in scaling.per_rank_resources():
         available = cluster_resources.get(resource, 0.0)
         needed = needed_ranks * per_rank
         if needed > available + 1e-9:

@@ -1,0 +1,49 @@
+"""Real process groups without a cluster: a function run on ``world`` spawned processes that
+form one gloo group (its pairs on loopback), each sending back what it returned, or its
+traceback, over a pipe of its own."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def gloo_ranks(target: Callable[..., Any], world: int, init_file: str, *args, wait_s: float = 120) -> list[Any]:
+    """What ``target(rank, *args)`` returned on each rank, in rank order; it runs with the
+    default process group joined through ``init_file``. Fails naming a rank's traceback."""
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(world)]
+    # Daemons: a rank left waiting on one that failed goes with this process.
+    processes = [context.Process(target=_answer, args=(target, rank, world, init_file, args, pipes[rank][1]),
+                                 daemon=True) for rank in range(world)]
+    for process in processes:
+        process.start()
+    answers = []
+    for receiver, _ in pipes:
+        assert receiver.poll(wait_s), f"a rank sent nothing within {wait_s:.0f} s"
+        status, answer = pickle.loads(receiver.recv_bytes())
+        assert status == "ok", answer
+        answers.append(answer)
+    for process in processes:
+        process.join(30)
+    return answers
+
+
+def _answer(target, rank: int, world: int, init_file: str, args: tuple, connection) -> None:
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        # Plain pickle: a tensor sent as itself would be shared through this process, gone by
+        # the time the test reads it.
+        connection.send_bytes(pickle.dumps(("ok", target(rank, *args))))
+    except BaseException:
+        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
