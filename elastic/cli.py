@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "names and config.json (LlamaForCausalLM.from_pretrained; the reference model only)")
     export.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="convert floating tensors (default: as stored, float32)")
+    export.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                        help="a HuggingFace tokenizer to save beside the weights (the one `elastic prepare "
+                             "--tokenizer` tokenized the data with), so the directory loads whole")
     return parser
 
 
@@ -248,7 +251,8 @@ def run_export(args: argparse.Namespace) -> int:
     from elastic.export import export_checkpoint
 
     try:
-        exported = export_checkpoint(args.run, args.output, step=args.step, layout=args.format, dtype=args.dtype)
+        exported = export_checkpoint(args.run, args.output, step=args.step, layout=args.format, dtype=args.dtype,
+                                     tokenizer=args.tokenizer)
     except NoUsableCheckpoint as error:
         raise ConfigError(f"{args.run}: {error}") from None
     print(f"exported step {exported.step} ({exported.parameters:,} values) to {exported.directory}: "

@@ -88,16 +88,21 @@ def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs) -> tuple[
 
 def export_checkpoint(run: str, output: str, step: int | None = None,
                       layout: Literal["native", "huggingface"] = "native", dtype: str | None = None,
-                      options: StorageOptions | None = None) -> Exported:
+                      options: StorageOptions | None = None, tokenizer: str | None = None) -> Exported:
     """Write the run's newest verified checkpoint (or ``step``'s) to the local directory
     ``output``. ``dtype``: a torch dtype's name to convert floating tensors to (default: as
-    stored, float32)."""
+    stored, float32). ``tokenizer``: a HuggingFace tokenizer (a Hub name or a directory) to
+    save beside the weights, so the directory loads whole; checked before anything is written."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise ConfigError("elastic export needs safetensors: pip install 'elastic-trainer[export]'") from None
     if os.path.exists(output) and not os.path.isdir(output):
         raise ConfigError(f"--output {output}: a file is there; give a directory (new, or one to write into)")
+    if tokenizer is not None:
+        from elastic.prepare import HuggingFaceTokenizer
+
+        tokenizer = HuggingFaceTokenizer.load(tokenizer).tokenizer
     options = options or StorageOptions()
     catalog = CheckpointCatalog(run, options, every=1, keep=1, signing_key=signing_key_from_environment())
     checkpoint = catalog.find(step)
@@ -126,6 +131,8 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
     elif reference:
         _write_json(os.path.join(output, "model_args.json"), asdict(args))
         files.append("model_args.json")
+    if tokenizer is not None:
+        files += [os.path.basename(path) for path in tokenizer.save_pretrained(output)]
     weights = os.path.join(output, WEIGHTS_NAME)
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, weights,
               metadata={"format": "pt", "step": str(checkpoint.step)})

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from elastic import ElasticTrainer
 from elastic.cli import main
 from elastic.setup.hooks import resolve_hooks
+from tests.test_token_data import save_word_tokenizer
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, Transformer
 
@@ -46,11 +47,18 @@ def test_the_native_export_loads_into_the_transformer_and_gives_the_runs_held_ou
     assert abs(held_out_loss(model, config) - result.summary["final_eval_loss"]) <= 1e-5
 
 
-def test_the_huggingface_export_loads_as_llama_with_the_same_logits(trained, tmp_path):
+def test_the_huggingface_export_loads_as_llama_with_the_same_logits_and_the_tokenizer_beside_it(trained, tmp_path,
+                                                                                               capsys):
     transformers = pytest.importorskip("transformers")
     config, result = trained
     assert main(["export", result.run_dir, "--output", str(tmp_path / "native")]) == 0
-    assert main(["export", result.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 0
+    # With the tokenizer the data was prepared with: the directory loads whole, as a Hub model does.
+    save_word_tokenizer(tmp_path / "tokenizer", "the quick brown fox".split())
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface",
+                 "--tokenizer", str(tmp_path / "tokenizer")]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer("the fox", add_special_tokens=False).input_ids == [6, 4]
     ours = Transformer(ModelArgs(**json.loads((tmp_path / "native" / "model_args.json").read_text())))
     ours.load_state_dict(load_file(tmp_path / "native" / "model.safetensors"))
     llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")

@@ -1,8 +1,11 @@
 """Token files (read by memory map or byte range), ``elastic prepare``, and held-out splits."""
 
+import functools
+import http.server
 import math
 import pickle
 import random
+import threading
 import time
 import tomllib
 
@@ -255,6 +258,23 @@ def test_a_token_file_on_s3_is_read_by_byte_range(tmp_path, s3_server, monkeypat
     assert_same_samples(shipped, expected, [3])
 
 
+def test_data_on_a_server_that_ignores_byte_ranges_is_refused_in_one_line_before_training(tmp_path):
+    # Python's own file server answers every GET with the whole file: a rank would pull the
+    # whole file for each sample, and the windows would be wrong.
+    write_tokens(tmp_path / "t.bin", random_tokens(5_000, "uint16", seed=3), "uint16")
+    (tmp_path / "t.txt").write_text("hello world. " * 500)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            for name in ("t.bin", "t.txt"):
+                url = f"http://127.0.0.1:{server.server_address[1]}/{name}"
+                with pytest.raises(ConfigError, match=rf"data\.path: {url} ignored a byte-range request"):
+                    build_config({"data": {"path": url}})
+        finally:
+            server.shutdown()
+
+
 def test_prepare_writes_to_s3_only_when_complete(tmp_path, s3_server, monkeypatch):
     monkeypatch.setitem(fsspec.config.conf, "s3", {
         "client_kwargs": {"endpoint_url": s3_server.endpoint_url}, "key": "testing", "secret": "testing",
@@ -494,20 +514,27 @@ def test_a_run_resumed_over_a_corpus_that_doubled_is_refused_then_starts_a_new_e
     assert accepted.summary["steps_committed"] == 4  # steps 4..7, from the resumed model
 
 
-def test_prepare_with_a_huggingface_tokenizer_from_a_local_directory(tmp_path, capsys):
-    """``elastic prepare --tokenizer DIR``: a HuggingFace tokenizer saved with save_pretrained,
-    as one downloaded from the Hub is; no special tokens inside the text, its eos after each
-    file, and the vocabulary to configure named."""
+def save_word_tokenizer(directory, words: list[str]):
+    """A HuggingFace tokenizer of one id a word, saved with save_pretrained as one downloaded
+    from the Hub is; returns its backend, to look ids up."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
-    text = "the quick brown fox jumps over the lazy dog\n" * 20
     model = tokenizers.models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(
-        sorted(set(text.split())))}}, unk_token="[UNK]")
+        sorted(set(words)))}}, unk_token="[UNK]")
     backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     backend.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                         unk_token="[UNK]").save_pretrained(tmp_path / "tokenizer")
+                                         unk_token="[UNK]").save_pretrained(directory)
+    return backend
+
+
+def test_prepare_with_a_huggingface_tokenizer_from_a_local_directory(tmp_path, capsys):
+    """``elastic prepare --tokenizer DIR``: a HuggingFace tokenizer saved with save_pretrained,
+    as one downloaded from the Hub is; no special tokens inside the text, its eos after each
+    file, and the vocabulary to configure named."""
+    text = "the quick brown fox jumps over the lazy dog\n" * 20
+    backend = save_word_tokenizer(tmp_path / "tokenizer", text.split())
     (tmp_path / "a.txt").write_text(text)
     (tmp_path / "b.txt").write_text("lazy dog\n")
     out = tmp_path / "train.bin"

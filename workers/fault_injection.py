@@ -46,6 +46,7 @@ class InjectedFaults:
         self.noise = 0.0
         self.slow_factor = 1.0
         self.fail_next_collective = False
+        self.dying = False
 
     def plan(self, spec: RunSpec, model: nn.Module) -> FaultPlan:
         """The run's plan, its faults fired: ``NO_FAULTS`` for a run that injects none."""
@@ -59,7 +60,10 @@ class InjectedFaults:
     def _fire(self, fault: InjectedFault, model: nn.Module) -> None:
         if fault.kind in ("kill", "kill-group"):
             if fault.after_s:
-                threading.Timer(fault.after_s, os._exit, (1,)).start()  # dies mid-step
+                # Dies mid-step while its peers compute; the step it was fired in never
+                # reaches its sum, so the death lands in that step however short it is.
+                threading.Timer(fault.after_s, os._exit, (1,)).start()
+                self.dying = True
             else:
                 os._exit(1)
         if fault.kind == "slow":
@@ -84,6 +88,8 @@ class InjectedFaults:
         return compute_s + extra
 
     def before_cross_group_sum(self) -> None:
+        if self.dying:
+            threading.Event().wait()  # until the timer ends the process
         if self.fail_next_collective:
             self.fail_next_collective = False
             self.world.leave_replicas()

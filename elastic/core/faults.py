@@ -13,7 +13,8 @@ parameter, silently: the integrity check's to find); keys are ``rank`` or ``grou
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
 or ``at`` (seconds since training started), ``factor`` (for ``slow``) and ``after``
 (for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
-its peers compute). A fault fires once, on the first step at or after its trigger, in the
+its peers compute; a step shorter than that waits for the death before its sum, so the
+death lands in the step named). A fault fires once, on the first step at or after its trigger, in the
 rank(s) it names.
 """
 

@@ -100,6 +100,16 @@ def data_identity(dataset) -> dict[str, str]:
     return identity() if callable(identity) else {}
 
 
+def read_range(fs: fsspec.AbstractFileSystem, file: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a remote file by one ranged request; raises OSError when the
+    server answers with more (it ignored the range, and would send the whole file a sample)."""
+    data = fs.cat_file(file, start=start, end=end)  # by keyword: s3fs takes version_id second
+    if len(data) > end - start:
+        raise OSError(f"{fs.unstrip_protocol(file)} ignored a byte-range request (asked for {end - start} bytes, "
+                      f"got {len(data)}); serve it from storage that answers Range requests, or copy it locally")
+    return data
+
+
 class DataError(ValueError):
     """The data itself is wrong, not the storage it is read from: every read of it fails the
     same way, so no retry or fresh process helps (a rank reports it as ``own-data``)."""
@@ -236,7 +246,7 @@ class TextFiles(TokenWindows):
 
     def _read_file(self, file: str, start: int, end: int) -> bytes:
         if not isinstance(self._fs, LocalFileSystem):
-            return self._fs.cat_file(file, start=start, end=end)  # by keyword: s3fs takes version_id second
+            return read_range(self._fs, file, start, end)
         handle = self._handles.pop(file, None) or open(file, "rb")
         self._handles[file] = handle  # most recently used last
         if len(self._handles) > _OPEN_FILES:
@@ -290,7 +300,7 @@ class TokenFile(TokenWindows):
         """Whether the file's first bytes are text (printable ASCII and whitespace, no NUL),
         which token ids almost never are: a text file named ``*.bin``."""
         fs, file = self._filesystem
-        head = fs.cat_file(file, start=0, end=min(sample_bytes, fs.size(file)))
+        head = read_range(fs, file, 0, min(sample_bytes, fs.size(file)))
         other = len(head.translate(None, _TEXT_BYTES))  # the bytes that are not text
         return bool(head) and b"\0" not in head and other <= 0.05 * len(head)
 
@@ -305,7 +315,7 @@ class TokenFile(TokenWindows):
         fs, file = self._filesystem
         dtype = TOKEN_DTYPES[self.dtype]
         if not isinstance(fs, LocalFileSystem):
-            data = fs.cat_file(file, start=start * dtype.itemsize, end=(start + count) * dtype.itemsize)
+            data = read_range(fs, file, start * dtype.itemsize, (start + count) * dtype.itemsize)
             return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
         if self._map_reads == _WINDOWS_PER_MAP:
             self.__dict__.pop("_map")
@@ -365,7 +375,8 @@ def check_readable(config: TrainConfig) -> None:
             continue
         try:
             dataset = file_dataset(config, path)
-            len(dataset)  # sizes only: enough data for one sample
+            len(dataset)  # sizes: enough data for one sample
+            dataset[0]  # and it reads as the ranks will, by range
             if config.data.format_of(path) == "tokens":
                 if dataset.looks_like_text():
                     raise ValueError(f"{path} looks like text, not {config.data.token_dtype} token ids; train on "
