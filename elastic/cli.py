@@ -11,10 +11,8 @@ import sys
 import time
 import tomllib
 
-from checkpointing.lease import LeaseRefused, break_lease
-from checkpointing.storage import join_url
+from checkpointing.lease import LeaseRefused
 from elastic.setup.errors import ConfigError
-from elastic.setup.preflight import load_config
 from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
 from elastic.setup.presets import PRESETS
 
@@ -185,7 +183,30 @@ def exit_code(exit_reason: str) -> int:
     return 143 if exit_reason.startswith("preempted") else 1
 
 
+class SignalsBeforeTheRun:
+    """SIGTERM or Ctrl-C before the trainer takes the signals over (while the config is read
+    and torch and Ray import, about two seconds): remembered, so that the run ends preempted
+    with its summary written instead of dying without one."""
+
+    def __init__(self):
+        self._received: str | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self._received = self._received or signal.Signals(signum).name
+
+    def received(self) -> str | None:
+        return self._received
+
+
 def run_train(args: argparse.Namespace) -> int:
+    early = SignalsBeforeTheRun()
+    # Imported after the signals are caught: reading the config brings pydantic.
+    from checkpointing.lease import break_lease
+    from checkpointing.storage import join_url
+    from elastic.setup.preflight import load_config
+
     config = load_config(args.config, train_overrides(args))
     if args.break_lease:
         if not config.run_name:
@@ -195,7 +216,7 @@ def run_train(args: argparse.Namespace) -> int:
     from elastic.trainer import ElasticTrainer  # after the config: a refusal need not wait for torch and Ray
 
     trainer = ElasticTrainer(config, progress=not args.quiet)
-    result = trainer.fit()
+    result = trainer.fit(signalled_before=early.received)
     # The run has its ending, written: a late signal must not end the process in a traceback
     # (Ray's exit hook still runs), nor change the exit code. Lingering takes Ctrl-C again.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -276,9 +276,11 @@ class ElasticTrainer:
         except Exception as error:
             raise ConfigError(f"validation set: cannot be read: {error}; check data.validation_path") from None
 
-    def fit(self) -> RunResult:
+    def fit(self, signalled_before: Callable[[], str | None] = lambda: None) -> RunResult:
         """Train the run to its end. Raises ``LeaseHeld`` at once, before Ray or any actor
-        starts, when another driver holds the run."""
+        starts, when another driver holds the run. ``signalled_before``: the stop signal the
+        caller caught before the run could (the CLI's, while it read the config and imported
+        torch and Ray), if any; the run then ends preempted before Ray starts."""
         settings = self.config.checkpoint
         lease = RunLease(self.run_dir, settings.storage_options(), settings.lease_ttl_s)
         lease.acquire()
@@ -298,7 +300,9 @@ class ElasticTrainer:
         summary_path = None
         signals = StopOnSignals(stop, events)
         try:
-            signals.catch()
+            signals.catch(signalled_before())
+            if stop.is_set():
+                raise StoppedBeforeStart()
             # Renewed from here: starting Ray took up to a minute on a busy machine, longer than
             # a short lease_ttl_s, which then expired before the first renewal.
             lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
@@ -350,6 +354,8 @@ class ElasticTrainer:
         except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
             exit_reason = f"stopped: {error}"
             log.error("%s", redact_credentials(str(error)))
+        except StoppedBeforeStart:
+            exit_reason = "preempted: a stop signal before Ray started, before any step"
         except SystemExit as error:
             if error.code != signal.SIGTERM:
                 exit_reason = f"failed: {describe_error(error, 1000)}"
@@ -459,6 +465,10 @@ class ElasticTrainer:
         return join_url(self.run_dir, SUMMARY_NAME)
 
 
+class StoppedBeforeStart(Exception):
+    """A stop signal came before Ray started: the run ends preempted, with nothing to save."""
+
+
 class SecondSignal(BaseException):
     """A second SIGTERM or Ctrl-C while the run stops: it stops at once, not at the step
     boundary. A BaseException, so that no handler of errors between here and ``fit`` takes it
@@ -493,7 +503,11 @@ class StopOnSignals:
         self.stop.set()
         self.events.emit(EventKind.STOP_REQUESTED, signal=signal.Signals(signum).name)
 
-    def catch(self) -> None:
+    def catch(self, caught_before: str | None = None) -> None:
+        """Take the signals over (``caught_before``: one a caller caught before, as if it came now)."""
+        if caught_before is not None and not self.stop.is_set():
+            self.stop.set()
+            self.events.emit(EventKind.STOP_REQUESTED, signal=caught_before)
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 previous = signal.signal(sig, self._handle)

@@ -68,6 +68,29 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
     assert summary["last_checkpoint"] or presses == 2
 
 
+def test_sigterm_before_the_trainer_takes_the_signals_over_ends_preempted_with_a_summary(tmp_path):
+    """A SIGTERM in the command's first seconds (here: as it reads the config, before torch
+    and Ray import) ends the run preempted, exit 143, its summary written, and starts no Ray."""
+    signalled_while_reading = (
+        "import os, signal, sys\n"
+        "import elastic.setup.preflight as preflight\n"
+        "read = preflight.load_config\n"
+        "def load_config(*args):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return read(*args)\n"
+        "preflight.load_config = load_config\n"
+        "from elastic.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", signalled_while_reading, "train", "--run-name", "early",
+                                "--steps", "3", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 143, completed.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "early" / "summary.json").read_text())
+    assert summary["exit"] == "preempted: a stop signal before Ray started, before any step"
+    assert [e["signal"] for e in summary["events"] if e["kind"] == "stop-requested"] == ["SIGTERM"]
+    assert "Ray" not in completed.stderr and summary["steps_committed"] == 0
+
+
 # `elastic` in a process where Ray cannot even be imported: these inputs must be refused
 # before any actor starts, and a check that slipped past that would fail here, not start Ray.
 WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from elastic.cli import main; sys.exit(main(sys.argv[1:]))"
