@@ -269,6 +269,7 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
     unreadable record is moved aside, never overwritten, and the report is the whole run's."""
     import fsspec
 
+    from elastic.outputs.report import whole_run
     from elastic.outputs.run_record import earlier_legs, with_history, write_summary
 
     fs = fsspec.filesystem("file")
@@ -284,6 +285,9 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
     assert total["exits"] == ["completed", "preempted"] and total["steps_committed"] == 2 * first["steps_committed"]
     assert total["wall_s"] == pytest.approx(2 * first["wall_s"]) and total["goodput"] == pytest.approx(first["goodput"])
 
+    drawn = whole_run(recorded)  # each leg's start-up is drawn where that leg began
+    assert drawn["leg_starts"] == [0.0, pytest.approx(first["time_breakdown"]["wall_s"])]
+    assert drawn["leg_startup_s"] == [first["time_breakdown"]["startup"]] * 2
     png, breakdown = report(directory)
     assert_valid_png(png)
     assert breakdown["wall_s"] == pytest.approx(2 * first["wall_s"])

@@ -336,10 +336,12 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     times = [step.t for step in steps]
     # start-up: the ledger's (placing and building the ranks); without one, until the first
     # committed step began (a rollback to step 0 drops the earlier steps' records)
-    if breakdown and breakdown.get("startup") and not summary.get("leg_starts"):  # one leg: it began the run
-        startup_end = float(breakdown["startup"])
+    if summary.get("leg_starts"):  # every leg's own, where it began
+        startups = [(start, start + seconds) for start, seconds in zip(summary["leg_starts"], summary["leg_startup_s"])]
+    elif breakdown and breakdown.get("startup"):
+        startups = [(0.0, float(breakdown["startup"]))]
     else:
-        startup_end = max(0.0, steps[0].started) if steps else wall
+        startups = [(0.0, max(0.0, steps[0].started) if steps else wall)]
     failed_ranks = {str(e.get("rank")) for e in events if e.get("kind") == K.RANK_FAILED}
     first_failure = min((float(e["t"]) for e in events if e.get("kind") == K.RANK_FAILED), default=math.inf)
     if not steps:
@@ -478,11 +480,13 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     ax_live.set_title("live ranks (solid) and groups (dashed)", fontsize=10, loc="left")
 
     # events -------------------------------------------------------------------------------------
-    for ax in axes:
-        ax.axvspan(0, startup_end, color="#bbbbbb", alpha=0.18, zorder=0)
-    if startup_end > 0:
-        ax_rank.text(startup_end / 2, 0.5, f"start-up:\nRay, actors,\ngroups built\n{startup_end:.0f} s",
-                     transform=ax_rank.get_xaxis_transform(), ha="center", va="center", fontsize=9, color="#666666")
+    for begin, end in startups:
+        for ax in axes:
+            ax.axvspan(begin, end, color="#bbbbbb", alpha=0.18, zorder=0)
+        if end - begin > 0.04 * wall:  # labelled where the label fits
+            ax_rank.text((begin + end) / 2, 0.5, f"start-up:\nRay, actors,\ngroups built\n{end - begin:.0f} s",
+                         transform=ax_rank.get_xaxis_transform(), ha="center", va="center", fontsize=9,
+                         color="#666666")
     for number, start in enumerate(summary.get("leg_starts") or [], start=1):
         if number > 1:  # where a resume began: the time axis runs on over every leg
             for ax in axes:
@@ -595,9 +599,10 @@ def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
     legs = [*summary.get("earlier_legs", []), summary]
     if len(legs) == 1:
         return summary
-    steps, events, offset, starts = [], [], 0.0, []
+    steps, events, offset, starts, startups = [], [], 0.0, [], []
     for number, leg in enumerate(legs, start=1):
         starts.append(offset)
+        startups.append(float((leg.get("time_breakdown") or {}).get("startup") or 0.0))
         steps += [{**record, "t": record["t"] + offset, "leg": number} for record in leg.get("steps") or []
                   if record.get("t") is not None]
         events += [{**event, "t": event["t"] + offset, "leg": number} for event in leg.get("events") or []
@@ -606,6 +611,7 @@ def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
     total = summary["run_total"]
     return {**summary, "steps": steps, "events": events, "time_breakdown": total["time_breakdown"],
             "wall_s": total["wall_s"], "goodput": total["goodput"], "leg_starts": starts,
+            "leg_startup_s": startups,
             "steps_committed": total["steps_committed"], "steps_discarded": total["steps_discarded"]}
 
 
