@@ -28,6 +28,7 @@ from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cl
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
+from elastic.fleet.ray_messages import worker_deaths_to_log_file
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
@@ -299,6 +300,7 @@ class ElasticTrainer:
         final_state = None
         summary_path = None
         signals = StopOnSignals(stop, events)
+        restore_ray_messages = lambda: None  # noqa: E731
         try:
             signals.catch(signalled_before())
             if stop.is_set():
@@ -308,6 +310,7 @@ class ElasticTrainer:
             lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
             started_ray = connect_ray()
             signals.catch()  # again: ray.init puts a SIGTERM handler of its own in place
+            restore_ray_messages = worker_deaths_to_log_file()
             cluster = ray.cluster_resources()
             self.config = on_cluster(self.config, cluster)
             check_capacity(self.config, cluster)
@@ -385,6 +388,7 @@ class ElasticTrainer:
                     fleet.shutdown()
                 if started_ray:
                     ray.shutdown()
+                restore_ray_messages()
                 self._release(lease)
                 signals.release()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)

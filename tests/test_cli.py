@@ -37,6 +37,23 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     assert (final / "manifest.json").exists() and (final / ".metadata").exists()
 
 
+def test_a_rank_killed_on_the_way_shows_as_the_runs_own_line_and_rays_paragraph_goes_to_a_log_file(ray_cluster,
+                                                                                                     tmp_path):
+    from elastic.fleet.ray_messages import LOG_NAME
+
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    completed = subprocess.run(
+        [sys.executable, "-m", "elastic", "train", "--quiet", "--steps", "6", "--groups", "2", "--shard", "1",
+         "--tp", "1", "--checkpoint-every", "0", "--inject", "kill:rank=1,step=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    console = completed.stdout + completed.stderr
+    assert completed.returncode == 0, console[-3000:]
+    assert "rank 1 of group 1 replaced (death)" in console
+    assert "A worker died" not in console and "OOM" not in console, console
+    logs = Path(ray_cluster._private.worker._global_node.get_logs_dir_path())
+    assert "A worker died or was killed" in (logs / LOG_NAME).read_text()
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemption(ray_cluster, tmp_path, presses):
     """`elastic train ... 2>&1 | tee log`, then Ctrl-C: tee stops with it, and every later
