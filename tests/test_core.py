@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
-from elastic.core.diagnosis import DEATH, HANG, OWN_DATA, OWN_ERROR, Diagnosis
+from elastic.core.diagnosis import DEATH, HANG, OWN_CODE, OWN_DATA, OWN_ERROR, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
 from elastic.core.membership import (
@@ -181,6 +181,9 @@ def test_an_error_no_fresh_process_would_avoid_stops_the_run_instead_of_a_recove
     assert FailurePolicy(100).refusal(7, Diagnosis({0: OWN_ERROR, 3: OWN_ERROR}, frozenset({0, 1}),
                                                    {0: index_error, 3: index_error})).startswith(
         f"ranks [0, 3] raised the same error: {index_error}")
+    in_code = "ValueError: bad (at train.py:3 in my_loss)"
+    assert FailurePolicy(100).refusal(7, Diagnosis({2: OWN_CODE}, frozenset({1}), {2: in_code})) == (
+        f"rank 2 raised an error in your code: {in_code} (the code or the data, not the cluster; fix it and resume)")
     data = Diagnosis({3: OWN_DATA, 1: DEATH}, frozenset({0, 1}), {3: "DataError: sample 9 holds token id 300"})
     assert FailurePolicy(100).refusal(0, data).startswith("rank 3's data failed: DataError: sample 9 holds token id")
     # the same error at another step, or another error at the same step, is a fault like any other

@@ -31,12 +31,39 @@ def raised(error: BaseException) -> BaseException:
         return caught
 
 
+def raised_by_a_library(error: BaseException) -> BaseException:
+    """``error`` with a traceback of library frames only (the standard library's), as one
+    raised where none of the user's code ran; ``raised`` itself is the user's code to a rank."""
+    import json
+
+    try:
+        json.loads("{")
+    except ValueError as caught:
+        return error.with_traceback(caught.__traceback__.tb_next)
+
+
 def test_a_ranks_own_errors_are_its_own_whatever_their_text():
     assert classify(raised(TimeoutError("S3 read timed out")), "data") is Failure.OWN_IO
     assert classify(raised(OSError("Connection reset by peer (s3)")), "data") is Failure.OWN_IO
-    assert classify(raised(RuntimeError("NCCL-like text; abort")), "compute") is Failure.OWN_COMPUTE
+    assert classify(raised_by_a_library(RuntimeError("NCCL-like text; abort")), "compute") is Failure.OWN_COMPUTE
     assert classify(raised(torch.OutOfMemoryError("CUDA out of memory")), "replicate") is Failure.OWN_COMPUTE
-    assert classify(raised(ValueError("shape mismatch")), "replicate") is Failure.OWN_COMPUTE
+    assert classify(raised_by_a_library(ValueError("shape mismatch")), "replicate") is Failure.OWN_COMPUTE
+
+
+def test_an_error_raised_while_the_users_code_ran_is_the_codes_unless_the_device_raised_it():
+    # A frame of the user's on the stack (these tests are the user's code to the rank): no
+    # fresh process runs it differently.
+    assert classify(raised(ValueError("shape mismatch")), "compute") is Failure.OWN_CODE
+    assert classify(raised(RuntimeError("NCCL-like text; abort")), "compute") is Failure.OWN_CODE
+    try:
+        torch.zeros(2, 3) @ torch.zeros(2, 3)  # raised in torch's C++, under the user's line
+    except RuntimeError as error:
+        assert classify(error, "compute") is Failure.OWN_CODE
+    # The device's own fault, out-of-memory and a peer's collective are not the code's.
+    assert classify(raised(torch.AcceleratorError("CUDA error: an illegal memory access")), "compute") \
+        is Failure.OWN_COMPUTE
+    assert classify(raised(torch.OutOfMemoryError("CUDA out of memory")), "compute") is Failure.OWN_COMPUTE
+    assert classify(raised(dist.DistBackendError("x")), "compute") is Failure.COLLECTIVE
 
 
 def test_released_and_collective_failures_blame_peers():

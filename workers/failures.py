@@ -4,7 +4,10 @@ A rank knows where it failed, and the error's type and the code it came out of s
 failed; its text is never read. Four kinds, each a value of ``Failure``:
 
 - ``OWN_IO``: reading its own data (the ``data`` phase, outside any collective);
-- ``OWN_COMPUTE``: its own model, optimizer or memory (out-of-memory always counts here);
+- ``OWN_CODE``: raised while the user's own code ran (a frame of it on the stack), and not by
+  the device, memory or a collective: a fresh process runs the same code into the same error;
+- ``OWN_COMPUTE``: its own model, optimizer, device or memory otherwise (out-of-memory and
+  the accelerator's own errors always count here);
 - ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
   ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
   dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
@@ -81,6 +84,11 @@ def raised_in_collective(error: BaseException) -> bool:
     return any(path.endswith(COLLECTIVE_CODE) for path in paths)
 
 
+# A device's own fault (CUDA's illegal access, an ECC error) comes out of whatever code ran
+# on it, the user's included; another process, on other hardware, may not meet it.
+DEVICE_ERRORS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
+
+
 def _package_dir(module) -> str:
     return os.path.dirname(os.path.realpath(module.__file__)) + os.sep
 
@@ -113,13 +121,13 @@ def classify(error: BaseException, phase: str) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError, *DEVICE_ERRORS)):
         return Failure.OWN_COMPUTE
     if raised_in_collective(error):
         return Failure.COLLECTIVE
     if phase == "data":  # storage may recover; the data or the dataset's code will not
         return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
-    return Failure.OWN_COMPUTE
+    return Failure.OWN_CODE if user_frame(error) is not None else Failure.OWN_COMPUTE
 
 
 def failure_report(global_rank: int, step: int, error: BaseException, phase: str) -> StepReport:

@@ -21,6 +21,8 @@ DEATH, HANG = "death", "hang"
 OWN_ERROR = "own-error"
 # The rank's data (or the dataset's code) failed: no fresh process reads it differently.
 OWN_DATA = "own-data"
+# The user's own code raised (not the device, memory or a peer): no fresh process runs it differently.
+OWN_CODE = "own-code"
 # Every rank that failed blames a peer, and none died or hung: the transport itself.
 COLLECTIVE_ERROR = "collective-error"
 # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
@@ -41,7 +43,7 @@ class Diagnosis:
     @property
     def cause(self) -> str:
         causes = set(self.culprits.values())
-        for cause in (DEATH, HANG, OWN_DATA, OWN_ERROR, CONTROL_ERROR):
+        for cause in (DEATH, HANG, OWN_DATA, OWN_CODE, OWN_ERROR, CONTROL_ERROR):
             if cause in causes:
                 return cause
         return INTEGRITY_MISMATCH if self.corrupt else COLLECTIVE_ERROR
@@ -68,7 +70,7 @@ def diagnose(
     culprits.update({rank: HANG for rank in hung if rank not in culprits})
     for rank, report in reports.items():
         if not report.ok and not report.blames_peers and rank not in culprits:
-            culprits[rank] = OWN_DATA if report.failure == Failure.OWN_DATA else OWN_ERROR
+            culprits[rank] = {Failure.OWN_DATA: OWN_DATA, Failure.OWN_CODE: OWN_CODE}.get(report.failure, OWN_ERROR)
     broken = {group_of[rank] for rank in culprits}
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
     broken |= {group_of[rank] for rank in stuck}

@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from elastic.core.diagnosis import OWN_DATA, OWN_ERROR, Diagnosis
+from elastic.core.diagnosis import OWN_CODE, OWN_DATA, OWN_ERROR, Diagnosis
 from elastic.core.protocol import NonFinite
 
 
@@ -64,8 +64,8 @@ class DivergencePolicy:
 class FailurePolicy:
     """Recover in place, unless no fresh process would fail differently or the budget of
     recoveries is spent. An error that is the data's or the code's, not the cluster's:
-    a rank's own-data error, the same own error on several ranks at once, or the same own
-    error at the same step again after the ranks that raised it were replaced."""
+    a rank's own-data or own-code error, the same own error on several ranks at once, or the
+    same own error at the same step again after the ranks that raised it were replaced."""
 
     max_recoveries: int
     recoveries: int = 0
@@ -74,7 +74,7 @@ class FailurePolicy:
     def refusal(self, step: int, diagnosis: Diagnosis) -> str | None:
         """None: recover; else why the run stops instead (no rank is evicted then)."""
         own = {rank: diagnosis.errors.get(rank, "?") for rank, cause in diagnosis.culprits.items()
-               if cause in (OWN_DATA, OWN_ERROR)}
+               if cause in (OWN_DATA, OWN_CODE, OWN_ERROR)}
         errors = frozenset(own.values())
         again = errors & self.last_errors[1] if self.last_errors[0] == step else frozenset()
         self.last_errors = (step, errors)
@@ -85,6 +85,10 @@ class FailurePolicy:
         if len(own) > 1 and len(errors) == 1:
             return (f"ranks {sorted(own)} raised the same error: {next(iter(errors))} (the code or the data, "
                     "not the cluster; fix it and resume)")
+        code = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == OWN_CODE)
+        if code:
+            return (f"rank {code[0]} raised an error in your code: {own[code[0]]} (the code or the data, not the "
+                    "cluster; fix it and resume)")
         if again:
             return (f"the same error again on fresh processes: {min(again)} (the code or the data, not the "
                     "cluster; fix it and resume)")
