@@ -258,6 +258,8 @@ def test_faults_and_recoveries_read_as_one_line_each():
         {"kind": "group-joined", "group": 1, "generation": 4},
         {"kind": "nonfinite-step", "step": 9, "loss": "nan", "grad_norm": "inf"},
         {"kind": "run-started", "run": "r"},
+        {"kind": "run-started", "run": "r", "resume_from": 40},
+        {"kind": "checkpoint-skipped", "step": 50, "reason": "does not load"},
     )]
     assert lines == [
         "step 7 failed (death, ranks [3])",
@@ -267,6 +269,8 @@ def test_faults_and_recoveries_read_as_one_line_each():
         "group 1 joined (generation 4)",
         "step 9 discarded: loss nan, grad norm inf (not finite); run again",
         None,
+        "resuming from the checkpoint of step 40",
+        "checkpoint of step 50 skipped: does not load",
     ]
 
 

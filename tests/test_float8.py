@@ -47,35 +47,40 @@ def train(model: torch.nn.Module) -> list[float]:
     return losses
 
 
-def float8_rank(rank: int, sequence_parallel: bool) -> tuple[list[str], bool, list[float]]:
+def float8_rank(rank: int) -> dict[bool, tuple[list[str], bool, list[float]]]:
+    """Both layouts in one set of processes (without and with sequence parallelism): each
+    start of four ranks imports torch and torchao again, seconds of the suite."""
     from torchao.float8.float8_linear import Float8Linear
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-    torch.manual_seed(0)
-    model = Parallelize(float8=True, sequence_parallel=sequence_parallel)(Transformer(ARGS), mesh)
-    converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
-    sharded = all(isinstance(module.weight, DTensor) and module.weight.device_mesh.ndim == 2
-                  for module in model.modules() if isinstance(module, Float8Linear))
-    return converted, sharded, train(model)
+    layouts = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        model = Parallelize(float8=True, sequence_parallel=sequence_parallel)(Transformer(ARGS), mesh)
+        converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
+        sharded = all(isinstance(module.weight, DTensor) and module.weight.device_mesh.ndim == 2
+                      for module in model.modules() if isinstance(module, Float8Linear))
+        layouts[sequence_parallel] = converted, sharded, train(model)
+    return layouts
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_float8_linears_shard_under_tp_and_fsdp2_and_train_as_fp32_does(tmp_path, sequence_parallel):
+def test_float8_linears_shard_under_tp_and_fsdp2_and_train_as_fp32_does(tmp_path):
     torch.manual_seed(0)
     reference = train(Transformer(ARGS))
-    answers = gloo_ranks(float8_rank, WORLD, str(tmp_path / "init"), sequence_parallel, wait_s=180)
-    converted, sharded, losses = answers[0]
+    answers = gloo_ranks(float8_rank, WORLD, str(tmp_path / "init"), wait_s=180)
     blocks = [f"layers.{layer}.{name}" for layer in range(ARGS.n_layers)
               for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
-    assert converted == sorted(blocks)  # every block's linear, never the output projection
-    assert sharded
-    assert all(answer[2] == losses for answer in answers)  # every rank computes the same loss
-    assert losses[-1] < 0.7 * losses[0]
-    # float8's e4m3 keeps 3 mantissa bits: the losses follow fp32's to within a few per cent.
-    for got, expected in zip(losses, reference):
-        assert got == pytest.approx(expected, rel=0.04)
-    assert losses != reference  # the matmuls did run in float8
+    for sequence_parallel in (False, True):
+        converted, sharded, losses = answers[0][sequence_parallel]
+        assert converted == sorted(blocks), sequence_parallel  # every block's linear, never the output projection
+        assert sharded, sequence_parallel
+        assert all(answer[sequence_parallel][2] == losses for answer in answers)  # every rank, the same loss
+        assert losses[-1] < 0.7 * losses[0], sequence_parallel
+        # float8's e4m3 keeps 3 mantissa bits: the losses follow fp32's to within a few per cent.
+        for got, expected in zip(losses, reference):
+            assert got == pytest.approx(expected, rel=0.04), sequence_parallel
+        assert losses != reference, sequence_parallel  # the matmuls did run in float8
 
 
 def test_float8_on_cpu_ranks_is_refused_before_any_actor_starts(ray_cluster, tmp_path):

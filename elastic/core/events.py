@@ -137,6 +137,10 @@ def console_line(event: Event) -> str | None:
         return f"step {step} discarded: loss {event['loss']}, grad norm {event['grad_norm']} (not finite); run again"
     if kind == EventKind.CHECKPOINT_FAILED:
         return f"checkpoint of step {step} failed: {event['error']}"
+    if kind == EventKind.RUN_STARTED and event.get("resume_from") is not None:
+        return f"resuming from the checkpoint of step {event['resume_from']}"
+    if kind == EventKind.CHECKPOINT_SKIPPED:
+        return f"checkpoint of step {step} skipped: {event['reason']}"
     if kind == EventKind.SPARE_LOST:
         return f"spare {event['spare']} lost: {event['error']}" + ("" if event["restarting"] else "; no more spares start")
     return None
