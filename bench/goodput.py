@@ -1,7 +1,9 @@
 """Goodput under repeated failures: the effective training time ratio of the same job,
 killed on the same schedules, trained (A) by elastic with warm spares and the in-memory tier,
-(B) by elastic without them, and (C) by Ray Train V2, which restarts its workers from its
-last checkpoint (every ``--checkpoint-every`` steps) after each kill.
+(B) by elastic without them, (C) by Ray Train V2, which restarts its workers from its last
+checkpoint (every ``--checkpoint-every`` steps) after each kill, and (D) by torchft 0.2.0
+(``bench/torchft_job.py``: its lighthouse, two replica groups of FSDP2 x 2, a killed rank's
+group restarted at once and healed from the other group).
 
 Effective training time ratio: the committed steps times the job's healthy step time (the
 median step with every group in, in the same run), over the wall time from the start of the
@@ -13,12 +15,19 @@ The job: 2 groups x shard 2 (4 ranks; Ray Train: 4 workers) of a small reference
 forward waits like a host thread on a GPU, so a step takes ``--step-s`` while the CPU stays
 free (``tests/paced.py``), and a rank killed (``os._exit``) every ``--interval`` seconds of
 training, ``--kills`` times. For A it also prints each kill's time until the killed rank's
-group is whole again (joined the quorum), in step times.
+group is whole again (joined the quorum), in step times; for A and D each kill's time until
+the next committed step.
+
+torchft trains a step that one group commits alone on that group's half of the batch (the
+other half is not trained), so D's goodput counts committed samples: committed samples x
+healthy step time / global batch over the wall time, a step one group of two committed being
+half a step. D's losses are checked against a clean torchft run (no kills, unpaced): they
+differ from the first step one group trained alone, which the table names.
 
 Targets (issue 23): A >= 90 % at a kill every 30 s; A's kill -> whole group <= 2 step times.
 
-    pip install -e ".[bench]"   # Ray Train, which the product itself does not need
-    python bench/goodput.py [--intervals 10,30,120] [--kills 3] [--step-s 1.0]
+    pip install -e ".[bench]"   # Ray Train and torchft, which the product itself does not need
+    python bench/goodput.py [--intervals 10,30,120] [--kills 3] [--step-s 1.0] [--systems A,B,C,D]
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,10 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.setup.config import TrainConfig  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
+from bench.torchft_job import TorchftRun  # noqa: E402
 
 GROUPS, SHARD = 2, 2
 WORLD = GROUPS * SHARD
 GLOBAL_BATCH, MICRO_BATCH = 16, 1
+SYSTEMS = ("A", "B", "C", "D")
 
 
 def job_config(storage: str, name: str, steps: int, inject: str, spares: int, memory_every: int,
@@ -95,12 +107,14 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
         joined = [e["t"] for e in events if e["kind"] == EventKind.GROUP_JOINED and e["group"] == group
                   and e["t"] >= fault["t"]]
         whole.append((min(joined) - fault["t"]) / healthy if joined else math.inf)
+    next_commit = [min(r["t"] for r in records if r["t"] > fault["t"]) - fault["t"] for fault in faults]
     return {
         "goodput": ratio(steps, healthy, ended - started),
         "healthy_s": healthy,
         "wall_s": ended - started,
         "steps": steps,
         "whole_steps": whole,
+        "next_commit_s": next_commit,
         "spares_taken": sum(e["kind"] == EventKind.SPARE_TAKEN for e in events),
         "losses": summary["losses"],
     }
@@ -163,38 +177,133 @@ def run_ray_train(storage: str, interval: float, kills: int, step_s: float, chec
             "wall_s": records[-1]["t"] - started, "steps": steps}
 
 
+@dataclass(frozen=True)
+class TorchftResult:
+    """D's run under the kills, and the first step whose loss differs from a clean torchft
+    run's (None: none differs)."""
+
+    run: TorchftRun
+    first_loss_difference: int | None
+
+
+def first_difference(losses: list[float], clean: list[float]) -> int | None:
+    return next((step for step, (loss, reference) in enumerate(zip(losses, clean)) if loss != reference), None)
+
+
+def run_torchft(storage: str, interval: float, kills: int, step_s: float, heartbeat_ms: int) -> TorchftResult:
+    from bench.torchft_job import TorchftSettings, run
+
+    steps = steps_for(interval, kills, step_s)
+    config = job_config(storage, f"goodput-torchft-{interval:g}", steps, "", 0, 0, 0)
+    settings = TorchftSettings(heartbeat_ms=heartbeat_ms)
+    killed = run(config, Path(storage) / f"torchft_{interval:g}", step_s, interval, kills, settings)
+    # The pacing only sleeps, so an unpaced clean run has the same math, sooner.
+    clean = run(config, Path(storage) / f"torchft_{interval:g}_clean", 0.0, interval, 0, settings)
+    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One kill interval's results; None where the system was not run."""
+
+    interval: float
+    a: dict | None
+    b: dict | None
+    c: dict | None
+    d: TorchftResult | None
+
+
+def run_row(args: argparse.Namespace, systems: set[str], interval: float) -> Row:
+    with tempfile.TemporaryDirectory() as storage:
+        a = run_elastic(storage, interval, args.kills, args.step_s, 1, 10, args.checkpoint_every) if "A" in systems else None
+        b = run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every) if "B" in systems else None
+        c = run_ray_train(storage, interval, args.kills, args.step_s, args.checkpoint_every) if "C" in systems else None
+        d = (run_torchft(storage, interval, args.kills, args.step_s, args.torchft_heartbeat_ms)
+             if "D" in systems else None)
+    return Row(interval, a, b, c, d)
+
+
+def percent(goodput: float | None, width: int) -> str:
+    return f"{goodput:>{width}.1%}" if goodput is not None else f"{'-':>{width}}"
+
+
+def times(seconds: list[float], healthy_s: float) -> str:
+    """Seconds, and in step times."""
+    return ", ".join(f"{s:.2f} ({s / healthy_s:.1f})" for s in seconds)
+
+
+def print_row(row: Row) -> None:
+    a, b, c, d = row.a, row.b, row.c, row.d
+    goodputs = {"A": a and a["goodput"], "B": b and b["goodput"], "C": c and c["goodput"], "D": d and d.run.goodput()}
+    a_over = {name: f"{goodputs['A'] / goodputs[name]:>6.2f}" if a and goodputs[name] else f"{'-':>6}" for name in "CD"}
+    whole = ", ".join(f"{steps:.2f}" for steps in a["whole_steps"]) if a else "-"
+    healthy = [f"{name} {row['healthy_s']:.3f} s" for name, row in (("A", a), ("B", b), ("C", c)) if row]
+    healthy += [f"D {d.run.healthy_s():.3f} s"] if d else []
+    spares = f"; spares taken {a['spares_taken']}" if a else ""
+    print(f"{row.interval:>9g}s {percent(goodputs['A'], 19)} {percent(goodputs['B'], 12)} {percent(goodputs['C'], 16)} "
+          f"{percent(goodputs['D'], 12)} {a_over['C']} {a_over['D']}  {whole}  (healthy steps: {', '.join(healthy)}{spares})")
+    next_commit = [f"A {times(a['next_commit_s'], a['healthy_s'])}"] if a else []
+    next_commit += [f"D {times([d.run.next_commit_s(kill) for kill in d.run.kills], d.run.healthy_s())}"] if d else []
+    if next_commit:
+        print(f"{'':>11}kill -> next commit, s (step times): {'; '.join(next_commit)}")
+    if d:
+        print_torchft(d)
+
+
+def print_torchft(d: TorchftResult) -> None:
+    run = d.run
+    steps = run.step_commits()
+    alone = sum(commit.participants < GROUPS for commit in steps.values())
+    print(f"{'':>11}D: kill -> killed group trains its half again, s (step times): "
+          f"{times([run.group_whole_s(kill) for kill in run.kills], run.healthy_s())}")
+    losses = ("equal the clean torchft run's" if d.first_loss_difference is None
+              else f"differ from the clean torchft run's from step {d.first_loss_difference}")
+    print(f"{'':>11}D: {len(steps)} steps committed ({alone} by one group alone) = {run.full_batch_steps():g} "
+          f"full-batch steps, {run.restarts} group restarts; losses {losses}")
+
+
+def chosen_systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
+    systems = {name.strip().upper() for name in args.systems.split(",") if name.strip()}
+    if unknown := systems - set(SYSTEMS):
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
+    if args.no_ray_train:
+        systems.discard("C")
+    return systems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--intervals", default="10,30,120", help="seconds between kills, comma-separated")
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--step-s", type=float, default=1.0)
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (all three)")
-    parser.add_argument("--no-ray-train", action="store_true")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (A, B and C)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, comma-separated: A, B, C, D")
+    parser.add_argument("--no-ray-train", action="store_true", help="leave C out")
+    parser.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
+                        help="D's lighthouse --heartbeat_timeout_ms (torchft's default 5000)")
     args = parser.parse_args()
+    systems = chosen_systems(parser, args)
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    from elastic.trainer import start_local_ray
+    if systems & {"A", "B", "C"}:
+        from elastic.trainer import start_local_ray
 
-    start_local_ray(num_cpus=4, log_to_driver=False)
+        start_local_ray(num_cpus=4, log_to_driver=False)
     verdicts = []
     print(f"{GROUPS} groups x shard {SHARD}, steps of ~{args.step_s:g} s, {args.kills} kills per schedule, "
-          f"checkpoints every {args.checkpoint_every} steps")
+          f"checkpoints every {args.checkpoint_every} steps, systems {','.join(sorted(systems))}")
     print(f"{'kill every':>10} {'(A) spares + memory':>20} {'(B) neither':>12} {'(C) Ray Train V2':>17} "
-          f"{'A/C':>6}  A: kill -> group whole (step times)")
+          f"{'(D) torchft':>12} {'A/C':>6} {'A/D':>6}  A: kill -> group whole (step times)")
     for interval in (float(text) for text in args.intervals.split(",")):
-        with tempfile.TemporaryDirectory() as storage:
-            a = run_elastic(storage, interval, args.kills, args.step_s, 1, 10, args.checkpoint_every)
-            b = run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every)
-            c = None if args.no_ray_train else run_ray_train(storage, interval, args.kills, args.step_s,
-                                                               args.checkpoint_every)
-        whole = ", ".join(f"{steps:.2f}" for steps in a["whole_steps"])
-        c_text = f"{c['goodput']:>16.1%}" if c else f"{'-':>16}"
-        a_over_c = f"{a['goodput'] / c['goodput']:>6.2f}" if c else f"{'-':>6}"
-        healthy = ", ".join(f"{name} {row['healthy_s']:.3f} s" for name, row in (("A", a), ("B", b), ("C", c)) if row)
-        print(f"{interval:>9g}s {a['goodput']:>19.1%} {b['goodput']:>12.1%} {c_text} {a_over_c}  {whole}"
-              f"  (healthy steps: {healthy}; spares taken {a['spares_taken']})")
+        row = run_row(args, systems, interval)
+        print_row(row)
+        if row.a is None:
+            continue
         if interval == 30:
-            verdicts.append(a["goodput"] >= 0.90)
-        verdicts.append(max(a["whole_steps"]) <= 2)
+            verdicts.append(row.a["goodput"] >= 0.90)
+        verdicts.append(max(row.a["whole_steps"]) <= 2)
+    if "A" not in systems:
+        print("targets: not checked (A not run)")
+        return 0
     passed = all(verdicts)
     print(f"targets: A >= 90 % at a kill every 30 s, A's kill -> whole group <= 2 step times: "
           f"{'PASS' if passed else 'FAIL'}")
