@@ -1,8 +1,9 @@
 """Recovery from one killed rank: the same job trained (A) by elastic, which evicts the rank
-and reruns the step on the surviving groups, and (B) by Ray Train V2's TorchTrainer with
-FailureConfig(max_failures=1), which restarts the worker group from its own checkpoint.
-Prints, for each, the time from the kill to the next committed step and the steps redone,
-and B/A, measured in one run, for two jobs:
+and reruns the step on the surviving groups, (B) by Ray Train V2's TorchTrainer with
+FailureConfig(max_failures=1), which restarts the worker group from its own checkpoint, and
+(D) by torchft 0.2.0, whose surviving replica groups go on without the dead one while it is
+restarted and healed from their state. Prints, for each, the time from the kill to the next
+committed step and the steps redone, and B/A and D/A, measured in one run, for two jobs:
 
 - tiny: steps of tens of milliseconds on 2 ranks; rank 1 exits at the start of step 25,
   mid-way between Ray Train's checkpoints (every 10). Target: A < 1 s and B/A >= 20.
@@ -10,8 +11,20 @@ and B/A, measured in one run, for two jobs:
   step 15, mid-way between Ray Train's checkpoints (every 10), while the other ranks are
   computing their own share. Target: A under 2 step times and B/A >= 10.
 
-    pip install -e ".[bench]"   # Ray Train, which the product itself does not need
-    python bench/recovery.py [--jobs tiny,real]
+(D) is ``bench/torchft_job.py`` (its docstring gives the settings, torchft's defaults unless
+said, and why): torchft's lighthouse on loopback (heartbeat timeout 5 s, its default), one
+replica group of one process per rank (FSDP2 over a one-rank mesh), the same rank exiting at
+the same point, and its group restarted at once by the supervisor, as torchrun would. Nothing
+is checkpointed or rolled back: the survivors' next step commits once the lighthouse gives
+them a quorum without the dead group (its heartbeat timed out, or its restart joined), and
+the steps they commit without it train their own shares of the batch only. For D it also
+prints the kill to the killed group committing again with every group in (whole), the steps
+committed without it and their untrained shares in full-batch steps, its losses before the
+kill against A's, and the first step whose loss differs from a clean torchft run's (expected:
+the first step the killed group's share was not trained). D has no target.
+
+    pip install -e ".[bench]"   # Ray Train and torchft, which the product itself does not need
+    python bench/recovery.py [--jobs tiny,real] [--systems A,B,D]
 
 With ``--memory``: every copy of a shard position lost, recovered (A) from the in-memory
 tier (``checkpoint.memory_every = 1``: the survivors' own host copies and the buddies'
@@ -29,15 +42,17 @@ torch) after A's first step and slow the next ones.
 
     python bench/recovery.py --memory
 
-Both train the reference model (elastic: one replica group of shard 1 per rank; Ray Train:
-one worker per rank, gradients summed) with the same data plan, loss and optimizer, so they
-commit the same losses. The killed rank exits with os._exit(1), once.
+All train the reference model (elastic and torchft: one replica group of shard 1 per rank;
+Ray Train: one worker per rank, gradients summed) with the same data plan, loss, optimizer
+and global batch, so A and B commit the same losses, and D the same until the kill. The
+killed rank exits with os._exit(1), once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import statistics
@@ -51,8 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
+from bench.goodput import TorchftResult, first_difference  # noqa: E402
 
 KILLED_RANK = 1
+SYSTEMS = ("A", "B", "D")
 
 
 @dataclass(frozen=True)
@@ -168,21 +185,88 @@ def run_ray_train(job: Job, storage: str) -> dict:
     }
 
 
-def compare(job: Job, a: dict, b: dict) -> bool:
-    same = max(abs(x - y) / abs(y) for x, y in zip(b["losses"], a["losses"]))
+def run_torchft(job: Job, storage: str) -> TorchftResult:
+    """D: the job under torchft, the same rank exiting at the same point; and the first step
+    whose loss differs from a clean torchft run's."""
+    from bench.torchft_job import NO_KILLS, KillAtStep, train_under
+
+    config = job.config(storage)
+    kill = KillAtStep(KILLED_RANK, job.kill_step, job.kill_after_s)
+    killed = train_under(config, Path(storage) / f"torchft-{job.name}", 0.0, kill)
+    clean = train_under(config, Path(storage) / f"torchft-{job.name}-clean", 0.0, NO_KILLS)
+    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
+
+
+def torchft_row(d: TorchftResult) -> dict:
+    """D's row of the table: from the kill to the next commit by any group; the step runs a
+    group threw away and ran again; the committed steps a rollback lost."""
+    [kill] = d.run.kills
+    return {"recovery_s": d.run.next_commit_s(kill), "rerun": d.run.discarded_runs(), "lost": d.run.rolled_back_steps()}
+
+
+def max_relative_difference(losses: list[float], reference: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(losses, reference))
+
+
+def print_torchft(job: Job, d: TorchftResult, a: dict | None) -> None:
+    run = d.run
+    [kill] = run.kills
+    steps = run.step_commits()
+    without = sum(commit.participants < run.groups for commit in steps.values())
+    untrained = len(steps) - run.full_batch_steps()
+    whole_s = run.group_whole_s(kill)
+    whole = (f"{whole_s:.3f} s ({whole_s / run.healthy_s():.1f} step times)" if whole_s < math.inf
+             else "never (the others finished the job first)")
+    print(f"torchft: kill -> the killed group commits whole again {whole}; steps committed without it {without}, "
+          f"their shares untrained {untrained:g} full-batch steps; group restarts {run.restarts}")
+    losses = ("equal the clean torchft run's" if d.first_loss_difference is None
+              else f"differ from the clean torchft run's from step {d.first_loss_difference}")
+    if a:
+        before = max_relative_difference(run.losses()[:job.kill_step], a["losses"][:job.kill_step])
+        losses += f"; before the kill D vs A max relative difference {before:.1e}"
+    print(f"torchft: losses {losses}")
+
+
+def print_ratios(a: dict | None, b: dict | None, d: TorchftResult | None) -> None:
+    """B/A and D/A, kill -> next committed step, and A in step times."""
+    if not a:
+        return
+    ratios = [f"{name}/A = {row['recovery_s'] / a['recovery_s']:.1f}"
+              for name, row in (("B", b), ("D", d and torchft_row(d))) if row]
+    print("; ".join(ratios + [f"A = {a['recovery_s'] / a['step_s']:.2f} step times"]))
+
+
+def compare(job: Job, a: dict | None, b: dict | None, d: TorchftResult | None) -> bool:
+    """Print the systems that ran side by side; the target's verdict (True where A or B did not run)."""
     model = job.model
+    medians = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in (("A", a and a["step_s"]),
+                                                                      ("D", d and d.run.healthy_s())) if seconds)
     print(f"\njob {job.name}: reference model dim {model['dim']} x {model['n_layers']} layers, seq {job.seq_len}, "
-          f"{job.world} ranks, global batch {job.global_batch}, {job.steps} steps, median step {a['step_s']:.3f} s; "
+          f"{job.world} ranks, global batch {job.global_batch}, {job.steps} steps, median step {medians}; "
           f"rank {KILLED_RANK} killed {job.kill_after_s:g} s into step {job.kill_step}; "
           f"Ray Train checkpoints every {job.checkpoint_every}")
     print(f"{'':34} {'kill -> next committed step':>28} {'steps run again':>16} {'committed steps lost':>21}")
-    for name, row in [("(A) elastic, evict + rerun", a), ("(B) Ray Train V2, restart + ckpt", b)]:
-        print(f"{name:34} {row['recovery_s']:>26.3f} s {row['rerun']:>16} {row['lost']:>21}")
+    rows = [("(A) elastic, evict + rerun", a), ("(B) Ray Train V2, restart + ckpt", b),
+            ("(D) torchft, heal from peers", d and torchft_row(d))]
+    for name, row in rows:
+        if row:
+            print(f"{name:34} {row['recovery_s']:>26.3f} s {row['rerun']:>16} {row['lost']:>21}")
+    print_ratios(a, b, d)
+    if a and b:
+        print(f"elastic recovery parts (s): {a['parts']}; Ray Train back at the kill step after "
+              f"{b['back_to_kill_step_s']:.3f} s; committed losses A vs B max relative difference "
+              f"{max_relative_difference(b['losses'], a['losses']):.1e}")
+    if d:
+        print_torchft(job, d, a)
+    return verdict(job, a, b)
+
+
+def verdict(job: Job, a: dict | None, b: dict | None) -> bool:
+    if not (a and b):
+        print("target: not checked (it needs A and B)")
+        return True
     ratio = b["recovery_s"] / a["recovery_s"]
     in_steps = a["recovery_s"] / a["step_s"]
-    print(f"B/A = {ratio:.1f}; A = {in_steps:.2f} step times")
-    print(f"elastic recovery parts (s): {a['parts']}; Ray Train back at the kill step after "
-          f"{b['back_to_kill_step_s']:.3f} s; committed losses A vs B max relative difference {same:.1e}")
     if job.kill_after_s:
         passed, target = in_steps < 2 and ratio >= 10, "A < 2 step times and B/A >= 10"
     else:
@@ -288,11 +372,21 @@ def compare_memory() -> bool:
     return all(verdicts)
 
 
+def chosen_systems(parser: argparse.ArgumentParser, text: str) -> set[str]:
+    systems = {name.strip().upper() for name in text.split(",") if name.strip()}
+    if unknown := systems - set(SYSTEMS):
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
+    return systems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", default="tiny,real", help="comma-separated: " + ", ".join(JOBS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="which to run, comma-separated: A (elastic), B (Ray Train V2), D (torchft)")
     parser.add_argument("--memory", action="store_true", help="the in-memory tier against a checkpoint restore")
     args = parser.parse_args()
+    systems = chosen_systems(parser, args.systems)
     if args.memory:
         from elastic.trainer import start_local_ray
         from tests.s3 import set_test_credentials
@@ -301,14 +395,18 @@ def main() -> int:
         start_local_ray(num_cpus=4, log_to_driver=False)
         return 0 if compare_memory() else 1
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    from elastic.trainer import start_local_ray
+    if systems & {"A", "B"}:
+        from elastic.trainer import start_local_ray
 
-    start_local_ray(num_cpus=4, log_to_driver=False)
+        start_local_ray(num_cpus=4, log_to_driver=False)
     results = []
     with tempfile.TemporaryDirectory() as storage:
         for name in args.jobs.split(","):
             job = JOBS[name]
-            results.append(compare(job, run_elastic(job, storage), run_ray_train(job, storage)))
+            a = run_elastic(job, storage) if "A" in systems else None
+            b = run_ray_train(job, storage) if "B" in systems else None
+            d = run_torchft(job, storage) if "D" in systems else None
+            results.append(compare(job, a, b, d))
     return 0 if all(results) else 1
 
 
