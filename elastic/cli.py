@@ -184,9 +184,10 @@ def exit_code(exit_reason: str) -> int:
 
 
 class SignalsBeforeTheRun:
-    """SIGTERM or Ctrl-C before the trainer takes the signals over (while the config is read
-    and torch and Ray import, about two seconds): remembered, so that the run ends preempted
-    with its summary written instead of dying without one."""
+    """SIGTERM or Ctrl-C before the trainer takes the signals over (while the config and data
+    are checked and torch and Ray import, seconds): remembered, so that the run ends preempted
+    with its summary written instead of dying without one. A second one exits at once, 143:
+    a check stuck on storage that does not answer must not hold the command."""
 
     def __init__(self):
         self._received: str | None = None
@@ -194,7 +195,11 @@ class SignalsBeforeTheRun:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
-        self._received = self._received or signal.Signals(signum).name
+        if self._received is not None:
+            raise SystemExit(143)
+        self._received = signal.Signals(signum).name
+        print(f"elastic: {self._received} before the run started: it stops before training (send it again to "
+              "stop at once)", file=sys.stderr, flush=True)
 
     def received(self) -> str | None:
         return self._received

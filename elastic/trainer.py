@@ -302,7 +302,7 @@ class ElasticTrainer:
         signals = StopOnSignals(stop, events)
         restore_ray_messages = lambda: None  # noqa: E731
         try:
-            signals.catch(signalled_before())
+            signals.catch(caught_before=signalled_before)
             if stop.is_set():
                 raise StoppedBeforeStart()
             # Renewed from here: starting Ray took up to a minute on a busy machine, longer than
@@ -507,15 +507,17 @@ class StopOnSignals:
         self.stop.set()
         self.events.emit(EventKind.STOP_REQUESTED, signal=signal.Signals(signum).name)
 
-    def catch(self, caught_before: str | None = None) -> None:
-        """Take the signals over (``caught_before``: one a caller caught before, as if it came now)."""
-        if caught_before is not None and not self.stop.is_set():
-            self.stop.set()
-            self.events.emit(EventKind.STOP_REQUESTED, signal=caught_before)
+    def catch(self, caught_before: Callable[[], str | None] = lambda: None) -> None:
+        """Take the signals over. ``caught_before``: the signal a caller caught until now, if
+        any, read once these handlers are in place (so none falls between), as if it came now."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 previous = signal.signal(sig, self._handle)
                 self.previous.setdefault(sig, previous)
+        name = caught_before()
+        if name is not None and not self.stop.is_set():
+            self.stop.set()
+            self.events.emit(EventKind.STOP_REQUESTED, signal=name)
 
     def release(self) -> None:
         for sig, handler in self.previous.items():

@@ -1,6 +1,6 @@
 """Failure attribution over plain reports, without a cluster."""
 
-from elastic.core.diagnosis import HANG, diagnose, least_advanced
+from elastic.core.diagnosis import HANG, OWN_CODE, OWN_DATA, OWN_ERROR, diagnose, least_advanced
 from elastic.core.protocol import RankActivity, StepReport
 
 
@@ -38,3 +38,16 @@ def test_a_hang_breaks_only_the_hung_rank_group():
     diagnosis = diagnose(dead=[], reports=reports, hung=[1], stuck=[0], group_of=group_of)
     assert diagnosis.culprits == {1: HANG}
     assert diagnosis.broken_groups == frozenset({0})
+
+
+def test_a_ranks_own_failures_name_what_they_point_at():
+    group_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    reports = {
+        0: StepReport(0, 5, error="ValueError: bad (at train.py:3 in f)", failure="own-code"),
+        1: StepReport(1, 5, error="DataError: token 300", failure="own-data"),
+        2: StepReport(2, 5, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED", failure="own-compute"),
+        3: StepReport(3, 5, error="CollectiveFailed: peer", failure="collective"),
+    }
+    diagnosis = diagnose(dead=[], reports=reports, hung=[], group_of=group_of)
+    assert diagnosis.culprits == {0: OWN_CODE, 1: OWN_DATA, 2: OWN_ERROR}  # rank 3 blames a peer
+    assert diagnosis.cause == OWN_DATA

@@ -50,20 +50,30 @@ def test_a_ranks_own_errors_are_its_own_whatever_their_text():
     assert classify(raised_by_a_library(ValueError("shape mismatch")), "replicate") is Failure.OWN_COMPUTE
 
 
-def test_an_error_raised_while_the_users_code_ran_is_the_codes_unless_the_device_raised_it():
-    # A frame of the user's on the stack (these tests are the user's code to the rank): no
+def test_an_error_the_users_code_raises_itself_is_the_codes_and_a_runtime_error_is_not():
+    # Raised by the user's code itself (these tests are the user's code to the rank): no
     # fresh process runs it differently.
     assert classify(raised(ValueError("shape mismatch")), "compute") is Failure.OWN_CODE
-    assert classify(raised(RuntimeError("NCCL-like text; abort")), "compute") is Failure.OWN_CODE
     try:
-        torch.zeros(2, 3) @ torch.zeros(2, 3)  # raised in torch's C++, under the user's line
-    except RuntimeError as error:
+        torch.zeros(2)[5]  # torch's C++ raises IndexError for the user's own line
+    except IndexError as error:
         assert classify(error, "compute") is Failure.OWN_CODE
-    # The device's own fault, out-of-memory and a peer's collective are not the code's.
+    # A RuntimeError is what torch's kernels raise for a device's fault, a cuBLAS failure or
+    # host memory running out, from whatever line called them: a fresh process may not meet it.
+    assert classify(raised(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")), "compute") is Failure.OWN_COMPUTE
     assert classify(raised(torch.AcceleratorError("CUDA error: an illegal memory access")), "compute") \
         is Failure.OWN_COMPUTE
     assert classify(raised(torch.OutOfMemoryError("CUDA out of memory")), "compute") is Failure.OWN_COMPUTE
     assert classify(raised(dist.DistBackendError("x")), "compute") is Failure.COLLECTIVE
+    # Code torch.compile generated is the compiler's, not the user's.
+    generated = compile("def call():\n    raise ValueError('guard failed')\n",
+                        "/tmp/torchinductor_user/ab/cabc.py", "exec")
+    scope: dict = {}
+    exec(generated, scope)
+    try:
+        scope["call"]()
+    except ValueError as error:
+        assert classify(error, "compute") is Failure.OWN_COMPUTE
 
 
 def test_released_and_collective_failures_blame_peers():

@@ -102,7 +102,7 @@ def test_an_error_in_the_users_loss_stops_the_run_with_it_and_its_frame_evicting
     config = tiny_config(tmp_path, groups=2, min_groups=2, steps=4)
     result = ElasticTrainer(config, loss_fn=broken_loss).fit()
     where = f"{broken_loss.__code__.co_filename}:{broken_loss.__code__.co_firstlineno + 1} in broken_loss"
-    assert result.exit.startswith("stopped: step 0 failed (own-code, ranks [0, 1]): ranks [0, 1] raised the same "
+    assert result.exit.startswith("stopped: step 0 failed (own-error, ranks [0, 1]): ranks [0, 1] raised the same "
                                   "error: RuntimeError: Expected target size"), result.exit
     assert result.exit.endswith(f"(at {where}) (the code or the data, not the cluster; fix it and resume)"), result.exit
     kinds = [event["kind"] for event in result.summary["events"]]

@@ -4,10 +4,11 @@ A rank knows where it failed, and the error's type and the code it came out of s
 failed; its text is never read. Four kinds, each a value of ``Failure``:
 
 - ``OWN_IO``: reading its own data (the ``data`` phase, outside any collective);
-- ``OWN_CODE``: raised while the user's own code ran (a frame of it on the stack), and not by
-  the device, memory or a collective: a fresh process runs the same code into the same error;
-- ``OWN_COMPUTE``: its own model, optimizer, device or memory otherwise (out-of-memory and
-  the accelerator's own errors always count here);
+- ``OWN_CODE``: raised by the user's own code itself: its innermost frame is the user's, and
+  it is not a ``RuntimeError`` (what torch's kernels raise for a device's fault, a cuBLAS
+  failure or host memory running out, from whatever line called them). A fresh process runs
+  the same code into the same error;
+- ``OWN_COMPUTE``: its own model, optimizer, device or memory otherwise;
 - ``COLLECTIVE``: an error raised inside a collective with peers: the backend's own
   ``DistError`` types, any error that came out of c10d's collective code (gloo reports a
   dead peer as a plain ``RuntimeError`` from ``distributed_c10d`` or the functional
@@ -84,11 +85,6 @@ def raised_in_collective(error: BaseException) -> bool:
     return any(path.endswith(COLLECTIVE_CODE) for path in paths)
 
 
-# A device's own fault (CUDA's illegal access, an ECC error) comes out of whatever code ran
-# on it, the user's included; another process, on other hardware, may not meet it.
-DEVICE_ERRORS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
-
-
 def _package_dir(module) -> str:
     return os.path.dirname(os.path.realpath(module.__file__)) + os.sep
 
@@ -100,15 +96,27 @@ NOT_USER_CODE = tuple({os.path.realpath(path) + os.sep for key, path in sysconfi
                       | {_package_dir(module) for module in (torch, elastic, workers, checkpointing)})
 
 
+def is_user_code(filename: str) -> bool:
+    path = os.path.realpath(filename)
+    # torch.compile's generated modules live in its cache directory: the compiler's, not the user's.
+    return not (filename.startswith("<") or path.startswith(NOT_USER_CODE)
+                or os.sep + "site-packages" + os.sep in path or os.sep + "torchinductor_" in path)
+
+
 def user_frame(error: BaseException) -> str | None:
     """Where in the user's own code ``error`` was raised: the innermost frame outside the
     libraries, as ``file:line in function``; None when it came from no user code."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        path = os.path.realpath(frame.filename)
-        if frame.filename.startswith("<") or path.startswith(NOT_USER_CODE) or os.sep + "site-packages" + os.sep in path:
-            continue
-        return f"{frame.filename}:{frame.lineno} in {frame.name}"
+        if is_user_code(frame.filename):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return None
+
+
+def raised_by_user_code(error: BaseException) -> bool:
+    """The user's code raised ``error`` itself (its innermost frame), and not as a
+    ``RuntimeError``, which a device's or the allocator's fault in a torch call would be."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and is_user_code(frames[-1].filename) and not isinstance(error, RuntimeError)
 
 
 def describe_failure(error: BaseException) -> str:
@@ -121,13 +129,13 @@ def classify(error: BaseException, phase: str) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError, *DEVICE_ERRORS)):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return Failure.OWN_COMPUTE
     if raised_in_collective(error):
         return Failure.COLLECTIVE
     if phase == "data":  # storage may recover; the data or the dataset's code will not
         return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
-    return Failure.OWN_CODE if user_frame(error) is not None else Failure.OWN_COMPUTE
+    return Failure.OWN_CODE if raised_by_user_code(error) else Failure.OWN_COMPUTE
 
 
 def failure_report(global_rank: int, step: int, error: BaseException, phase: str) -> StepReport:

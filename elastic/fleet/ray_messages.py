@@ -28,9 +28,13 @@ def worker_deaths_to_log_file() -> Callable[[], None]:
         directory = ray_worker._global_node.get_logs_dir_path()
     except (ImportError, AttributeError):
         return lambda: None
+    try:
+        file = logging.FileHandler(os.path.join(directory, LOG_NAME))
+    except OSError as error:  # Ray's own log directory unwritable: its messages stay as they are
+        log.warning("Ray's worker-death messages stay on the console: %s", error)
+        return lambda: None
     messages = logging.getLogger("elastic.ray_messages")
     messages.propagate = False  # not on the console: that is the point
-    file = logging.FileHandler(os.path.join(directory, LOG_NAME))
     file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     messages.addHandler(file)
     log.debug("Ray's worker-death messages go to %s", file.baseFilename)
