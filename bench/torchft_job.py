@@ -70,7 +70,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -86,6 +85,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.setup.config import TrainConfig  # noqa: E402
+from tests.loopback import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 POLL_S = 0.02
@@ -468,12 +468,6 @@ def train(spec: WorkerSpec) -> None:
 
 
 # The supervisor.
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
-
 
 def die_with_parent() -> None:
     """Linux's parent-death signal: a supervisor killed outright leaves no process behind."""

@@ -78,7 +78,7 @@ class Failure(StrEnum):
     OWN_IO = "own-io"
     OWN_DATA = "own-data"  # the data itself (or the dataset's code): the same on every read
     OWN_COMPUTE = "own-compute"
-    OWN_CODE = "own-code"  # raised while running the user's code, not by the device: the same on any process
+    OWN_CODE = "own-code"  # raised by the user's code itself, not as a RuntimeError: the same on any process
     COLLECTIVE = "collective"
     RELEASED = "released"
 
