@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.setup.config import TrainConfig  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
-from bench.torchft_job import TorchftRun  # noqa: E402
+from bench.torchft_job import TorchftResult  # noqa: E402
 
 GROUPS, SHARD = 2, 2
 WORLD = GROUPS * SHARD
@@ -177,29 +177,14 @@ def run_ray_train(storage: str, interval: float, kills: int, step_s: float, chec
             "wall_s": records[-1]["t"] - started, "steps": steps}
 
 
-@dataclass(frozen=True)
-class TorchftResult:
-    """D's run under the kills, and the first step whose loss differs from a clean torchft
-    run's (None: none differs)."""
-
-    run: TorchftRun
-    first_loss_difference: int | None
-
-
-def first_difference(losses: list[float], clean: list[float]) -> int | None:
-    return next((step for step, (loss, reference) in enumerate(zip(losses, clean)) if loss != reference), None)
-
-
 def run_torchft(storage: str, interval: float, kills: int, step_s: float, heartbeat_ms: int) -> TorchftResult:
-    from bench.torchft_job import TorchftSettings, run
+    from bench.torchft_job import KillEvery, TorchftSettings, against_clean
 
     steps = steps_for(interval, kills, step_s)
     config = job_config(storage, f"goodput-torchft-{interval:g}", steps, "", 0, 0, 0)
-    settings = TorchftSettings(heartbeat_ms=heartbeat_ms)
-    killed = run(config, Path(storage) / f"torchft_{interval:g}", step_s, interval, kills, settings)
-    # The pacing only sleeps, so an unpaced clean run has the same math, sooner.
-    clean = run(config, Path(storage) / f"torchft_{interval:g}_clean", 0.0, interval, 0, settings)
-    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
+    plan = KillEvery(interval, kills, config.seed)  # ranks drawn with the job's seed
+    return against_clean(config, Path(storage) / f"torchft_{interval:g}", step_s, plan,
+                         TorchftSettings(heartbeat_ms=heartbeat_ms))
 
 
 @dataclass(frozen=True)
@@ -256,18 +241,15 @@ def print_torchft(d: TorchftResult) -> None:
     alone = sum(commit.participants < GROUPS for commit in steps.values())
     print(f"{'':>11}D: kill -> killed group trains its half again, s (step times): "
           f"{times([run.group_whole_s(kill) for kill in run.kills], run.healthy_s())}")
-    losses = ("equal the clean torchft run's" if d.first_loss_difference is None
-              else f"differ from the clean torchft run's from step {d.first_loss_difference}")
     print(f"{'':>11}D: {len(steps)} steps committed ({alone} by one group alone) = {run.full_batch_steps():g} "
-          f"full-batch steps, {run.restarts} group restarts; losses {losses}")
+          f"full-batch steps, {run.restarts} group restarts; losses {d.losses_against_clean()}")
 
 
-def chosen_systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
-    systems = {name.strip().upper() for name in args.systems.split(",") if name.strip()}
-    if unknown := systems - set(SYSTEMS):
-        parser.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
-    if args.no_ray_train:
-        systems.discard("C")
+def chosen_systems(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> set[str]:
+    """``--systems``'s letters (this bench's and ``recovery.py``'s)."""
+    systems = {name.strip().upper() for name in text.split(",") if name.strip()}
+    if unknown := systems - set(known):
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(known)})")
     return systems
 
 
@@ -282,7 +264,7 @@ def main() -> int:
     parser.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
                         help="D's lighthouse --heartbeat_timeout_ms (torchft's default 5000)")
     args = parser.parse_args()
-    systems = chosen_systems(parser, args)
+    systems = chosen_systems(parser, args.systems, SYSTEMS) - ({"C"} if args.no_ray_train else set())
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if systems & {"A", "B", "C"}:
         from elastic.trainer import start_local_ray

@@ -66,7 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
-from bench.goodput import TorchftResult, first_difference  # noqa: E402
+from bench.goodput import chosen_systems  # noqa: E402
+from bench.torchft_job import TorchftResult  # noqa: E402
+from tests.reference import max_relative_difference  # noqa: E402
 
 KILLED_RANK = 1
 SYSTEMS = ("A", "B", "D")
@@ -188,13 +190,10 @@ def run_ray_train(job: Job, storage: str) -> dict:
 def run_torchft(job: Job, storage: str) -> TorchftResult:
     """D: the job under torchft, the same rank exiting at the same point; and the first step
     whose loss differs from a clean torchft run's."""
-    from bench.torchft_job import NO_KILLS, KillAtStep, train_under
+    from bench.torchft_job import KillAtStep, against_clean
 
-    config = job.config(storage)
     kill = KillAtStep(KILLED_RANK, job.kill_step, job.kill_after_s)
-    killed = train_under(config, Path(storage) / f"torchft-{job.name}", 0.0, kill)
-    clean = train_under(config, Path(storage) / f"torchft-{job.name}-clean", 0.0, NO_KILLS)
-    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
+    return against_clean(job.config(storage), Path(storage) / f"torchft-{job.name}", 0.0, kill)
 
 
 def torchft_row(d: TorchftResult) -> dict:
@@ -202,10 +201,6 @@ def torchft_row(d: TorchftResult) -> dict:
     group threw away and ran again; the committed steps a rollback lost."""
     [kill] = d.run.kills
     return {"recovery_s": d.run.next_commit_s(kill), "rerun": d.run.discarded_runs(), "lost": d.run.rolled_back_steps()}
-
-
-def max_relative_difference(losses: list[float], reference: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(losses, reference))
 
 
 def print_torchft(job: Job, d: TorchftResult, a: dict | None) -> None:
@@ -219,8 +214,7 @@ def print_torchft(job: Job, d: TorchftResult, a: dict | None) -> None:
              else "never (the others finished the job first)")
     print(f"torchft: kill -> the killed group commits whole again {whole}; steps committed without it {without}, "
           f"their shares untrained {untrained:g} full-batch steps; group restarts {run.restarts}")
-    losses = ("equal the clean torchft run's" if d.first_loss_difference is None
-              else f"differ from the clean torchft run's from step {d.first_loss_difference}")
+    losses = d.losses_against_clean()
     if a:
         before = max_relative_difference(run.losses()[:job.kill_step], a["losses"][:job.kill_step])
         losses += f"; before the kill D vs A max relative difference {before:.1e}"
@@ -372,13 +366,6 @@ def compare_memory() -> bool:
     return all(verdicts)
 
 
-def chosen_systems(parser: argparse.ArgumentParser, text: str) -> set[str]:
-    systems = {name.strip().upper() for name in text.split(",") if name.strip()}
-    if unknown := systems - set(SYSTEMS):
-        parser.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
-    return systems
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", default="tiny,real", help="comma-separated: " + ", ".join(JOBS))
@@ -386,7 +373,7 @@ def main() -> int:
                         help="which to run, comma-separated: A (elastic), B (Ray Train V2), D (torchft)")
     parser.add_argument("--memory", action="store_true", help="the in-memory tier against a checkpoint restore")
     args = parser.parse_args()
-    systems = chosen_systems(parser, args.systems)
+    systems = chosen_systems(parser, args.systems, SYSTEMS)
     if args.memory:
         from elastic.trainer import start_local_ray
         from tests.s3 import set_test_credentials

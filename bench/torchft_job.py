@@ -676,14 +676,34 @@ def train_under(config: TrainConfig, run_dir: Path, step_s: float, plan: KillPla
     return finished
 
 
-def run(config: TrainConfig, run_dir: Path, step_s: float, interval: float, kills: int,
-        settings: TorchftSettings = TorchftSettings()) -> TorchftRun:
-    """``goodput.py``'s: ``kills`` kills every ``interval`` s (0 kills: none), ranks drawn with the job's seed."""
-    return train_under(config, run_dir, step_s, KillEvery(interval, kills, config.seed), settings)
+@dataclass(frozen=True)
+class TorchftResult:
+    """A run under a kill plan, and the first step whose loss differs from a clean torchft
+    run's (None: none differs)."""
+
+    run: TorchftRun
+    first_loss_difference: int | None
+
+    def losses_against_clean(self) -> str:
+        return ("equal the clean torchft run's" if self.first_loss_difference is None
+                else f"differ from the clean torchft run's from step {self.first_loss_difference}")
+
+
+def first_difference(losses: list[float], clean: list[float]) -> int | None:
+    return next((step for step, (loss, reference) in enumerate(zip(losses, clean)) if loss != reference), None)
+
+
+def against_clean(config: TrainConfig, run_dir: Path, step_s: float, plan: KillPlan,
+                  settings: TorchftSettings = TorchftSettings()) -> TorchftResult:
+    """``train_under`` as ``plan`` says, then without kills and unpaced (the pacing only
+    sleeps, so the math is the same, sooner) in ``run_dir``-clean, and where their losses part."""
+    killed = train_under(config, run_dir, step_s, plan, settings)
+    clean = train_under(config, Path(f"{run_dir}-clean"), 0.0, NO_KILLS, settings)
+    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one process of a torchft replica group (started by run())")
+    parser = argparse.ArgumentParser(description="one process of a torchft replica group (started by train_under())")
     parser.add_argument("--worker", required=True, help="the WorkerSpec, as JSON")
     train(WorkerSpec.from_json(parser.parse_args().worker))
 
