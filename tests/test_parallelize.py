@@ -159,12 +159,14 @@ def test_sequence_parallelism_saves_less_for_backward_by_the_memory_estimates_di
                                                     activation_checkpointing=False,
                                                     sequence_parallel=sequence_parallel)
                 for sequence_parallel in (False, True)}
+    # Counted under TP alone: under FSDP2 as well, the gathered weights are freed after each
+    # block's forward and their addresses reused, so a count by storage varied run to run
+    # (125-150 kB here, sequence parallelism once within 0.2 % of plain).
     for rank_results in tp_results:
-        plain, sequence_parallel = rank_results[False][2], rank_results[True][2]
+        plain, sequence_parallel = rank_results["activations", False], rank_results["activations", True]
         assert sequence_parallel < plain, (sequence_parallel, plain)
         # The estimate leaves out the logits and the loss's tensors, the same in both.
-        saved = rank_results["activations", False] - rank_results["activations", True]
-        assert saved == estimate[False] - estimate[True]
+        assert plain - sequence_parallel == estimate[False] - estimate[True]
 
 
 def checkpointing(mode: str, selective="op"):
