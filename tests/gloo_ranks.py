@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -36,6 +37,9 @@ def gloo_ranks(target: Callable[..., Any], world: int, init_file: str, *args, wa
 
 
 def _answer(target, rank: int, world: int, init_file: str, args: tuple, connection) -> None:
+    # One thread, as a Ray rank runs: the spawned ranks share the machine's cores, and OpenMP
+    # threads that outnumber them spin (test_float8 took twice the CPU and the time).
+    torch.set_num_threads(1)
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' pairs listen on loopback only
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -92,6 +92,7 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=20))
     torch.manual_seed(0)

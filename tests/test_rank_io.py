@@ -334,6 +334,7 @@ def test_saves_to_s3(rank, world, s3_server, tmp_path, monkeypatch, upload_in_pr
 
 def save_as_rank(rank: int, store: str, url: str, out: str) -> None:
     """One rank of a two-rank (shard 2) world: train a step, save, report what it wrote."""
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     try:
         trainer = Rank(seed=0, shard=2)
