@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
-import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -30,6 +29,8 @@ from checkpointing.storage import fingerprint
 from elastic.setup.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from elastic.setup.config import TrainConfig
 
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher"]
@@ -157,6 +158,8 @@ class TokenWindows:
                 f"of the data), not below model.vocab_size {self.vocab_size}: the data was tokenized for another "
                 "vocabulary, or is not a token file"
             )
+        import torch  # here, not at the top: a config refused for its data never loads torch
+
         return torch.from_numpy(tokens.astype(np.int64))
 
     def check_token_ids(self, windows: int = 64) -> None:
