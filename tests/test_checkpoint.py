@@ -37,7 +37,10 @@ def continues_reference(result, config, start, tolerance=TOLERANCE):
 
 
 def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoint(ray_cluster, tmp_path):
-    first = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=10, checkpoint__every=5)).fit()
+    # The first two legs upload through processes of their own (the default on CUDA; CPU ranks
+    # upload on a thread unless told otherwise), the last two on a thread.
+    process = {"checkpoint__upload": "process"}
+    first = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=10, checkpoint__every=5, **process)).fit()
     assert first.ok and first.summary["resumed_from_step"] is None
     assert committed_steps(first.summary) == [5, 10]
     checkpoints = Path(first.run_dir, "checkpoints")
@@ -45,7 +48,7 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     assert manifest["step"] == 10 and manifest["cursor"]["position"] == 80
     assert {f["name"] for f in manifest["files"]} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
 
-    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5)
+    config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5, **process)
     second = ElasticTrainer(config).fit()
     assert second.ok and second.summary["resumed_from_step"] == 10
     assert [r["step"] for r in second.summary["steps"]] == list(range(10, 20))
@@ -98,17 +101,6 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     assert len(drawn["steps"]) == 40 and [r["t"] for r in drawn["steps"]] == sorted(r["t"] for r in drawn["steps"])
 
 
-def test_ranks_can_upload_through_processes_of_their_own(ray_cluster, tmp_path):
-    # The default on CUDA; CPU ranks upload on a thread unless told otherwise.
-    first = ElasticTrainer(tiny_config(tmp_path, shard=2, steps=6, checkpoint__every=3, checkpoint__upload="process")).fit()
-    assert first.ok, first.exit
-    assert committed_steps(first.summary)[-1] == 6
-    config = tiny_config(tmp_path, shard=2, steps=9, checkpoint__every=3, checkpoint__upload="process")
-    resumed = ElasticTrainer(config).fit()
-    assert resumed.ok and resumed.summary["resumed_from_step"] == 6
-    assert continues_reference(resumed, config, 6)
-
-
 def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_server):
     storage = {"storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
     saved = ElasticTrainer(tiny_config(tmp_path, groups=2, shard=2, steps=10, checkpoint__every=5, **storage)).fit()
@@ -123,17 +115,22 @@ def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_serve
     assert continues_reference(resumed, config, 10)
 
 
-def test_single_group_recovers_from_the_latest_checkpoint_with_the_memory_tier_off(ray_cluster, tmp_path):
+def test_a_single_group_without_the_memory_tier_reruns_from_the_initial_state_then_from_the_latest_checkpoint(
+        ray_cluster, tmp_path):
+    """Losing the only copy of the state (no peer group, the memory tier off) costs the steps
+    since the last checkpoint, or since step 0 before the first: the seed determines that state."""
     config = tiny_config(tmp_path, shard=2, steps=20, checkpoint__every=5, checkpoint__memory_every=0,
-                         fault_tolerance__inject="kill:rank=1,step=12")
+                         fault_tolerance__inject="kill:rank=1,step=3;kill:rank=1,step=12")
     # Steps of at least 0.3 s leave step 10's upload the time to commit before step 12.
     result = ElasticTrainer(config, model_fn=paced_model(config, 0.3)).fit()
     assert result.ok, result.exit
+    [restart] = kinds(result.summary, "restored-initial-state")
+    assert restart["rolled_back_steps"] == 3
     [restored] = kinds(result.summary, "restored-from-checkpoint")
     assert restored["step"] == 10 and restored["rolled_back_steps"] == 2
-    [recovered] = kinds(result.summary, "recovered")
+    [_, recovered] = kinds(result.summary, "recovered")
     assert recovered["heal_s"] >= restored["seconds"] > 0
-    assert result.summary["steps_rolled_back"] == 2
+    assert result.summary["steps_rolled_back"] == 5
     assert [r["step"] for r in result.summary["steps"]] == list(range(20))
     assert continues_reference(result, config, 0)
 

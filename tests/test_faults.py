@@ -69,20 +69,6 @@ def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     assert max_parameter_difference(final_params, reference_params) <= 10 * reorder_drift, reorder_drift
 
 
-def test_single_group_without_peer_memory_or_checkpoint_reruns_from_the_initial_state(ray_cluster, tmp_path):
-    """Before the first checkpoint, the seed determines the state: losing its only copy (the
-    memory tier off) costs the steps since step 0, not the run."""
-    steps = 10
-    config = tiny_config(tmp_path, groups=1, shard=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=3",
-                         checkpoint__memory_every=0, **FAST_DETECTION)
-    result = ElasticTrainer(config).fit()
-    assert result.ok, result.exit
-    [restart] = [e for e in result.summary["events"] if e["kind"] == EventKind.RESTORED_INITIAL_STATE]
-    assert restart["rolled_back_steps"] == 3
-    reference, _ = reference_run(config, steps)
-    assert max_relative_difference(result.losses, reference) <= 1e-5
-
-
 def test_below_minimum_stops_with_a_clear_message(ray_cluster, tmp_path):
     config = tiny_config(tmp_path, groups=1, min_groups=1, shard=1, steps=5, scaling__cpus_per_rank=64.0)
     from elastic.setup.config import ConfigError
