@@ -27,7 +27,7 @@ seq_len = 32
 corpus_tokens = 40000
 [fault_tolerance]
 capacity_timeout_s = 1.0
-first_step_deadline_s = 10.0
+first_step_deadline_s = 2.0
 """
 
 

@@ -2,7 +2,7 @@
 every step; too many in a row stop the run; a missed final checkpoint is a failed run.
 
 A save fails for real here: once the first checkpoint committed, the directories of the later
-due steps are taken by plain files, so DCP cannot write into them. Steps take 0.5 s, so the
+due steps are taken by plain files, so DCP cannot write into them. Steps take 0.3 s, so the
 first commit is seen well before the next save is due."""
 
 from pathlib import Path
@@ -40,7 +40,7 @@ def run_with_blocked_saves(tmp_path, steps: int, max_failures: int):
     config = tiny_config(tmp_path, steps=steps, checkpoint__every=EVERY,
                          checkpoint__max_consecutive_failures=max_failures)
     with on_events(blocking_saves_after_the_first_commit(tmp_path / "runs" / "test", steps)):
-        result = ElasticTrainer(config, model_fn=paced_model(config, 0.5)).fit()
+        result = ElasticTrainer(config, model_fn=paced_model(config, 0.3)).fit()
     return result, [e for e in result.summary["events"] if e["kind"] == EventKind.CHECKPOINT_FAILED]
 
 
