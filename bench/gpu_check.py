@@ -29,10 +29,11 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
 - ``control_plane``: the driver's CPU per steady-state step at 128 null ranks on real Ray
   actors (``bench/null_ranks.py``): <= 1 ms. Needs the GPU machine's 16 cores, not its GPU.
 - ``stragglers``: ``bench/stragglers.py`` with a warm spare on cores of its own: the share of
-  a slow rank's slowdown the mitigation recovers (>= 60 %). Cores, not the GPU.
+  a slow rank's slowdown the mitigation recovers (>= 60 %), the steps from the slowdown's
+  onset to its detection (<= 10), and mitigations under noise alone (none). Cores, not the GPU.
 - ``float8``: the product at the 1.23 B shape, bf16 + compile, then the same with
-  ``compute.float8`` (torchao's float8 linear layers): tokens/s side by side (>= 1.2x) and
-  the losses of the two runs. Needs a GPU of compute capability 8.9 or later; on CPU it is
+  ``compute.float8`` (torchao's float8 linear layers), both compute alone (no mid-run
+  checkpoint, no memory tier): tokens/s side by side (>= 1.2x) and the losses of the two runs. Needs a GPU of compute capability 8.9 or later; on CPU it is
   skipped (the product refuses float8 on CPU ranks; ``tests/test_float8.py`` holds the
   conversion and its composition with TP and FSDP2 there).
 
