@@ -33,9 +33,10 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
   onset to its detection (<= 10), and mitigations under noise alone (none). Cores, not the GPU.
 - ``float8``: the product at the 1.23 B shape, bf16 + compile, then the same with
   ``compute.float8`` (torchao's float8 linear layers), both compute alone (no mid-run
-  checkpoint, no memory tier): tokens/s side by side (>= 1.2x) and the losses of the two runs. Needs a GPU of compute capability 8.9 or later; on CPU it is
-  skipped (the product refuses float8 on CPU ranks; ``tests/test_float8.py`` holds the
-  conversion and its composition with TP and FSDP2 there).
+  checkpoint, no memory tier): tokens/s side by side (>= 1.2x) and the losses of the two
+  runs. Needs a GPU of compute capability 8.9 or later; on CPU it is skipped (the product
+  refuses float8 on CPU ranks; ``tests/test_float8.py`` holds the conversion and its
+  composition with TP and FSDP2 there).
 
 With ``--device cpu --quick`` every part runs its smallest form on CPU in seconds (the
 suite's test), so the script does not rot between GPU machines; only the figures of a run
