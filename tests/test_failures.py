@@ -5,13 +5,13 @@ its text: real gloo collectives whose peer died, and a rank's own errors that me
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.gloo_ranks import rank_processes
 from tests.loopback import free_port
 from workers.failures import (
     CollectiveAborted,
@@ -119,7 +119,7 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layout):
-    context = multiprocessing.get_context("spawn")
+    context = rank_processes()
     received, results = context.Pipe(duplex=False)
     port = free_port()
     ranks = [context.Process(target=_second_step_after_peer_death, args=(rank, port, layout, results))

@@ -1,15 +1,14 @@
-"""The rank's side of fault injection (``workers.fault_injection``), in a spawned process: a
+"""The rank's side of fault injection (``workers.fault_injection``), in a process of its own: a
 kill with ``after=`` lands in the step it was fired in, however short that step is."""
 
 from __future__ import annotations
-
-import multiprocessing
 
 from torch import nn
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.faults import InjectedFault, InjectedRunSpec
 from elastic.core.lr_schedule import LRSchedule
+from tests.gloo_ranks import rank_processes
 from workers.fault_injection import InjectedFaults
 
 AFTER_S = 0.5
@@ -27,7 +26,7 @@ def short_step_then_its_sum(done) -> None:
 
 
 def test_a_delayed_kill_dies_in_the_step_it_was_fired_in_however_short():
-    context = multiprocessing.get_context("spawn")
+    context = rank_processes()
     done = context.Value("i", 0)
     rank = context.Process(target=short_step_then_its_sum, args=(done,))
     rank.start()

@@ -1,6 +1,6 @@
 """The reference model's parallel plans against one process, on real gloo groups and no Ray.
 
-Two spawned processes form one replica group of ``shard 1 x tp 2`` and train the reference
+Two processes form one replica group of ``shard 1 x tp 2`` and train the reference
 model's forward and backward with and without sequence parallelism; their losses and every
 gradient must equal a single process's, and sequence parallelism must save fewer bytes for
 backward. Activation checkpointing runs in this process: each policy must give the same

@@ -5,14 +5,13 @@ layouts the schedules cannot run are refused before any actor starts, and on a r
 step stays a transaction across stages: faults in either stage and a change of ``pp`` at a
 resume leave the single process's losses.
 
-The schedules run on four spawned gloo processes and no Ray, every layout and schedule in
+The schedules run on four gloo processes and no Ray, every layout and schedule in
 turn in the same processes; each writes its losses to a file the test reads."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import socket
 
 import pytest
 import torch
@@ -24,6 +23,8 @@ from elastic import ElasticTrainer
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
+from tests.gloo_ranks import rank_processes
+from tests.loopback import free_port
 from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
@@ -179,16 +180,11 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp2_and_tp_inside_the_stages(
         tmp_path):
     out = tmp_path / "losses.json"
-    mp.spawn(train_every_layout, args=(free_port(), str(out)), nprocs=4)
+    rank_processes()  # the fork server the ranks come from, with its preloads
+    mp.start_processes(train_every_layout, args=(free_port(), str(out)), nprocs=4, start_method="forkserver")
     found = json.loads(out.read_text())
     assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
     # Stage 0 of the first run: waiting, not computing, until its first chunk (a hang before it

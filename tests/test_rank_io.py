@@ -24,6 +24,7 @@ from checkpointing.storage import StorageOptions
 from elastic.setup.preflight import build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
+from tests.gloo_ranks import rank_processes
 from tests.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
 
@@ -354,7 +355,7 @@ def save_as_rank(rank: int, store: str, url: str, out: str) -> None:
 
 def test_a_two_rank_save_loads_into_one_rank(world, tmp_path):
     url = str(tmp_path / "ckpt")
-    context = multiprocessing.get_context("spawn")
+    context = rank_processes()
     ranks = [
         context.Process(target=save_as_rank, args=(rank, str(tmp_path / "store"), url, str(tmp_path)))
         for rank in range(2)

@@ -1,5 +1,5 @@
 """The step as a transaction (``workers.step_transaction``), on real gloo process groups and
-no Ray: two spawned processes on a loopback store, first as two groups of one rank (the
+no Ray: two processes on a loopback store, first as two groups of one rank (the
 cross-group sum), then as one group of two ranks (the vote). Each process runs the scenarios
 in turn and sends what each step did over a pipe; the tests read them."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import pickle
 import traceback
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
+from tests.gloo_ranks import rank_processes
 from workers.failures import CollectiveFailed
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
@@ -215,7 +215,7 @@ def rank_main(rank: int, port: int, results) -> None:
 def results() -> dict[int, dict[str, StepResult]]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    context = multiprocessing.get_context("spawn")
+    context = rank_processes()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
     ranks = [context.Process(target=rank_main, args=(rank, store.port, sender), daemon=True)
              for rank, (_, sender) in enumerate(pipes)]
