@@ -31,14 +31,16 @@ def test_losses_match_single_process_reference(ray_cluster, tmp_path, reference,
 
 
 def test_bf16_trains_on_two_groups_of_shard_2_by_tp_2(ray_cluster, tmp_path, reference):
-    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, tp=2, steps=STEPS, compute__precision="bf16",
+    # Half the steps: bf16 steps on CPU are slow, and ten take the loss 1.3 below its start.
+    steps = STEPS // 2
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, tp=2, steps=steps, compute__precision="bf16",
                          compute__activation_checkpointing="full")
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     assert result.summary["topology"]["ranks"] == 8
-    assert result.losses[-1] < result.losses[0] - 0.5
+    assert len(result.losses) == steps and result.losses[-1] < result.losses[0] - 0.5
     # bf16 is in effect (not the fp32 losses), and tracks them closely
-    assert 1e-4 < max_relative_difference(result.losses, reference) < 0.05
+    assert 1e-4 < max_relative_difference(result.losses, reference[:steps]) < 0.05
 
 
 def test_compiled_blocks_train_the_same_model_under_selective_recomputation(ray_cluster, tmp_path, reference):
