@@ -27,7 +27,9 @@ PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distri
 
 def rank_processes() -> multiprocessing.context.BaseContext:
     """The context to start rank processes in: a fork server, which forks each from a process
-    that runs no threads (a fork of this one would copy Ray's and gloo's threads mid-state)."""
+    that runs no threads (a fork of this one would copy Ray's and gloo's threads mid-state).
+    Its processes get the environment the server started with, not the test's of the moment:
+    what a rank needs from the test goes in its arguments."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     return context
