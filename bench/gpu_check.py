@@ -312,9 +312,9 @@ def stragglers(args: argparse.Namespace) -> list[Row]:
     recovered = re.search(r"slowdown recovered by the mitigation: (\S+)%", text)
     refilled = re.search(r"once the spare taken is replaced .*; recovered (\S+)%", text)
     detection = re.search(r"onset to detection: (\d+) steps", text)
-    if not (recovered and detection):  # the bench stopped short of its figures: its own verdict says why
-        return [Row(f"a slow rank detected and its slowdown recovered ({os.cpu_count()} cores)", "completes",
-                    "no figure: " + text.strip()[-200:], verdict(status == 0))]
+    if not (recovered and detection):  # no figures, whatever the bench's exit: a fail, with its last words
+        return [Row(f"a slow rank detected and its slowdown recovered ({os.cpu_count()} cores)", "its figures",
+                    f"none (exit {status}): " + text.strip()[-200:], "fail")]
     measured = f"{recovered.group(1)} % of the slowdown"
     if refilled:
         measured += f" ({refilled.group(1)} % once the spare taken was replaced)"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+START_METHOD = "forkserver"
 # What a test's ranks import: the fork server imports it once, before any rank is forked.
 # torch._dynamo too: DTensor's first distribute_tensor imports it, about 1 CPU-second.
 PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
@@ -30,7 +31,7 @@ def rank_processes() -> multiprocessing.context.BaseContext:
     that runs no threads (a fork of this one would copy Ray's and gloo's threads mid-state).
     Its processes get the environment the server started with, not the test's of the moment:
     what a rank needs from the test goes in its arguments."""
-    context = multiprocessing.get_context("forkserver")
+    context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(PRELOADED)
     return context
 

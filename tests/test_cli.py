@@ -15,7 +15,7 @@ import pytest
 def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     # Join the session's Ray cluster through RAY_ADDRESS, as under `ray job submit`. The
     # embedded default in all but its length: a quarter of its steps take the loss well past
-    # the bound below (5.6 -> 2.9; the whole default reaches 1.0) in a fraction of the time.
+    # the bound below (5.6 -> 2.8; the whole default reaches 1.0) in a fraction of the time.
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     completed = subprocess.run(
         [sys.executable, "-m", "elastic", "train", "--quiet", "--steps", "15"],

@@ -23,7 +23,7 @@ from elastic import ElasticTrainer
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
-from tests.gloo_ranks import rank_processes
+from tests.gloo_ranks import START_METHOD, rank_processes
 from tests.loopback import free_port
 from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
@@ -183,8 +183,8 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
 def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp2_and_tp_inside_the_stages(
         tmp_path):
     out = tmp_path / "losses.json"
-    rank_processes()  # the fork server the ranks come from, with its preloads
-    mp.start_processes(train_every_layout, args=(free_port(), str(out)), nprocs=4, start_method="forkserver")
+    rank_processes()  # sets what the fork server the ranks come from imports before it starts
+    mp.start_processes(train_every_layout, args=(free_port(), str(out)), nprocs=4, start_method=START_METHOD)
     found = json.loads(out.read_text())
     assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
     # Stage 0 of the first run: waiting, not computing, until its first chunk (a hang before it
