@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests import forked_ray_workers
 from tests.loopback import free_port
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -68,6 +69,13 @@ class RayHead:
         }
         self.headers = {"Authorization": f"Bearer {token}"}
         self.nodes: list[subprocess.Popen] = []
+        # Workers of a job whose py_executable is ``worker_launcher`` fork from this server.
+        self.fork_socket = Path(self.temp_dir) / "fork.sock"
+        self.worker_launcher = forked_ray_workers.launch_command(str(self.fork_socket))
+        with open(Path(self.temp_dir) / "fork-server.log", "w") as log:
+            self.fork_server = subprocess.Popen(
+                [sys.executable, forked_ray_workers.__file__, "serve", str(self.fork_socket)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
         self.process = self._start_node(
             "head.log", "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
             "--temp-dir", self.temp_dir, "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
@@ -89,6 +97,11 @@ class RayHead:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"ray start exited with {self.process.returncode}:\n{self.log('head.log')}")
+            if self.fork_server.poll() is not None:
+                raise AssertionError(f"the fork server exited:\n{self.log('fork-server.log')}")
+            if not self.fork_socket.exists():
+                time.sleep(0.1)
+                continue
             try:
                 request = urllib.request.Request(f"{self.dashboard}/api/jobs/", headers=self.headers)
                 with urllib.request.urlopen(request, timeout=5) as response:
@@ -98,6 +111,15 @@ class RayHead:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"the job server at {self.dashboard} did not come up:\n{self.log('head.log')}")
+
+    def forking_env(self) -> dict[str, str]:
+        """The environment of a driver process whose Ray workers, on this head or on a Ray it
+        starts, fork from this head's server as the test run's own do."""
+        return dict(os.environ, **forked_ray_workers.driver_env(str(self.fork_socket)))
+
+    def driver_env(self) -> dict[str, str]:
+        """The environment of a driver process that joins this head, as under ``ray job submit``."""
+        return dict(self.forking_env(), RAY_ADDRESS=self.gcs_address)
 
     def log(self, name: str) -> str:
         return (Path(self.temp_dir) / name).read_text()
@@ -119,6 +141,7 @@ class RayHead:
         for node in list(self.nodes):
             self.remove_node(node)
         stop_block(self.process)
+        stop_block(self.fork_server)
         leftovers = processes_mentioning(self.temp_dir)
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)

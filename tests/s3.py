@@ -47,6 +47,14 @@ class MotoServer:
         self.filesystem().makedirs(self.bucket, exist_ok=True)
         return self
 
+    def for_bucket(self, bucket: str) -> MotoServer:
+        """This server through another bucket, created now: tests share the process and keep
+        their data apart. Stopping or freezing the process stays its owner's business."""
+        view = MotoServer(bucket)
+        view.port = self.port
+        view.filesystem().makedirs(bucket, exist_ok=False)
+        return view
+
     def stop(self) -> None:
         if self.process is not None:
             self.process.kill()

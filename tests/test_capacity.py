@@ -31,14 +31,14 @@ first_step_deadline_s = 2.0
 """
 
 
-def test_second_group_cannot_be_placed_stops_and_cli_exits_nonzero(ray_cluster, tmp_path):
+def test_second_group_cannot_be_placed_stops_and_cli_exits_nonzero(ray_head, tmp_path):
     config = tmp_path / "job.toml"
     config.write_text(CONFIG)
     # Hold all but one CPU: one 0.75-CPU group places, the second never does. The capacity
     # check counts the cluster's totals, so the job starts and meets this at run time.
     hold = placement_group([{"CPU": ray.cluster_resources()["CPU"] - 1.0}])
     ray.get(hold.ready(), timeout=60)
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    env = ray_head.driver_env()
     try:
         completed = subprocess.run(
             [sys.executable, "-m", "elastic", "train", "--config", str(config), "--groups", "2:2", "--shard", "1",

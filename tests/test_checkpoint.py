@@ -135,9 +135,9 @@ def test_a_single_group_without_the_memory_tier_reruns_from_the_initial_state_th
     assert continues_reference(result, config, 0)
 
 
-def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeeds(ray_cluster, tmp_path, s3_server):
+def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeeds(ray_cluster, tmp_path, own_s3_server):
     steps = 60
-    storage = {"storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
+    storage = {"storage": own_s3_server.url("runs"), "checkpoint__s3_endpoint_url": own_s3_server.endpoint_url}
     # One botocore attempt (s3fs still retries with backoff): the outage outlasts the retries.
     config = tiny_config(tmp_path, groups=1, shard=2, steps=steps, checkpoint__every=4, checkpoint__s3_max_attempts=1,
                          **storage)
@@ -148,12 +148,12 @@ def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeed
     def down(_committed):
         if not outage:
             outage.append("down")
-            s3_server.stop()
+            own_s3_server.stop()
 
     def back_up(_failed):
         if outage == ["down"]:
             outage.append("up")
-            s3_server.start()
+            own_s3_server.start()
 
     with on_events({EventKind.CHECKPOINT_COMMITTED: down, EventKind.CHECKPOINT_FAILED: back_up}):
         result = ElasticTrainer(config, model_fn=paced_model(config, 0.1)).fit()
@@ -165,18 +165,18 @@ def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeed
     assert max(committed) > max(failed), "a checkpoint after the outage should commit"
     assert [r["step"] for r in result.summary["steps"]] == list(range(steps))
     assert continues_reference(result, config, 0)
-    fs = s3_server.filesystem()
-    last = f"{s3_server.bucket}/runs/test/checkpoints/step-{max(committed):08d}/manifest.json"
+    fs = own_s3_server.filesystem()
+    last = f"{own_s3_server.bucket}/runs/test/checkpoints/step-{max(committed):08d}/manifest.json"
     assert fs.exists(last)
 
 
-def driver(tmp_path, ray_cluster, config):
+def driver(tmp_path, ray_head, config):
     """``elastic train`` in its own process, joined to the session's cluster like a Ray job. Its
     output goes to ``tmp_path/driver.log``: a pipe nobody reads until the end would block the
     driver once full."""
     config_file = tmp_path / "job.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    env = ray_head.driver_env()
     with open(tmp_path / "driver.log", "w") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "elastic", "train", "--quiet", "--config", str(config_file)],
@@ -184,18 +184,19 @@ def driver(tmp_path, ray_cluster, config):
         )
 
 
-def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_commit(ray_cluster, tmp_path, s3_server):
-    fs = s3_server.filesystem()
-    root = f"{s3_server.bucket}/runs/job/checkpoints"
-    s3 = {"run_name": "job", "storage": s3_server.url("runs"), "checkpoint__s3_endpoint_url": s3_server.endpoint_url}
-    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5,
+def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_commit(ray_head, tmp_path, own_s3_server):
+    fs = own_s3_server.filesystem()
+    root = f"{own_s3_server.bucket}/runs/job/checkpoints"
+    s3 = {"run_name": "job", "storage": own_s3_server.url("runs"),
+          "checkpoint__s3_endpoint_url": own_s3_server.endpoint_url}
+    job = driver(tmp_path, ray_head, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5,
                                                     checkpoint__lease_ttl_s=4, **s3))
     wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), 300, "the first commit", interval=0.05)
-    s3_server.pause()  # the next upload hangs mid-flight
+    own_s3_server.pause()  # the next upload hangs mid-flight
     time.sleep(2)
     job.kill()
     job.wait()
-    s3_server.resume()
+    own_s3_server.resume()
     time.sleep(4)  # the dead driver's run lease expires
     fs.invalidate_cache()
     committed = sorted(p for p in fs.ls(root) if fs.exists(f"{p}/manifest.json"))
@@ -209,9 +210,9 @@ def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_co
     assert all(fs.exists(f"{p}/manifest.json") for p in fs.ls(root)), "partial checkpoints are cleaned up"
 
 
-def test_sigterm_checkpoints_within_the_grace_period_and_the_rerun_resumes(ray_cluster, tmp_path):
+def test_sigterm_checkpoints_within_the_grace_period_and_the_rerun_resumes(ray_head, tmp_path):
     storage = str(tmp_path / "runs")
-    job = driver(tmp_path, ray_cluster, tiny_config(tmp_path, shard=2, steps=2000, checkpoint__every=50, run_name="job"))
+    job = driver(tmp_path, ray_head, tiny_config(tmp_path, shard=2, steps=2000, checkpoint__every=50, run_name="job"))
     summary_path = Path(storage, "job", "summary.json")
     checkpoints = Path(storage, "job", "checkpoints")
     wait_for(lambda: (checkpoints / "step-00000050" / "manifest.json").exists(), 300, "the step-50 commit",

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 
-def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
-    # Join the session's Ray cluster through RAY_ADDRESS, as under `ray job submit`. The
+def test_cli_default_runs_and_loss_falls(ray_head, tmp_path):
+    # Join the session's Ray head through RAY_ADDRESS, as under `ray job submit`. The
     # embedded default in all but its length: a quarter of its steps take the loss well past
     # the bound below (5.6 -> 2.8; the whole default reaches 1.0) in a fraction of the time.
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    env = ray_head.driver_env()
     completed = subprocess.run(
         [sys.executable, "-m", "elastic", "train", "--quiet", "--steps", "15"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
@@ -39,11 +39,11 @@ def test_cli_default_runs_and_loss_falls(ray_cluster, tmp_path):
     assert (final / "manifest.json").exists() and (final / ".metadata").exists()
 
 
-def test_a_rank_killed_on_the_way_shows_as_the_runs_own_line_and_rays_paragraph_goes_to_a_log_file(ray_cluster,
-                                                                                                     tmp_path):
+def test_a_rank_killed_on_the_way_shows_as_the_runs_own_line_and_rays_paragraph_goes_to_a_log_file(
+        ray_cluster, ray_head, tmp_path):
     from elastic.fleet.ray_messages import LOG_NAME
 
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    env = ray_head.driver_env()
     completed = subprocess.run(
         [sys.executable, "-m", "elastic", "train", "--quiet", "--steps", "6", "--groups", "2", "--shard", "1",
          "--tp", "1", "--checkpoint-every", "0", "--inject", "kill:rank=1,step=2"],
@@ -57,14 +57,14 @@ def test_a_rank_killed_on_the_way_shows_as_the_runs_own_line_and_rays_paragraph_
 
 
 @pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemption(ray_cluster, tmp_path, presses):
+def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemption(ray_head, tmp_path, presses):
     """`elastic train ... 2>&1 | tee log`, then Ctrl-C: tee stops with it, and every later
     write of the driver's finds the pipe broken. The run still stops at a step boundary with
     a checkpoint, and says so: preempted, exit 143. Pressed twice, it stops at once, and says
     that too."""
     from tests.loopback import wait_for
 
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    env = ray_head.driver_env()
     # Pressed twice, the second press must land before the first stop reaches its step
     # boundary: from step 6 on, steps take seconds (a slowdown, and a deadline well past it).
     slow_steps = ["--inject", "slow:rank=0,factor=100,step=6", "--set", "fault_tolerance.min_deadline_s=300"]

@@ -100,7 +100,15 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
         tmp_path, groups=2, shard=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=20", checkpoint__every=10,
         metrics__port=metrics_port, eval__every=15, **FAST_DETECTION,
     )
-    result = ElasticTrainer(config).fit()
+    scraped = []
+
+    def hold_the_first_step_until_scraped(_result) -> None:
+        # Ranks start in about a second: without this the kill could land before Prometheus
+        # has seen the counters at zero. The driver is held, so the run at step 20 is too.
+        if not scraped:
+            scraped.append(wait_for(lambda: prometheus.query("elastic_generation"), 30, "a scrape of the run"))
+
+    result = ElasticTrainer(config, on_step=[hold_the_first_step_until_scraped]).fit()
     assert result.ok, result.exit
     assert result.summary["steps_discarded"] >= 1
 
