@@ -4,6 +4,7 @@ one for ``ray job submit``, on loopback, with its own temp dir, ports and auth t
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the
 machine, other users' included. ``add_node`` joins a further node to it, as a cluster grows.
+Beside it runs the server its jobs' workers fork from (tests/forked_ray_workers.py).
 """
 
 from __future__ import annotations
