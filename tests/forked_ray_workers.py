@@ -30,17 +30,17 @@ import socket
 import struct
 import sys
 
-# What a rank actor imports on its way to its first step (the first optimizer and DTensor
-# import ``torch._dynamo``), short of Ray: Ray's library reads the worker's job id from the
+# The part of torch a rank imports on its way to its first step: torch._dynamo too, which
+# the first optimizer and DTensor's first distribute_tensor import (about 1 CPU-second).
+# tests/gloo_ranks.py's fork server preloads it as well.
+TORCH_PRELOADED = ("torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
+                   "torch.distributed.checkpoint", "torch.distributed.pipelining")
+# And the rank's own modules, short of Ray: Ray's library reads the worker's job id from the
 # environment as it loads, so each worker loads it, and the rank's modules that import it,
 # itself (0.4 CPU-s).
-PRELOADED = ("torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
-             "torch.distributed.checkpoint", "torch.distributed.pipelining", "checkpointing.rank_io",
-             "checkpointing.healing", "checkpointing.pretrained", "workers.model_build", "workers.step_transaction",
-             "workers.world")
+PRELOADED = (*TORCH_PRELOADED, "checkpointing.rank_io", "checkpointing.healing", "checkpointing.pretrained",
+             "workers.model_build", "workers.step_transaction", "workers.world")
 _FDS = 4  # stdin, stdout, stderr, the lifeline
-
-
 SOCKET = "ELASTIC_TEST_FORK_SOCKET"  # where a driver's runtime_env_hook finds the server
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.forked_ray_workers import TORCH_PRELOADED
+
 START_METHOD = "forkserver"
 # What a test's ranks import: the fork server imports it once, before any rank is forked.
-# torch._dynamo too: DTensor's first distribute_tensor imports it, about 1 CPU-second.
-PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
-             "torch.distributed.checkpoint", "torch.distributed.pipelining", "workers.worker"]
+PRELOADED = [*TORCH_PRELOADED, "workers.worker"]
 
 
 def rank_processes() -> multiprocessing.context.BaseContext:
