@@ -12,6 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from tests.events import on_events
+from tests.loopback import wait_for
 from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
@@ -32,8 +33,11 @@ def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):
     nodes = []
 
     def add_node(_committed):
+        # The driver is held until the node has registered, so the steps left for the group to
+        # place, start and heal do not also pay for the node's start on a loaded machine.
         if not nodes:
             nodes.append(ray_head.add_node(num_cpus=1))
+            wait_for(lambda: sum(node["Alive"] for node in ray.nodes()) == 2, 120, "the added node to register")
 
     try:
         with on_events({EventKind.CHECKPOINT_COMMITTED: add_node}):
