@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from checkpointing.healing import export_local_state
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
@@ -193,6 +194,11 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     world = World(spec, store)
     world.join_group(world_build=1)
     world.join_replicas(generation=1, replica_rank=0, replica_size=1)
+    transaction, _ = new_transaction(spec, world, fsdp=True)
+    take_step(transaction, 0, rank_batches(rank, 0))
+    before = export_local_state(transaction.model, transaction.optimizer)
+    transaction.held_out_loss(1, rank_batches(rank, 1), GLOBAL_TOKENS)
+    yield "a held-out loss", (before, export_local_state(transaction.model, transaction.optimizer))
     transaction, _ = new_transaction(spec, world)
     yield "one rank's sum fails", take_step(transaction, 0, rank_batches(rank, 0),
                                             faults=FailingCrossGroupSum() if rank == 0 else NO_FAULTS)
@@ -305,3 +311,12 @@ def test_every_rank_of_the_group_discards_when_one_ranks_cross_group_sum_fails(r
     for rank in (failed, peer):
         assert rank.outcome is None
         assert rank.parameters_unchanged and rank.gradients_zero and rank.generators_rewound
+
+
+def test_a_held_out_loss_leaves_the_shards_a_peer_heals_from(results):
+    """FSDP2 keeps the root module's parameters gathered after a forward with no backward: the
+    state a replacement heals from must be the rank's shards again, as before the evaluation."""
+    for before, after in scenario(results, "a held-out loss"):
+        assert [tuple(local.shape) for local in after["model"]] == [tuple(local.shape) for local in before["model"]]
+        assert all(torch.equal(x, y) for x, y in zip(after["model"], before["model"]))
+

@@ -26,7 +26,7 @@ from torch import nn
 
 from elastic.core.data_plan import PADDING_INDEX, MicroBatches
 from workers.model import Transformer
-from workers.train_step import Batch, LossFn, weighted_loss
+from workers.train_step import Batch, LossFn, reshard, weighted_loss
 
 # torch.distributed.pipelining's schedule classes by ``scaling.pp_schedule``: one stage per
 # rank, or several (looped over the ranks: stage i on rank i mod pp).
@@ -229,6 +229,7 @@ class Pipeline:
         finally:
             for stage in self.stages:
                 stage.submod.train()
+                reshard(stage.submod)
 
     def _run(self, batches: Sequence[Batch], global_tokens: int, backward: bool) -> float:
         self._global_tokens = global_tokens

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -179,6 +180,16 @@ def evaluate_counted(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[B
             return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=False)
     finally:
         model.train()
+        reshard(model)
+
+
+def reshard(model: nn.Module) -> None:
+    """Back to sharded parameters after forwards with no backward. FSDP2 keeps a root module's
+    parameters gathered after its forward, for the backward that follows; an evaluation has
+    none, and healing, the memory tier and the integrity fingerprints read the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def evaluate_loss(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,
