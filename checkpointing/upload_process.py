@@ -2,8 +2,12 @@
 
 Serialising, hashing and uploading gigabytes in the training process would compete with
 training for the GIL; in a process of its own the upload costs training only a CPU core.
-The process is spawned, not forked: the training process runs threads (NCCL, gloo, Ray)
-that a fork would copy in unknown states. It joins no process group: the training process
+The process is not forked from the training process, which runs threads (NCCL, gloo, Ray)
+that a fork would copy in unknown states: it is forked from a fork server, a process that runs
+no threads and imported this module (and torch) once, as the first upload process started. A
+replacement for a lost one then starts in milliseconds, not the seconds a fresh interpreter
+takes to import torch, and one that ends skips a fresh interpreter's shutdown. The server
+lives as long as the training process. It joins no process group: the training process
 plans each save and runs DCP's collectives, so the upload process outlives world rebuilds
 and needs no rendezvous of its own. It maps the staging arena (a memfd passed over its
 pipe), so the staged state is not copied again to hand it over.
@@ -17,7 +21,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from multiprocessing.reduction import recv_handle, send_handle
 
@@ -60,13 +63,18 @@ class UploadProcess:
     """The training process's handle on its upload process."""
 
     def __init__(self):
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # applies when the first process starts the server
         self.connection, child_end = context.Pipe()
-        self.process = context.Process(
-            target=serve, args=(child_end, os.getpid()), name="rank-checkpoint-upload", daemon=True
-        )
+        # Never written: the process reads its end to learn that this one is gone.
+        lifeline, self.lifeline = context.Pipe(duplex=False)
+        # The environment of the moment, as a spawned process would get it: the server's is the
+        # one it started with.
+        self.process = context.Process(target=serve, args=(child_end, lifeline, dict(os.environ)),
+                                       name="rank-checkpoint-upload", daemon=True)
         self.process.start()
         child_end.close()
+        lifeline.close()
         self.mapped_arena: int | None = None
         # One exchange at a time; close() also tells a busy process from an idle one by it.
         self.lock = threading.Lock()
@@ -119,15 +127,19 @@ class UploadProcess:
         # A process killed inside a write to a hung mount dies only once that write returns:
         # waiting for it longer would hang the caller too. The next process started reaps it.
         self.process.join(KILLED_EXIT_WAIT_S)
+        self.lifeline.close()
 
 
-def serve(connection, parent_pid: int) -> None:
-    """The upload process: serves write requests until told to stop or its parent is gone."""
+def serve(connection, lifeline, environment: dict[str, str]) -> None:
+    """The upload process: serves write requests until told to stop or the training process
+    is gone."""
+    os.environ.clear()
+    os.environ.update(environment)
     # Nothing here touches a GPU; a CUDA context would cost device memory.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # An interrupt is the training process's to handle; it stops this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_with_training_process, args=(lifeline,), daemon=True).start()
     memory = None
     while True:
         try:
@@ -169,9 +181,13 @@ class _ArenaItems:
         return io.BytesIO(data) if isinstance(data, bytes) else data.view(self.memory)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    # A parent killed outright (SIGKILL, os._exit) cannot stop this process, which would go
-    # on uploading a checkpoint that nobody will commit.
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
+def _exit_with_training_process(lifeline) -> None:
+    # A training process killed outright (SIGKILL, os._exit) cannot stop this process, which
+    # would go on uploading a checkpoint that nobody will commit. Its parent is the fork server,
+    # which outlives the training process while this process runs: the lifeline's other end,
+    # held by the training process alone, is what closes.
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
     os._exit(1)

@@ -8,8 +8,11 @@ import hashlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from tests.gloo_ranks import rank_processes
 from tests.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
 
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = build_config({
     "global_batch": 2, "micro_batch": 2, "seed": 0,
     "scaling": {"shard": 1, "tp": 1},
@@ -271,6 +275,56 @@ def test_settle_stops_an_upload_process_that_does_not_answer(rank, in_process, t
     in_process.save(rank.model, rank.optimizer, str(tmp_path / "stuck"))
     in_process.settle(timeout_s=0.5)
     assert not process.is_alive() and in_process.uploader is None and in_process.upload is None
+
+
+TRAINING_PROCESS = """
+import sys, time
+import torch.distributed as dist
+from checkpointing.rank_io import RankCheckpointIO
+from checkpointing.storage import StorageOptions
+from tests.test_rank_io import Rank, stalled_directory
+from pathlib import Path
+if __name__ == "__main__":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank = Rank(seed=0)
+    rank.step()
+    checkpoint_io = RankCheckpointIO(StorageOptions(), global_rank=0, upload_in_process=True)
+    checkpoint_io.attach(dist.new_group(backend="gloo"))
+    checkpoint_io.save(rank.model, rank.optimizer, stalled_directory(Path(sys.argv[1])))
+    print(checkpoint_io.uploader.process.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_an_upload_process_ends_when_its_training_process_is_killed_outright(tmp_path):
+    """An upload stuck in storage, then its training process killed outright: the upload
+    process ends too, instead of writing on a checkpoint nobody will commit. Its parent is
+    the fork server, which outlives the training process while the upload runs."""
+    script = tmp_path / "training.py"
+    script.write_text(TRAINING_PROCESS)
+    training = subprocess.Popen([sys.executable, str(script), str(tmp_path / "stalled")], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    upload_pid = None
+    try:
+        upload_pid = int(training.stdout.readline())
+        # Linux's wait of a FIFO's open for its other end: the upload is stuck in storage.
+        wait_until(lambda: Path(f"/proc/{upload_pid}/wchan").read_text() == "wait_for_partner", timeout_s=60)
+        training.kill()
+        training.wait()
+        wait_until(lambda: not running(upload_pid), timeout_s=30)
+    finally:
+        training.kill()
+        if upload_pid is not None and running(upload_pid):  # its fork server then ends too
+            os.kill(upload_pid, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: neither gone nor a zombie left for whoever adopted it to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
 
 
 def stalled_directory(path) -> str:
