@@ -24,8 +24,7 @@ def ray_head():
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     head = RayHead(num_cpus=8)
     try:
-        ray.init(address=head.gcs_address, log_to_driver=False, configure_logging=False,
-                 runtime_env={"py_executable": head.worker_launcher})
+        ray.init(address=head.gcs_address, log_to_driver=False, configure_logging=False)
         yield head
     finally:
         ray.shutdown()

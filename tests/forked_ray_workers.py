@@ -3,13 +3,15 @@
 A rank actor's process spends about 3.3 of its 4 CPU-seconds of start-up importing torch,
 DTensor, DCP, ``torch._dynamo`` and the rank's code: over the suite's few hundred rank
 actors, about half the suite's CPU. The test run's head (``tests/ray_head.py``) starts a
-server that imports torch's part once; the test driver's job names this file's launcher as
-Ray's ``py_executable``, so each worker Ray starts for it is forked from that server, then
-runs Ray's own ``default_worker.py`` unchanged: Ray, the actors and the runs are all real,
-only the imports are shared. A driver a test starts as a process of its own (the CLI,
-bench/gpu_check.py's parts, even with a Ray of their own) gets the same through Ray's
-``RAY_RUNTIME_ENV_HOOK`` (``driver_env``). Jobs sent with ``ray job submit`` and
-tests/test_listeners.py's local run keep Ray's plain start-up, so that path stays covered.
+server that imports torch's part once, and its nodes' raylets start their workers with a
+``python`` that sends Ray's default worker through this file's launcher
+(``write_worker_python``). So each worker of a job without a runtime env (the test run's own
+driver, and the CLI drivers a test joins to the head) is forked from that server, then runs
+Ray's own ``default_worker.py`` unchanged: Ray, the actors and the runs are all real, only
+the imports are shared. A driver that starts a Ray of its own (bench/gpu_check.py's parts)
+names the launcher as its job's ``py_executable`` through Ray's ``RAY_RUNTIME_ENV_HOOK``
+(``driver_env``). Jobs with a runtime env of their own (``ray job submit --working-dir``)
+and tests/test_listeners.py's local run keep Ray's plain start-up, so that path stays covered.
 
 The launcher is what Ray starts and watches. It hands the server its argv, environment,
 working directory and standard streams, waits for the forked worker and exits with its
@@ -50,8 +52,19 @@ def launch_command(socket_path: str) -> str:
     return f"{sys.executable} -I -S {os.path.abspath(__file__)} launch {socket_path}"
 
 
+def write_worker_python(path: str, socket_path: str) -> None:
+    """Writes at ``path`` the ``python`` a node's raylet starts its workers with: Ray's default
+    worker goes through the launcher, anything else (``setup_worker.py`` for a job with a
+    runtime env, Ray's agents) runs as this interpreter. A job without a runtime env then
+    skips ``setup_worker.py``, an interpreter of its own that imports Ray (0.45 CPU-s a worker)."""
+    with open(path, "w") as script:
+        script.write(f'#!/bin/sh\ncase "$1" in\n  */default_worker.py) exec {launch_command(socket_path)} "$@" ;;\n'
+                     f'esac\nexec {sys.executable} "$@"\n')
+    os.chmod(path, 0o700)
+
+
 def runtime_env_hook(runtime_env: dict | None) -> dict:
-    """Ray's ``RAY_RUNTIME_ENV_HOOK`` for a driver started as a process of its own."""
+    """Ray's ``RAY_RUNTIME_ENV_HOOK`` for a driver that starts a Ray of its own."""
     return {**(runtime_env or {}), "py_executable": launch_command(os.environ[SOCKET])}
 
 

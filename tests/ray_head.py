@@ -23,6 +23,11 @@ from tests import forked_ray_workers
 from tests.loopback import free_port
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+# ``ray start`` with the ``python`` its raylet starts workers with in argv[1]: Ray builds that
+# command from ``sys.executable``.
+RAY_START_WITH_WORKER_PYTHON = [
+    sys.executable, "-c",
+    "import sys; from ray.scripts.scripts import main; sys.executable = sys.argv.pop(1); sys.argv[0] = 'ray'; main()"]
 # The processes of a node, each on a port of its own (several nodes share this machine).
 NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
@@ -73,6 +78,8 @@ class RayHead:
         # Workers of a job whose py_executable is ``worker_launcher`` fork from this server.
         self.fork_socket = Path(self.temp_dir) / "fork.sock"
         self.worker_launcher = forked_ray_workers.launch_command(str(self.fork_socket))
+        self.worker_python = str(Path(self.temp_dir) / "python")
+        forked_ray_workers.write_worker_python(self.worker_python, str(self.fork_socket))
         with open(Path(self.temp_dir) / "fork-server.log", "w") as log:
             self.fork_server = subprocess.Popen(
                 [sys.executable, forked_ray_workers.__file__, "serve", str(self.fork_socket)],
@@ -88,8 +95,9 @@ class RayHead:
         ports = [x for flag in NODE_PORTS for x in (flag, str(free_port()))]
         with open(Path(self.temp_dir) / log_name, "w") as log:
             return subprocess.Popen(
-                [*RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--min-worker-port", "0",
-                 "--max-worker-port", "0", "--disable-usage-stats", *ports, *args],
+                [*RAY_START_WITH_WORKER_PYTHON, self.worker_python, "start", "--block", "--node-ip-address",
+                 "127.0.0.1", "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats", *ports,
+                 *args],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env,
             )
 
@@ -114,13 +122,14 @@ class RayHead:
         raise AssertionError(f"the job server at {self.dashboard} did not come up:\n{self.log('head.log')}")
 
     def forking_env(self) -> dict[str, str]:
-        """The environment of a driver process whose Ray workers, on this head or on a Ray it
-        starts, fork from this head's server as the test run's own do."""
+        """The environment of a driver process that starts a Ray of its own, whose workers fork
+        from this head's server as the test run's own do."""
         return dict(os.environ, **forked_ray_workers.driver_env(str(self.fork_socket)))
 
     def driver_env(self) -> dict[str, str]:
-        """The environment of a driver process that joins this head, as under ``ray job submit``."""
-        return dict(self.forking_env(), RAY_ADDRESS=self.gcs_address)
+        """The environment of a driver process that joins this head, as under ``ray job submit``;
+        the head's workers fork from its server already."""
+        return dict(os.environ, RAY_ADDRESS=self.gcs_address)
 
     def log(self, name: str) -> str:
         return (Path(self.temp_dir) / name).read_text()

@@ -1,7 +1,8 @@
-"""The launcher Ray starts for the test driver's workers (tests/forked_ray_workers.py) stands
+"""The launcher Ray starts for the test run's workers (tests/forked_ray_workers.py) stands
 in for the worker it has forked: the worker gets the launcher's argv, environment, working
 directory and streams; the launcher exits as the worker did, passes signals on, and a
-launcher killed outright takes its worker with it."""
+launcher killed outright takes its worker with it. The head starts a job's workers that way
+unless the job has a runtime env of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
+
+import ray
 
 from tests.loopback import wait_for
 
@@ -66,3 +70,19 @@ def test_signals_reach_the_worker_and_a_launcher_killed_outright_takes_it_along(
     launcher.kill()
     launcher.wait(timeout=60)
     wait_for(lambda: not alive(worker), 30, "the worker to follow its launcher killed outright")
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def start(self) -> tuple[int, bool]:
+        return os.getppid(), "torch" in sys.modules
+
+
+def test_the_heads_workers_fork_from_the_server_unless_their_job_has_a_runtime_env(ray_cluster, ray_head):
+    for options, forked in (({}, True), ({"runtime_env": {"env_vars": {"PROBE_VALUE": "set"}}}, False)):
+        probe = Probe.options(**options).remote()
+        try:
+            parent, torch_loaded = ray.get(probe.start.remote(), timeout=120)
+        finally:
+            ray.kill(probe)
+        assert (parent == ray_head.fork_server.pid, torch_loaded) == (forked, forked), options
