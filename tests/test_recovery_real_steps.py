@@ -13,7 +13,7 @@ from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
 STEP_S = 2.2
-KILL_STEP = 3
+KILL_STEP = 2
 
 
 # The second layout replaces the dead rank with a warm spare instead of a process start.
