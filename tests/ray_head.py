@@ -75,7 +75,8 @@ class RayHead:
         }
         self.headers = {"Authorization": f"Bearer {token}"}
         self.nodes: list[subprocess.Popen] = []
-        # Workers of a job whose py_executable is ``worker_launcher`` fork from this server.
+        # Workers started with ``worker_python`` (this head's, for a job without a runtime env) or
+        # with ``worker_launcher`` as their job's py_executable fork from this server.
         self.fork_socket = Path(self.temp_dir) / "fork.sock"
         self.worker_launcher = forked_ray_workers.launch_command(str(self.fork_socket))
         self.worker_python = str(Path(self.temp_dir) / "python")
