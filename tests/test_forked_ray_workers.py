@@ -16,6 +16,7 @@ import sys
 import ray
 
 from tests.loopback import wait_for
+from tests.processes import alive
 
 PROBE = """
 import json, os, sys, time
@@ -36,14 +37,6 @@ def launch(ray_head, tmp_path, *args: str) -> subprocess.Popen:
     command = shlex.split(ray_head.worker_launcher) + [str(script), *args]
     return subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, PROBE_VALUE="passed on"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_worker_runs_in_the_launchers_setting_and_the_launcher_exits_as_it_did(ray_head, tmp_path):

@@ -28,6 +28,7 @@ from elastic.setup.preflight import build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
 from tests.gloo_ranks import rank_processes
+from tests.processes import alive
 from tests.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
 
@@ -311,20 +312,11 @@ def test_an_upload_process_ends_when_its_training_process_is_killed_outright(tmp
         wait_until(lambda: Path(f"/proc/{upload_pid}/wchan").read_text() == "wait_for_partner", timeout_s=60)
         training.kill()
         training.wait()
-        wait_until(lambda: not running(upload_pid), timeout_s=30)
+        wait_until(lambda: not alive(upload_pid), timeout_s=30)
     finally:
         training.kill()
-        if upload_pid is not None and running(upload_pid):  # its fork server then ends too
+        if upload_pid is not None and alive(upload_pid):  # its fork server then ends too
             os.kill(upload_pid, signal.SIGKILL)
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs: neither gone nor a zombie left for whoever adopted it to reap."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
 
 
 def stalled_directory(path) -> str:

@@ -319,4 +319,3 @@ def test_a_held_out_loss_leaves_the_shards_a_peer_heals_from(results):
     for before, after in scenario(results, "a held-out loss"):
         assert [tuple(local.shape) for local in after["model"]] == [tuple(local.shape) for local in before["model"]]
         assert all(torch.equal(x, y) for x, y in zip(after["model"], before["model"]))
-
