@@ -5,6 +5,9 @@ import secrets
 # Ray reads its auth mode and token once per process, when it is imported: set them first, so
 # that this process and every driver it starts join the test run's head with them.
 os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+# One thread per test process, read as torch loads, as the ranks run: the two lanes
+# (pytest_collection_modifyitems) share two cores, and a thread per core each would contend.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
@@ -15,9 +18,24 @@ from tests.s3 import MotoServer, set_test_credentials  # noqa: E402
 BUCKETS = itertools.count()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "waits: mostly waiting (paced steps, an outage, a lease, a process, node, job "
+                                       "or Ray of its own starting): runs in the lane beside the computing tests")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """Two lanes (pyproject's ``-n 2 --dist loadgroup``), each a pytest-xdist worker with a Ray
+    head of its own: the tests marked ``waits``, one after another, beside the rest, one after
+    another. A waiting test leaves a core idle for the computing one beside it; two computing
+    tests side by side would only contend for the two cores."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("waits" if item.get_closest_marker("waits") else "computes"))
+
+
 @pytest.fixture(scope="session")
 def ray_head():
-    """The one Ray instance of the whole test run, on loopback (tests/ray_head.py). This
+    """The one Ray instance of this lane's whole test run, on loopback (tests/ray_head.py). This
     process joins it, and so does every driver a test starts with ``driver_env()``; the
     workers of both fork from the head's server (tests/forked_ray_workers.py)."""
     set_test_credentials()  # before the head starts: its workers inherit them

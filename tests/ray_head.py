@@ -1,5 +1,6 @@
-"""The test run's one Ray instance: a head started with ``ray start --head``, as a user starts
-one for ``ray job submit``, on loopback, with its own temp dir, ports and auth token.
+"""A test lane's one Ray instance (tests/conftest.py): a head started with ``ray start
+--head``, as a user starts one for ``ray job submit``, on loopback, with its own temp dir,
+ports and auth token.
 
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the

@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+
+pytestmark = pytest.mark.waits  # a driver process of its own waits out the capacity timeout
 
 CONFIG = """
 run_name = "below-minimum"

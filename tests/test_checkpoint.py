@@ -115,6 +115,7 @@ def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_serve
     assert continues_reference(resumed, config, 10)
 
 
+@pytest.mark.waits  # steps paced to 0.3 s
 def test_a_single_group_without_the_memory_tier_reruns_from_the_initial_state_then_from_the_latest_checkpoint(
         ray_cluster, tmp_path):
     """Losing the only copy of the state (no peer group, the memory tier off) costs the steps
@@ -135,6 +136,7 @@ def test_a_single_group_without_the_memory_tier_reruns_from_the_initial_state_th
     assert continues_reference(result, config, 0)
 
 
+@pytest.mark.waits  # an outage; steps paced to 0.1 s
 def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeeds(ray_cluster, tmp_path, own_s3_server):
     # The outage spans s3fs's retries (about 2 s of backoff, then a save fails) and the
     # server's restart: over by step 12 on a quiet machine, and the final checkpoint commits
@@ -187,6 +189,7 @@ def driver(tmp_path, ray_head, config):
         )
 
 
+@pytest.mark.waits  # a driver process of its own; the lease expires
 def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_commit(ray_head, tmp_path, own_s3_server):
     fs = own_s3_server.filesystem()
     root = f"{own_s3_server.bucket}/runs/job/checkpoints"
@@ -213,6 +216,7 @@ def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_co
     assert all(fs.exists(f"{p}/manifest.json") for p in fs.ls(root)), "partial checkpoints are cleaned up"
 
 
+@pytest.mark.waits  # a driver process of its own
 def test_sigterm_checkpoints_within_the_grace_period_and_the_rerun_resumes(ray_head, tmp_path):
     storage = str(tmp_path / "runs")
     job = driver(tmp_path, ray_head, tiny_config(tmp_path, shard=2, steps=2000, checkpoint__every=50, run_name="job"))

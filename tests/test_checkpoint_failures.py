@@ -7,12 +7,16 @@ first commit is seen well before the next save is due."""
 
 from pathlib import Path
 
+import pytest
+
 from elastic import ElasticTrainer
 from elastic.cli import exit_code
 from elastic.core.events import EventKind
 from tests.events import on_events
 from tests.paced import paced_model
 from tests.tiny import tiny_config
+
+pytestmark = pytest.mark.waits  # steps paced to 0.3 s
 
 EVERY = 5
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.waits  # every test here runs `elastic` as a process of its own
+
 
 def test_cli_default_runs_and_loss_falls(ray_head, tmp_path):
     # Join the session's Ray head through RAY_ADDRESS, as under `ray job submit`. The

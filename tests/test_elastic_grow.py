@@ -6,6 +6,7 @@ holds all of the head's free CPUs but the one a group needs (shard 2 x 0.5 CPU),
 group cannot place; the node is added as the first checkpoint commits, so the run has trained
 on one group before it can grow."""
 
+import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -16,6 +17,8 @@ from tests.loopback import wait_for
 from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
+
+pytestmark = pytest.mark.waits  # steps paced to 0.1 s while a node starts
 
 
 def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):

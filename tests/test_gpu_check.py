@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.waits  # three Rays of its own start, and shared_gpu's steps are paced
+
 ROOT = Path(__file__).resolve().parents[1]
 # stragglers is bench/stragglers.py's own main, four Ray runs (45 s here): left to that bench.
 PARTS = ["throughput", "integrity", "gloo_ops", "shared_gpu", "control_plane", "float8"]

@@ -12,7 +12,11 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
 from tests.loopback import free_port, wait_for
+
+pytestmark = pytest.mark.waits  # a Ray of its own starts
 
 LISTEN = "0A"
 

@@ -22,9 +22,11 @@ from tests.loopback import free_port, wait_for
 from tests.tiny import tiny_config
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="no prometheus binary on PATH: install the Debian package prometheus (.ci/run does)"
-)
+pytestmark = [
+    pytest.mark.skipif(PROMETHEUS is None,
+                       reason="no prometheus binary on PATH: install the Debian package prometheus (.ci/run does)"),
+    pytest.mark.waits,  # a Prometheus of its own starts and scrapes each second
+]
 
 SCRAPE_INTERVAL_S = 1
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}

@@ -297,6 +297,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.waits  # an upload held in a FIFO
 def test_an_upload_process_ends_when_its_training_process_is_killed_outright(tmp_path):
     """An upload stuck in storage, then its training process killed outright: the upload
     process ends too, instead of writing on a checkpoint nobody will commit. Its parent is

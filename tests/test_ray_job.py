@@ -8,7 +8,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.ray_head import RAY, RayHead
+
+pytestmark = pytest.mark.waits  # two jobs submitted, each with Ray's plain start-up
 
 REPO = Path(__file__).resolve().parents[1]
 # Keep the upload small: the CI virtualenv lives in the repository.

@@ -12,6 +12,8 @@ from tests.paced import paced_model
 from tests.reference import max_relative_difference, reference_run
 from tests.tiny import tiny_config
 
+pytestmark = pytest.mark.waits  # steps paced to 2.2 s
+
 STEP_S = 2.2
 KILL_STEP = 2
 
