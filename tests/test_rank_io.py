@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from elastic.setup.preflight import build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
 from tests.gloo_ranks import rank_processes
+from tests.loopback import wait_for
 from tests.processes import alive
 from tests.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
@@ -101,13 +101,6 @@ def loaded(checkpoint_io: RankCheckpointIO, url: str) -> dict:
 def staging_mappings(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as maps:
         return sum("rank-checkpoint-staging" in line for line in maps)
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def stored_digests(fs, directory: str) -> dict:
@@ -216,7 +209,8 @@ def test_a_failed_staging_does_not_break_the_next_save(rank, checkpoint_io, tmp_
     assert checkpoint_io.arena is None  # dropped: the next save stages into a fresh arena
     assert not checkpoint_io.wait().ok
     if checkpoint_io.uploader is not None:
-        wait_until(lambda: staging_mappings(checkpoint_io.uploader.process.pid) == 0)  # freed there too
+        wait_for(lambda: staging_mappings(checkpoint_io.uploader.process.pid) == 0, 10,  # freed there too
+                 "the upload process to free its staging", interval=0.05)
 
     rank.step()
     expected = rank.snapshot()
@@ -310,10 +304,11 @@ def test_an_upload_process_ends_when_its_training_process_is_killed_outright(tmp
     try:
         upload_pid = int(training.stdout.readline())
         # Linux's wait of a FIFO's open for its other end: the upload is stuck in storage.
-        wait_until(lambda: Path(f"/proc/{upload_pid}/wchan").read_text() == "wait_for_partner", timeout_s=60)
+        wait_for(lambda: Path(f"/proc/{upload_pid}/wchan").read_text() == "wait_for_partner", 60,
+                 "the upload to block opening the FIFO", interval=0.05)
         training.kill()
         training.wait()
-        wait_until(lambda: not alive(upload_pid), timeout_s=30)
+        wait_for(lambda: not alive(upload_pid), 30, "the upload process to end", interval=0.05)
     finally:
         training.kill()
         if upload_pid is not None and alive(upload_pid):  # its fork server then ends too
