@@ -115,6 +115,11 @@ class CheckpointCatalog:
                 steps[int(match.group(1))] = entry.rstrip("/")
         return steps
 
+    def committed_steps(self) -> list[int]:
+        """The steps whose checkpoint was committed (its manifest written), verified or not."""
+        fs, _ = self._filesystem()
+        return sorted(step for step, path in self._step_dirs().items() if fs.exists(f"{path}/{MANIFEST_NAME}"))
+
     def _read(self, fs, step: int, path: str) -> Manifest:
         manifest = read_manifest(fs, path)
         if manifest.step != step:

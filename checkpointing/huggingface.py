@@ -129,7 +129,13 @@ def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
 
 def model_fields(config: dict) -> dict[str, Any]:
     """The ``model`` section's fields of a HuggingFace Llama ``config.json``; ValueError names
-    what the reference model cannot compute."""
+    what the reference model cannot compute, or a field that is not what Llama's is."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_NAME} holds a {type(config).__name__}, not a JSON object")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        positive_int(config, name, required=True)
+    for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        positive_int(config, name, required=False)
     if config.get("model_type") != "llama":
         raise ValueError(f"model_type is {config.get('model_type')!r}: only Llama-family checkpoints "
                          "(model_type 'llama') load into the reference model")
@@ -164,24 +170,77 @@ def model_fields(config: dict) -> dict[str, Any]:
     }
 
 
+def positive_int(config: dict, name: str, required: bool) -> None:
+    value = config.get(name)
+    if value is None and not required:
+        return
+    if value is None:
+        raise KeyError(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} is {value!r} in {CONFIG_NAME}; it must be a positive integer")
+
+
 def read_config(directory: str) -> dict:
     with open(os.path.join(directory, CONFIG_NAME)) as file:
         return json.load(file)
 
 
+# safetensors dtypes that hold a weight as the model computes it; anything else (integers,
+# booleans, float8 without its scales) would be cast into nonsense without a word.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
 def weight_files(directory: str) -> dict[str, str]:
     """Each tensor's safetensors file in ``directory``: from the index of a sharded checkpoint,
-    else the one ``model.safetensors``."""
+    else the one ``model.safetensors``. ValueError for an index that is not a map of names to
+    files, or that names a file outside the directory or one that is not a regular file (a
+    symlink out of it, a device, a FIFO): nothing outside the model directory is read."""
     index = os.path.join(directory, INDEX_NAME)
-    if os.path.exists(index):
-        with open(index) as file:
-            weight_map = json.load(file)["weight_map"]
-        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    if not os.path.exists(index):
+        path = os.path.join(directory, WEIGHTS_NAME)
+        return dict.fromkeys(safetensors_header(path), path)
+    with open(index) as file:
+        contents = json.load(file)
+    weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(value, str) for value in weight_map.values()):
+        raise ValueError(f"{INDEX_NAME} has no weight_map of tensor names to file names")
+    inside = os.path.realpath(directory) + os.sep
+    for file in set(weight_map.values()):
+        path = os.path.realpath(os.path.join(directory, file))
+        if not path.startswith(inside):
+            raise ValueError(f"{INDEX_NAME} names {file!r}, outside the model directory: refused, not read")
+        if not os.path.isfile(path):
+            raise ValueError(f"{INDEX_NAME} names {file!r}, which is not a file in the model directory")
+    return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+
+
+def safetensors_header(path: str) -> dict[str, tuple[torch.Size, str]]:
+    """Each tensor's shape and safetensors dtype in the file at ``path`` (its header alone)."""
     from safetensors import safe_open
 
-    path = os.path.join(directory, WEIGHTS_NAME)
     with safe_open(path, framework="pt") as weights:
-        return dict.fromkeys(weights.keys(), path)
+        return {name: (torch.Size(weights.get_slice(name).get_shape()), weights.get_slice(name).get_dtype())
+                for name in weights.keys()}
+
+
+def stored_shapes(directory: str, layout: LlamaLayout) -> dict[str, torch.Size]:
+    """The shape of each of the reference model's tensors in ``directory`` (by its own name):
+    ValueError when a tensor is missing or not stored as floating point."""
+    names = llama_names(layout)
+    files = weight_files(directory)
+    missing = sorted({theirs for theirs in names.values() if theirs not in files})
+    if missing:
+        raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
+    headers = {}
+    for path in {files[theirs] for theirs in names.values()}:  # each file's header read once
+        headers |= safetensors_header(path)
+    for theirs in names.values():
+        if theirs not in headers:
+            raise ValueError(f"{os.path.basename(files[theirs])} lacks {theirs!r}, which the index places there")
+        if headers[theirs][1] not in FLOAT_DTYPES:
+            raise ValueError(f"{theirs!r} is stored as {headers[theirs][1]}, not a floating-point type "
+                             f"({', '.join(sorted(FLOAT_DTYPES))})")
+    return {ours: headers[theirs][0] for ours, theirs in names.items()}
 
 
 class PretrainedReader(StorageReader):
@@ -203,21 +262,11 @@ class PretrainedReader(StorageReader):
         return False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        from safetensors import safe_open
-
+        shapes = stored_shapes(self.directory, self.layout)
         self.files = weight_files(self.directory)
-        missing = sorted({theirs for theirs in self.names.values() if theirs not in self.files})
-        if missing:
-            raise ValueError(f"{self.directory} lacks {len(missing)} of the model's tensors: {missing[:3]}")
-        shapes = {}
-        for path in set(self.files[theirs] for theirs in self.names.values()):  # each file's header read once
-            with safe_open(path, framework="pt") as weights:
-                shapes |= {theirs: torch.Size(weights.get_slice(theirs).get_shape())
-                           for theirs in self.names.values() if self.files[theirs] == path}
-        tensors = {ours: TensorStorageMetadata(TensorProperties(dtype=torch.float32), shapes[theirs],
-                                               [ChunkStorageMetadata(torch.Size([0] * len(shapes[theirs])),
-                                                                     shapes[theirs])])
-                   for ours, theirs in self.names.items()}
+        tensors = {ours: TensorStorageMetadata(TensorProperties(dtype=torch.float32), shape,
+                                               [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+                   for ours, shape in shapes.items()}
         return Metadata(state_dict_metadata=tensors)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:

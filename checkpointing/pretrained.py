@@ -8,15 +8,15 @@ reader a resume uses (``rank_io.SafeReader``: nothing in storage runs code).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from checkpointing.huggingface import (
-    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, LlamaLayout, PretrainedReader, llama_names,
+    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, LlamaLayout, PretrainedReader, llama_names, stored_shapes, weight_files,
 )
 from checkpointing.catalog import CHECKPOINTS_DIR, step_dir_name
 from checkpointing.manifest import MANIFEST_NAME
@@ -64,8 +64,7 @@ def source_identity(init_from: str, options: StorageOptions) -> dict[str, str]:
         fs, directory = LocalFileSystem(), init_from
         names = [CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME]
         if os.path.exists(os.path.join(directory, INDEX_NAME)):
-            with open(os.path.join(directory, INDEX_NAME)) as file:
-                names += sorted(set(json.load(file)["weight_map"].values()))
+            names += sorted({os.path.relpath(path, directory) for path in weight_files(directory).values()})
     else:
         run, step = run_and_step(init_from)
         directory = join_url(run, CHECKPOINTS_DIR, step_dir_name(step))
@@ -86,18 +85,53 @@ def changed_files(saved: dict[str, str], identity: dict[str, str]) -> list[str]:
     return sorted(name for name, now in identity.items() if saved.get(name) != now)
 
 
+def source_shapes(source: PretrainedSource, options: StorageOptions) -> dict[str, torch.Size]:
+    """The shape of each tensor ``source`` holds, by the reference model's names: from a
+    HuggingFace directory's safetensors headers, or a run's checkpoint's DCP metadata (read
+    with the safe unpickler). ValueError (or ``CorruptCheckpoint``) says what is wrong."""
+    if source.layout is not None:
+        return stored_shapes(source.location, source.layout)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from checkpointing.safe_loading import load_metadata
+
+    fs, directory = options.filesystem(source.location)
+    with fs.open(f"{directory}/.metadata", "rb") as stream:
+        metadata = load_metadata(stream)
+    prefix = "model."
+    return {key[len(prefix):]: item.size for key, item in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+
+
+class PretrainedUnloadable(ValueError):
+    """The source's weights do not load into the model (preflight checks what it can first)."""
+
+
 def load_pretrained(model: nn.Module, source: PretrainedSource, options: StorageOptions, process_group) -> int:
     """Overwrite the (sharded) model's parameters with ``source``'s weights; returns the bytes
-    this rank read from a HuggingFace directory (0 from a run's checkpoint)."""
+    this rank read from a HuggingFace directory (0 from a run's checkpoint).
+    ``PretrainedUnloadable`` when they do not load: the same on every process."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    if source.layout is None:
-        from checkpointing.rank_io import load_weights
+    # DCP gathers a read's failure on any rank into every rank's CheckpointException (a
+    # BaseException); a peer lost mid-load raises a collective's error instead, which passes.
+    try:
+        if source.layout is None:
+            from checkpointing.rank_io import load_weights
 
-        load_weights(model, source.location, options, process_group)
-        return 0
-    names = llama_names(source.layout)
-    state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    reader = PretrainedReader(source.location, source.layout)
-    dcp.load(state, storage_reader=reader, process_group=process_group)
-    return reader.bytes_read
+            load_weights(model, source.location, options, process_group)
+            return 0
+        names = llama_names(source.layout)
+        state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
+        reader = PretrainedReader(source.location, source.layout)
+        dcp.load(state, storage_reader=reader, process_group=process_group)
+        return reader.bytes_read
+    except CheckpointException as error:
+        raise PretrainedUnloadable(f"{source.location} does not load: {first_failure(error)}") from None
+
+
+def first_failure(error) -> str:
+    """A ``CheckpointException``'s first failed rank's error, as one line."""
+    cause, _ = next(iter(error.failures.values()))
+    return " ".join(f"{type(cause).__name__}: {cause}".split())[:400]

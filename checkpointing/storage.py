@@ -27,6 +27,15 @@ def join_url(*parts: str) -> str:
     return "/".join([parts[0].rstrip("/"), *(p.strip("/") for p in parts[1:])])
 
 
+def refuse_credentials(url: str) -> str:
+    """``url``, unless it holds credentials (``scheme://user:secret@...``): ValueError. A client
+    would take them for a host or bucket's name and print them in its error."""
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError("a URL with credentials in it (***@); give them through the environment "
+                         "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), never in the URL")
+    return url
+
+
 def absolute_url(url: str) -> str:
     """A local path made absolute where it is given: the driver and the rank processes run
     in different working directories, and must all name the same files."""

@@ -286,6 +286,23 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# The URLs and names the commands take besides the config's fields (which check their own).
+URL_ARGUMENTS = {"run": "RUN", "inputs": "TEXT", "output": "--output", "tokenizer": "--tokenizer"}
+
+
+def refuse_credentials_in(args: argparse.Namespace) -> None:
+    """ConfigError, naming the argument, for a URL argument with credentials in it."""
+    from checkpointing.storage import refuse_credentials
+
+    for name, flag in URL_ARGUMENTS.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            try:
+                refuse_credentials(value or "")
+            except ValueError as error:
+                raise ConfigError(f"{flag}: {error}") from None
+
+
 def fail(error: Exception, exit_status: int) -> int:
     """The error on stderr, redacted: errors quote the user's input, URLs and their secrets included."""
     print(f"elastic: {redact_credentials(str(error))}", file=sys.stderr)
@@ -332,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("elastic.events").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
+        refuse_credentials_in(args)
         if args.command == "train":
             return run_train(args)
         if args.command == "prepare":

@@ -253,6 +253,11 @@ class ElasticTrainer:
         self.source_identity = self._source_identity()
         self.run_name = self.config.run_name or default_run_name()
         self.run_dir = join_url(self.config.storage, self.run_name)
+        # A run with no checkpoint of its own starts from the weights: their own error is refused
+        # here, in one line, before Ray and its ranks start (a resume never reads them).
+        self.weights_checked = bool(self.config.model.init_from) and not self._catalog().committed_steps()
+        if self.weights_checked:
+            check_pretrained_weights(self.config)
 
     def _source_identity(self) -> dict[str, str]:
         init_from = self.config.model.init_from
@@ -260,7 +265,7 @@ class ElasticTrainer:
             return {}
         try:
             return source_identity(init_from, self.config.checkpoint.storage_options())
-        except OSError as error:
+        except (OSError, ValueError) as error:
             raise pretrained_refused(init_from, error) from None
 
     def _eval_len(self) -> int:
@@ -335,7 +340,7 @@ class ElasticTrainer:
                 self.source_identity = check_same_source(self.run_name, resume, self.source_identity)
                 checkpoints.source_identity = self.source_identity
                 fleet.resume_from_checkpoint()
-            elif self.config.model.init_from:
+            elif self.config.model.init_from and not self.weights_checked:  # its checkpoints were all set aside
                 check_pretrained_weights(self.config)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
@@ -395,13 +400,16 @@ class ElasticTrainer:
 
     def _checkpoints(self, fleet, events, ledger, topology, clock, lease: RunLease) -> CheckpointCoordinator:
         settings = self.config.checkpoint
-        catalog = CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep,
-                                    generation=lease.generation, signing_key=signing_key_from_environment())
-        return CheckpointCoordinator(catalog, fleet, events, ledger, topology, config_hash(self.config),
-                                     settings.max_consecutive_failures, settings.upload_timeout_s, clock,
-                                     config_record=config_record(self.config),
+        return CheckpointCoordinator(self._catalog(lease.generation), fleet, events, ledger, topology,
+                                     config_hash(self.config), settings.max_consecutive_failures,
+                                     settings.upload_timeout_s, clock, config_record=config_record(self.config),
                                      start_fresh=settings.start_fresh, lease=lease, data_identity=self.data_identity,
                                      source_identity=self.source_identity)
+
+    def _catalog(self, generation: int = 0) -> CheckpointCatalog:
+        settings = self.config.checkpoint
+        return CheckpointCatalog(self.run_dir, settings.storage_options(), settings.every, settings.keep,
+                                 generation=generation, signing_key=signing_key_from_environment())
 
     @staticmethod
     def _lease_lost(why: str, events: EventLog, stop: threading.Event) -> None:

@@ -197,10 +197,22 @@ def test_storage_the_system_refuses_and_a_busy_metrics_port_are_one_line_before_
     assert "metrics: cannot listen on no-such-host.invalid:0" in line, line
 
 
-def test_credentials_in_a_storage_url_are_refused_and_never_printed(tmp_path):
-    completed = elastic("train", "--storage", "s3://AKIALEAKME:LEAKEDSECRET@bkt/runs", cwd=tmp_path)
+@pytest.mark.parametrize("command,names", [
+    (["train", "--storage", "s3://AKIALEAKME:LEAKEDSECRET@bkt/runs"], "storage"),
+    (["train", "--data", "s3://AKIALEAKME:LEAKEDSECRET@bkt/x.bin"], "data.path"),
+    # a run in a bucket: before the check, boto took the secret for the bucket's name and said so
+    (["train", "--init-from", "s3://AKIALEAKME:LEAKEDSECRET@bkt/run@3"], "model.init_from"),
+    (["export", "s3://AKIALEAKME:LEAKEDSECRET@bkt/run", "--output", "out"], "RUN"),
+    (["prepare", "s3://AKIALEAKME:LEAKEDSECRET@bkt/x.txt", "--output", "x.bin"], "TEXT"),
+    (["prepare", "in.txt", "--output", "s3://AKIALEAKME:LEAKEDSECRET@bkt/x.bin"], "--output"),
+    (["report", "s3://AKIALEAKME:LEAKEDSECRET@bkt/run"], "RUN"),
+])
+def test_credentials_in_any_url_are_refused_naming_it_and_never_printed(tmp_path, command, names):
+    completed = elastic(*command, cwd=tmp_path)
     line = refusal(completed)
-    assert "storage" in line and "through the environment" in line, line
+    assert line.startswith(f"elastic: invalid config: {names}: " if "." in names or names == "storage"
+                           else f"elastic: {names}: "), line
+    assert "a URL with credentials in it" in line and "through the environment" in line, line
     assert "AKIALEAKME" not in completed.stderr and "LEAKEDSECRET" not in completed.stderr
 
 

@@ -298,3 +298,21 @@ def test_tp_suggestions_divide_every_size():
 def test_inject_nan_is_refused_naming_the_spec():
     fails({"fault_tolerance": {"inject": "slow:rank=1,factor=nan,step=2"}},
           "factor='nan' in 'slow:rank=1,factor=nan,step=2' is not a finite number")
+
+
+def test_a_yaml_alias_bomb_and_a_huge_value_are_refused_in_one_short_line(tmp_path):
+    """Nine lines whose aliases stand for 9**9 values: refused for their expansion, which is
+    counted without expanding it; and a refused value of any size is shown cut short."""
+    anchors = "abcdefghi"
+    lines = ["steps:", f"  - &{anchors[0]} [1, 2, 3, 4, 5, 6, 7, 8, 9]"]
+    lines += [f"  - &{name} [{', '.join([f'*{before}'] * 9)}]" for before, name in zip(anchors, anchors[1:])]
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*bomb.yaml expands to more than 100,000 values") as refused:
+        load_config(tmp_path / "bomb.yaml")
+    assert "\n" not in str(refused.value)
+    huge = [1] * 9
+    for _ in range(8):  # 9**9 values, shared: a message that formatted them whole would not end
+        huge = [huge] * 9
+    with pytest.raises(ConfigError, match=r"^invalid config: steps: Input should be a valid integer, got \[\[") as refused:
+        parse_config({"steps": huge})
+    assert len(str(refused.value)) < 200

@@ -104,12 +104,21 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
     batch = torch.randn(4, 16)
-    model(batch).sum().backward()
+    if layout == "fsdp in a pipeline stage":
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        own_stage_group, _ = dist.new_subgroups(group_size=1)
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=own_stage_group)
+        schedule = ScheduleGPipe(stage, n_microbatches=1, loss_fn=lambda output, target: output.sum())
+        step = lambda: schedule.step(batch, target=batch)  # noqa: E731
+    else:
+        step = lambda: model(batch).sum().backward()  # noqa: E731
+    step()
     dist.barrier()
     if rank == 1:
         os._exit(1)  # dies between steps, like a lost node
     try:
-        model(batch).sum().backward()
+        step()
         results.send("no error")
     except Exception as error:
         results.send(classify(error, "compute").value)
@@ -117,8 +126,10 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
     os._exit(0)  # past a dead peer, the process group's teardown could wait on it
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "fsdp in a pipeline stage"])
 def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layout):
+    """In a pipeline stage, torch's schedule re-raises the collective's error as its own
+    ``RuntimeError`` ("[Stage 0] failed to run forward"): the peer's death is still what it is."""
     context = rank_processes()
     received, results = context.Pipe(duplex=False)
     port = free_port()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -112,6 +114,69 @@ def test_a_directory_that_is_not_a_llama_checkpoint_is_refused_naming_what_it_la
         tiny_config(tmp_path, model__init_from=str(tmp_path / "other"))
 
 
+def edited_copy(source, directory, *, index=None, config=None, tensor=None):
+    """A copy of the HuggingFace directory ``source`` with its index or config.json replaced,
+    or its tensors changed by ``tensor`` (name, tensor -> tensor)."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(source, directory)
+    if index is not None:
+        (directory / INDEX_NAME).write_text(json.dumps(index))
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    for shard in directory.glob("*.safetensors") if tensor is not None else ():
+        weights = load_file(shard)
+        save_file({name: tensor(name, value).contiguous() for name, value in weights.items()}, shard)
+    return directory
+
+
+def refusal(tmp_path, directory) -> str:
+    """The one line a run from ``directory`` is refused with, before Ray or any rank starts."""
+    with pytest.raises(ConfigError) as refused:
+        ElasticTrainer(tiny_config(tmp_path, model__init_from=str(directory)))
+    return str(refused.value)
+
+
+def test_weights_that_cannot_load_are_refused_in_one_line_before_any_actor_starts(tmp_path):
+    """What an attacker or a broken download gives: an index that names files that are not
+    there or lie outside the directory, or is not a map; a config.json of the wrong kinds; a
+    tensor of the wrong shape or stored as integers. Each is the weights' own error, never a
+    rank's to retry."""
+    source = tmp_path / "llama"
+    write_checkpoint(source, sharded=True)
+    weight_map = json.loads((source / INDEX_NAME).read_text())["weight_map"]
+    config = json.loads((source / "config.json").read_text())
+    embedding = "model.embed_tokens.weight"
+    edits = {
+        "a file that is not there": ({"index": {"weight_map": {**weight_map, embedding: "gone.safetensors"}}},
+                                     "names 'gone.safetensors', which is not a file in the model directory"),
+        "a path out of the directory": ({"index": {"weight_map": {**weight_map, embedding: "../../etc/passwd"}}},
+                                        "names '../../etc/passwd', outside the model directory: refused"),
+        "an absolute path": ({"index": {"weight_map": {**weight_map, embedding: "/etc/passwd"}}},
+                             "names '/etc/passwd', outside the model directory: refused"),
+        "a device": ({"index": {"weight_map": {**weight_map, embedding: "/dev/zero"}}},
+                     "names '/dev/zero', outside the model directory: refused"),
+        "numbers for files": ({"index": {"weight_map": dict.fromkeys(weight_map, 1)}},
+                              "has no weight_map of tensor names to file names"),
+        "no weight map": ({"index": {"metadata": {}}}, "has no weight_map"),
+        "a list for an index": ({"index": [1, 2]}, "has no weight_map"),
+        "a list for a config": ({"config": [1]}, "config.json holds a list, not a JSON object"),
+        "a width as text": ({"config": {**config, "hidden_size": "32"}},
+                            "hidden_size is '32' in config.json; it must be a positive integer"),
+        "no heads": ({"config": {**config, "num_attention_heads": 0}}, "num_attention_heads is 0 in config.json"),
+        "integers": ({"tensor": lambda name, value: value.to(torch.int64)}, "is stored as I64, not a floating-point"),
+        "a doubled shape": ({"tensor": lambda name, value: value.half().repeat(2, *[1] * (value.dim() - 1))},
+                            r"is \[\d+(, \d+)?\] in the source, the model needs"),
+        "a short embedding": ({"tensor": lambda name, value: value[:128] if name == embedding else value},
+                              r"tok_embeddings.weight is \[128, 32\] in the source, the model needs \[256, 32\] "
+                              r"\(vocab_size 256"),
+    }
+    for what, (edit, expected) in edits.items():
+        line = refusal(tmp_path, edited_copy(source, tmp_path / what.replace(" ", "-"), **edit))
+        assert re.search(expected, line) and "\n" not in line, (what, line)
+        assert line.startswith("invalid config: model.init_from: "), (what, line)
+
+
 def first_batch_loss(state: dict[str, torch.Tensor], config) -> float:
     """The first step's loss of the model in ``state``, on the batch the run trains first."""
     from elastic.core.data_plan import DataCursor, epoch_order
@@ -173,6 +238,17 @@ def test_a_run_starts_from_another_runs_checkpoint_its_weights_only(ray_cluster,
         tiny_config(tmp_path, run_name="other", model__init_from=source.run_dir, model__dim=64)
     with pytest.raises(ConfigError, match=r"model.init_from: .*@7: .*step 7"):
         tiny_config(tmp_path, run_name="other", model__init_from=f"{source.run_dir}@7")
+    # A manifest whose model was edited: the checkpoint's own metadata gives the tensors' shapes.
+    tampered = tmp_path / "tampered"
+    shutil.copytree(source.run_dir, tampered)
+    manifest_path = tampered / "checkpoints" / "step-00000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["model"]["dim"] = 64
+    manifest_path.write_text(json.dumps(manifest))
+    config = tiny_config(tmp_path, run_name="other", model__dim=64, model__init_from=str(tampered))
+    with pytest.raises(ConfigError, match=r"model.init_from: .*tok_embeddings.weight is \[256, 32\] in the source, "
+                                          r"the model needs \[256, 64\]"):
+        ElasticTrainer(config)
 
 
 def test_a_tiny_llama_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(ray_cluster, tmp_path):

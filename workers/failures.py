@@ -75,7 +75,21 @@ COLLECTIVE_CODE = (
 PIPELINE_CODE = "torch/distributed/pipelining/"
 
 
+def unwrapped(error: BaseException) -> BaseException:
+    """The error a pipeline stage's forward or backward raised: torch's pipelining re-raises it
+    as a ``RuntimeError`` of its own (``from`` the original), which names only the stage. A
+    peer's death inside the stage's FSDP2 or TP collectives, or the user's own error, is what
+    the original says."""
+    while isinstance(error, RuntimeError) and error.__cause__ is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        if not (frames and PIPELINE_CODE in frames[-1].filename.replace("\\", "/")):
+            break
+        error = error.__cause__
+    return error
+
+
 def raised_in_collective(error: BaseException) -> bool:
+    error = unwrapped(error)
     if isinstance(error, (dist.DistError, CollectiveFailed, VoteFailed)):
         return True
     frames = traceback.extract_tb(error.__traceback__)
@@ -121,12 +135,14 @@ def raised_by_user_code(error: BaseException) -> bool:
 
 def describe_failure(error: BaseException) -> str:
     """The error's type and message, and the frame in the user's code it came from."""
+    error = unwrapped(error)
     frame = user_frame(error)
     return describe_error(error) if frame is None else f"{describe_error(error)} (at {frame})"
 
 
 def classify(error: BaseException, phase: str) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
+    error = unwrapped(error)
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):

@@ -10,6 +10,7 @@ the ways a run gets its config. A problem is reported as
 
 from __future__ import annotations
 
+import reprlib
 import string
 import tomllib
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from checkpointing.storage import StorageOptions, absolute_url
+from checkpointing.storage import StorageOptions, absolute_url, refuse_credentials
 from elastic.core.faults import check_targets, parse_faults
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
@@ -189,6 +190,11 @@ class ModelConfig(Section):
             return data
         return {**PRESETS[preset], **data}
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_without_credentials(cls, init_from: str | None) -> str | None:
+        return None if init_from is None else refuse_credentials(init_from)
+
     @field_validator("preset")
     @classmethod
     def _preset_known(cls, preset: str | None) -> str | None:
@@ -228,7 +234,7 @@ class DataConfig(Section):
     @field_validator("path", "validation_path")
     @classmethod
     def _path_absolute(cls, path: str | None) -> str | None:
-        return None if path is None else absolute_url(path)
+        return None if path is None else absolute_url(refuse_credentials(path))
 
     @model_validator(mode="after")
     def _data_fits(self) -> DataConfig:
@@ -402,11 +408,7 @@ class TrainConfig(Section):
     @field_validator("storage")
     @classmethod
     def _storage_absolute(cls, storage: str) -> str:
-        if "://" in storage and "@" in storage.split("://", 1)[1].split("/", 1)[0]:
-            # s3fs would take the user:secret for a bucket's name and print it in its error.
-            raise ValueError("a URL with credentials in it (***@); give them through the environment "
-                             "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), never in the URL")
-        return absolute_url(storage)
+        return absolute_url(refuse_credentials(storage))
 
     @field_validator("run_name")
     @classmethod
@@ -531,6 +533,14 @@ def _field_path(location: tuple) -> str:
     return ".".join(str(part) for part in location)
 
 
+# A message shows the value it refuses cut short: the input may be anything a file holds.
+def shown(value: Any) -> str:
+    short = reprlib.Repr()  # its limits as attributes: Python 3.11's takes no arguments
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother, short.maxlong = 2, 4, 4, 60, 60, 60
+    text = short.repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def describe(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
@@ -538,17 +548,17 @@ def describe(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             message = "unknown key; remove it or check its spelling against the config reference"
         elif item["type"] in {"greater_than", "greater_than_equal"}:
-            message = f"{message}, got {item['input']!r}; use a positive value"
+            message = f"{message}, got {shown(item['input'])}; use a positive value"
         elif item["type"] in {"less_than", "less_than_equal"}:
-            message = f"{message}, got {item['input']!r}; use a smaller value"
+            message = f"{message}, got {shown(item['input'])}; use a smaller value"
         elif item["type"] == "finite_number":
-            message = f"{message}, got {item['input']!r}; inf and nan are not allowed, give a number"
+            message = f"{message}, got {shown(item['input'])}; inf and nan are not allowed, give a number"
         elif item["type"] == "string_too_long":
             message = f"{message}; use a shorter one"
         elif item["type"] in {"int_type", "int_parsing", "float_type", "float_parsing", "int_from_float"}:
-            message = f"{message}, got {item['input']!r}; give a number"
+            message = f"{message}, got {shown(item['input'])}; give a number"
         elif item["type"] in {"bool_type", "bool_parsing"}:
-            message = f"{message}, got {item['input']!r}; give true or false"
+            message = f"{message}, got {shown(item['input'])}; give true or false"
         # A check over several sections names its fields itself.
         lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
     return invalid_config(lines)
@@ -585,12 +595,38 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         values = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text) or {}
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as error:
         raise ConfigError(f"--config: {path} does not parse: {error}") from None
+    if values_expanded(values) > MAX_CONFIG_VALUES:
+        raise ConfigError(f"--config: {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML aliases "
+                          "repeat what they name); write the config without nested aliases")
     if not isinstance(values, dict):
         raise ConfigError(
             f"--config: {path} holds a {type(values).__name__} at its top level; "
             "write fields and sections as keys, e.g. 'steps: 60'"
         )
     return values
+
+
+# A config is a few hundred values; YAML's aliases can make a few lines stand for billions
+# (each anchor a list of copies of the one before), which anything walking them would expand.
+MAX_CONFIG_VALUES = 100_000
+
+
+def values_expanded(values: Any) -> int:
+    """How many values ``values`` holds once every alias is expanded, counted without expanding
+    them: each shared list or mapping is counted once and its count reused (capped, so that a
+    count cannot grow without bound)."""
+    counted: dict[int, int] = {}
+
+    def count(value: Any) -> int:
+        if not isinstance(value, (list, dict)):
+            return 1
+        if id(value) not in counted:
+            counted[id(value)] = MAX_CONFIG_VALUES + 1  # a cycle (a recursive alias) counts as too many
+            children = value.values() if isinstance(value, dict) else value
+            counted[id(value)] = min(MAX_CONFIG_VALUES + 1, 1 + sum(count(child) for child in children))
+        return counted[id(value)]
+
+    return count(values)
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from checkpointing.manifest import CorruptCheckpoint
 from checkpointing.storage import check_writable
 from elastic.setup.config import TrainConfig, invalid_config, merge, parse_config, read_config_file
 from elastic.setup.errors import ConfigError
@@ -95,7 +96,7 @@ def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
 
 def checkpoint_fields(config: TrainConfig, init_from: str) -> tuple[dict[str, Any], str]:
     """The model section a run's checkpoint was trained with, and ``RUN@STEP`` naming it."""
-    from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
+    from checkpointing.catalog import CheckpointCatalog
     from checkpointing.manifest import signing_key_from_environment
     from checkpointing.pretrained import run_and_step
 
@@ -104,7 +105,7 @@ def checkpoint_fields(config: TrainConfig, init_from: str) -> tuple[dict[str, An
                                 signing_key=signing_key_from_environment())
     try:
         checkpoint = catalog.find(step)
-    except (NoUsableCheckpoint, OSError, ValueError) as error:
+    except Exception as error:  # no such checkpoint, or a URL the storage's client refuses (botocore's own types)
         raise pretrained_refused(init_from, error) from None
     recorded = (checkpoint.manifest.config or {}).get("model")
     if not recorded:
@@ -114,24 +115,38 @@ def checkpoint_fields(config: TrainConfig, init_from: str) -> tuple[dict[str, An
 
 
 def check_pretrained_weights(config: TrainConfig) -> None:
-    """For a run that starts from ``model.init_from``'s HuggingFace directory: every tensor the
-    model needs is there (a run's checkpoint was verified when it was found)."""
+    """For a run that starts from ``model.init_from``: every tensor the model needs is there,
+    stored as floating point, in the shape the model's fields give it (a HuggingFace
+    directory's headers, or a run's checkpoint's metadata): the weights' own error, refused in
+    one line before any rank fails to load them."""
+    import torch
     from safetensors import SafetensorError
 
-    from checkpointing.huggingface import llama_names, weight_files
-    from checkpointing.pretrained import pretrained_source
+    from checkpointing.pretrained import pretrained_source, source_shapes
+    from elastic.setup.hooks import model_args
+    from workers.model import Transformer
 
     model = config.model
-    source = pretrained_source(model, config.checkpoint.storage_options())
-    if source is None or source.layout is None:
+    options = config.checkpoint.storage_options()
+    source = pretrained_source(model, options)
+    if source is None:
         return
+    with torch.device("meta"):
+        needed = {name: tensor.shape for name, tensor in Transformer(model_args(config)).state_dict().items()}
     try:
-        files = weight_files(model.init_from)
-        missing = sorted(set(llama_names(source.layout).values()) - files.keys())
-        if missing:
-            raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
-    except (OSError, ValueError, KeyError, SafetensorError) as error:
+        stored = source_shapes(source, options)
+        wrong = [f"{name} is {list(stored[name])} in the source, the model needs {list(shape)}"
+                 for name, shape in needed.items() if name in stored and stored[name] != shape]
+        missing = sorted(set(needed) - set(stored))
+    except (OSError, ValueError, KeyError, SafetensorError, CorruptCheckpoint) as error:
         raise pretrained_refused(model.init_from, error) from None
+    if missing:
+        raise pretrained_refused(model.init_from, ValueError(
+            f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}"))
+    if wrong:
+        fields = ", ".join(f"{name} {getattr(model, name)}" for name in ("vocab_size", "dim", "n_layers", "n_heads",
+                                                                         "ffn_hidden"))
+        raise pretrained_refused(model.init_from, ValueError(f"{wrong[0]} ({fields})"))
 
 
 def pretrained_refused(source: str, error: Exception) -> ConfigError:
