@@ -100,7 +100,8 @@ def huggingface_state(state: dict[str, torch.Tensor], layout: LlamaLayout) -> di
 
 
 def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
-    """``config.json`` of a model whose ``model`` section (or ``ModelArgs``) has ``fields``."""
+    """``config.json`` of a model whose ``model`` section (or ``ModelArgs``) has ``fields``,
+    trained on sequences of ``max_seq_len``."""
     scaling = fields.get("rope_scaling")
     heads, kv_heads = fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"]
     return {
@@ -114,7 +115,10 @@ def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
         "num_key_value_heads": kv_heads,
         "head_dim": fields["dim"] // heads,
         "hidden_act": "silu",
-        "max_position_embeddings": max_seq_len,
+        # The length the model is made for, which HuggingFace bounds generation with: the
+        # source's when the run started from one (its config.json's), or the length the run
+        # trained on where that is longer.
+        "max_position_embeddings": max(max_seq_len, fields.get("max_position_embeddings") or max_seq_len),
         "rms_norm_eps": fields["norm_eps"],
         "rope_theta": fields["rope_theta"],
         "rope_scaling": None if scaling is None else {
@@ -160,6 +164,7 @@ def model_fields(config: dict) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": config.get("num_key_value_heads", heads),
         "ffn_hidden": config["intermediate_size"],
+        "max_position_embeddings": config.get("max_position_embeddings"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),

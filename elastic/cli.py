@@ -282,7 +282,8 @@ def run_export(args: argparse.Namespace) -> int:
     except NoUsableCheckpoint as error:
         raise ConfigError(f"{args.run}: {error}") from None
     print(f"exported step {exported.step} ({exported.parameters:,} values) to {exported.directory}: "
-          f"{', '.join(exported.files)}")
+          f"{', '.join(exported.files)}"
+          + "".join(f"; step {later.step} was not: {later.reason}" for later in exported.passed_over))
     return 0
 
 
@@ -341,12 +342,21 @@ class ReaderMayLeave:
         return getattr(self._stream, name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.stdout, sys.stderr = ReaderMayLeave(sys.stdout), ReaderMayLeave(sys.stderr)
+def configure_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("elastic.events").setLevel(logging.WARNING)
+    # torchao, imported with transformers' models, warns of each GPU kernel library it cannot
+    # load on a machine without that GPU, and torch of the Enums torchao registers: neither is
+    # the user's to act on.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout, sys.stderr = ReaderMayLeave(sys.stdout), ReaderMayLeave(sys.stderr)
+    configure_logging()
     args = build_parser().parse_args(argv)
     try:
         refuse_credentials_in(args)

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpointing.catalog import CheckpointCatalog
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.huggingface import WEIGHTS_NAME, LlamaLayout, config_json, huggingface_state
 from checkpointing.manifest import CorruptCheckpoint, signing_key_from_environment
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
@@ -40,11 +40,20 @@ MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optimizer": ...}
 
 
 @dataclass(frozen=True)
+class PassedOver:
+    """A committed checkpoint of a later step than the one exported, and why it does not load."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Exported:
     step: int
     directory: str
     files: tuple[str, ...]
     parameters: int
+    passed_over: tuple[PassedOver, ...] = ()  # newest first: an older step was written instead of these
 
 
 def model_state(url: str, options: StorageOptions) -> dict[str, torch.Tensor]:
@@ -80,19 +89,40 @@ def is_reference_model(state: dict[str, torch.Tensor], args: ModelArgs) -> bool:
     return set(state) == set(expected) and all(state[name].shape == expected[name].shape for name in expected)
 
 
-def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs) -> tuple[dict[str, torch.Tensor], dict]:
-    """The reference model's state under HuggingFace Llama's names, and its ``config.json``."""
+def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs,
+                      max_position_embeddings: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The reference model's state under HuggingFace Llama's names, and its ``config.json``.
+    ``max_position_embeddings``: the ``model`` section's, the source model's when the run
+    started from one (``ModelArgs`` hold only the length the run trained on)."""
     layout = LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads, args.tie_embeddings)
-    return huggingface_state(state, layout), config_json(asdict(args), args.max_seq_len)
+    fields = asdict(args) | {"max_position_embeddings": max_position_embeddings}
+    return huggingface_state(state, layout), config_json(fields, args.max_seq_len)
+
+
+def later_steps_passed_over(catalog: CheckpointCatalog, exported_step: int) -> tuple[PassedOver, ...]:
+    """The committed checkpoints of steps after ``exported_step`` that fail verification, newest
+    first: ``find`` passes over them without a word, and the user who asked for the newest
+    must hear which step was written instead and why. A later step that verifies is left out:
+    it is not the newest commit (the run resumed from an earlier checkpoint and went on)."""
+    passed_over = []
+    for step in sorted(catalog.committed_steps(), reverse=True):
+        if step <= exported_step:
+            break
+        try:
+            catalog.find(step)
+        except NoUsableCheckpoint as error:
+            passed_over.append(PassedOver(step, str(error)))
+    return tuple(passed_over)
 
 
 def export_checkpoint(run: str, output: str, step: int | None = None,
                       layout: Literal["native", "huggingface"] = "native", dtype: str | None = None,
                       options: StorageOptions | None = None, tokenizer: str | None = None) -> Exported:
-    """Write the run's newest verified checkpoint (or ``step``'s) to the local directory
-    ``output``. ``dtype``: a torch dtype's name to convert floating tensors to (default: as
-    stored, float32). ``tokenizer``: a HuggingFace tokenizer (a Hub name or a directory) to
-    save beside the weights, so the directory loads whole; checked before anything is written."""
+    """Write the run's newest verified checkpoint (or ``step``'s, never another) to the local
+    directory ``output``; ``Exported.passed_over`` names the later ones that fail verification.
+    ``dtype``: a torch dtype's name to convert floating tensors to (default: as stored, float32).
+    ``tokenizer``: a HuggingFace tokenizer (a Hub name or a directory) to save beside the
+    weights, so the directory loads whole; checked before anything is written."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -106,6 +136,7 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
     options = options or StorageOptions()
     catalog = CheckpointCatalog(run, options, every=1, keep=1, signing_key=signing_key_from_environment())
     checkpoint = catalog.find(step)
+    passed_over = later_steps_passed_over(catalog, checkpoint.step) if step is None else ()
     try:
         state = model_state(checkpoint.url, options)
     except (CheckpointException, CorruptCheckpoint) as error:
@@ -124,7 +155,8 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         if not reference:
             raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
                               "export --format native and load it with your model's load_state_dict")
-        state, config = huggingface_llama(state, args)
+        state, config = huggingface_llama(state, args,
+                                          checkpoint.manifest.config["model"].get("max_position_embeddings"))
         config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         _write_json(os.path.join(output, "config.json"), config)
         files.append("config.json")
@@ -139,7 +171,8 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(weights, 0o666 & ~umask)  # safetensors writes it 0600: readable as the JSON beside it is
-    return Exported(checkpoint.step, output, tuple(files), sum(tensor.numel() for tensor in state.values()))
+    return Exported(checkpoint.step, output, tuple(files), sum(tensor.numel() for tensor in state.values()),
+                    passed_over)
 
 
 def _write_json(path: str, value: dict) -> None:

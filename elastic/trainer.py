@@ -24,7 +24,9 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.pretrained import changed_files, source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
-from elastic.setup.config import ConfigError, TrainConfig, check_capacity, on_cluster, spares_beyond_capacity
+from elastic.setup.config import (
+    ConfigError, TrainConfig, check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity,
+)
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
@@ -51,6 +53,9 @@ def default_run_name() -> str:
 # The settings a checkpoint's state and data cursor depend on. Layout, steps, checkpoint,
 # compute and metrics settings may change across a resume.
 STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
+# Recorded with the state (elastic export reads them back) but no part of its math: a resume
+# may differ in them (a run started before the field existed recorded none).
+NOT_IN_THE_MATH = {"model.max_position_embeddings"}
 
 
 def config_record(config: TrainConfig) -> dict:
@@ -83,7 +88,8 @@ def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> No
         now = flatten(config_record(config))
         # A setting added since the checkpoint was written trained it at its default value.
         saved = {**flatten(config_record(TrainConfig())), **flatten(manifest.config)}
-        changed = sorted(key for key in saved.keys() | now.keys() if saved.get(key) != now.get(key))
+        keys = (saved.keys() | now.keys()) - NOT_IN_THE_MATH
+        changed = sorted(key for key in keys if saved.get(key) != now.get(key))
         described = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
     else:  # written before manifests recorded the settings: only the hash can tell
         changed = [] if manifest.config_hash == config_hash(config) else ["(settings not recorded)"]
@@ -319,8 +325,9 @@ class ElasticTrainer:
             cluster = ray.cluster_resources()
             self.config = on_cluster(self.config, cluster)
             check_capacity(self.config, cluster)
-            if (warning := spares_beyond_capacity(self.config, cluster)) is not None:
-                log.warning("%s", warning)
+            for warning in (groups_beyond_capacity(self.config, cluster), spares_beyond_capacity(self.config, cluster)):
+                if warning is not None:
+                    log.warning("%s", warning)
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":
                 port = metrics.serve(self.config.metrics.host, self.config.metrics.port)
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
@@ -375,8 +382,10 @@ class ElasticTrainer:
             if second is None:
                 exit_reason = f"failed: {describe_error(error, 1000)}"
                 raise
-            exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; it "
-                           "resumes from its last committed checkpoint")
+            committed = controller.checkpoints.last_committed_step if controller and controller.checkpoints else None
+            exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; "
+                           + ("run it again to resume from its newest committed checkpoint, if it has one"
+                              if committed is None else f"it resumes from its checkpoint of step {committed}"))
         finally:
             signals.finishing = True
             renewing.set()
@@ -547,12 +556,14 @@ class ProgressBar:
 
     def skip_to(self, step: int) -> None:
         if self.bar is not None:
-            self.bar.update(step)
+            self.bar.update(step - self.bar.n)
 
     def update(self, result: StepResult) -> None:
         if self.bar is None:
             return
-        self.bar.update(1)
+        # The step's number, not a count of commits: after a rollback the steps since the state
+        # it went back to are committed again, and the bar goes back with them.
+        self.bar.update(result.step + 1 - self.bar.n)
         self.bar.set_postfix(
             loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}", ranks=result.live_ranks, refresh=False
         )

@@ -3,6 +3,7 @@ end; bad input is refused before any actor starts, with one line and exit code 2
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit"].startswith("preempted" if presses == 1 else "preempted: a second SIGINT stopped the run at once")
     assert summary["last_checkpoint"] or presses == 2
+    if presses == 2:  # the step it resumes from, which it knows: step 5's committed before the presses
+        assert re.search(r"it resumes from its checkpoint of step (5|10)$", summary["exit"]), summary["exit"]
 
 
 def test_sigterm_before_the_trainer_takes_the_signals_over_ends_preempted_with_a_summary(tmp_path):
@@ -283,3 +286,28 @@ def test_the_cli_keeps_the_metrics_endpoint_up_for_linger_s_after_the_run(capsys
         raise KeyboardInterrupt
 
     linger_for_scrapes(served, 600.0, sleep=interrupted)  # Ctrl-C ends the wait, not with a traceback
+
+
+def test_the_commands_do_not_show_torchaos_warnings_of_gpu_kernels_a_cpu_machine_lacks():
+    """transformers' models import torchao, which warns of each CUDA kernel library it cannot
+    load here; the commands' logging keeps that out of what the user sees."""
+    pytest.importorskip("torchao")
+    shown = subprocess.run([sys.executable, "-c", "from elastic.cli import configure_logging\n"
+                            "configure_logging()\nimport torchao"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "Failed to load" not in shown.stderr and "_pytree" not in shown.stderr, shown.stderr
+
+
+def test_the_progress_bar_shows_the_step_committed_not_a_count_of_commits():
+    """A rollback commits its steps again: the bar goes back with them, never past the run's
+    steps (it said 27 steps of a 20-step run)."""
+    from types import SimpleNamespace
+
+    from elastic.trainer import ProgressBar
+
+    with ProgressBar(20, enabled=True) as bar:
+        bar.skip_to(4)  # resumed from the checkpoint of step 4
+        assert bar.bar.n == 4
+        for step in [*range(4, 12), *range(8, 20)]:  # a fault at step 12, back to the state after step 7
+            bar.update(SimpleNamespace(step=step, loss=1.0, tokens_per_s=1.0, live_ranks=2))
+            assert bar.bar.n == step + 1

@@ -65,6 +65,18 @@ def test_spares_the_cluster_has_no_room_for_are_warned_of():
         update={"spares": 2})}), {"CPU": 4.0}) is None
 
 
+def test_groups_the_cluster_has_no_room_for_are_warned_of_with_a_layout_that_fits():
+    from elastic.setup.config import groups_beyond_capacity
+
+    # The default two groups with two stages each: 16 ranks of a 2-CPU machine's 8
+    config = build_config({"scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 2, "pp": 2}})
+    assert groups_beyond_capacity(config, {"CPU": 2.0}) == (
+        "scaling.max_groups = 2 groups of pp x shard x tp = 2 x 2 x 2 = 8 ranks, but the cluster has room for 1 "
+        "(2 CPU at cpus_per_rank=0.25): the other 1 wait for capacity, started only if the cluster grows; --groups 1 "
+        "trains on what is here")
+    assert groups_beyond_capacity(config, {"CPU": 4.0}) is None
+
+
 def test_bad_fault_spec():
     fails({"fault_tolerance": {"inject": "explode:rank=1,step=2"}}, "unknown kind 'explode'")
     fails({"fault_tolerance": {"inject": "kill:step=2"}}, "needs rank=N")

@@ -235,6 +235,25 @@ def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
     assert scenario.records[-1].step_s == pytest.approx(1.0)  # the replacement runs at full speed
 
 
+def test_a_straggler_in_the_group_that_uploads_a_checkpoint_is_replaced_once_the_upload_ends(tmp_path):
+    """Replacing the rank kills its process, and with it the upload it runs: the replacement
+    waits for the checkpoint to commit instead of failing it."""
+    scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, spare_slot=True, checkpoint_every=12,
+                        upload_s=12.0)
+    scenario.controller.step_listeners.append(
+        lambda record: scenario.fleet.slow.update({0: 1.6}) if record.step == 9 else None
+    )
+    assert scenario.run() == "completed"
+    [decided] = scenario.kinds(EventKind.STRAGGLER_DECIDED)
+    assert (decided["action"], decided["rank"]) == ("replace", 0)
+    [uploaded] = [e for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED) if e["step"] == 12]
+    assert uploaded["group"] == 0 and decided["t"] < uploaded["t"]  # decided while rank 0 uploaded
+    [evicted] = scenario.kinds(EventKind.RANK_EVICTED)
+    assert (evicted["rank"], evicted["cause"]) == (0, "straggler") and evicted["t"] >= uploaded["t"]
+    assert scenario.kinds(EventKind.CHECKPOINT_FAILED) == []
+    assert scenario.committed_steps() == list(range(40))
+
+
 def test_checkpoints_commit_when_due(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=1, steps=10, checkpoint_every=4, upload_s=0.5)
     assert scenario.run() == "completed"

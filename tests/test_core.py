@@ -254,22 +254,28 @@ def test_faults_and_recoveries_read_as_one_line_each():
         {"kind": "step-discarded", "step": 8, "cause": "own-error", "culprits": {2: "own-error"},
          "errors": {0: "RuntimeError: Connection closed by peer", 2: "ValueError: bad (at train.py:3 in f)"}},
         {"kind": "rank-evicted", "rank": 3, "group": 1, "cause": "death"},
+        {"kind": "rank-evicted", "rank": 0, "group": 1, "cause": "stuck-in-collective"},
         {"kind": "recovered", "cause": "death", "step": 7, "total_s": 2.104},
         {"kind": "group-joined", "group": 1, "generation": 4},
         {"kind": "nonfinite-step", "step": 9, "loss": "nan", "grad_norm": "inf"},
         {"kind": "run-started", "run": "r"},
-        {"kind": "run-started", "run": "r", "resume_from": 40},
+        {"kind": "run-started", "run": "r", "resume_from": 40, "steps": 60},
+        {"kind": "run-started", "run": "r", "resume_from": 30, "steps": 30},  # the same command again
         {"kind": "checkpoint-skipped", "step": 50, "reason": "does not load"},
     )]
     assert lines == [
         "step 7 failed (death, ranks [3])",
         "step 8 failed (own-error, ranks [2]): ValueError: bad (at train.py:3 in f)",
         "rank 3 of group 1 replaced (death)",
+        "rank 0 of group 1 replaced (stuck-in-collective: it waited for a peer that failed, and a process blocked in "
+        "a collective cannot be freed; not at fault)",
         "recovered from death at step 7 in 2.1s",
         "group 1 joined (generation 4)",
         "step 9 discarded: loss nan, grad norm inf (not finite); run again",
         None,
         "resuming from the checkpoint of step 40",
+        "the run is complete: its checkpoint of step 30 ends its 30 steps, nothing is left to train; raise steps "
+        "(--steps) above 30 to train it further, or give another run_name (--run-name) for a new run",
         "checkpoint of step 50 skipped: does not load",
     ]
 

@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from elastic import ElasticTrainer
 from elastic.cli import main
+from elastic.export import export_checkpoint
 from elastic.setup.hooks import resolve_hooks
 from tests.test_token_data import save_word_tokenizer
 from tests.tiny import tiny_config
@@ -80,6 +82,63 @@ def test_an_earlier_step_exports_and_a_missing_one_is_refused_naming_those_there
     assert main(["export", result.run_dir, "--output", str(tmp_path / "a-file")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "a-file: a file is there; give a directory" in line
+
+
+def flip_a_shards_last_byte(step) -> str:
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return f"{shard.name} checksum mismatch"
+
+
+def truncate_the_manifest(step) -> str:
+    manifest = step / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    return "unreadable manifest"
+
+
+@pytest.mark.parametrize("damage", [flip_a_shards_last_byte, truncate_the_manifest])
+def test_an_older_step_written_for_a_newest_that_does_not_load_says_so_and_a_named_step_is_never_replaced(
+        trained, tmp_path, capsys, damage):
+    """Step 6 damaged after its commit: the newest export writes step 3 and names step 6 and why
+    it was not written; asked for step 6, nothing is written; storage is left as it was."""
+    import shutil
+
+    _, result = trained
+    run = tmp_path / "run"
+    shutil.copytree(result.run_dir, run)
+    step = run / "checkpoints" / "step-00000006"
+    reason = damage(step)
+    exported = export_checkpoint(str(run), str(tmp_path / "newest"))
+    assert exported.step == 3
+    assert [later.step for later in exported.passed_over] == [6]
+    assert reason in exported.passed_over[0].reason
+    with safe_open(tmp_path / "newest" / "model.safetensors", framework="pt") as weights:
+        assert weights.metadata()["step"] == "3"
+    assert main(["export", str(run), "--output", str(tmp_path / "cli")]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("exported step 3 ") and "; step 6 was not: " in line and reason in line, line
+    assert main(["export", str(run), "--output", str(tmp_path / "step-6"), "--step", "6"]) == 2
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "step-6").exists()
+    assert step.is_dir()  # not moved aside: export changes nothing in storage
+
+
+def test_the_huggingface_config_keeps_the_sources_max_position_embeddings(trained, tmp_path):
+    """A run started from a HuggingFace Llama made for 2,048 positions and trained on 32 exports
+    as made for 2,048; a run from no source, as made for the length it trained on."""
+    config, result = trained
+    source = tmp_path / "source"
+    assert main(["export", result.run_dir, "--output", str(source), "--format", "huggingface"]) == 0
+    source_config = json.loads((source / "config.json").read_text())
+    assert source_config["max_position_embeddings"] == config.data.seq_len == 32
+    (source / "config.json").write_text(json.dumps({**source_config, "max_position_embeddings": 2048}))
+    tuned = ElasticTrainer(tiny_config(tmp_path, run_name="tuned", steps=1, checkpoint__every=1,
+                                       model__init_from=str(source))).fit()
+    assert tuned.ok, tuned.exit
+    assert main(["export", tuned.run_dir, "--output", str(tmp_path / "tuned"), "--format", "huggingface"]) == 0
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["max_position_embeddings"] == 2048
 
 
 def test_a_checkpoint_that_does_not_load_is_one_line_and_nothing_is_exported(trained, tmp_path, capsys):

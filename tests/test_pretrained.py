@@ -86,6 +86,35 @@ def test_fsdp_and_tp_ranks_load_their_slices_of_a_sharded_huggingface_checkpoint
         assert read <= 0.3 * sum(tensor.nbytes for tensor in expected.values()), read
 
 
+def unloadable_rank(rank: int, directory: str) -> str:
+    from checkpointing.pretrained import PretrainedUnloadable
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "tp"))
+    layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+    try:
+        first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []), torch.device("cpu"),
+                    lambda model: load_pretrained(model, PretrainedSource(directory, layout), StorageOptions(),
+                                                  dist.group.WORLD))
+    except PretrainedUnloadable as error:  # an Exception: the rank reports it as its own, not a peer's
+        return str(error)
+    return "loaded"
+
+
+def test_weights_that_do_not_load_on_the_ranks_are_the_weights_error_on_every_rank(tmp_path):
+    """Past preflight (a file changed since), DCP gathers one rank's failure into a
+    ``CheckpointException`` on every rank, a BaseException that escaped the rank's build as no
+    error of its own: the group was rebuilt on the same processes a hundred times."""
+    from safetensors.torch import load_file
+
+    write_checkpoint(tmp_path / "llama")
+    weights = load_file(tmp_path / "llama" / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:128].contiguous()
+    save_file(weights, tmp_path / "llama" / "model.safetensors")
+    for line in gloo_ranks(unloadable_rank, 2, str(tmp_path / "init"), str(tmp_path / "llama")):
+        assert line.startswith(f"{tmp_path / 'llama'} does not load: ValueError: Size mismatch"), line
+        assert "\n" not in line
+
+
 def test_the_model_fields_come_from_the_checkpoints_config(tmp_path):
     write_checkpoint(tmp_path / "llama")
     config = tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"))

@@ -22,44 +22,47 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_summary(run: str = "demo-run", ranks: int = 8, n_steps: int = 40, seed: int = 0) -> dict:
-    """A realistic summary: rank 3 dies at t=10 and is recovered; rank 5 straggles and is
-    mitigated; two checkpoints commit; the time breakdown adds up to wall_s."""
+    """A realistic summary: one group of ``ranks``; rank 3 dies at t=10 and is replaced; rank 5
+    straggles and is mitigated; two checkpoints commit; the time breakdown adds up to wall_s."""
     rng = random.Random(seed)
     failed_rank, straggler = 3, 5
     startup, step_nominal = 2.0, 0.5
     t = startup
     steps, events = [], [
         {"t": 0.0, "kind": "run-started"},
-        {"t": 1.5, "kind": "group-started", "group": 0},
+        {"t": 0.1, "kind": "group-reserved", "group": 0},
+        {"t": 1.5, "kind": "group-built", "group": 0, "seconds": 1.4},
+        {"t": 1.5, "kind": "group-joined", "group": 0, "generation": 1},
+        {"t": 1.5, "kind": "groups-rebuilt", "generation": 1, "groups": [0], "ranks": ranks, "seconds": 0.02},
     ]
     committed = discarded = recovery = ckpt_stall = 0.0
-    live = list(range(ranks))
     loss = 4.0
     step = 0
     generation = 0
     while step < n_steps:
-        if t >= 10.0 and failed_rank in live and generation == 0:
+        if t >= 10.0 and generation == 0:
             # the step in flight is lost, detection + rebuild + heal costs 3 s
             t += 0.3
             discarded += 0.3
             events += [
-                {"t": round(t, 4), "kind": "rank-failed", "rank": failed_rank, "cause": "death"},
-                {"t": round(t, 4), "kind": "step-discarded", "step": step},
-                {"t": round(t + 0.5, 4), "kind": "rank-evicted", "rank": failed_rank},
-                {"t": round(t + 1.5, 4), "kind": "groups-rebuilt", "groups": 1},
+                {"t": round(t, 4), "kind": "rank-failed", "rank": failed_rank, "group": 0, "cause": "death"},
+                {"t": round(t, 4), "kind": "step-discarded", "step": step, "broken_groups": [0]},
+                {"t": round(t + 0.5, 4), "kind": "rank-evicted", "rank": failed_rank, "group": 0, "cause": "death"},
+                {"t": round(t + 1.5, 4), "kind": "group-joined", "group": 0, "generation": 3},
+                {"t": round(t + 1.5, 4), "kind": "groups-rebuilt", "generation": 3, "groups": [0], "ranks": ranks,
+                 "seconds": 0.02},
                 {"t": round(t + 3.0, 4), "kind": "group-healed", "seconds": 1.5},
                 {"t": round(t + 3.0, 4), "kind": "recovered", "cause": "death", "detect_s": 0.5,
                  "rebuild_s": 1.0, "heal_s": 1.5, "total_s": 3.0},
             ]
-            live = [r for r in live if r != failed_rank]
             t += 3.0
             recovery += 3.0
             generation += 1
         slow = 1.0
-        if straggler in live and 12 <= step < 20:
+        if 12 <= step < 20:
             slow = 1.8
         rank_times = {}
-        for r in live:
+        for r in range(ranks):
             base = step_nominal * (1 + 0.05 * rng.random())
             rank_times[str(r)] = round(base * (slow if r == straggler else 1.0), 4)
         step_s = max(rank_times.values())
@@ -68,7 +71,7 @@ def make_summary(run: str = "demo-run", ranks: int = 8, n_steps: int = 40, seed:
         loss = loss * 0.95 + 0.02 * rng.random()
         steps.append({
             "step": step, "t": round(t, 4), "loss": round(loss, 5), "step_s": step_s,
-            "live_ranks": len(live), "live_groups": 1, "generation": generation,
+            "live_ranks": ranks, "live_groups": 1, "generation": generation,
             "rank_step_s": rank_times,
         })
         if step == 14:
@@ -296,3 +299,207 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
     assert earlier_legs(fs, directory, "demo-run") == []
     [aside] = (tmp_path / "run").glob("summary-unreadable-*.json")
     assert aside.read_text() == "{not json"
+
+
+# ------------------------------------------------------------------- what the timeline draws
+
+
+def timeline_panels(summary: dict) -> dict:
+    """The timeline's panels by name: rank (per-rank step times), live (ranks), and its events
+    legend (None without events to show)."""
+    from elastic.outputs.report import timeline_figure
+
+    fig = timeline_figure(summary)
+    titled = {ax.get_title(loc="left"): ax for ax in fig.axes}
+    return {
+        "rank": next(ax for title, ax in titled.items() if title.startswith("per-rank step time")),
+        "live": next(ax for title, ax in titled.items() if title.startswith("live ranks")),
+        "events": next((ax.get_legend() for ax in fig.axes
+                        if ax.get_legend() is not None and ax.get_legend().get_title().get_text() == "events"), None),
+    }
+
+
+def drawn_at(line, t: float) -> float:
+    """The value a post-style step line holds at time ``t``."""
+    import bisect
+
+    xs = list(line.get_xdata())
+    assert xs[0] <= t, f"nothing drawn at {t}: the line begins at {xs[0]}"
+    return line.get_ydata()[bisect.bisect_right(xs, t) - 1]
+
+
+def live_ranks_line(summary: dict):
+    return next(line for line in timeline_panels(summary)["live"].get_lines() if line.get_label() == "live ranks")
+
+
+def one_leg(run: str, startup_s: float, n_steps: int, exit: str, stop_signal: str | None = None,
+            ranks: int = 8) -> dict:
+    """A leg's summary: its group of ``ranks`` built and joined ``startup_s`` after the leg
+    began, then ``n_steps`` of 0.5 s; a ``stop_signal`` asks it to stop before its last step."""
+    events = [
+        {"t": 0.5, "kind": "run-started", "run": run},
+        {"t": 0.6, "kind": "group-reserved", "group": 0},
+        {"t": startup_s, "kind": "group-built", "group": 0, "seconds": startup_s - 0.6},
+        {"t": startup_s, "kind": "group-joined", "group": 0, "generation": 1},
+        {"t": startup_s, "kind": "groups-rebuilt", "generation": 1, "groups": [0], "ranks": ranks, "seconds": 0.02},
+    ]
+    steps = [{"step": i, "t": startup_s + 0.5 * (i + 1), "loss": 4.0 - 0.1 * i, "step_s": 0.5, "live_ranks": ranks,
+              "live_groups": 1, "rank_step_s": {str(rank): 0.5 for rank in range(ranks)}} for i in range(n_steps)]
+    if stop_signal:
+        events.append({"t": steps[-1]["t"] - 0.2, "kind": "stop-requested", "signal": stop_signal})
+    wall = steps[-1]["t"] + 1.0
+    events.append({"t": wall, "kind": "run-finished", "exit": exit})
+    return {"run": run, "topology": {"groups": 1, "shard": ranks, "tp": 1, "ranks": ranks}, "steps": steps,
+            "events": events, "exit": exit, "wall_s": wall, "steps_committed": n_steps, "steps_discarded": 0,
+            "time_breakdown": {"wall_s": wall, "startup": startup_s, "committed": 0.5 * n_steps, "idle": 1.0}}
+
+
+def resumed_run() -> dict:
+    """A run of two legs, both preempted: the first by SIGTERM, the second, whose ranks take
+    60 s to start, by Ctrl-C; as ``elastic report`` draws it."""
+    from elastic.outputs.report import whole_run
+    from elastic.outputs.run_record import with_history
+
+    first = one_leg("resumed", startup_s=2.0, n_steps=10, exit="preempted", stop_signal="SIGTERM")
+    second = one_leg("resumed", startup_s=60.0, n_steps=10, exit="preempted", stop_signal="SIGINT")
+    return whole_run(with_history(second, [first]))
+
+
+def test_a_resume_has_no_live_ranks_until_its_groups_join():
+    summary = resumed_run()
+    [_, second_leg] = summary["leg_starts"]
+    live = live_ranks_line(summary)
+
+    assert drawn_at(live, 1.0) == 0  # the first leg's start-up: nothing joined yet
+    assert drawn_at(live, 3.0) == 8
+    for into_start_up in (0.0, 1.0, 30.0, 59.9):  # the resume starts every rank anew
+        assert drawn_at(live, second_leg + into_start_up) == 0
+    assert drawn_at(live, second_leg + 60.5) == 8  # its group joined
+
+
+def rollback_run(ranks: int) -> dict:
+    """A real run's record (one group of ``ranks``): rank 3 is killed at step 5, four peers
+    stuck in its collective are evicted with it, and with no live peer the group rolls back to
+    the initial state, which drops the records of the steps before; ranks 1, 2 and 7 (those
+    there are) live on through it."""
+    evicted = [rank for rank in (0, 4, 5, 6) if rank < ranks]
+    events = [
+        {"t": 3.5794, "kind": "run-started", "steps": 8, "resume_from": None},
+        {"t": 3.5813, "kind": "group-reserved", "group": 0},
+        {"t": 18.8604, "kind": "group-built", "group": 0, "seconds": 15.279},
+        {"t": 18.8607, "kind": "group-joined", "group": 0, "generation": 1},
+        {"t": 18.8832, "kind": "groups-rebuilt", "generation": 1, "groups": [0], "ranks": ranks, "seconds": 0.022},
+        {"t": 23.3262, "kind": "fault-injected", "fault": "kill", "ranks": [3], "step": 5},
+        {"t": 23.8529, "kind": "rank-failed", "rank": 3, "group": 0, "cause": "death", "step": 5},
+        {"t": 23.8547, "kind": "rank-evicted", "rank": 3, "group": 0, "cause": "death"},
+        *({"t": 23.8555 + 0.0005 * i, "kind": "rank-evicted", "rank": rank, "group": 0, "cause": "stuck-in-collective"}
+          for i, rank in enumerate(evicted)),
+        {"t": 23.8585, "kind": "step-discarded", "step": 5, "cause": "death", "culprits": {"3": "death"},
+         "broken_groups": [0]},
+        {"t": 32.4108, "kind": "group-built", "group": 0, "seconds": 8.551},
+        {"t": 32.42, "kind": "restored-initial-state", "step": 0, "groups": [0], "rolled_back_steps": 5, "seed": 0},
+        {"t": 32.4201, "kind": "group-joined", "group": 0, "generation": 3},
+        {"t": 32.4416, "kind": "groups-rebuilt", "generation": 3, "groups": [0], "ranks": ranks, "seconds": 0.021},
+        {"t": 34.0973, "kind": "recovered", "cause": "death", "culprits": {"3": "death"}, "step": 1,
+         "detect_s": 0.2522, "drain_s": 0.2534, "rebuild_s": 0.021, "heal_s": 0.0, "total_s": 10.7501},
+        {"t": 38.1915, "kind": "checkpoint-committed", "step": 8, "group": 0},
+        {"t": 38.1924, "kind": "run-finished", "exit": "completed"},
+    ]
+    steps = [{"step": i, "t": 34.0972 + 0.5 * i, "loss": 5.5 - 0.25 * i, "step_s": 1.6 if i == 0 else 0.5,
+              "live_ranks": ranks, "live_groups": 1, "generation": 3,
+              "rank_step_s": {str(rank): (1.2 if i == 0 else 0.5) + 0.001 * rank for rank in range(ranks)}}
+             for i in range(8)]
+    breakdown = {"wall_s": 38.1926, "committed": 9.9607, "recovery": 8.589, "discarded": 0.5056,
+                 "checkpoint_stall": 0.2519, "startup": 15.3039, "idle": 3.5815}
+    return {"run": "rollback", "topology": {"groups": 1, "pp": 1, "shard": ranks, "tp": 1, "ranks": ranks},
+            "steps": steps, "events": events, "exit": "completed", "wall_s": 38.1926, "time_breakdown": breakdown,
+            "steps_committed": 8, "steps_discarded": 1}
+
+
+def test_live_ranks_follow_the_membership_through_a_rollback():
+    from elastic.outputs.report import live_membership
+
+    live = live_ranks_line(rollback_run(ranks=8))
+    assert drawn_at(live, 10.0) == 0  # start-up
+    assert drawn_at(live, 20.0) == 8
+    assert drawn_at(live, 23.853) == 7  # rank 3 failed
+    for during_the_rollback in (25.0, 30.0, 32.43):
+        assert drawn_at(live, during_the_rollback) == 3  # 1, 2 and 7 lived on: 3 and the 4 evicted did not
+    assert drawn_at(live, 33.0) == drawn_at(live, 38.0) == 8  # the group joined again, its ranks replaced
+
+    # A rollback to the memory tier after a mismatch: both groups rebuild, no rank is lost.
+    mismatch = [
+        {"t": 1.0, "kind": "groups-rebuilt", "generation": 1, "groups": [0, 1], "ranks": 8},
+        {"t": 5.0, "kind": "step-discarded", "step": 9, "cause": "integrity-mismatch", "broken_groups": [0, 1]},
+        {"t": 6.0, "kind": "restored-from-memory", "step": 8, "groups": [0, 1], "rolled_back_steps": 1},
+        {"t": 6.5, "kind": "groups-rebuilt", "generation": 3, "groups": [0, 1], "ranks": 8},
+    ]
+    membership = live_membership(mismatch, [], 10.0)
+    assert (membership.t, membership.ranks, membership.groups) == (
+        [0.0, 1.0, 5.0, 6.5, 10.0], [0, 8, 8, 8, 8], [0, 2, 0, 2, 2])
+    assert membership.downs == []
+
+
+@pytest.mark.parametrize("ranks", [4, 8, 32])  # a line per rank, a band of ranks, a heatmap
+def test_a_failure_is_marked_on_the_lost_ranks_rows_while_they_were_down(ranks):
+    from matplotlib.colors import to_hex
+
+    from elastic.outputs.report import FAILURE_COLOUR
+
+    summary = rollback_run(ranks)
+    lost = {}  # rank -> when it was lost
+    for event in summary["events"]:
+        if event["kind"] in ("rank-failed", "rank-evicted"):
+            lost.setdefault(event["rank"], event["t"])
+    back = 32.4416  # the group joined again
+    panel = timeline_panels(summary)["rank"]
+
+    marks = []  # (row, since, until) of each line drawn in the failure colour
+    for line in panel.get_lines():
+        if to_hex(line.get_color()) == FAILURE_COLOUR:
+            [row] = set(line.get_ydata())  # on one rank's row, not across the ranks
+            since, until = line.get_xdata()
+            marks.append((row, since, until))
+    # while down, not for the rest of the run
+    assert sorted((since, until) for _, since, until in marks) == sorted((t, back) for t in lost.values())
+    if ranks > 16:  # a heatmap: a rank's row is its own
+        assert sorted(marks) == sorted((float(rank), t, back) for rank, t in lost.items())
+    else:  # lines: a rank's row lies among its step times
+        for rank, t in lost.items():
+            times = [record["rank_step_s"][str(rank)] for record in summary["steps"]]
+            assert any(min(times) <= row <= max(times) and (since, until) == (t, back) for row, since, until in marks)
+
+
+def test_checkpoints_have_a_colour_and_a_legend_entry_of_their_own():
+    from matplotlib.colors import to_hex
+
+    summary = make_summary()
+    panels = timeline_panels(summary)
+    legend = panels["events"]
+    entry = dict(zip((text.get_text() for text in legend.get_texts()), legend.legend_handles))["checkpoint committed"]
+    checkpoint_colour = to_hex(entry.get_color())
+
+    checkpoint_times = {event["t"] for event in summary["events"] if event["kind"] == "checkpoint-committed"}
+    lines = panels["rank"].get_lines()
+    at_checkpoints = [line for line in lines if set(line.get_xdata()) <= checkpoint_times]
+    assert len(at_checkpoints) == len(checkpoint_times)
+    assert {to_hex(line.get_color()) for line in at_checkpoints} == {checkpoint_colour}
+    [median] = [line for line in lines if line.get_label().startswith("median of")]
+    others = {to_hex(line.get_color()) for line in lines if line not in at_checkpoints}
+    assert to_hex(median.get_color()) in others and checkpoint_colour not in others
+
+
+def test_each_leg_is_labelled_with_how_it_ended():
+    from elastic.outputs.report import leg_ending
+
+    labels = {text.get_text() for text in timeline_panels(resumed_run())["live"].texts}
+    assert {"leg 1: preempted (SIGTERM)", "leg 2: preempted (SIGINT)"} <= labels
+
+    sigint = [{"t": 5.0, "kind": "stop-requested", "signal": "SIGINT"}]
+    assert leg_ending({"exit": "preempted: a second SIGINT stopped the run at once, before the step boundary",
+                       "events": sigint}) == "preempted (SIGINT)"
+    assert leg_ending({"exit": "preempted, final checkpoint missed (step 12): see the checkpoint-failed events",
+                       "events": sigint}) == "preempted (SIGINT), final checkpoint missed (step 12)"
+    assert leg_ending({"exit": "failed: RuntimeError: boom", "events": sigint}) == "failed"
+    assert leg_ending({"exit": "completed", "events": []}) == "completed"
+    assert leg_ending({"events": []}) is None

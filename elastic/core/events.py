@@ -128,6 +128,9 @@ def console_line(event: Event) -> str | None:
         first = f": {own[0]}" if own else ""
         return f"step {step} failed ({event['cause']}, ranks {sorted(event['culprits'])}){first}"
     if kind == EventKind.RANK_EVICTED:
+        if event["cause"] == "stuck-in-collective":  # a victim: its thread cannot leave a collective a peer left
+            return (f"rank {event['rank']} of group {event['group']} replaced (stuck-in-collective: it waited for a "
+                    "peer that failed, and a process blocked in a collective cannot be freed; not at fault)")
         return f"rank {event['rank']} of group {event['group']} replaced ({event['cause']})"
     if kind == EventKind.RECOVERED:
         return f"recovered from {event['cause']} at step {step} in {event['total_s']:.1f}s"
@@ -138,7 +141,12 @@ def console_line(event: Event) -> str | None:
     if kind == EventKind.CHECKPOINT_FAILED:
         return f"checkpoint of step {step} failed: {event['error']}"
     if kind == EventKind.RUN_STARTED and event.get("resume_from") is not None:
-        return f"resuming from the checkpoint of step {event['resume_from']}"
+        resume_from, steps = event["resume_from"], event.get("steps")
+        if steps is not None and resume_from >= steps:
+            return (f"the run is complete: its checkpoint of step {resume_from} ends its {steps} steps, nothing is "
+                    f"left to train; raise steps (--steps) above {resume_from} to train it further, or give "
+                    "another run_name (--run-name) for a new run")
+        return f"resuming from the checkpoint of step {resume_from}"
     if kind == EventKind.CHECKPOINT_SKIPPED:
         return f"checkpoint of step {step} skipped: {event['reason']}"
     if kind == EventKind.SPARE_LOST:

@@ -52,6 +52,8 @@ class StragglerSettings(Protocol):
     def patience(self) -> int: ...
     @property
     def mitigate(self) -> bool: ...
+    @property
+    def min_saving_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class StragglerMitigation:
     def __init__(self, config: StragglerSettings, global_batch: int, events: EventLog,
                  clock: Callable[[], float] = time.monotonic, min_gain: float = 0.05):
         self.detector = StragglerDetector(config.window, config.threshold, config.mad_gate, config.patience, clock)
-        self.policy = StragglerPolicy(min_gain)
+        self.policy = StragglerPolicy(min_gain, config.min_saving_s)
         self.mitigate = config.mitigate
         self.global_batch = global_batch
         self.events = events

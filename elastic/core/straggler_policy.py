@@ -12,7 +12,8 @@ overhead that does not scale with samples (communication, launch, a padding micr
 A group with zero weight still pays ``fixed_g``: it takes part in the step with padding.
 
 Options, cheapest first (each only if it predicts at least ``min_gain`` over the current
-weights; the best prediction wins, where predictions less than ``min_gain`` apart are a tie
+weights, and a replacement or an eviction only if it also saves ``min_saving_s`` of each
+step: steps of a few milliseconds are dominated by noise, and a heal costs seconds; the best prediction wins, where predictions less than ``min_gain`` apart are a tie
 that goes to the cheaper option):
 
 1. ``rebalance``: water-filling weights that equalise ``fixed_g + share_g * s_g`` across
@@ -52,6 +53,8 @@ import numpy as np
 ACTIONS = ("rebalance", "replace", "evict-group", "restore")
 _COST_ORDER = {"rebalance": 0, "replace": 1, "evict-group": 2}
 _TIE = 1e-9  # float slack on the comparisons
+DEFAULT_MIN_SAVING_S = 0.05
+_DISRUPTIVE = ("replace", "evict-group")  # they stop a process or a group; a rebalance is free
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,10 @@ def water_fill(seconds: np.ndarray, fixed: np.ndarray, global_batch: int) -> tup
 
 
 class StragglerPolicy:
-    def __init__(self, min_gain: float = 0.05):
-        if min_gain < 0:
-            raise ValueError(f"min_gain must be >= 0, got {min_gain}")
-        self.min_gain = min_gain
+    def __init__(self, min_gain: float = 0.05, min_saving_s: float = DEFAULT_MIN_SAVING_S):
+        if min_gain < 0 or min_saving_s < 0:
+            raise ValueError(f"min_gain and min_saving_s must be >= 0, got {min_gain} and {min_saving_s}")
+        self.min_gain, self.min_saving_s = min_gain, min_saving_s
 
     def decide(
         self,
@@ -218,7 +221,8 @@ class StragglerPolicy:
                 )
             )
 
-        worth = [c for c in candidates if c.predicted_step_s * (1.0 + self.min_gain) <= baseline * (1.0 + _TIE)]
+        worth = [c for c in candidates if c.predicted_step_s * (1.0 + self.min_gain) <= baseline * (1.0 + _TIE)
+                 and (c.action not in _DISRUPTIVE or baseline - c.predicted_step_s >= self.min_saving_s - _TIE)]
         if not worth:
             return None
         # The best prediction wins, but anything within min_gain of it is a tie that goes to

@@ -201,8 +201,9 @@ class Controller:
                 with self.ledger.timing("recovery"):
                     if replicas_stale and self.membership.live_groups():
                         self.groups.rebuild_replicas()
-                    actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
-                    self.groups.apply_straggler_actions(actions)
+                    if self.straggler_actions_ready():
+                        actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
+                        self.groups.apply_straggler_actions(actions)
                     self.groups.settle(self.deadline.typical_s())
                 if self.groups.start_failed():
                     return AtBoundary()
@@ -300,12 +301,26 @@ class Controller:
     def boundary_needed(self) -> bool:
         return bool(
             self.stop_requested.is_set()
-            or self.straggler_actions != NO_ACTIONS
+            or self.straggler_actions_ready()
             or self.membership.groups_in(GroupStage.READY)
             or self.groups.start_failed()
             or (self.checkpoints is not None and self.checkpoints.due and self.checkpoints.in_flight is None)
             or (self.faults is not None and self.faults.time_fault_due())
         )
+
+    def straggler_actions_ready(self) -> bool:
+        """Straggler actions are due, and stop no rank a checkpoint still uploads from: a slow
+        rank costs a fraction of a step, a broken save a whole checkpoint interval. They wait
+        for the upload to end."""
+        actions = self.straggler_actions
+        if actions == NO_ACTIONS:
+            return False
+        uploading = self.checkpoints.in_flight if self.checkpoints is not None else None
+        if uploading is None:
+            return True
+        stopped = set(actions.replace) | {rank for group in actions.evict_groups
+                                          for rank in self.topology.global_ranks(group)}
+        return not stopped & set(uploading.ranks)
 
     def commit(self, committed: CommittedStep) -> None:
         """A step every group of the run committed: feed the straggler detector, record it,
@@ -402,6 +417,8 @@ class Controller:
     # checkpoints and the end of the run
 
     def maybe_checkpoint(self) -> None:
+        if self.straggler_actions_ready():
+            return  # the boundary replaces the slow rank first; the save, still due, follows at the next
         if self.checkpoints is not None and self.checkpoints.wants_save(self.history.step):
             self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group())
 

@@ -13,9 +13,10 @@ import io
 import math
 import os
 import re
+import statistics
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,20 +36,23 @@ MAX_RANKS_APART = 4
 # A rank whose median step is this much over the ranks' median stands out of the band.
 OUTLIER_FACTOR = 1.15
 
+FAILURE_COLOUR = "#d62728"
+# Not the blue of the ranks' median line, nor any colour of the rank lines' palettes.
+CHECKPOINT_COLOUR = "#b5179e"
 # Event category -> (label, colour, line style, event kinds).
 EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "failure": ("failure (rank-failed / rank-evicted)", "#d62728", "-", (K.RANK_FAILED, K.RANK_EVICTED)),
+    "failure": ("rank failed / evicted (its row, while down)", FAILURE_COLOUR, "-", (K.RANK_FAILED, K.RANK_EVICTED)),
     "recovery": ("recovery (recovered / group-joined / group-healed)", "#2ca02c", "--",
                  (K.RECOVERED, K.GROUP_JOINED, K.GROUP_HEALED)),
     "straggler": ("straggler (detected / mitigated)", "#ff7f0e", ":",
                   (K.STRAGGLER_DETECTED, K.STRAGGLER_MITIGATED)),
-    "checkpoint": ("checkpoint committed", "#1f77b4", "-", (K.CHECKPOINT_COMMITTED,)),
+    "checkpoint": ("checkpoint committed", CHECKPOINT_COLOUR, "-", (K.CHECKPOINT_COMMITTED,)),
     "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", (K.CHECKPOINT_FAILED,)),
     "discarded": ("step discarded", "#7f7f7f", ":", (K.STEP_DISCARDED,)),
 }
 # Goodput categories -> colour, for the wall-time bar.
 BREAKDOWN_COLOURS = {"committed": "#2ca02c", "evaluation": "#bcbd22", "recovery": "#d62728", "discarded": "#7f7f7f",
-                     "checkpoint_stall": "#1f77b4", "startup": "#bbbbbb", "idle": "#e7e7e7"}
+                     "checkpoint_stall": CHECKPOINT_COLOUR, "startup": "#bbbbbb", "idle": "#e7e7e7"}
 _CATEGORY_OF_KIND = {kind.value: cat for cat, (_, _, _, kinds) in EVENT_CATEGORIES.items() for kind in kinds}
 
 
@@ -172,8 +176,6 @@ class TimelineStep:
     leg: int  # of the run (1 unless resumed)
     step_s: float | None
     loss: float | None
-    live_ranks: float | None  # counts, as drawn
-    live_groups: float | None
     rank_step_s: dict[int, float]  # each rank's wall seconds
 
     @classmethod
@@ -183,7 +185,6 @@ class TimelineStep:
 
         return cls(t=float(record["t"]), step=None if record.get("step") is None else int(record["step"]),
                    leg=int(record.get("leg", 1)), step_s=number("step_s"), loss=number("loss"),
-                   live_ranks=number("live_ranks"), live_groups=number("live_groups"),
                    rank_step_s={int(rank): float(seconds) for rank, seconds in (record.get("rank_step_s") or {}).items()
                                 if seconds is not None})
 
@@ -255,45 +256,117 @@ def merged_labels(labels: list[tuple[float, str, str]], within_s: float) -> list
     return merged
 
 
-def _live_series(steps: list[TimelineStep], events: list[dict[str, Any]],
-                 count: Callable[[TimelineStep], float | None], wall: float,
-                 lose_on_failure: bool) -> tuple[list[float], list[float]]:
-    """A post-style step series of a step's ``count`` (live ranks / live groups): each step's value
-    holds from the step's start; with ``lose_on_failure`` a failed or evicted rank drops the count
-    at once."""
-    points: list[tuple[float, int, Any]] = []
-    for step in steps:
-        if count(step) is not None:
-            points.append((max(step.started, 0.0), 1, count(step)))
-    if not points:
-        return [], []
-    if lose_on_failure:
-        for event in events:
-            if event.get("kind") in (K.RANK_FAILED, K.RANK_EVICTED):
-                points.append((float(event["t"]), 0, event.get("rank")))
-    points.sort(key=lambda p: (p[0], p[1]))
-    xs: list[float] = []
-    ys: list[float] = []
-    current: float | None = None
-    lost: set[Any] = set()
-    for x, is_step, value in points:
-        if is_step:
-            current = value
-            lost.clear()
-        elif current is not None and (value is None or value not in lost):
-            lost.add(value)
-            current = max(0.0, current - 1)
+@dataclass(frozen=True)
+class RankDown:
+    """A rank lost (failed or evicted) and when it was back: when its group joined the quorum
+    again with it replaced, or when its leg ended."""
+
+    rank: int
+    since: float
+    until: float
+
+
+@dataclass
+class LiveMembership:
+    """The live ranks and the groups in the quorum after each change (post-style steps over
+    the run, from 0 to its wall time), and the ranks lost on the way."""
+
+    t: list[float]
+    ranks: list[int]
+    groups: list[int]
+    downs: list[RankDown]
+
+    def record(self, t: float, ranks: int, groups: int) -> None:
+        """The state after a change at ``t`` (none where nothing changed)."""
+        if (ranks, groups) == (self.ranks[-1], self.groups[-1]):
+            return
+        if t == self.t[-1]:  # several changes at one instant: the state after them
+            self.ranks[-1], self.groups[-1] = ranks, groups
+            return
+        self.t.append(t)
+        self.ranks.append(ranks)
+        self.groups.append(groups)
+
+
+def live_membership(events: list[dict[str, Any]], leg_starts: Sequence[float], wall: float) -> LiveMembership:
+    """Live ranks and groups in the quorum over the run, from its membership events.
+
+    A group's ranks go live when it joins the quorum (``groups-rebuilt`` names the quorum's
+    groups and counts their ranks) and stay live until one fails or is evicted, through a
+    rollback too: a group builds again around its live processes. The quorum loses a group
+    when it loses a rank, when its world breaks (a discarded step's broken groups) and when it
+    is evicted. Every leg starts with none live: its driver starts every rank anew."""
+    live: dict[int, set[int]] = {}  # group -> its live ranks
+    quorum: set[int] = set()
+    lost_at: dict[int, float] = {}  # rank -> when it was lost, until it is back
+    membership = LiveMembership([0.0], [0], [0], [])
+
+    def back(ranks: Iterable[int], t: float) -> None:
+        """Those of ``ranks`` that were lost are back (or gone with their leg) at ``t``."""
+        for rank in ranks:
+            if rank in lost_at:
+                membership.downs.append(RankDown(rank, lost_at.pop(rank), t))
+
+    leg_boundaries = [(float(start), None) for start in leg_starts]
+    changes = sorted([*leg_boundaries, *((float(e["t"]), e) for e in events)], key=lambda change: change[0])
+    for t, event in changes:
+        kind = None if event is None else event.get("kind")
+        if event is None:  # a leg begins
+            back(list(lost_at), t)
+            live.clear()
+            quorum.clear()
+        elif kind == K.GROUPS_REBUILT:
+            quorum = set(event["groups"])
+            # a summary written before the event counted ranks shows none live
+            per_group = event.get("ranks", 0) // len(quorum) if quorum else 0
+            for group in quorum:
+                live[group] = set(range(group * per_group, (group + 1) * per_group))
+                back(live[group], t)
+        elif kind in (K.RANK_FAILED, K.RANK_EVICTED):
+            rank, group = int(event["rank"]), int(event["group"])
+            if rank in live.get(group, ()):
+                live[group].discard(rank)
+                lost_at[rank] = t
+            quorum.discard(group)
+        elif kind == K.GROUP_EVICTED:
+            live.pop(event["group"], None)
+            quorum.discard(event["group"])
+        elif kind in (K.STEP_DISCARDED, K.EVAL_DISCARDED):
+            quorum.difference_update(event.get("broken_groups") or ())
         else:
             continue
-        xs.append(x)
-        ys.append(current)
-    xs.append(max(wall, xs[-1]))
-    ys.append(ys[-1])
-    return xs, ys
+        membership.record(t, sum(map(len, live.values())), len(quorum))
+    back(list(lost_at), wall)
+    membership.t.append(max(wall, membership.t[-1]))  # the last state holds to the end of the run
+    membership.ranks.append(membership.ranks[-1])
+    membership.groups.append(membership.groups[-1])
+    return membership
+
+
+def leg_ending(leg: dict[str, Any]) -> str | None:
+    """How a leg of a run ended, in a few words: the head of its exit (``completed``,
+    ``failed``, ``stopped``), with the signal that preempted it: ``preempted (SIGINT)``.
+    None for a leg that recorded no exit."""
+    exit_status = leg.get("exit")
+    if not exit_status:
+        return None
+    ending = str(exit_status).split(":", 1)[0]
+    signal = next((event.get("signal") for event in leg.get("events") or []
+                   if event.get("kind") == K.STOP_REQUESTED), None)
+    if signal and ending.startswith("preempted"):
+        ending = ending.replace("preempted", f"preempted ({signal})", 1)
+    return ending
 
 
 def plot_timeline(summary: dict[str, Any], path: str) -> str:
     """Draw the run timeline to a PNG at ``path`` (local path or fsspec URL); returns ``path``."""
+    _save_figure(timeline_figure(summary), path)
+    return path
+
+
+def timeline_figure(summary: dict[str, Any]) -> Any:
+    """The run timeline as a matplotlib Figure: per-rank step times, loss, live ranks, and the
+    run's events over them."""
     # Draw on an Agg canvas directly: no pyplot, no global backend switch, no display needed.
     # matplotlib is the "report" extra: training never needs it.
     try:
@@ -301,6 +374,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     except ImportError:
         raise ValueError("the timeline is drawn with matplotlib: pip install 'elastic-trainer[report]'") from None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import to_hex
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -342,8 +416,9 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         startups = [(0.0, float(breakdown["startup"]))]
     else:
         startups = [(0.0, max(0.0, steps[0].started) if steps else wall)]
-    failed_ranks = {str(e.get("rank")) for e in events if e.get("kind") == K.RANK_FAILED}
+    membership = live_membership(events, summary.get("leg_starts") or [], wall)
     first_failure = min((float(e["t"]) for e in events if e.get("kind") == K.RANK_FAILED), default=math.inf)
+    rows: dict[int, float] = {}  # each rank's row: where its failures are marked
     if not steps:
         ax_rank.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=ax_rank.transAxes)
         side_top.axis("off")
@@ -358,6 +433,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         masked = np.ma.masked_invalid(data)
         y_edges = np.arange(len(ranks) + 1) - 0.5
         mesh = ax_rank.pcolormesh(np.asarray(edges), y_edges, masked, cmap="viridis", shading="flat")
+        rows = {rank: float(i) for i, rank in enumerate(ranks)}
         ax_rank.set_ylim(len(ranks) - 0.5, -0.5)
         tick_every = max(1, len(ranks) // 16)
         ax_rank.set_yticks(range(0, len(ranks), tick_every))
@@ -368,7 +444,11 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         cax = side_top.inset_axes([0.0, 0.05, 0.18, 0.9])
         fig.colorbar(mesh, cax=cax, label="step time (s)")
     else:
-        cmap = matplotlib.colormaps["tab20" if len(ranks) > 10 else "tab10"]
+        rows = {rank: statistics.median([seconds for seconds in row if not math.isnan(seconds)])
+                for rank, row in zip(ranks, matrix)}  # in a panel of lines, a rank's typical step time
+        # the failure red is the failures' own: no rank's line is drawn in it
+        colours = matplotlib.colormaps["tab20" if len(ranks) > 10 else "tab10"].colors
+        palette = [colour for colour in map(to_hex, colours) if colour != FAILURE_COLOUR]
         step_s = [math.nan if step.step_s is None else step.step_s for step in steps]
         # Break the lines across long gaps (recoveries) instead of drawing through them.
         xs: list[float] = []
@@ -403,15 +483,12 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
             (median,) = ax_rank.plot(xs, series(list(middle)), color="#1f77b4", linewidth=1.2, zorder=2,
                                      label=f"median of {len(ranks)} ranks")
             handles += [median, Patch(color="#1f77b4", alpha=0.18, label="fastest to slowest rank")]
-            drawn = sorted(set(slow) | {i for i, rank in enumerate(ranks) if str(rank) in failed_ranks})
+            drawn = slow
         for i in drawn:
             rank = ranks[i]
-            failed = str(rank) in failed_ranks
-            (line,) = ax_rank.plot(xs, series(matrix[i]), marker="X" if failed else "o",
-                                   markersize=4.5 if failed else 2.5, linewidth=2.4 if failed else 1.0,
-                                   color=cmap(i % cmap.N), zorder=4 if failed else 2,
-                                   label=f"rank {rank} (failed)" if failed else (
-                                       f"rank {rank}" if len(ranks) <= MAX_RANKS_APART else f"rank {rank} (slow)"))
+            (line,) = ax_rank.plot(xs, series(matrix[i]), marker="o", markersize=2.5, linewidth=1.0,
+                                   color=palette[i % len(palette)], zorder=2,
+                                   label=f"rank {rank}" if len(ranks) <= MAX_RANKS_APART else f"rank {rank} (slow)")
             handles.append(line)
         handles.append(total)
         ax_rank.set_ylabel("step time (s)")
@@ -420,6 +497,10 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         side_top.axis("off")
         side_top.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="ranks",
                         title_fontsize=9, borderaxespad=0.0)
+    for down in membership.downs:  # on the lost rank's row alone, from its loss until it was back
+        if down.rank in rows:
+            ax_rank.plot([down.since, down.until], [rows[down.rank]] * 2, color=FAILURE_COLOUR, linewidth=2.0,
+                         marker="X", markevery=[0], markersize=7, solid_capstyle="butt", zorder=5)
 
     # (2) loss per committed step ----------------------------------------------------------------
     loss_points = [(step.step, step.loss, step.leg) for step in steps
@@ -450,24 +531,17 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
 
     # (3) live ranks / groups --------------------------------------------------------------------
     topo_ranks = (summary.get("topology") or {}).get("ranks")
-    xs, ys = _live_series(steps, events, lambda step: step.live_ranks, wall, lose_on_failure=True)
-    if xs:
-        ax_live.step(xs, ys, where="post", color="#17becf", linewidth=1.8, label="live ranks")
-        ax_live.fill_between(xs, ys, step="post", color="#17becf", alpha=0.15)
-        top = max(ys + ([topo_ranks] if topo_ranks else []))
-        ax_live.set_ylim(0, top * 1.15 + 0.5)
-    gx, gy = _live_series(steps, events, lambda step: step.live_groups, wall, lose_on_failure=False)
-    if gx:
-        ax_groups = ax_live.twinx()
-        ax_groups.step(gx, gy, where="post", color="#8c564b", linewidth=1.0, linestyle="--")
-        ax_groups.set_ylim(0, max(gy) * 1.15 + 0.5)
-        ax_groups.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_groups.set_ylabel("live groups", color="#8c564b")
-        ax_groups.tick_params(axis="y", colors="#8c564b")
+    ax_live.step(membership.t, membership.ranks, where="post", color="#17becf", linewidth=1.8, label="live ranks")
+    ax_live.fill_between(membership.t, membership.ranks, step="post", color="#17becf", alpha=0.15)
+    ax_live.set_ylim(0, max(membership.ranks + ([topo_ranks] if topo_ranks else [])) * 1.15 + 0.5)
+    ax_groups = ax_live.twinx()
+    ax_groups.step(membership.t, membership.groups, where="post", color="#8c564b", linewidth=1.0, linestyle="--")
+    ax_groups.set_ylim(0, max(membership.groups) * 1.15 + 0.5)
+    ax_groups.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_groups.set_ylabel("groups in the quorum", color="#8c564b")
+    ax_groups.tick_params(axis="y", colors="#8c564b")
     if topo_ranks:
         ax_live.axhline(topo_ranks, color="#999999", linewidth=0.8, linestyle=":")
-        if not xs:
-            ax_live.set_ylim(0, topo_ranks * 1.15 + 0.5)
     ax_live.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_live.set_ylabel("live ranks", color="#17becf")
     if wall > 2 * 3600:  # a run of days read in hours
@@ -477,7 +551,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         ax_live.set_xlabel("hours since run start")
     else:
         ax_live.set_xlabel("seconds since run start")
-    ax_live.set_title("live ranks (solid) and groups (dashed)", fontsize=10, loc="left")
+    ax_live.set_title("live ranks (solid) and groups in the quorum (dashed)", fontsize=10, loc="left")
 
     # events -------------------------------------------------------------------------------------
     for begin, end in startups:
@@ -487,12 +561,15 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
             ax_rank.text((begin + end) / 2, 0.5, f"start-up:\nRay, actors,\ngroups built\n{end - begin:.0f} s",
                          transform=ax_rank.get_xaxis_transform(), ha="center", va="center", fontsize=9,
                          color="#666666")
-    for number, start in enumerate(summary.get("leg_starts") or [], start=1):
+    legs = zip(summary.get("leg_starts") or [], summary.get("leg_endings") or [])
+    for number, (start, ending) in enumerate(legs, start=1):
         if number > 1:  # where a resume began: the time axis runs on over every leg
             for ax in axes:
                 ax.axvline(start, color="black", linewidth=1.2, linestyle=(0, (6, 3)), zorder=3)
-            ax_live.annotate(f"leg {number}", xy=(start, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
-                             textcoords="offset points", fontsize=8)
+        # at two heights in turn: the label of a short leg does not run into the next one's
+        ax_live.annotate(f"leg {number}" + (f": {ending}" if ending else ""),
+                         xy=(start, 0.02 + 0.12 * (number % 2 == 0)), xycoords=("data", "axes fraction"),
+                         xytext=(3, 0), textcoords="offset points", fontsize=8)
     present: list[str] = []
     labels: list[tuple[float, str, str]] = []  # (time, text, colour), merged below
     for event in sorted(events, key=lambda e: e["t"]):
@@ -505,7 +582,8 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
         _, colour, style, _ = EVENT_CATEGORIES[category]
         t = float(event["t"])
         width = 1.4 if category in ("failure", "checkpoint-failed") else 1.0
-        for ax in axes:
+        # in the per-rank panel a failure is marked on the lost rank's row, not across every rank
+        for ax in (ax_live,) if category == "failure" else axes:
             ax.axvline(t, color=colour, linestyle=style, linewidth=width, alpha=0.8, zorder=3)
         if event.get("kind") == K.RECOVERED and event.get("total_s"):
             for ax in axes:
@@ -522,7 +600,8 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     present.sort(key=order.index)
     if present:
         handles = [Line2D([], [], color=EVENT_CATEGORIES[c][1], linestyle=EVENT_CATEGORIES[c][2],
-                          linewidth=1.6, label=EVENT_CATEGORIES[c][0]) for c in present]
+                          marker="X" if c == "failure" else None, linewidth=1.6, label=EVENT_CATEGORIES[c][0])
+                   for c in present]
         if any(e.get("kind") == K.RECOVERED and e.get("total_s") for e in events):
             handles.append(Patch(color=EVENT_CATEGORIES["recovery"][1], alpha=0.2, label="recovery window"))
         side_mid.legend(handles=handles, loc="upper left", fontsize=8, frameon=False, title="events",
@@ -558,9 +637,7 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
     if exit_status and exit_status != "completed":
         title += f"\nexit: {str(exit_status)[:100]}"
     fig.suptitle(title, fontsize=13)
-
-    _save_figure(fig, path)
-    return path
+    return fig
 
 
 def _save_figure(fig: Any, path: str) -> None:
@@ -595,7 +672,8 @@ def _default_output(run: str, summary: dict[str, Any]) -> str:
 def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
     """A summary of every leg of the run as one (``elastic.outputs.run_record``): each leg's
     steps and events in order, their times after the legs before it, the time breakdown and
-    goodput summed over the legs. A single leg's summary is itself."""
+    goodput summed over the legs, and where each leg began and how it ended. A single leg's
+    summary is itself."""
     legs = [*summary.get("earlier_legs", []), summary]
     if len(legs) == 1:
         return summary
@@ -611,7 +689,7 @@ def whole_run(summary: dict[str, Any]) -> dict[str, Any]:
     total = summary["run_total"]
     return {**summary, "steps": steps, "events": events, "time_breakdown": total["time_breakdown"],
             "wall_s": total["wall_s"], "goodput": total["goodput"], "leg_starts": starts,
-            "leg_startup_s": startups,
+            "leg_startup_s": startups, "leg_endings": [leg_ending(leg) for leg in legs],
             "steps_committed": total["steps_committed"], "steps_discarded": total["steps_discarded"]}
 
 

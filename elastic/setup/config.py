@@ -23,6 +23,7 @@ from checkpointing.storage import StorageOptions, absolute_url, refuse_credentia
 from elastic.core.faults import check_targets, parse_faults
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
 from elastic.setup.errors import ConfigError
 from elastic.setup.presets import PRESETS
 
@@ -169,6 +170,10 @@ class ModelConfig(Section):
     norm_eps: PositiveFloat = 1e-5  # RMSNorm's epsilon
     rope_theta: PositiveFloat = 10000.0  # RoPE's base: Llama 3's is 500000
     rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's frequency scaling; None: none
+    # The sequence length the model is made for (HuggingFace's max_position_embeddings), from
+    # model.init_from's config.json; elastic export writes it back (data.seq_len where longer).
+    # The model computes RoPE for data.seq_len whatever it says.
+    max_position_embeddings: PositiveInt | None = Field(None, le=2**24)
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
@@ -372,6 +377,9 @@ class StragglerConfig(Section):
     patience: PositiveInt = Field(DEFAULT_PATIENCE, le=10_000)
     noise: Annotated[float, Field(ge=0, lt=1)] = 0.0
     regrow_cooldown_s: NonNegativeFloat = Field(600.0, le=WEEK_S)
+    # A replacement or a group's eviction must save at least this much of each step: a step of
+    # a few milliseconds is mostly noise, and a heal costs seconds.
+    min_saving_s: NonNegativeFloat = Field(DEFAULT_MIN_SAVING_S, le=DAY_S)
 
 
 class MetricsConfig(Section):
@@ -647,6 +655,22 @@ def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> Trai
     """The config with its device resolved against the cluster it runs on."""
     scaling = config.scaling.on_cluster(cluster_resources.get("GPU", 0.0))
     return config.model_copy(update={"scaling": scaling})
+
+
+def groups_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> str | None:
+    """What to warn of when fewer than ``scaling.max_groups`` groups fit the cluster: the others
+    are asked for and wait for room, silently, the whole run; None when they all fit."""
+    scaling = config.scaling
+    for resource, per_rank in scaling.per_rank_resources():
+        available = cluster_resources.get(resource, 0.0)
+        fit = int(available / (per_rank * scaling.ranks_per_group) + 1e-9)
+        if fit < scaling.max_groups:
+            return (f"scaling.max_groups = {scaling.max_groups} groups of pp x shard x tp = {scaling.pp} x "
+                    f"{scaling.shard} x {scaling.tp} = {scaling.ranks_per_group} ranks, but the cluster has room for "
+                    f"{fit} ({available:g} {resource} at {resource.lower()}s_per_rank={per_rank:g}): "
+                    f"the other {scaling.max_groups - fit} wait for capacity, started only if the cluster grows; "
+                    f"--groups {max(fit, scaling.min_groups)} trains on what is here")
+    return None
 
 
 def spares_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> str | None:
