@@ -76,7 +76,8 @@ def reference_model_args(manifest_config: dict) -> ModelArgs:
     """The reference model's arguments as the run configured them (the manifest's record)."""
     from elastic.setup.hooks import model_args
 
-    config = TrainConfig.model_validate({"model": manifest_config["model"],
+    # at tp 1: the model alone, not the default layout's checks (experts refuse tp 2)
+    config = TrainConfig.model_validate({"model": manifest_config["model"], "scaling": {"tp": 1},
                                          "data": {"seq_len": manifest_config["data"]["seq_len"]}})
     return model_args(config)
 
@@ -155,6 +156,9 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         if not reference:
             raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
                               "export --format native and load it with your model's load_state_dict")
+        if args.experts:
+            raise ConfigError(f"--format huggingface: the run trained {args.experts} experts, and only dense Llama "
+                              "weights are written in HuggingFace's names yet; export --format native")
         state, config = huggingface_llama(state, args,
                                           checkpoint.manifest.config["model"].get("max_position_embeddings"))
         config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -1,4 +1,5 @@
-"""A Llama-style decoder in plain single-device PyTorch.
+"""A Llama-style decoder in plain single-device PyTorch, dense or with a mixture of experts
+in place of its feed-forward layers (``MoE``).
 
 Parallelism is applied from outside by ``workers.parallelize``; nothing here knows about
 meshes. Attention infers its local head count from the projected width, so the same code
@@ -43,6 +44,15 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # A mixture of experts in place of the feed-forward of every layer from ``dense_layers``
+    # on (0 experts: a dense model): each token routed to ``experts_per_token`` of ``experts``
+    # SwiGLU experts of width ``expert_hidden``, plus ``shared_experts`` every token passes.
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_hidden: int = 0  # 0: ffn_hidden
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router_scores: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
@@ -51,6 +61,9 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def has_experts(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.dense_layers
 
 
 def rope_frequencies(head_dim: int, seq_len: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -137,18 +150,107 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# The CUDA kernel of ``torch._grouped_mm`` takes groups whose row counts are multiples of 16;
+# the CPU one takes any. Rows of padding are zeros, dropped after.
+GROUP_ROWS_CUDA = 16
+
+
+def grouped_gemm_runs(rows: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these rows: its CUDA kernel, and the meta kernel
+    torch.compile traces with, take bf16 only; its CPU kernel takes any dtype."""
+    return rows.dtype == torch.bfloat16 or (rows.device.type == "cpu" and not torch.compiler.is_compiling())
+
+
+def looped_mm(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm``'s product a group at a time (the group sizes read on the host)."""
+    return torch.cat([part @ weight.T for part, weight in zip(rows.split(counts.tolist()), weights)])
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, align: int) -> torch.Tensor:
+    """``rows`` (sorted by group, ``counts[g]`` of group ``g``) times each group's
+    ``weights[g]`` (out x in, as ``nn.Linear`` holds it), in one grouped GEMM where it runs,
+    else a matmul per group. Where ``align`` is over 1, each group's rows are padded with
+    zeros to a multiple of it first."""
+    if not grouped_gemm_runs(rows):
+        return looped_mm(rows, weights, counts)
+    if align == 1:
+        return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=torch.cumsum(counts, 0).to(torch.int32))
+    padded = (counts + align - 1) // align * align
+    # where each sorted row goes: its group's padded start, plus its place within the group
+    group_of_row = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts,
+                                           output_size=rows.shape[0])
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    place = torch.arange(rows.shape[0], device=rows.device) + shift[group_of_row]
+    spread = rows.new_zeros(int(padded.sum()), rows.shape[1]).index_copy(0, place, rows)
+    out = torch._grouped_mm(spread, weights.transpose(-2, -1), offs=torch.cumsum(padded, 0).to(torch.int32))
+    return out.index_select(0, place)
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` SwiGLU feed-forwards, their weights stacked (expert, out, in): one grouped
+    GEMM computes every expert's rows. FSDP2 shards the stacks along the experts."""
+
+    def __init__(self, dim: int, hidden: int, experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's SwiGLU over its rows: ``rows`` sorted by expert, ``counts`` per expert."""
+        align = GROUP_ROWS_CUDA if rows.is_cuda else 1
+        hidden = F.silu(grouped_mm(rows, self.w1, counts, align)) * grouped_mm(rows, self.w3, counts, align)
+        return grouped_mm(hidden, self.w2, counts, align)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing: each token goes to the ``experts_per_token`` experts of the
+    router's highest scores (a softmax over the experts, as Qwen3-MoE and Mixtral; or each
+    expert's sigmoid, as DeepSeek-V3), and their outputs are summed weighted by those scores,
+    normalised to sum to one. The shared experts, one SwiGLU of their summed width, add theirs
+    for every token.
+
+    Dropless: every token reaches each of its experts whatever the others chose, so a token's
+    output depends on nothing else in the batch, and the result is the same however the batch
+    is split over groups, ranks and micro-batches."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.expert_hidden or args.ffn_hidden
+        self.top_k, self.scores = args.experts_per_token, args.router_scores
+        self.router = nn.Linear(args.dim, args.experts, bias=False)
+        self.experts = GroupedExperts(args.dim, hidden, args.experts)
+        self.shared = FeedForward(args.dim, hidden * args.shared_experts) if args.shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens).float()
+        scores = logits.softmax(-1) if self.scores == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Each (token, choice) a row, sorted by expert: the experts' groups of rows.
+        by_expert = chosen.flatten().argsort(stable=True)
+        token_of_row = by_expert // self.top_k
+        counts = torch.bincount(chosen.flatten(), minlength=self.router.out_features)
+        rows = self.experts(tokens[token_of_row], counts) * weights.flatten()[by_expert, None].to(tokens.dtype)
+        out = torch.zeros_like(tokens).index_add(0, token_of_row, rows)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view_as(x)
+
+
 def dropout(p: float) -> nn.Module:
     # No module at all when off: no random draws, nothing for compile to trace.
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward = MoE(args) if args.has_experts(layer) else FeedForward(args.dim, args.ffn_hidden)
         self.dropout = dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -164,7 +266,7 @@ class Transformer(nn.Module):
         self.dropout = dropout(args.dropout)
         # A dict keyed by layer number: a pipeline stage keeps only its own layers
         # (``workers.pipeline``), under the names they have in the whole model.
-        self.layers = nn.ModuleDict({str(layer): TransformerBlock(args) for layer in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(layer): TransformerBlock(args, layer) for layer in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

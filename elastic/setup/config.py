@@ -174,6 +174,15 @@ class ModelConfig(Section):
     # model.init_from's config.json; elastic export writes it back (data.seq_len where longer).
     # The model computes RoPE for data.seq_len whatever it says.
     max_position_embeddings: PositiveInt | None = Field(None, le=2**24)
+    # Mixture of experts (workers.model.MoE) in place of the feed-forward of every layer from
+    # dense_layers on; 0 experts: a dense model. expert_hidden: each expert's width (unset:
+    # ffn_hidden); router_scores: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3).
+    experts: NonNegativeInt = Field(0, le=4096)
+    experts_per_token: PositiveInt = Field(2, le=64)
+    expert_hidden: PositiveInt | None = Field(None, le=2**18)
+    shared_experts: NonNegativeInt = Field(0, le=64)
+    dense_layers: NonNegativeInt = Field(0, le=1024)
+    router_scores: Literal["softmax", "sigmoid"] = "softmax"
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
@@ -215,6 +224,12 @@ class ModelConfig(Section):
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; pick a divisor"
             )
+        if self.experts and self.experts_per_token > self.experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} is more than experts={self.experts}; "
+                             "route each token to at most as many experts as there are")
+        if self.experts and self.dense_layers >= self.n_layers:
+            raise ValueError(f"dense_layers={self.dense_layers} leaves none of the {self.n_layers} layers to the "
+                             f"experts; lower it below n_layers, or set experts = 0 for a dense model")
         return self
 
     @property
@@ -452,6 +467,9 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
+        if model.experts and tp > 1:
+            raise ValueError(f"model.experts={model.experts} with scaling.tp={tp}: the experts are not tensor-parallel "
+                             "yet; set scaling.tp = 1 (FSDP2 shards the experts over scaling.shard)")
         obstacles = self._sequence_parallel_obstacles() if self.scaling.sequence_parallel and tp > 1 else []
         if obstacles:
             raise ValueError(obstacles[0])

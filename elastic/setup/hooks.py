@@ -93,6 +93,12 @@ def model_args(config: TrainConfig) -> ModelArgs:
         rope_scaling=RopeScaling(**model.rope_scaling.model_dump()) if model.rope_scaling else None,
         tie_embeddings=model.tie_embeddings,
         dropout=model.dropout,
+        experts=model.experts,
+        experts_per_token=model.experts_per_token,
+        expert_hidden=model.expert_hidden or 0,
+        shared_experts=model.shared_experts,
+        dense_layers=model.dense_layers,
+        router_scores=model.router_scores,
     )
 
 

@@ -23,11 +23,17 @@ H100_GIB = 81_559 / 1024
 H100_BUDGET_GIB = 0.9 * H100_GIB
 
 
-def _block_parameters(model: ModelConfig, tp: int) -> int:
-    """One transformer block's parameters on one TP rank: projections split, norms whole."""
+def _block_parameters(model: ModelConfig, tp: int, experts: bool | None = None) -> int:
+    """One transformer block's parameters on one TP rank: projections split, norms whole. A
+    block of experts (by default the largest block the model has): every expert's SwiGLU, the
+    shared experts' and the router."""
     head_dim = model.dim // model.n_heads
     attention = 2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim
-    feed_forward = 3 * model.dim * model.ffn_hidden
+    if model.experts if experts is None else experts:
+        hidden = model.expert_hidden or model.ffn_hidden
+        feed_forward = 3 * model.dim * hidden * (model.experts + model.shared_experts) + model.dim * model.experts
+    else:
+        feed_forward = 3 * model.dim * model.ffn_hidden
     return (attention + feed_forward) // tp + 2 * model.dim
 
 
@@ -44,7 +50,9 @@ def _stage_layers(model: ModelConfig, pp: int) -> int:
 
 
 def parameter_count(model: ModelConfig) -> int:
-    return _root_parameters(model, tp=1) + model.n_layers * _block_parameters(model, tp=1)
+    dense = model.dense_layers if model.experts else model.n_layers
+    return (_root_parameters(model, tp=1) + dense * _block_parameters(model, tp=1, experts=False)
+            + (model.n_layers - dense) * _block_parameters(model, tp=1, experts=True))
 
 
 def _norm_activation_bytes(dim: int, compute: int) -> int:
@@ -79,7 +87,10 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_
     only its cos/sin buffer.
     """
     attention = 4 * compute * model.dim + FP32_BYTES * model.n_heads
-    feed_forward = 4 * compute * model.ffn_hidden
+    # a token passes through its routed experts and the shared ones: SwiGLU's four per expert
+    width = ((model.expert_hidden or model.ffn_hidden) * (model.experts_per_token + model.shared_experts)
+             if model.experts else model.ffn_hidden)
+    feed_forward = 4 * compute * width
     norms = 2 * _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
     return norms + (attention + feed_forward) / tp
 

@@ -1,0 +1,119 @@
+"""The mixture-of-experts model (``workers.model.MoE``): each token's output is what its own
+experts compute for it alone, the grouped GEMM's padded CUDA form is the plain one, and on a
+real Ray the experts train the single process's losses through a kill, a hang, a flipped
+bit and a resume at another layout; layouts it cannot hold are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safetensors.torch import load_file
+
+from elastic import ElasticTrainer
+from elastic.cli import main
+from elastic.setup.hooks import resolve_hooks
+from elastic.setup.errors import ConfigError
+from tests.reference import max_relative_difference, reference_run
+from tests.tiny import tiny_config
+from workers.model import MoE, ModelArgs, grouped_mm, looped_mm
+
+EXPERTS = {"model__experts": 4, "model__experts_per_token": 2, "model__shared_experts": 1,
+           "model__dense_layers": 1, "model__expert_hidden": 48}
+
+
+def token_alone(moe: MoE, token: torch.Tensor) -> torch.Tensor:
+    """What ``moe`` gives one token routed by itself, expert by expert: no grouping, no sorting."""
+    logits = moe.router(token).float()
+    scores = logits.softmax(-1) if moe.scores == "softmax" else logits.sigmoid()
+    weights, chosen = scores.topk(moe.top_k)
+    out = moe.shared(token)
+    experts = moe.experts
+    for weight, expert in zip(weights / weights.sum(), chosen):
+        hidden = F.silu(experts.w1[expert] @ token) * (experts.w3[expert] @ token)
+        out = out + weight * (experts.w2[expert] @ hidden)
+    return out
+
+
+@pytest.mark.parametrize("scores", ["softmax", "sigmoid"])
+def test_each_token_gets_what_its_own_experts_compute_for_it_alone(scores):
+    torch.manual_seed(0)
+    args = ModelArgs(dim=16, ffn_hidden=24, experts=6, experts_per_token=2, shared_experts=1, router_scores=scores)
+    moe = MoE(args)
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    x = torch.randn(3, 5, 16)
+    expected = torch.stack([token_alone(moe, token) for token in x.reshape(-1, 16)]).view_as(x)
+    torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_padded_for_the_cuda_kernel_and_a_matmul_per_group_give_the_grouped_gemm_and_its_gradients():
+    torch.manual_seed(0)
+    rows, weights = torch.randn(10, 8, requires_grad=True), torch.randn(4, 12, 8, requires_grad=True)
+    counts = torch.tensor([3, 0, 5, 2])  # an expert no token chose among them
+    upstream = torch.randn(10, 12)
+    results = []
+    # the grouped GEMM (CPU), padded to 16 rows a group (the CUDA kernel's form), and the
+    # fallback where neither runs (fp32 on CUDA, or under torch.compile)
+    for product in (lambda: grouped_mm(rows, weights, counts, 1), lambda: grouped_mm(rows, weights, counts, 16),
+                    lambda: looped_mm(rows, weights, counts)):
+        rows.grad = weights.grad = None
+        out = product()
+        (out * upstream).sum().backward()
+        results.append((out.detach(), rows.grad.clone(), weights.grad.clone()))
+    for other in results[1:]:
+        for grouped, same in zip(results[0], other):
+            torch.testing.assert_close(same, grouped, rtol=1e-6, atol=1e-6)
+    starts = [0, 3, 3, 8]
+    by_expert = torch.cat([rows[start:start + count] @ weights[expert].T
+                           for expert, (start, count) in enumerate(zip(starts, counts.tolist()))])
+    torch.testing.assert_close(results[0][0], by_expert.detach())
+
+
+def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.experts=4 with scaling.tp=2: the experts are not tensor-parallel"):
+        tiny_config(tmp_path, tp=2, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"experts_per_token=6 is more than experts=4"):
+        tiny_config(tmp_path, **{**EXPERTS, "model__experts_per_token": 6})
+    with pytest.raises(ConfigError, match=r"dense_layers=2 leaves none of the 2 layers to the experts"):
+        tiny_config(tmp_path, **{**EXPERTS, "model__dense_layers": 2})
+    from tests.test_pretrained import write_checkpoint
+
+    write_checkpoint(tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"model.init_from: .*llama is a dense Llama, and HuggingFace mixture-of-experts "
+                                          r"weights do not load yet; set model.experts = 0"):
+        tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), **EXPERTS)
+
+
+def test_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_and_a_resume_at_two_stages(
+        ray_cluster, tmp_path):
+    """Two groups of shard 2 (FSDP2 shards the expert stacks along the experts), neither
+    training without the other: a rank killed, a rank hung, a bit flipped in one (found by the
+    integrity check, both groups back to a verified state). Then the run resumes from its
+    checkpoint as one group of two pipeline stages. Every committed loss is the single
+    process's."""
+    first, steps = 9, 13
+    inject = "kill:rank=1,step=2;hang:rank=2,step=4;flip:rank=3,step=6"
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=first, checkpoint__every=first,
+                         integrity__every=3, fault_tolerance__inject=inject, fault_tolerance__min_deadline_s=3.0,
+                         fault_tolerance__deadline_factor=4.0, **EXPERTS)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
+    failed = sorted((e["step"], e["rank"], e["cause"]) for e in result.summary["events"] if e["kind"] == "rank-failed")
+    assert failed == [(2, 1, "death"), (4, 2, "hang")]
+    assert [e["step"] for e in result.summary["events"] if e["kind"] == "integrity-mismatch"] == [6]
+    resumed = ElasticTrainer(tiny_config(tmp_path, groups=1, scaling__pp=2, steps=steps, **EXPERTS)).fit()
+    assert resumed.ok, resumed.exit
+    assert resumed.summary["resumed_from_step"] == first
+    reference, parameters = reference_run(config, steps)
+    assert max_relative_difference(result.losses + resumed.losses, reference) <= 1e-5
+    # Out whole, in the model's own names: the single process's weights; HuggingFace's names
+    # are a dense Llama's, refused in one line.
+    assert main(["export", resumed.run_dir, "--output", str(tmp_path / "native")]) == 0
+    exported = load_file(tmp_path / "native" / "model.safetensors")
+    names = [name for name, _ in resolve_hooks(config).model_fn().named_parameters()]
+    assert exported["layers.1.feed_forward.experts.w1"].shape == (4, 48, 32)
+    for name, parameter in zip(names, parameters, strict=True):
+        torch.testing.assert_close(exported[name], parameter, rtol=1e-4, atol=1e-5, msg=name)
+    assert main(["export", resumed.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2
