@@ -13,6 +13,7 @@ import torch
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
+from workers.model import balance_experts, balanced_layers, routed_tokens
 from workers.train_step import accumulate_gradients, collate
 
 
@@ -61,6 +62,8 @@ def reference_trace(config: TrainConfig, steps: int, chunks: int = 1, dataset=No
         trace.lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
+        balanced = balanced_layers(model)  # the one process routed every token of the step
+        balance_experts(balanced, routed_tokens(balanced))
     trace.params = [p.detach().clone() for p in model.parameters()]
     return trace
 

@@ -71,9 +71,19 @@ def test_groups_padded_for_the_cuda_kernel_and_a_matmul_per_group_give_the_group
     torch.testing.assert_close(results[0][0], by_expert.detach())
 
 
+def test_experts_in_pipeline_stages_train_the_single_process_losses(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, scaling__pp=2, steps=6, **EXPERTS)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    reference, _ = reference_run(config, 6)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
 def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.experts=4 with scaling.tp=2: the experts are not tensor-parallel"):
         tiny_config(tmp_path, tp=2, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"model.expert_bias_rate with scaling.pp=2: the experts' load is not counted"):
+        tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__expert_bias_rate": 0.001})
     with pytest.raises(ConfigError, match=r"experts_per_token=6 is more than experts=4"):
         tiny_config(tmp_path, **{**EXPERTS, "model__experts_per_token": 6})
     with pytest.raises(ConfigError, match=r"dense_layers=2 leaves none of the 2 layers to the experts"):
@@ -86,24 +96,28 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
         tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), **EXPERTS)
 
 
-def test_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_and_a_resume_at_two_stages(
+def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_and_a_resume(
         ray_cluster, tmp_path):
     """Two groups of shard 2 (FSDP2 shards the expert stacks along the experts), neither
-    training without the other: a rank killed, a rank hung, a bit flipped in one (found by the
-    integrity check, both groups back to a verified state). Then the run resumes from its
-    checkpoint as one group of two pipeline stages. Every committed loss is the single
-    process's."""
+    training without the other, the experts balanced by DeepSeek-V3's bias: a rank killed, a
+    rank hung, a bit flipped in one (found by the integrity check, both groups back to a
+    verified state). The bias moves only when a step commits, by the tokens every rank of
+    every group routed: the integrity check, which reads it as it reads every parameter, finds
+    the groups' copies equal at every other check. Then the run resumes from its checkpoint
+    as one group of one rank. Every committed loss, and every weight and bias exported after
+    it, is the single process's."""
     first, steps = 9, 13
     inject = "kill:rank=1,step=2;hang:rank=2,step=4;flip:rank=3,step=6"
+    balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
     config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=first, checkpoint__every=first,
                          integrity__every=3, fault_tolerance__inject=inject, fault_tolerance__min_deadline_s=3.0,
-                         fault_tolerance__deadline_factor=4.0, **EXPERTS)
+                         fault_tolerance__deadline_factor=4.0, **balanced)
     result = ElasticTrainer(config).fit()
     assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
     failed = sorted((e["step"], e["rank"], e["cause"]) for e in result.summary["events"] if e["kind"] == "rank-failed")
     assert failed == [(2, 1, "death"), (4, 2, "hang")]
     assert [e["step"] for e in result.summary["events"] if e["kind"] == "integrity-mismatch"] == [6]
-    resumed = ElasticTrainer(tiny_config(tmp_path, groups=1, scaling__pp=2, steps=steps, **EXPERTS)).fit()
+    resumed = ElasticTrainer(tiny_config(tmp_path, steps=steps, **balanced)).fit()
     assert resumed.ok, resumed.exit
     assert resumed.summary["resumed_from_step"] == first
     reference, parameters = reference_run(config, steps)
@@ -114,6 +128,7 @@ def test_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_an
     exported = load_file(tmp_path / "native" / "model.safetensors")
     names = [name for name, _ in resolve_hooks(config).model_fn().named_parameters()]
     assert exported["layers.1.feed_forward.experts.w1"].shape == (4, 48, 32)
+    assert exported["layers.1.feed_forward.expert_bias"].abs().sum() > 0  # it moved, step by step
     for name, parameter in zip(names, parameters, strict=True):
         torch.testing.assert_close(exported[name], parameter, rtol=1e-4, atol=1e-5, msg=name)
     assert main(["export", resumed.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2

@@ -9,11 +9,13 @@ runs whole or with q/k/v sharded column-wise across tensor-parallel ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class ModelArgs:
     shared_experts: int = 0
     dense_layers: int = 0
     router_scores: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that choose
+    # the experts, moved by this much a step against each expert's load (0: no bias)
+    expert_bias_rate: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
@@ -212,7 +217,13 @@ class MoE(nn.Module):
 
     Dropless: every token reaches each of its experts whatever the others chose, so a token's
     output depends on nothing else in the batch, and the result is the same however the batch
-    is split over groups, ranks and micro-batches."""
+    is split over groups, ranks and micro-batches.
+
+    With ``expert_bias_rate``, a bias per expert is added to the scores that choose the
+    experts (not to the weights of their outputs): DeepSeek-V3's auxiliary-loss-free load
+    balancing. It is a parameter that takes no gradient, so that whatever carries the
+    parameters (the heal, the memory tier, the integrity check, checkpoints) carries it; it
+    changes only through ``balance_experts``, when a step commits."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -221,12 +232,27 @@ class MoE(nn.Module):
         self.router = nn.Linear(args.dim, args.experts, bias=False)
         self.experts = GroupedExperts(args.dim, hidden, args.experts)
         self.shared = FeedForward(args.dim, hidden * args.shared_experts) if args.shared_experts else None
+        self.bias_rate = args.expert_bias_rate
+        self.expert_bias = nn.Parameter(torch.zeros(args.experts), requires_grad=False) if self.bias_rate else None
+        # The tokens the counted rows routed to each expert: the last micro-batch's, set by its
+        # forward (a recomputation in backward sets the same), and the step's, added up from
+        # them (``add_micro_batch``).
+        self.register_buffer("micro_batch_routed", torch.zeros(args.experts), persistent=False)
+        self.register_buffer("step_routed", torch.zeros(args.experts), persistent=False)
+        # which rows of the micro-batch count: (batch,) or one for them all; None: all
+        self.counted_rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens).float()
         scores = logits.softmax(-1) if self.scores == "softmax" else logits.sigmoid()
-        weights, chosen = scores.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, chosen = scores.topk(self.top_k, dim=-1)
+        else:
+            chosen = (scores + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+            if torch.is_grad_enabled():  # a training step's forward, not an evaluation's
+                self._count_routed(chosen, x.shape[0])
         weights = weights / weights.sum(-1, keepdim=True)
         # Each (token, choice) a row, sorted by expert: the experts' groups of rows.
         by_expert = chosen.flatten().argsort(stable=True)
@@ -237,6 +263,55 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view_as(x)
+
+    def _count_routed(self, chosen: torch.Tensor, batch: int) -> None:
+        rows = self.counted_rows
+        if rows is not None:  # padding rows route too, but a single process has none
+            rows = rows.to(chosen.device)
+            chosen = chosen.view(batch, -1)[rows if rows.dim() else rows.expand(batch)]
+        with torch.no_grad():
+            self.micro_batch_routed.copy_(torch.bincount(chosen.flatten(), minlength=self.micro_batch_routed.numel()))
+
+
+def balanced_layers(model: nn.Module) -> list[MoE]:
+    """The model's expert layers that balance their load with a bias, in the model's order."""
+    return [module for module in model.modules() if isinstance(module, MoE) and module.expert_bias is not None]
+
+
+def count_rows(layers: list[MoE], rows: torch.Tensor | None) -> None:
+    """The next micro-batch's rows whose routing counts toward the experts' load (None: all)."""
+    for layer in layers:
+        layer.counted_rows = rows
+
+
+def add_micro_batch(layers: list[MoE], first: bool) -> None:
+    """The micro-batch's routed tokens into the step's (``first``: they start them)."""
+    with torch.no_grad():
+        for layer in layers:
+            if first:
+                layer.step_routed.copy_(layer.micro_batch_routed)
+            else:
+                layer.step_routed.add_(layer.micro_batch_routed)
+
+
+def routed_tokens(layers: list[MoE]) -> list[float]:
+    """The step's tokens per expert of every layer, one layer after another."""
+    return torch.cat([layer.step_routed for layer in layers]).tolist() if layers else []
+
+
+def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
+    """DeepSeek-V3's update, at a step's commit: each layer's bias rises by its rate for an
+    expert that got fewer tokens than the layer's mean and falls for one that got more.
+    ``routed``: the step's tokens per expert of every layer, summed over every rank and every
+    group (exact integers), so every replica moves its bias the same."""
+    routed = torch.tensor(routed, dtype=torch.float64)
+    with torch.no_grad():
+        for layer, tokens in zip(layers, routed.split([layer.step_routed.numel() for layer in layers])):
+            bias = layer.expert_bias
+            step = (layer.bias_rate * torch.sign(tokens.mean() - tokens)).to(bias.dtype)
+            if isinstance(bias, DTensor):  # FSDP2's shard of it: this rank's part of the step
+                step = distribute_tensor(step.to(bias.device), bias.device_mesh, bias.placements, src_data_rank=None)
+            bias.add_(step.to(bias.device))
 
 
 def dropout(p: float) -> nn.Module:
@@ -287,6 +362,8 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
+            elif name.endswith("expert_bias"):
+                nn.init.zeros_(param)
             else:
                 nn.init.normal_(param, std=0.02)
 

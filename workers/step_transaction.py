@@ -54,6 +54,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
+from workers.model import balance_experts, balanced_layers, routed_tokens
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -68,6 +69,8 @@ from workers.train_step import (
 from workers.world import World
 
 REPLICATE_POLL_S = 0.001
+# Where a ballot's routed tokens begin: after its six fields and the rank's times.
+ROUTED_AT = 6 + len(RankTimes._fields)
 
 
 class ComputeTimer:
@@ -202,6 +205,7 @@ class CrossGroupScalars:
     counted_tokens: float
     pause: float
     report: float = 0.0  # the groups' first ranks: any whose report interval is over
+    routed_tokens: tuple[float, ...] = ()  # per expert of the balanced expert layers (``balance_experts``)
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,7 @@ class Vote:
     integrity_mismatch: bool  # some position's replicas disagreed about the state the step began from
     grad_norm: float  # the global gradient norm (after the cross-group sum, one group's parts make it)
     times: tuple[RankTimes, ...]  # by group rank
+    routed_tokens: tuple[float, ...] = ()  # the step's, over every rank of every group
 
 
 @dataclass(frozen=True)
@@ -255,6 +260,7 @@ class StepTransaction:
         self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device,
                                   loss.loss_fn, activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
+        self.balanced = balanced_layers(model)
         self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.ranks_per_group))
@@ -302,7 +308,9 @@ class StepTransaction:
             sum_times, crossed = self._sum_across_groups(spec, loss_share, counted, report_due,
                                                          deadline, faults, comm_started)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
-            sum_error, crossed = error, CrossGroupScalars(0.0, 0.0, 0.0)
+            # a ballot of every rank's size: the routed tokens' places held with zeros
+            sum_error = error
+            crossed = CrossGroupScalars(0.0, 0.0, 0.0, routed_tokens=(0.0,) * len(routed_tokens(self.balanced)))
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
@@ -372,6 +380,7 @@ class StepTransaction:
             return Discarded(nonfinite=NonFinite(share.step, loss, norm))
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
+        balance_experts(self.balanced, vote.routed_tokens)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             vote.times, counted=vote.counted_tokens)
@@ -417,12 +426,14 @@ class StepTransaction:
                              deadline: float) -> CrossGroupScalars:
         """The loss shares, counted tokens, pause requests and due reports of this position
         summed over the groups, in float64: identical at this position in every group."""
-        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due)], dtype=torch.float64)
+        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due),
+                                *routed_tokens(self.balanced)], dtype=torch.float64)
         if self.world.replicate_group is not None:
             on_device = scalars.to(self.device)
             self.wait_replicate(self.world.replicate_group.allreduce([on_device]), deadline)
             scalars = on_device.cpu()
-        return CrossGroupScalars(*scalars.tolist())
+        values = scalars.tolist()
+        return CrossGroupScalars(*values[:4], routed_tokens=tuple(values[4:]))
 
     def _vote(self, succeeded: bool, crossed: CrossGroupScalars, mismatch: bool, grad_sq_norm: float,
               times: RankTimes) -> Vote:
@@ -430,7 +441,9 @@ class StepTransaction:
         and adds them up in rank order, so all decide the same: apply or discard, and whether
         to stop after this step (a pause every group saw the same, or an abort)."""
         sums = [crossed.loss_share, crossed.counted_tokens] if self.counts_loss else [0.0, 0.0]
-        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times],
+        # A TP row's ranks route the same tokens: its first counts them (experts have no TP yet).
+        routed = crossed.routed_tokens if self.rank.tp_index == 0 else [0.0] * len(crossed.routed_tokens)
+        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times, *routed],
                               dtype=torch.float64)
         if self.world.control_group is None:
             ballots = [ballot]
@@ -445,7 +458,8 @@ class StepTransaction:
             pause=any(row[3] > 0 for row in table),
             integrity_mismatch=any(row[4] > 0 for row in table),
             grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
-            times=tuple(RankTimes(*row[6:]) for row in table),
+            times=tuple(RankTimes(*row[6:ROUTED_AT]) for row in table),
+            routed_tokens=tuple(map(sum, zip(*(row[ROUTED_AT:] for row in table)))),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
+from workers.model import add_micro_batch, balanced_layers, count_rows
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Any model, any batch: (the batch's summed loss, how many things it summed over)
@@ -58,6 +59,10 @@ class Batch(NamedTuple):
     targets: torch.Tensor
     weights: torch.Tensor
     counted_tokens: int
+
+    def counted_rows(self) -> torch.Tensor:
+        """Which rows count (any target of theirs does): ``(batch,)``, or one flag for them all."""
+        return self.weights.reshape(self.weights.shape[0], -1).amax(-1) > 0 if self.weights.dim() else self.weights > 0
 
     def to(self, device: torch.device) -> Batch:
         inputs = tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.inputs)
@@ -141,14 +146,21 @@ def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch]
     between micro-batches."""
     loss_share = torch.zeros((), device=batches[0].weights.device)
     counted = 0.0
-    for index, batch in enumerate(batches):
-        on_micro_batch(index)
-        loss_sum, count = loss(model, batch)
-        share = loss_sum / global_tokens
-        if backward:
-            share.backward()
-        loss_share += share.detach()
-        counted = counted + count
+    # experts balanced by a bias count the tokens a step routes to them (``balance_experts``)
+    balanced = balanced_layers(model) if backward else []
+    try:
+        for index, batch in enumerate(batches):
+            on_micro_batch(index)
+            count_rows(balanced, batch.counted_rows())
+            loss_sum, count = loss(model, batch)
+            share = loss_sum / global_tokens
+            if backward:
+                share.backward()
+            add_micro_batch(balanced, first=index == 0)
+            loss_share += share.detach()
+            counted = counted + count
+    finally:
+        count_rows(balanced, None)
     return loss_share.item(), float(counted)
 
 

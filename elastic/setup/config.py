@@ -183,6 +183,10 @@ class ModelConfig(Section):
     shared_experts: NonNegativeInt = Field(0, le=64)
     dense_layers: NonNegativeInt = Field(0, le=1024)
     router_scores: Literal["softmax", "sigmoid"] = "softmax"
+    # DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias moves by this
+    # much a step against its load, from the tokens every rank and group routed (0: off;
+    # DeepSeek-V3 used 0.001)
+    expert_bias_rate: NonNegativeFloat = Field(0.0, le=1.0)
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
@@ -467,6 +471,9 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
+        if model.experts and model.expert_bias_rate and self.scaling.pp > 1:
+            raise ValueError(f"model.expert_bias_rate with scaling.pp={self.scaling.pp}: the experts' load is not "
+                             "counted across pipeline stages yet; set scaling.pp = 1, or expert_bias_rate = 0")
         if model.experts and tp > 1:
             raise ValueError(f"model.experts={model.experts} with scaling.tp={tp}: the experts are not tensor-parallel "
                              "yet; set scaling.tp = 1 (FSDP2 shards the experts over scaling.shard)")

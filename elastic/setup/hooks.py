@@ -99,6 +99,7 @@ def model_args(config: TrainConfig) -> ModelArgs:
         shared_experts=model.shared_experts,
         dense_layers=model.dense_layers,
         router_scores=model.router_scores,
+        expert_bias_rate=model.expert_bias_rate,
     )
 
 
