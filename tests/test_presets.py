@@ -21,7 +21,8 @@ from workers.model import Transformer
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
 
 # The largest tp each preset's sizes (heads, kv heads, dim, ffn, vocabulary) allow up to 8.
-FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8, "llama3-70b": 8, "llama3-405b": 8}
+FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8, "llama3-70b": 8, "llama3-405b": 8,
+              "mixtral-8x7b": 1, "mixtral-8x22b": 1}  # experts have no TP yet
 # llama3-*: the parameter counts published for Llama 3.2 1B, Llama 3 8B and 70B, and Llama 3.1 405B.
 EXPECTED_PARAMETERS = {
     "tiny": pytest.approx(139_584),
@@ -30,6 +31,9 @@ EXPECTED_PARAMETERS = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
+    # Mixtral 8x7B and 8x22B as published
+    "mixtral-8x7b": 46_702_792_704,
+    "mixtral-8x22b": 140_630_071_296,
 }
 
 

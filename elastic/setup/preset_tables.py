@@ -42,6 +42,10 @@ DOC_LAYOUTS = [
     Layout("llama3-405b", shard=64, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
     Layout("llama3-405b", shard=8, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=8),
     Layout("llama3-405b", shard=4, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=16),
+    Layout("mixtral-8x7b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
+    Layout("mixtral-8x7b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
+    Layout("mixtral-8x22b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
+    Layout("mixtral-8x22b", shard=64, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
 ]
 
 
@@ -51,15 +55,17 @@ def _format_count(count: int) -> str:
 
 def shapes_table() -> str:
     lines = [
-        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | tie_embeddings "
-        "| rope_theta | rope_scaling factor |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|",
+        "| preset | params | vocab_size | dim | n_layers | n_heads | n_kv_heads | ffn_hidden | experts (a token) "
+        "| tie_embeddings | rope_theta | rope_scaling factor |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|",
     ]
     for name in PRESETS:
         model = ModelConfig(preset=name)
         lines.append(
             f"| `{name}` | {_format_count(parameter_count(model))} | {model.vocab_size} | {model.dim} | {model.n_layers} "
-            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} | {str(model.tie_embeddings).lower()} "
+            f"| {model.n_heads} | {model.kv_heads} | {model.ffn_hidden} "
+            f"| {f'{model.experts} ({model.experts_per_token})' if model.experts else '-'} "
+            f"| {str(model.tie_embeddings).lower()} "
             f"| {model.rope_theta:g} | {f'{model.rope_scaling.factor:g}' if model.rope_scaling else '-'} |"
         )
     return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""The named model shapes: standard Llama shapes, with their RoPE settings, as presets of the ``model`` section.
+"""The named model shapes: standard Llama shapes, with their RoPE settings, and the Mixtral
+mixtures of experts (Llama's attention, eight SwiGLU experts a layer, two a token), as presets
+of the ``model`` section.
 
 ``model.preset`` fills the shape fields the config leaves out (see ``ModelConfig``). This
 table is plain data, below the config that reads it; what each shape costs in memory is
@@ -37,5 +39,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-405b": {
         "vocab_size": 128256, "dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8, "ffn_hidden": 53248,
         "tie_embeddings": False, "rope_theta": 500000.0, "rope_scaling": LLAMA_3_1_SCALING,
+    },
+    # mistralai/Mixtral-8x7B-v0.1: 46.7 B parameters, 12.9 B of them active a token
+    "mixtral-8x7b": {
+        "vocab_size": 32000, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
+        "tie_embeddings": False, "rope_theta": 1000000.0, "experts": 8, "experts_per_token": 2,
+    },
+    # mistralai/Mixtral-8x22B-v0.1: 141 B parameters, 39 B active
+    "mixtral-8x22b": {
+        "vocab_size": 32768, "dim": 6144, "n_layers": 56, "n_heads": 48, "n_kv_heads": 8, "ffn_hidden": 16384,
+        "tie_embeddings": False, "rope_theta": 1000000.0, "experts": 8, "experts_per_token": 2,
     },
 }
