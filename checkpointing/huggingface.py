@@ -1,10 +1,14 @@
-"""HuggingFace Llama checkpoints, out and in: the one table of names and layouts between the
-reference model (``workers.model.Transformer``) and ``LlamaForCausalLM``, used by ``elastic
-export --format huggingface`` and by ``model.init_from``.
+"""HuggingFace Llama and Mixtral checkpoints, out and in: the one table of names and layouts
+between the reference model (``workers.model.Transformer``) and ``LlamaForCausalLM`` or, with
+experts, ``MixtralForCausalLM``, used by ``elastic export --format huggingface`` and by
+``model.init_from``.
 
 - Names: ``tok_embeddings`` is ``model.embed_tokens``, ``layers.N.attention.wq`` is
   ``model.layers.N.self_attn.q_proj``, and so on; with tied embeddings Llama has no
-  ``lm_head`` and the output projection is the embedding.
+  ``lm_head`` and the output projection is the embedding. Mixtral's router is
+  ``block_sparse_moe.gate``, and each expert's weights are tensors of their own
+  (``block_sparse_moe.experts.E.w1``): the reference model's stacked expert weights are
+  theirs stacked (``expert_names``).
 - Layout: the reference model rotates adjacent pairs of each head's dimensions, Llama the
   two halves, so the query and key projections' rows are permuted, as Meta's own Llama
   conversion does.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +41,14 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class LlamaLayout:
-    """What the name table depends on: the reference model's layers, heads and tying."""
+    """What the name table depends on: the reference model's layers, heads and tying, and its
+    experts: a model with experts in every layer is Mixtral's (``MixtralForCausalLM``)."""
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
     tie_embeddings: bool
+    experts: int = 0
 
 
 def llama_names(layout: LlamaLayout) -> dict[str, str]:
@@ -55,13 +62,26 @@ def llama_names(layout: LlamaLayout) -> dict[str, str]:
             f"{ours}attention.wk.weight": f"{theirs}self_attn.k_proj.weight",
             f"{ours}attention.wv.weight": f"{theirs}self_attn.v_proj.weight",
             f"{ours}attention.wo.weight": f"{theirs}self_attn.o_proj.weight",
-            f"{ours}feed_forward.w1.weight": f"{theirs}mlp.gate_proj.weight",
-            f"{ours}feed_forward.w2.weight": f"{theirs}mlp.down_proj.weight",
-            f"{ours}feed_forward.w3.weight": f"{theirs}mlp.up_proj.weight",
             f"{ours}attention_norm.weight": f"{theirs}input_layernorm.weight",
             f"{ours}ffn_norm.weight": f"{theirs}post_attention_layernorm.weight",
         }
+        if layout.experts:
+            names[f"{ours}feed_forward.router.weight"] = f"{theirs}block_sparse_moe.gate.weight"
+        else:
+            names |= {
+                f"{ours}feed_forward.w1.weight": f"{theirs}mlp.gate_proj.weight",
+                f"{ours}feed_forward.w2.weight": f"{theirs}mlp.down_proj.weight",
+                f"{ours}feed_forward.w3.weight": f"{theirs}mlp.up_proj.weight",
+            }
     return names
+
+
+def expert_names(layout: LlamaLayout) -> dict[str, tuple[str, ...]]:
+    """The reference model's stacked expert weights -> Mixtral's tensor of each expert."""
+    return {f"layers.{layer}.feed_forward.experts.{weight}": tuple(
+                f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{weight}.weight"
+                for expert in range(layout.experts))
+            for layer in range(layout.n_layers if layout.experts else 0) for weight in ("w1", "w2", "w3")}
 
 
 def rotary_heads(name: str, layout: LlamaLayout) -> int | None:
@@ -89,13 +109,15 @@ def halves_rows(rows: range, total_rows: int, heads: int) -> torch.Tensor:
 
 
 def huggingface_state(state: dict[str, torch.Tensor], layout: LlamaLayout) -> dict[str, torch.Tensor]:
-    """The reference model's whole state under Llama's names and layout."""
+    """The reference model's whole state under Llama's (or Mixtral's) names and layout."""
     out = {}
     for ours, theirs in llama_names(layout).items():
         if ours == "output.weight" and layout.tie_embeddings:
             continue
         heads = rotary_heads(ours, layout)
         out[theirs] = to_halves(state[ours], heads) if heads else state[ours]
+    for ours, per_expert in expert_names(layout).items():
+        out |= dict(zip(per_expert, state[ours].unbind(0)))
     return out
 
 
@@ -104,12 +126,16 @@ def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
     trained on sequences of ``max_seq_len``."""
     scaling = fields.get("rope_scaling")
     heads, kv_heads = fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"]
+    experts = fields.get("experts") or 0
+    mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+               "num_experts_per_tok": fields.get("experts_per_token"), "output_router_logits": False,
+               "router_jitter_noise": 0.0, "sliding_window": None}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **(mixtral if experts else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
         "vocab_size": fields["vocab_size"],
         "hidden_size": fields["dim"],
-        "intermediate_size": fields["ffn_hidden"],
+        # an expert's width, in a mixture of experts
+        "intermediate_size": fields.get("expert_hidden") or fields["ffn_hidden"] if experts else fields["ffn_hidden"],
         "num_hidden_layers": fields["n_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -140,14 +166,19 @@ def model_fields(config: dict) -> dict[str, Any]:
         positive_int(config, name, required=True)
     for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         positive_int(config, name, required=False)
-    if config.get("model_type") != "llama":
-        raise ValueError(f"model_type is {config.get('model_type')!r}: only Llama-family checkpoints "
-                         "(model_type 'llama') load into the reference model")
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "mixtral"):
+        raise ValueError(f"model_type is {model_type!r}: only Llama-family checkpoints (model_type 'llama', or "
+                         "'mixtral' with experts) load into the reference model")
+    mixtral = model_type == "mixtral"
+    if mixtral:
+        positive_int(config, "num_local_experts", required=True)
+        positive_int(config, "num_experts_per_tok", required=True)
     unsupported = [f"{key}={config.get(key)!r}" for key, ours in
-                   (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+                   (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("sliding_window", None))
                    if config.get(key, ours) != ours]
     heads = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+    if (config.get("head_dim") or config["hidden_size"] // heads) * heads != config["hidden_size"]:
         unsupported.append(f"head_dim={config['head_dim']!r} (not hidden_size / num_attention_heads)")
     # transformers 5 writes rope_parameters (the base inside it); earlier versions rope_theta
     # and rope_scaling.
@@ -164,6 +195,9 @@ def model_fields(config: dict) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": config.get("num_key_value_heads", heads),
         "ffn_hidden": config["intermediate_size"],
+        # Mixtral's: every layer's feed-forward a softmax-routed mixture of experts that wide
+        "experts": config["num_local_experts"] if mixtral else 0,
+        **({"experts_per_token": config["num_experts_per_tok"], "router_scores": "softmax"} if mixtral else {}),
         "max_position_embeddings": config.get("max_position_embeddings"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
@@ -231,21 +265,29 @@ def safetensors_header(path: str) -> dict[str, tuple[torch.Size, str]]:
 def stored_shapes(directory: str, layout: LlamaLayout) -> dict[str, torch.Size]:
     """The shape of each of the reference model's tensors in ``directory`` (by its own name):
     ValueError when a tensor is missing or not stored as floating point."""
-    names = llama_names(layout)
+    names, stacked = llama_names(layout), expert_names(layout)
+    wanted = {*names.values(), *(theirs for per_expert in stacked.values() for theirs in per_expert)}
     files = weight_files(directory)
-    missing = sorted({theirs for theirs in names.values() if theirs not in files})
+    missing = sorted(wanted - files.keys())
     if missing:
         raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
     headers = {}
-    for path in {files[theirs] for theirs in names.values()}:  # each file's header read once
+    for path in {files[theirs] for theirs in wanted}:  # each file's header read once
         headers |= safetensors_header(path)
-    for theirs in names.values():
+    for theirs in sorted(wanted):
         if theirs not in headers:
             raise ValueError(f"{os.path.basename(files[theirs])} lacks {theirs!r}, which the index places there")
         if headers[theirs][1] not in FLOAT_DTYPES:
             raise ValueError(f"{theirs!r} is stored as {headers[theirs][1]}, not a floating-point type "
                              f"({', '.join(sorted(FLOAT_DTYPES))})")
-    return {ours: headers[theirs][0] for ours, theirs in names.items()}
+    shapes = {ours: headers[theirs][0] for ours, theirs in names.items()}
+    for ours, per_expert in stacked.items():
+        expert_shapes = {headers[theirs][0] for theirs in per_expert}
+        if len(expert_shapes) > 1:
+            raise ValueError(f"the experts of {per_expert[0].rsplit('.experts.', 1)[0]} differ in shape: "
+                             f"{sorted(map(list, expert_shapes))}")
+        shapes[ours] = torch.Size([len(per_expert), *expert_shapes.pop()])
+    return shapes
 
 
 class PretrainedReader(StorageReader):
@@ -256,6 +298,7 @@ class PretrainedReader(StorageReader):
         super().__init__()
         self.directory, self.layout = directory, layout
         self.names = llama_names(layout)
+        self.stacked = expert_names(layout)  # a stacked expert weight: its experts' stored tensors
         self.files: dict[str, str] = {}
         self.bytes_read = 0
 
@@ -286,25 +329,34 @@ class PretrainedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from safetensors import safe_open
 
-        by_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            by_file.setdefault(self.files[self.names[item.storage_index.fqn]], []).append(item)
-        for path, items in by_file.items():
-            with safe_open(path, framework="pt") as weights:
-                for item in items:
-                    piece = self._piece(weights, item)
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(piece)
-                    planner.commit_tensor(item, target)
+        with ExitStack() as open_files:
+            opened: dict[str, Any] = {}
+
+            def stored(theirs: str):
+                path = self.files[theirs]
+                if path not in opened:  # each file opened once
+                    opened[path] = open_files.enter_context(safe_open(path, framework="pt"))
+                return opened[path].get_slice(theirs)
+
+            for item in plan.items:
+                piece = self._piece(stored, item)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(piece)
+                planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _piece(self, weights, item: ReadItem) -> torch.Tensor:
-        """The requested box of a tensor in the reference model's layout."""
+    def _piece(self, stored_slice, item: ReadItem) -> torch.Tensor:
+        """The requested box of a tensor in the reference model's layout; of a stacked expert
+        weight, the box's experts' boxes, stacked."""
         ours = item.storage_index.fqn
-        stored = weights.get_slice(self.names[ours])
         boxes = [slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths)]
+        if ours in self.stacked:
+            pieces = [stored_slice(theirs)[tuple(boxes[1:])] for theirs in self.stacked[ours][boxes[0]]]
+            self.bytes_read += sum(piece.nbytes for piece in pieces)
+            return torch.stack(pieces)
+        stored = stored_slice(self.names[ours])
         heads = rotary_heads(ours, self.layout)
         if heads is None:
             piece = stored[tuple(boxes)]

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from checkpointing.huggingface import (
-    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, LlamaLayout, PretrainedReader, llama_names, stored_shapes, weight_files,
+    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, LlamaLayout, PretrainedReader, expert_names, llama_names, stored_shapes,
+    weight_files,
 )
 from checkpointing.catalog import CHECKPOINTS_DIR, step_dir_name
 from checkpointing.manifest import MANIFEST_NAME
@@ -39,7 +40,7 @@ def pretrained_source(model, options: StorageOptions) -> PretrainedSource | None
         return None
     if is_huggingface(model.init_from):
         return PretrainedSource(model.init_from, LlamaLayout(model.n_layers, model.n_heads, model.kv_heads,
-                                                             model.tie_embeddings))
+                                                             model.tie_embeddings, model.experts))
     run, step = run_and_step(model.init_from)
     return PretrainedSource(join_url(run, CHECKPOINTS_DIR, step_dir_name(step)), None)
 
@@ -122,7 +123,7 @@ def load_pretrained(model: nn.Module, source: PretrainedSource, options: Storage
 
             load_weights(model, source.location, options, process_group)
             return 0
-        names = llama_names(source.layout)
+        names = llama_names(source.layout) | expert_names(source.layout)
         state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
         reader = PretrainedReader(source.location, source.layout)
         dcp.load(state, storage_reader=reader, process_group=process_group)

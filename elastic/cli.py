@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML or YAML config file")
     train.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}; model fields the config gives override it "
                                         "(GPU memory per rank: docs/presets.md)")
-    train.add_argument("--init-from", metavar="SOURCE", help="start from pretrained weights: a HuggingFace Llama "
-                       "directory (config.json + safetensors) or another run (RUN or RUN@STEP); it gives the model fields")
+    train.add_argument("--init-from", metavar="SOURCE", help="start from pretrained weights: a HuggingFace Llama or "
+                       "Mixtral directory (config.json + safetensors) or another run (RUN or RUN@STEP); it gives the "
+                       "model fields")
     train.add_argument("--run-name", help="run name; the same name and storage resume a run")
     train.add_argument("--storage", help="where runs are kept: a local directory or an fsspec URL (s3://bucket/prefix)")
     train.add_argument("--steps", type=int)

@@ -7,9 +7,9 @@ into whole tensors in one process, with no process group and no code run from st
 - ``native``: the model's own parameter names, loadable with ``load_state_dict`` by the model
   the run trained (``workers.model.Transformer`` for the reference model, whose
   ``ModelArgs`` go beside it in ``model_args.json``);
-- ``huggingface`` (the reference model only): HuggingFace Llama's names and ``config.json``,
-  loadable by ``LlamaForCausalLM.from_pretrained``, converted by the table
-  ``model.init_from`` reads with (``checkpointing.huggingface``).
+- ``huggingface`` (the reference model only): HuggingFace Llama's (Mixtral's, with experts)
+  names and ``config.json``, loadable by ``LlamaForCausalLM.from_pretrained`` (or Mixtral's),
+  converted by the table ``model.init_from`` reads with (``checkpointing.huggingface``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs,
     """The reference model's state under HuggingFace Llama's names, and its ``config.json``.
     ``max_position_embeddings``: the ``model`` section's, the source model's when the run
     started from one (``ModelArgs`` hold only the length the run trained on)."""
-    layout = LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads, args.tie_embeddings)
+    layout = LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads, args.tie_embeddings, args.experts)
     fields = asdict(args) | {"max_position_embeddings": max_position_embeddings}
     return huggingface_state(state, layout), config_json(fields, args.max_seq_len)
 
@@ -156,9 +156,12 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         if not reference:
             raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
                               "export --format native and load it with your model's load_state_dict")
-        if args.experts:
-            raise ConfigError(f"--format huggingface: the run trained {args.experts} experts, and only dense Llama "
-                              "weights are written in HuggingFace's names yet; export --format native")
+        if args.experts and (args.dense_layers or args.shared_experts or args.router_scores != "softmax"
+                             or args.expert_bias_rate):
+            raise ConfigError("--format huggingface: experts are written as Mixtral's, which has experts in every "
+                              "layer, no shared experts, softmax routing and no routing bias; this run's differ "
+                              "(model.dense_layers, shared_experts, router_scores, expert_bias_rate): "
+                              "export --format native")
         state, config = huggingface_llama(state, args,
                                           checkpoint.manifest.config["model"].get("max_position_embeddings"))
         config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -91,8 +91,7 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
     from tests.test_pretrained import write_checkpoint
 
     write_checkpoint(tmp_path / "llama")
-    with pytest.raises(ConfigError, match=r"model.init_from: .*llama is a dense Llama, and HuggingFace mixture-of-experts "
-                                          r"weights do not load yet; set model.experts = 0"):
+    with pytest.raises(ConfigError, match=r"model: experts 4 \(the source's 0\) differ from model.init_from's model"):
         tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), **EXPERTS)
 
 
@@ -132,3 +131,28 @@ def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_
     for name, parameter in zip(names, parameters, strict=True):
         torch.testing.assert_close(exported[name], parameter, rtol=1e-4, atol=1e-5, msg=name)
     assert main(["export", resumed.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2
+
+
+def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(ray_cluster, tmp_path):
+    """Mixtral's experts, one tensor each in its safetensors, read into the stacked weights at
+    shard 2 (each rank its own experts' slices): the first step's loss is transformers' own on
+    that batch, and after steps that change nothing (SGD at learning rate 0) the export gives
+    back every one of the source's tensors."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_pretrained import exports_back_bit_for_bit, first_batch_loss_of
+
+    source = tmp_path / "hf-mixtral"
+    torch.manual_seed(5)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    mixtral.save_pretrained(source)
+    config = tiny_config(tmp_path, shard=2, steps=2, checkpoint__every=2, model__init_from=str(source))
+    assert (config.model.experts, config.model.experts_per_token, config.model.router_scores) == (4, 2, "softmax")
+    result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.0)).fit()
+    assert result.ok, result.exit
+    expected = first_batch_loss_of(lambda tokens: mixtral(tokens).logits, config)
+    assert abs(result.losses[0] - expected) <= 1e-4 * expected
+    exports_back_bit_for_bit(result.run_dir, source, tmp_path / "out")
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")  # and transformers loads it
+    assert back.config.num_local_experts == 4

@@ -206,19 +206,38 @@ def test_weights_that_cannot_load_are_refused_in_one_line_before_any_actor_start
         assert line.startswith("invalid config: model.init_from: "), (what, line)
 
 
+def first_batch_loss_of(logits_of, config) -> float:
+    """The loss of the model ``logits_of`` (tokens -> logits) on the batch the run trains first."""
+    from elastic.core.data_plan import DataCursor, epoch_order
+    from elastic.setup.hooks import resolve_hooks
+
+    dataset = resolve_hooks(config).dataset
+    order = epoch_order(len(dataset), config.seed, DataCursor().epoch)
+    tokens = torch.stack([dataset[int(i)] for i in order[:config.global_batch]])
+    with torch.no_grad():
+        logits = logits_of(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
 def first_batch_loss(state: dict[str, torch.Tensor], config) -> float:
     """The first step's loss of the model in ``state``, on the batch the run trains first."""
-    from elastic.core.data_plan import DataCursor, epoch_order
-    from elastic.setup.hooks import model_args, resolve_hooks
+    from elastic.setup.hooks import model_args
 
-    hooks = resolve_hooks(config)
-    order = epoch_order(len(hooks.dataset), config.seed, DataCursor().epoch)
-    tokens = torch.stack([hooks.dataset[int(i)] for i in order[:config.global_batch]])
     model = Transformer(model_args(config))
     model.load_state_dict(state)
-    with torch.no_grad():
-        logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    return first_batch_loss_of(model, config)
+
+
+def exports_back_bit_for_bit(run_dir: str, source, output) -> None:
+    """``elastic export --format huggingface`` of the run gives back every tensor of ``source``."""
+    from safetensors.torch import load_file
+
+    from elastic.cli import main
+
+    assert main(["export", run_dir, "--output", str(output), "--format", "huggingface"]) == 0
+    exported, original = load_file(output / "model.safetensors"), load_file(source / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[name], original[name]) for name in original)
 
 
 def test_a_run_starts_from_the_checkpoints_weights_and_resumes_from_its_own(ray_cluster, tmp_path):
@@ -285,12 +304,6 @@ def test_a_tiny_llama_saved_by_transformers_trains_from_its_loss_and_exports_bac
     shard 2 x tp 2, the first step's loss is transformers' own on that batch, and after steps
     that change nothing (SGD at learning rate 0) the export gives back the source's tensors."""
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-
-    from elastic.cli import main
-    from elastic.core.data_plan import DataCursor, epoch_order
-    from elastic.setup.hooks import resolve_hooks
-
     source = tmp_path / "hf-llama"
     torch.manual_seed(5)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -303,14 +316,6 @@ def test_a_tiny_llama_saved_by_transformers_trains_from_its_loss_and_exports_bac
     assert (config.model.n_kv_heads, config.model.rope_theta, config.model.rope_scaling.factor) == (2, 500000.0, 8.0)
     result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.0)).fit()
     assert result.ok, result.exit
-    dataset = resolve_hooks(config).dataset
-    order = epoch_order(len(dataset), config.seed, DataCursor().epoch)
-    tokens = torch.stack([dataset[int(i)] for i in order[:config.global_batch]])
-    with torch.no_grad():
-        logits = llama(tokens[:, :-1]).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    expected = first_batch_loss_of(lambda tokens: llama(tokens).logits, config)
     assert abs(result.losses[0] - expected) <= 1e-4 * expected
-    assert main(["export", result.run_dir, "--output", str(tmp_path / "out"), "--format", "huggingface"]) == 0
-    exported, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(source / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[name], original[name]) for name in original)
+    exports_back_bit_for_bit(result.run_dir, source, tmp_path / "out")

@@ -77,9 +77,6 @@ def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
     if is_huggingface(source):
         from checkpointing.huggingface import model_fields, read_config
 
-        if config.model.experts:
-            raise ConfigError(invalid_config([f"model.init_from: {source} is a dense Llama, and HuggingFace "
-                                              "mixture-of-experts weights do not load yet; set model.experts = 0"]))
 
         # Its weights are checked where the run is known to start from them, not to resume.
         try:
