@@ -1,0 +1,145 @@
+"""The mixture of experts on one process (no Ray, no group): what an expert layer costs, and
+what the routing bias does to the experts' load.
+
+1. Tokens/s of a training step (forward, backward, AdamW) of the reference model with
+   ``--experts`` experts, ``--top-k`` a token, against the dense model of the same *active*
+   parameters (its feed-forward ``top_k`` experts wide), at the same width, depth and batch.
+   The ratio MoE/dense is what the routing, the sort and the grouped GEMMs cost over the same
+   arithmetic.
+2. The expert layer's forward and backward with one grouped GEMM (``torch._grouped_mm``)
+   against a matmul per expert (the fallback where the grouped GEMM does not run).
+3. The load imbalance over a run, with DeepSeek-V3's routing bias off and on: each layer's
+   most loaded expert's tokens over the mean, per step, its median over the run's second half.
+
+Measured on the 2-core CI machine (2026-11-27, defaults): the MoE at 0.79 of the dense
+model's tokens/s; the grouped GEMM at 0.95 of a matmul per expert's time; the imbalance 3.38
+without the bias and 2.48 with it.
+
+Expert parallelism (the all-to-all's share of a step) is not built yet; a GPU's figures are
+bench/gpu_check.py's.
+
+    python bench/moe.py [--dim 256] [--layers 4] [--experts 8] [--top-k 2] [--steps 40] [--bias-rate 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
+from elastic.setup.hooks import resolve_hooks  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
+from workers.model import MoE, balance_experts, balanced_layers, grouped_mm, looped_mm, routed_tokens  # noqa: E402
+from workers.train_step import accumulate_gradients, collate  # noqa: E402
+
+
+def config(args, storage: str, **model):
+    return build_config({
+        "storage": storage, "steps": args.steps, "global_batch": args.batch, "micro_batch": args.batch, "seed": 0,
+        "scaling": {"min_groups": 1, "max_groups": 1, "shard": 1, "tp": 1},
+        "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, **model},
+        "data": {"seq_len": args.seq_len, "corpus_tokens": 2_000_000},
+    })
+
+
+def train(job, steps: int, watch=None) -> list[float]:
+    """Seconds of each of ``steps`` training steps of ``job``'s model on its data; ``watch``,
+    given the model, returns what to call after each step."""
+    hooks = resolve_hooks(job)
+    torch.manual_seed(job.seed)
+    model = hooks.model_fn()
+    after_step = watch(model) if watch else lambda: None
+    optimizer = hooks.optimizer_fn(model.parameters())
+    cursor, seconds = DataCursor(), []
+    for _ in range(steps):
+        indices, cursor = take_global_batch(cursor, len(hooks.dataset), job.global_batch, job.seed)
+        batch = collate(hooks.dataset, indices.tolist(), torch.device("cpu"))
+        started = time.perf_counter()
+        accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
+        optimizer.step()
+        optimizer.zero_grad()
+        balanced = balanced_layers(model)
+        balance_experts(balanced, routed_tokens(balanced))
+        seconds.append(time.perf_counter() - started)
+        after_step()
+    return seconds
+
+
+def expert_kernels(args) -> tuple[float, float]:
+    """Median seconds of the expert layer's three products, forward and backward: grouped, looped."""
+    hidden, tokens = args.dim * 2, args.batch * args.seq_len * args.top_k
+    rows = torch.randn(tokens, args.dim, requires_grad=True)
+    weights = [torch.randn(args.experts, hidden, args.dim, requires_grad=True) for _ in range(3)]
+    counts = torch.bincount(torch.randint(args.experts, (tokens,)), minlength=args.experts)
+    upstream = torch.randn(tokens, hidden)  # a gradient of the products' shape, as the layer's are
+    results = []
+    for product in (lambda w: grouped_mm(rows, w, counts, 1), lambda w: looped_mm(rows, w, counts)):
+        seconds = []
+        for _ in range(10):
+            started = time.perf_counter()
+            sum((product(w) * upstream).sum() for w in weights).backward()
+            seconds.append(time.perf_counter() - started)
+        results.append(statistics.median(seconds[2:]))
+    return results[0], results[1]
+
+
+def imbalance(job, steps: int) -> float:
+    """The median over the run's second half of each step's mean over layers of max/mean load."""
+    per_step: list[float] = []
+
+    def watch(model):
+        routed: dict[int, torch.Tensor] = {}  # layer -> the tokens its experts got in the last forward
+        for index, layer in enumerate(module for module in model.modules() if isinstance(module, MoE)):
+            layer.experts.register_forward_hook(
+                lambda experts, inputs, output, index=index: routed.__setitem__(index, inputs[1].double()))
+        return lambda: per_step.append(statistics.mean((load.max() / load.mean()).item() for load in routed.values()))
+
+    train(job, steps, watch)
+    return statistics.median(per_step[steps // 2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    # DeepSeek-V3's 0.001 acts over thousands of steps; a run of tens needs a faster bias
+    parser.add_argument("--bias-rate", type=float, default=0.01)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    storage = tempfile.mkdtemp()
+    hidden = args.dim * 2
+    moe = config(args, storage, ffn_hidden=hidden, experts=args.experts, experts_per_token=args.top_k,
+                 expert_hidden=hidden)
+    dense = config(args, storage, ffn_hidden=hidden * args.top_k)
+    tokens = args.batch * args.seq_len
+    timed = args.steps // 4 + 3
+    moe_s, dense_s = (statistics.median(train(job, timed)[3:]) for job in (moe, dense))
+    print(f"training step, {args.layers} layers of width {args.dim}, {tokens} tokens, one CPU thread:")
+    print(f"  dense (feed-forward {hidden * args.top_k} wide): {tokens / dense_s:,.0f} tokens/s")
+    print(f"  {args.experts} experts of {hidden}, {args.top_k} a token (the same active parameters): "
+          f"{tokens / moe_s:,.0f} tokens/s, {dense_s / moe_s:.2f} of the dense model's")
+    grouped, looped = expert_kernels(args)
+    print(f"the experts' products, forward and backward: grouped GEMM {grouped * 1e3:.1f} ms, a matmul per expert "
+          f"{looped * 1e3:.1f} ms (grouped/looped {grouped / looped:.2f})")
+    for rate in (0.0, args.bias_rate):
+        balanced = config(args, storage, ffn_hidden=hidden, experts=args.experts, experts_per_token=args.top_k,
+                          expert_hidden=hidden, expert_bias_rate=rate)
+        print(f"load imbalance (the most loaded expert's tokens over the mean), routing bias rate {rate:g}: "
+              f"{imbalance(balanced, args.steps):.2f}")
+
+
+if __name__ == "__main__":
+    main()
