@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
-from workers.model import MoE, balance_experts, balanced_layers, grouped_mm, looped_mm, routed_tokens  # noqa: E402
+from workers.model import MoE, balance_experts, expert_layers, grouped_mm, looped_mm, routed_tokens  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
 
@@ -66,8 +66,8 @@ def train(job, steps: int, watch=None) -> list[float]:
         accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
         optimizer.step()
         optimizer.zero_grad()
-        balanced = balanced_layers(model)
-        balance_experts(balanced, routed_tokens(balanced))
+        experts = expert_layers(model)
+        balance_experts(experts, routed_tokens(experts))
         seconds.append(time.perf_counter() - started)
         after_step()
     return seconds

@@ -5,7 +5,7 @@ trainer's norm code, so the two are checked against each other."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ import torch
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
-from workers.model import balance_experts, balanced_layers, routed_tokens
+from workers.model import balance_experts, expert_layers, expert_load, routed_tokens
 from workers.train_step import accumulate_gradients, collate
 
 
@@ -23,6 +23,7 @@ class ReferenceTrace:
     grad_norms: list[float]
     lrs: list[float]
     params: list[torch.Tensor]
+    expert_loads: list[dict[int, float]] = field(default_factory=list)  # per step, as the step records hold them
 
 
 def huggingface_loss(model, samples: list[dict]) -> torch.Tensor:
@@ -62,8 +63,9 @@ def reference_trace(config: TrainConfig, steps: int, chunks: int = 1, dataset=No
         trace.lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
-        balanced = balanced_layers(model)  # the one process routed every token of the step
-        balance_experts(balanced, routed_tokens(balanced))
+        experts = expert_layers(model)  # the one process routed every token of the step
+        trace.expert_loads.append(expert_load(experts, routed_tokens(experts)))
+        balance_experts(experts, routed_tokens(experts))
     trace.params = [p.detach().clone() for p in model.parameters()]
     return trace
 

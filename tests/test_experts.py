@@ -15,7 +15,7 @@ from elastic import ElasticTrainer
 from elastic.cli import main
 from elastic.setup.hooks import resolve_hooks
 from elastic.setup.errors import ConfigError
-from tests.reference import max_relative_difference, reference_run
+from tests.reference import max_relative_difference, reference_run, reference_trace
 from tests.tiny import tiny_config
 from workers.model import MoE, ModelArgs, grouped_mm, looped_mm
 
@@ -40,7 +40,7 @@ def token_alone(moe: MoE, token: torch.Tensor) -> torch.Tensor:
 def test_each_token_gets_what_its_own_experts_compute_for_it_alone(scores):
     torch.manual_seed(0)
     args = ModelArgs(dim=16, ffn_hidden=24, experts=6, experts_per_token=2, shared_experts=1, router_scores=scores)
-    moe = MoE(args)
+    moe = MoE(args, layer=0)
     for parameter in moe.parameters():
         torch.nn.init.normal_(parameter, std=0.2)
     x = torch.randn(3, 5, 16)
@@ -119,8 +119,13 @@ def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_
     resumed = ElasticTrainer(tiny_config(tmp_path, steps=steps, **balanced)).fit()
     assert resumed.ok, resumed.exit
     assert resumed.summary["resumed_from_step"] == first
-    reference, parameters = reference_run(config, steps)
+    trace = reference_trace(config, steps)
+    reference, parameters = trace.losses, trace.params
     assert max_relative_difference(result.losses + resumed.losses, reference) <= 1e-5
+    # each step's load, from the tokens every rank of every group routed: the one process's
+    recorded = [step["expert_load"] for step in result.summary["steps"] + resumed.summary["steps"]]
+    assert recorded == [{str(layer): load for layer, load in loads.items()} for loads in trace.expert_loads]
+    assert all(load >= 1.0 for loads in recorded for load in loads.values())
     # Out whole, in the model's own names: the single process's weights; HuggingFace's names
     # are a dense Llama's, refused in one line.
     assert main(["export", resumed.run_dir, "--output", str(tmp_path / "native")]) == 0

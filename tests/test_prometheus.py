@@ -97,10 +97,10 @@ def test_dashboard_queries_return_data_from_a_real_run(ray_cluster, tmp_path, pr
     steps = 40
     # Long enough for a few scrapes before and after the kill: recoveries and evictions must
     # be seen at zero first, or increase() cannot see them go up. Four ranks: straggler scores
-    # need at least three.
+    # need at least three. A mixture of experts: the expert-load panel has nothing of a dense model.
     config = tiny_config(
         tmp_path, groups=2, shard=2, steps=steps, fault_tolerance__inject="kill:rank=1,step=20", checkpoint__every=10,
-        metrics__port=metrics_port, eval__every=15, **FAST_DETECTION,
+        metrics__port=metrics_port, eval__every=15, model__experts=4, model__experts_per_token=2, **FAST_DETECTION,
     )
     scraped = []
 

@@ -225,9 +225,10 @@ class MoE(nn.Module):
     parameters (the heal, the memory tier, the integrity check, checkpoints) carries it; it
     changes only through ``balance_experts``, when a step commits."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         hidden = args.expert_hidden or args.ffn_hidden
+        self.layer = layer  # its number in the whole model, which the step records name its load by
         self.top_k, self.scores = args.experts_per_token, args.router_scores
         self.router = nn.Linear(args.dim, args.experts, bias=False)
         self.experts = GroupedExperts(args.dim, hidden, args.experts)
@@ -251,8 +252,8 @@ class MoE(nn.Module):
         else:
             chosen = (scores + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, chosen)
-            if torch.is_grad_enabled():  # a training step's forward, not an evaluation's
-                self._count_routed(chosen, x.shape[0])
+        if torch.is_grad_enabled():  # a training step's forward, not an evaluation's
+            self._count_routed(chosen, x.shape[0])
         weights = weights / weights.sum(-1, keepdim=True)
         # Each (token, choice) a row, sorted by expert: the experts' groups of rows.
         by_expert = chosen.flatten().argsort(stable=True)
@@ -273,9 +274,10 @@ class MoE(nn.Module):
             self.micro_batch_routed.copy_(torch.bincount(chosen.flatten(), minlength=self.micro_batch_routed.numel()))
 
 
-def balanced_layers(model: nn.Module) -> list[MoE]:
-    """The model's expert layers that balance their load with a bias, in the model's order."""
-    return [module for module in model.modules() if isinstance(module, MoE) and module.expert_bias is not None]
+def expert_layers(model: nn.Module) -> list[MoE]:
+    """The model's expert layers, in the model's order: each counts the tokens a step routes
+    to its experts (its load, which the step records), and those with a bias balance by it."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
 
 
 def count_rows(layers: list[MoE], rows: torch.Tensor | None) -> None:
@@ -299,6 +301,15 @@ def routed_tokens(layers: list[MoE]) -> list[float]:
     return torch.cat([layer.step_routed for layer in layers]).tolist() if layers else []
 
 
+def expert_load(layers: list[MoE], routed: Sequence[float]) -> dict[int, float]:
+    """Each layer's load balance, by its number: its most loaded expert's tokens over the mean
+    (1.0: even), from ``routed`` as ``routed_tokens`` lays it out."""
+    routed = torch.tensor(routed, dtype=torch.float64)
+    loads = routed.split([layer.step_routed.numel() for layer in layers])
+    return {layer.layer: round((tokens.max() / tokens.mean()).item(), 4) if tokens.sum() else 1.0
+            for layer, tokens in zip(layers, loads)}
+
+
 def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
     """DeepSeek-V3's update, at a step's commit: each layer's bias rises by its rate for an
     expert that got fewer tokens than the layer's mean and falls for one that got more.
@@ -308,6 +319,8 @@ def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
     with torch.no_grad():
         for layer, tokens in zip(layers, routed.split([layer.step_routed.numel() for layer in layers])):
             bias = layer.expert_bias
+            if bias is None:
+                continue
             step = (layer.bias_rate * torch.sign(tokens.mean() - tokens)).to(bias.dtype)
             if isinstance(bias, DTensor):  # FSDP2's shard of it: this rank's part of the step
                 step = distribute_tensor(step.to(bias.device), bias.device_mesh, bias.placements, src_data_rank=None)
@@ -325,7 +338,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = MoE(args) if args.has_experts(layer) else FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward = MoE(args, layer) if args.has_experts(layer) else FeedForward(args.dim, args.ffn_hidden)
         self.dropout = dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
-from workers.model import add_micro_batch, balanced_layers, count_rows
+from workers.model import add_micro_batch, count_rows, expert_layers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Any model, any batch: (the batch's summed loss, how many things it summed over)
@@ -146,21 +146,21 @@ def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch]
     between micro-batches."""
     loss_share = torch.zeros((), device=batches[0].weights.device)
     counted = 0.0
-    # experts balanced by a bias count the tokens a step routes to them (``balance_experts``)
-    balanced = balanced_layers(model) if backward else []
+    # expert layers count the tokens a step routes to each expert (its load, and the bias's step)
+    experts = expert_layers(model) if backward else []
     try:
         for index, batch in enumerate(batches):
             on_micro_batch(index)
-            count_rows(balanced, batch.counted_rows())
+            count_rows(experts, batch.counted_rows())
             loss_sum, count = loss(model, batch)
             share = loss_sum / global_tokens
             if backward:
                 share.backward()
-            add_micro_batch(balanced, first=index == 0)
+            add_micro_batch(experts, first=index == 0)
             loss_share += share.detach()
             counted = counted + count
     finally:
-        count_rows(balanced, None)
+        count_rows(experts, None)
     return loss_share.item(), float(counted)
 
 

@@ -171,6 +171,9 @@ class StepRecord:
     # What the loss counted over the whole step: target tokens in the next-token form, the
     # count batch_loss_fn returns otherwise. The run's throughput is this per second.
     counted: int = 0
+    # Per expert layer, by its number: its most loaded expert's tokens over the mean (1.0: even),
+    # from what every rank of every group routed
+    expert_load: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

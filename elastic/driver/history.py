@@ -100,6 +100,7 @@ class RunHistory:
             live_ranks=len(rounded), generation=generation, tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
             rank_times=dict(zip(arrays.ranks.tolist(), map(RankTimes._make, rounded))),
             group_samples=dict(first.group_samples), straggler_scores=straggler_scores,
+            expert_load=dict(first.expert_load),
         )
         self.losses.append(first.loss)
         self.cursor = first.next_cursor

@@ -6,7 +6,7 @@ committed; ``summary.json`` keeps their ``to_json()`` under ``steps`` and ``eval
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from elastic.core.protocol import RankTimes
 
@@ -29,6 +29,7 @@ class StepResult:
     rank_times: dict[int, RankTimes]  # by global rank, each time rounded to 10 µs
     group_samples: dict[int, int]  # each live group's share of the batch
     straggler_scores: dict[int, float] | None = None  # by rank; None where straggler mitigation is off
+    expert_load: dict[int, float] = field(default_factory=dict)  # by expert layer: max over mean tokens
 
     def to_json(self) -> dict:
         """The step's record in ``summary.json`` (ranks and groups as strings, as JSON keys are)."""
@@ -53,6 +54,8 @@ class StepResult:
         }
         if self.straggler_scores is not None:
             record["rank_straggler_score"] = {str(rank): score for rank, score in self.straggler_scores.items()}
+        if self.expert_load:
+            record["expert_load"] = {str(layer): load for layer, load in self.expert_load.items()}
         return record
 
 

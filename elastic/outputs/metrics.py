@@ -47,6 +47,11 @@ class Metrics:
         self.rank_straggler_score = Gauge(
             "elastic_rank_straggler_score", "Rank compute time over the median rank's (1.0 = typical)", ["rank"], **labels
         )
+        # one series per expert layer of the model: bounded by its depth
+        self.expert_load = Gauge(
+            "elastic_expert_load", "An expert layer's most loaded expert's tokens over the mean in the last step "
+            "(1.0 = even)", ["layer"], **labels
+        )
         self.live_groups = Gauge("elastic_live_groups", "Replica groups in the quorum", **labels)
         self.live_ranks = Gauge("elastic_live_ranks", "Ranks in the quorum", **labels)
         self.generation = Gauge("elastic_generation", "Membership generation", **labels)
@@ -175,6 +180,8 @@ class Metrics:
             self.rank_communication_seconds.labels(rank=label).set(times.comm_s)
             self.rank_gradient_sum_exposed_seconds.labels(rank=label).set(times.grad_sum_exposed_s)
         self.straggler_scores(result.straggler_scores or {})
+        for layer, load in result.expert_load.items():
+            self.expert_load.labels(layer=str(layer)).set(load)
         self.steps_committed.inc()
         self.step.set(result.step + 1)
         self.loss.set(result.loss)
