@@ -17,7 +17,7 @@ from elastic.setup.hooks import resolve_hooks
 from elastic.setup.errors import ConfigError
 from tests.reference import max_relative_difference, reference_run, reference_trace
 from tests.tiny import tiny_config
-from workers.model import MoE, ModelArgs, grouped_mm, looped_mm
+from workers.model import MoE, ModelArgs, grouped_mm, looped_mm, set_row_shares
 
 EXPERTS = {"model__experts": 4, "model__experts_per_token": 2, "model__shared_experts": 1,
            "model__dense_layers": 1, "model__expert_hidden": 48}
@@ -46,6 +46,34 @@ def test_each_token_gets_what_its_own_experts_compute_for_it_alone(scores):
     x = torch.randn(3, 5, 16)
     expected = torch.stack([token_alone(moe, token) for token in x.reshape(-1, 16)]).view_as(x)
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_balance_loss_adds_deepseeks_sequence_wise_loss_to_the_gradient_and_nothing_to_the_output():
+    """Each row's ``alpha * sum_i f_i P_i`` weighted by its share of the step's loss, written out
+    here from DeepSeek-V3's definition: its gradient is what the layer adds; a row that does
+    not count (a padding row, share 0) adds nothing."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=16, ffn_hidden=24, experts=4, experts_per_token=2, router_scores="sigmoid",
+                     aux_loss_weight=0.1)
+    moe = MoE(args, layer=0)
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    x, shares = torch.randn(3, 5, 16), torch.tensor([0.2, 0.3, 0.0])
+    set_row_shares([moe], shares)
+    with_loss = moe(x)
+    with_loss.sum().backward()
+    added = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    set_row_shares([moe], None)  # outside a step: no balance loss
+    plain = moe(x)
+    scores = moe.router(x.reshape(-1, 16)).float().sigmoid()
+    chosen = scores.topk(2, dim=-1).indices.view(3, -1)
+    probabilities = (scores / scores.sum(-1, keepdim=True)).view(3, 5, 4).mean(1)
+    routed_share = torch.zeros(3, 4).scatter_add_(1, chosen, torch.ones(3, 10)) * 4 / (2 * 5)
+    balance = 0.1 * ((routed_share * probabilities).sum(-1) * shares).sum()
+    (plain.sum() + balance).backward()
+    torch.testing.assert_close(with_loss, plain, rtol=0, atol=0)
+    torch.testing.assert_close(added, moe.router.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_groups_padded_for_the_cuda_kernel_and_a_matmul_per_group_give_the_grouped_gemm_and_its_gradients():
@@ -82,7 +110,9 @@ def test_experts_in_pipeline_stages_train_the_single_process_losses(ray_cluster,
 def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.experts=4 with scaling.tp=2: the experts are not tensor-parallel"):
         tiny_config(tmp_path, tp=2, **EXPERTS)
-    with pytest.raises(ConfigError, match=r"model.expert_bias_rate with scaling.pp=2: the experts' load is not counted"):
+    with pytest.raises(ConfigError, match=r"model.aux_loss_weight with scaling.pp=2: the experts' load is not balanced"):
+        tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__aux_loss_weight": 0.001})
+    with pytest.raises(ConfigError, match=r"model.expert_bias_rate with scaling.pp=2: the experts' load is not balanced"):
         tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__expert_bias_rate": 0.001})
     with pytest.raises(ConfigError, match=r"experts_per_token=6 is more than experts=4"):
         tiny_config(tmp_path, **{**EXPERTS, "model__experts_per_token": 6})
@@ -98,7 +128,8 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
 def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_and_a_resume(
         ray_cluster, tmp_path):
     """Two groups of shard 2 (FSDP2 shards the expert stacks along the experts), neither
-    training without the other, the experts balanced by DeepSeek-V3's bias: a rank killed, a
+    training without the other, the experts balanced by DeepSeek-V3's bias and its balance
+    loss (each sequence's in the gradient, weighted by its share of the loss): a rank killed, a
     rank hung, a bit flipped in one (found by the integrity check, both groups back to a
     verified state). The bias moves only when a step commits, by the tokens every rank of
     every group routed: the integrity check, which reads it as it reads every parameter, finds
@@ -107,7 +138,8 @@ def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_
     it, is the single process's."""
     first, steps = 9, 13
     inject = "kill:rank=1,step=2;hang:rank=2,step=4;flip:rank=3,step=6"
-    balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
+    balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__aux_loss_weight": 0.01,
+                "model__router_scores": "sigmoid"}
     config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=first, checkpoint__every=first,
                          integrity__every=3, fault_tolerance__inject=inject, fault_tolerance__min_deadline_s=3.0,
                          fault_tolerance__deadline_factor=4.0, **balanced)

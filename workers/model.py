@@ -58,6 +58,8 @@ class ModelArgs:
     # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that choose
     # the experts, moved by this much a step against each expert's load (0: no bias)
     expert_bias_rate: float = 0.0
+    # DeepSeek-V3's sequence-wise balance loss, this much of it in the gradient (0: none)
+    aux_loss_weight: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
@@ -235,13 +237,16 @@ class MoE(nn.Module):
         self.shared = FeedForward(args.dim, hidden * args.shared_experts) if args.shared_experts else None
         self.bias_rate = args.expert_bias_rate
         self.expert_bias = nn.Parameter(torch.zeros(args.experts), requires_grad=False) if self.bias_rate else None
+        self.aux_loss_weight = args.aux_loss_weight
         # The tokens the counted rows routed to each expert: the last micro-batch's, set by its
         # forward (a recomputation in backward sets the same), and the step's, added up from
         # them (``add_micro_batch``).
         self.register_buffer("micro_batch_routed", torch.zeros(args.experts), persistent=False)
         self.register_buffer("step_routed", torch.zeros(args.experts), persistent=False)
-        # which rows of the micro-batch count: (batch,) or one for them all; None: all
-        self.counted_rows: torch.Tensor | None = None
+        # Each row's share of the step's loss, (batch,) or one for them all (``set_row_shares``):
+        # the rows that count toward the load, and the weight of each one's balance loss. None
+        # (the model called outside a step): every row counts, and no balance loss is added.
+        self.row_shares: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -263,13 +268,28 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, token_of_row, rows)
         if self.shared is not None:
             out = out + self.shared(tokens)
+        if self.aux_loss_weight and self.row_shares is not None and torch.is_grad_enabled():
+            out = AddAuxiliaryLoss.apply(out, self._balance_loss(scores, chosen, x.shape[0]))
         return out.view_as(x)
 
+    def _balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor, batch: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, ``aux_loss_weight * sum_i f_i P_i`` per
+        row: ``f_i`` its tokens' share routed to expert ``i`` (``experts / top_k`` when even),
+        ``P_i`` its tokens' mean normalised score of ``i``. Each row's weighted by its share of
+        the step's loss, so the sum over a step's micro-batches is the same at any layout."""
+        experts = scores.shape[-1]
+        per_row = scores.view(batch, -1, experts)
+        probabilities = (per_row / per_row.sum(-1, keepdim=True)).mean(1)
+        routed = chosen.view(batch, -1)  # each row's tokens' choices
+        ones = torch.ones_like(routed, dtype=probabilities.dtype)
+        load = torch.zeros_like(probabilities).scatter_add_(1, routed, ones) * experts / routed.shape[1]
+        shares = self.row_shares.to(scores.device, torch.float32).expand(batch)
+        return self.aux_loss_weight * ((load * probabilities).sum(-1) * shares).sum()
+
     def _count_routed(self, chosen: torch.Tensor, batch: int) -> None:
-        rows = self.counted_rows
+        rows = self.row_shares
         if rows is not None:  # padding rows route too, but a single process has none
-            rows = rows.to(chosen.device)
-            chosen = chosen.view(batch, -1)[rows if rows.dim() else rows.expand(batch)]
+            chosen = chosen.view(batch, -1)[(rows.to(chosen.device) > 0).expand(batch)]
         with torch.no_grad():
             self.micro_batch_routed.copy_(torch.bincount(chosen.flatten(), minlength=self.micro_batch_routed.numel()))
 
@@ -280,10 +300,25 @@ def expert_layers(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
 
 
-def count_rows(layers: list[MoE], rows: torch.Tensor | None) -> None:
-    """The next micro-batch's rows whose routing counts toward the experts' load (None: all)."""
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """``output`` as it is, with ``loss`` in its graph: backward gives ``loss`` a gradient of
+    one, so the step's gradient is that of the training loss plus ``loss``, whose value the
+    recorded loss leaves out (DeepSeek's own device for its balance losses)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+def set_row_shares(layers: list[MoE], shares: torch.Tensor | None) -> None:
+    """The next micro-batch's rows' shares of the step's loss (None: outside a step)."""
     for layer in layers:
-        layer.counted_rows = rows
+        layer.row_shares = shares
 
 
 def add_micro_batch(layers: list[MoE], first: bool) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
-from workers.model import add_micro_batch, count_rows, expert_layers
+from workers.model import add_micro_batch, expert_layers, set_row_shares
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Any model, any batch: (the batch's summed loss, how many things it summed over)
@@ -60,9 +60,11 @@ class Batch(NamedTuple):
     weights: torch.Tensor
     counted_tokens: int
 
-    def counted_rows(self) -> torch.Tensor:
-        """Which rows count (any target of theirs does): ``(batch,)``, or one flag for them all."""
-        return self.weights.reshape(self.weights.shape[0], -1).amax(-1) > 0 if self.weights.dim() else self.weights > 0
+    def row_shares(self, global_count: float) -> torch.Tensor:
+        """Each row's share of the step's loss: its weighted targets over ``global_count``,
+        ``(batch,)``; for a ``batch_loss_fn``'s batch one share for every row."""
+        weights = self.weights.reshape(self.weights.shape[0], -1).sum(-1) if self.weights.dim() else self.weights
+        return weights / global_count
 
     def to(self, device: torch.device) -> Batch:
         inputs = tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.inputs)
@@ -151,7 +153,7 @@ def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch]
     try:
         for index, batch in enumerate(batches):
             on_micro_batch(index)
-            count_rows(experts, batch.counted_rows())
+            set_row_shares(experts, batch.row_shares(global_tokens))
             loss_sum, count = loss(model, batch)
             share = loss_sum / global_tokens
             if backward:
@@ -160,7 +162,7 @@ def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch]
             loss_share += share.detach()
             counted = counted + count
     finally:
-        count_rows(experts, None)
+        set_row_shares(experts, None)
     return loss_share.item(), float(counted)
 
 

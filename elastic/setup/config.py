@@ -187,6 +187,9 @@ class ModelConfig(Section):
     # much a step against its load, from the tokens every rank and group routed (0: off;
     # DeepSeek-V3 used 0.001)
     expert_bias_rate: NonNegativeFloat = Field(0.0, le=1.0)
+    # DeepSeek-V3's sequence-wise balance loss, this much of it added to the gradient (the
+    # recorded loss leaves it out; 0: none; DeepSeek-V3 used 0.0001)
+    aux_loss_weight: NonNegativeFloat = Field(0.0, le=1.0)
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
@@ -471,9 +474,10 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
-        if model.experts and model.expert_bias_rate and self.scaling.pp > 1:
-            raise ValueError(f"model.expert_bias_rate with scaling.pp={self.scaling.pp}: the experts' load is not "
-                             "counted across pipeline stages yet; set scaling.pp = 1, or expert_bias_rate = 0")
+        balancing = [name for name in ("expert_bias_rate", "aux_loss_weight") if getattr(model, name)]
+        if model.experts and balancing and self.scaling.pp > 1:
+            raise ValueError(f"model.{balancing[0]} with scaling.pp={self.scaling.pp}: the experts' load is not "
+                             f"balanced across pipeline stages yet; set scaling.pp = 1, or {balancing[0]} = 0")
         if model.experts and tp > 1:
             raise ValueError(f"model.experts={model.experts} with scaling.tp={tp}: the experts are not tensor-parallel "
                              "yet; set scaling.tp = 1 (FSDP2 shards the experts over scaling.shard)")

@@ -100,6 +100,7 @@ def model_args(config: TrainConfig) -> ModelArgs:
         dense_layers=model.dense_layers,
         router_scores=model.router_scores,
         expert_bias_rate=model.expert_bias_rate,
+        aux_loss_weight=model.aux_loss_weight,
     )
 
 
