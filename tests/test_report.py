@@ -305,8 +305,8 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
 
 
 def timeline_panels(summary: dict) -> dict:
-    """The timeline's panels by name: rank (per-rank step times), live (ranks), and its events
-    legend (None without events to show)."""
+    """The timeline's panels by name: rank (per-rank step times), live (ranks), expert (load,
+    None for a dense model), all of its axes, and its events legend (None without events to show)."""
     from elastic.outputs.report import timeline_figure
 
     fig = timeline_figure(summary)
@@ -314,6 +314,8 @@ def timeline_panels(summary: dict) -> dict:
     return {
         "rank": next(ax for title, ax in titled.items() if title.startswith("per-rank step time")),
         "live": next(ax for title, ax in titled.items() if title.startswith("live ranks")),
+        "expert": next((ax for title, ax in titled.items() if title.startswith("expert load")), None),
+        "axes": fig.axes,
         "events": next((ax.get_legend() for ax in fig.axes
                         if ax.get_legend() is not None and ax.get_legend().get_title().get_text() == "events"), None),
     }
@@ -503,3 +505,62 @@ def test_each_leg_is_labelled_with_how_it_ended():
     assert leg_ending({"exit": "failed: RuntimeError: boom", "events": sigint}) == "failed"
     assert leg_ending({"exit": "completed", "events": []}) == "completed"
     assert leg_ending({"events": []}) is None
+
+
+def moe_summary() -> dict:
+    """``make_summary``'s run as a mixture of experts' records it: expert layers 1, 3 and 10,
+    layer 1 evening out over the run, 3 growing less even, 10 even throughout."""
+    summary = make_summary(run="moe-run")
+    for record in summary["steps"]:
+        step = record["step"]
+        record["expert_load"] = {"1": 1.0 + 2.0 / (1 + step), "3": 1.25 + 0.01 * step, "10": 1.0}
+    return summary
+
+
+def test_expert_load_series_is_each_layers_load_by_step():
+    from elastic.outputs.report import TimelineStep, expert_load_series
+
+    def series(records: list[dict]) -> dict:
+        return expert_load_series([TimelineStep.of_record(record) for record in records])
+
+    summary = moe_summary()
+    steps = [record["step"] for record in summary["steps"]]
+    assert series(summary["steps"]) == {
+        1: (steps, [1.0 + 2.0 / (1 + step) for step in steps]),
+        3: (steps, [1.25 + 0.01 * step for step in steps]),
+        10: (steps, [1.0] * len(steps)),  # layers in their order, not their names'
+    }
+    assert series(make_summary()["steps"]) == {}  # a dense model's
+
+    # a resume goes back to its checkpoint's step: the step done again counts as done last
+    resumed = [
+        {"step": 0, "t": 1.0, "leg": 1, "expert_load": {"1": 2.0, "10": 3.0}},
+        {"step": 1, "t": 2.0, "leg": 1, "expert_load": {"1": 1.5, "10": 2.5}},
+        {"step": 1, "t": 9.0, "leg": 2, "expert_load": {"1": 1.25, "10": 2.0}},
+        {"step": 2, "t": 10.0, "leg": 2, "expert_load": {"1": 1.125}},  # a layer a step did not record
+    ]
+    assert series(resumed[::-1]) == {1: ([0, 1, 2], [2.0, 1.25, 1.125]), 10: ([0, 1], [3.0, 2.0])}
+
+
+def test_the_timeline_draws_each_expert_layers_load_for_a_mixture_of_experts_alone():
+    from elastic.outputs.report import TimelineStep, expert_load_series
+
+    summary = moe_summary()
+    panels = timeline_panels(summary)
+    panel = panels["expert"]
+    assert panel is not None
+    expected = expert_load_series(TimelineStep.of_record(record) for record in summary["steps"])
+    layer_lines = {line.get_label(): line for line in panel.get_lines() if line.get_label().startswith("layer ")}
+    assert list(layer_lines) == ["layer 1", "layer 3", "layer 10"]  # one line per layer
+    for layer, (steps, loads) in expected.items():
+        line = layer_lines[f"layer {layer}"]
+        assert list(line.get_xdata()) == steps and list(line.get_ydata()) == loads
+    [even] = [line for line in panel.get_lines() if line.get_label() == "even"]
+    assert set(even.get_ydata()) == {1.0}  # across the panel at 1
+    assert panel.get_ylim()[0] == 1.0 and panel.get_ylim()[1] > 3.0
+    assert {text.get_text() for text in panel.get_legend().get_texts()} == {*layer_lines, "even"}
+    assert panel.get_xlabel() == "step"
+
+    dense = timeline_panels(make_summary())
+    assert dense["expert"] is None  # a dense run's timeline is as it was: no panel more
+    assert len(dense["axes"]) == len(panels["axes"]) - 1 == 6

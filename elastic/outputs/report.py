@@ -177,6 +177,7 @@ class TimelineStep:
     step_s: float | None
     loss: float | None
     rank_step_s: dict[int, float]  # each rank's wall seconds
+    expert_load: dict[int, float]  # each expert layer's most loaded expert's tokens over the mean; {} if dense
 
     @classmethod
     def of_record(cls, record: dict[str, Any]) -> TimelineStep:
@@ -186,7 +187,8 @@ class TimelineStep:
         return cls(t=float(record["t"]), step=None if record.get("step") is None else int(record["step"]),
                    leg=int(record.get("leg", 1)), step_s=number("step_s"), loss=number("loss"),
                    rank_step_s={int(rank): float(seconds) for rank, seconds in (record.get("rank_step_s") or {}).items()
-                                if seconds is not None})
+                                if seconds is not None},
+                   expert_load={int(layer): float(load) for layer, load in (record.get("expert_load") or {}).items()})
 
     @property
     def started(self) -> float:
@@ -202,6 +204,19 @@ def _rank_matrix(steps: list[TimelineStep]) -> tuple[list[int], list[list[float]
         for rank, seconds in step.rank_step_s.items():
             matrix[index[rank]][j] = seconds
     return ranks, matrix
+
+
+def expert_load_series(steps: Iterable[TimelineStep]) -> dict[int, tuple[list[int], list[float]]]:
+    """Each expert layer's load balance against the step: layer -> (steps, loads), in step
+    order; empty for a dense model. A step done twice (a resumed leg goes back to its
+    checkpoint's step) counts as done last: the run went on from that one."""
+    load_at: dict[int, dict[int, float]] = {}  # layer -> step -> load
+    for step in sorted(steps, key=lambda step: step.t):
+        if step.step is not None:
+            for layer, load in step.expert_load.items():
+                load_at.setdefault(layer, {})[step.step] = load
+    return {layer: (sorted(loads), [loads[number] for number in sorted(loads)])
+            for layer, loads in sorted(load_at.items())}
 
 
 def _step_columns(steps: list[TimelineStep]) -> tuple[list[float], list[int | None]]:
@@ -365,8 +380,8 @@ def plot_timeline(summary: dict[str, Any], path: str) -> str:
 
 
 def timeline_figure(summary: dict[str, Any]) -> Any:
-    """The run timeline as a matplotlib Figure: per-rank step times, loss, live ranks, and the
-    run's events over them."""
+    """The run timeline as a matplotlib Figure: per-rank step times, loss, each expert layer's
+    load balance (a mixture of experts' alone), live ranks, and the run's events over them."""
     # Draw on an Agg canvas directly: no pyplot, no global backend switch, no display needed.
     # matplotlib is the "report" extra: training never needs it.
     try:
@@ -394,12 +409,18 @@ def timeline_figure(summary: dict[str, Any]) -> Any:
     )
     goodput = _goodput(breakdown) if breakdown else float(summary.get("goodput") or 0.0)
 
-    fig = Figure(figsize=(14, 10), dpi=110, layout="constrained")
+    expert_loads = expert_load_series(steps)
+    height_ratios = [2.2, 1.3, 1.0]
+    if expert_loads:  # a panel of its own, under the loss and against the step as well
+        height_ratios.insert(2, 1.0)
+
+    fig = Figure(figsize=(14, 12 if expert_loads else 10), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(3, 2, height_ratios=[2.2, 1.3, 1.0], width_ratios=[1.0, 0.16])
+    grid = fig.add_gridspec(len(height_ratios), 2, height_ratios=height_ratios, width_ratios=[1.0, 0.16])
     ax_rank = fig.add_subplot(grid[0, 0])
     ax_loss = fig.add_subplot(grid[1, 0])  # against the step, not the clock
-    ax_live = fig.add_subplot(grid[2, 0], sharex=ax_rank)
+    ax_expert = fig.add_subplot(grid[2, 0], sharex=ax_loss) if expert_loads else None
+    ax_live = fig.add_subplot(grid[-1, 0], sharex=ax_rank)
     side_top = fig.add_subplot(grid[0, 1])
     side_mid = fig.add_subplot(grid[1:, 1])
     side_mid.axis("off")
@@ -529,7 +550,26 @@ def timeline_figure(summary: dict[str, Any]) -> Any:
     ax_loss.set_title("loss per committed step" + (", held-out loss per evaluation" if eval_points else ""),
                       fontsize=10, loc="left")
 
-    # (3) live ranks / groups --------------------------------------------------------------------
+    # (3) expert load per committed step (a mixture of experts) ---------------------------------
+    if ax_expert is not None:
+        # a colour each while they tell apart, else in order of depth
+        colour_of = (matplotlib.colormaps["tab10"] if len(expert_loads) <= 10
+                     else matplotlib.colormaps["viridis"].resampled(len(expert_loads)))
+        for i, (layer, (layer_steps, loads)) in enumerate(expert_loads.items()):
+            ax_expert.plot(layer_steps, loads, marker=".", markersize=3, linewidth=1.0, color=colour_of(i),
+                           label=f"layer {layer}")
+        # drawn over the bottom spine, where the axis starts: no layer is ever more even than 1
+        ax_expert.axhline(1.0, color="#333333", linewidth=1.2, linestyle="--", clip_on=False, zorder=3, label="even")
+        ax_expert.set_ylim(bottom=1.0)
+        # four rows at most: a model of many expert layers widens the legend rather than filling the panel
+        ax_expert.legend(loc="upper right", fontsize=8, frameon=False, ncol=math.ceil((len(expert_loads) + 1) / 4))
+        ax_expert.set_xlabel("step")
+        ax_expert.set_ylabel("load balance")
+        ax_expert.grid(True, alpha=0.25)
+        ax_expert.set_title("expert load: each layer's most loaded expert's tokens over the mean per expert "
+                            "(1 = even)", fontsize=10, loc="left")
+
+    # (4) live ranks / groups --------------------------------------------------------------------
     topo_ranks = (summary.get("topology") or {}).get("ranks")
     ax_live.step(membership.t, membership.ranks, where="post", color="#17becf", linewidth=1.8, label="live ranks")
     ax_live.fill_between(membership.t, membership.ranks, step="post", color="#17becf", alpha=0.15)
