@@ -18,6 +18,7 @@ from elastic.setup.errors import ConfigError
 from tests.reference import max_relative_difference, reference_run, reference_trace
 from tests.tiny import tiny_config
 from workers.model import MoE, ModelArgs, grouped_mm, looped_mm, set_row_shares
+from workers.train_step import token_cross_entropy
 
 EXPERTS = {"model__experts": 4, "model__experts_per_token": 2, "model__shared_experts": 1,
            "model__dense_layers": 1, "model__expert_hidden": 48}
@@ -99,6 +100,61 @@ def test_groups_padded_for_the_cuda_kernel_and_a_matmul_per_group_give_the_group
     torch.testing.assert_close(results[0][0], by_expert.detach())
 
 
+def expert_parallel_rank(rank: int) -> tuple[dict, dict]:
+    """Rank ``rank`` of 2 with the experts split over both (expert parallelism), FSDP2 over the
+    rest: its loss share on its half of a batch and its gradients, as local tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from workers.model import Transformer
+    from workers.parallelize import Parallelize
+    from workers.train_step import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = Transformer(EP_ARGS)
+    Parallelize(expert_parallel=True)(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "tp")))
+    batch = ep_batch()
+    half = batch._replace(inputs=batch.inputs[rank::2], targets=batch.targets[rank::2], weights=batch.weights[rank::2])
+    loss = accumulate_gradients(model, token_cross_entropy, [half], batch.weights.numel())
+    layer = model.layers["1"].feed_forward
+    local = {name: (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).clone()
+             for name, param in model.named_parameters() if param.grad is not None}
+    return {"loss": loss, "dispatched": layer.experts.dispatch_group is not None,
+            "held": layer.experts.w1.to_local().shape[0]}, local
+
+
+EP_ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_seq_len=16,
+                    experts=4, experts_per_token=2, shared_experts=1, dense_layers=1)
+
+
+def ep_batch():
+    from workers.train_step import collate
+
+    torch.manual_seed(1)
+    samples = [torch.randint(0, 64, (17,)) for _ in range(4)]
+    return collate(samples, range(4), torch.device("cpu"))
+
+
+def test_experts_split_over_the_ranks_give_each_token_and_each_expert_what_one_process_does(tmp_path):
+    """Each rank holds two of the four experts whole and sends every other token to the
+    other's; the loss shares add up to one process's loss, and each rank's experts' gradients
+    are that process's gradients of those experts (the rest summed by FSDP2 over the ranks)."""
+    from tests.gloo_ranks import gloo_ranks
+    from workers.model import Transformer
+    from workers.train_step import accumulate_gradients
+
+    results = gloo_ranks(expert_parallel_rank, 2, str(tmp_path / "init"))
+    torch.manual_seed(0)
+    whole = Transformer(EP_ARGS)
+    batch = ep_batch()
+    loss = accumulate_gradients(whole, token_cross_entropy, [batch], batch.weights.numel())
+    assert sum(facts["loss"] for facts, _ in results) == pytest.approx(loss, rel=1e-6)
+    for rank, (facts, grads) in enumerate(results):
+        assert facts["dispatched"] and facts["held"] == 2
+        expected = whole.layers["1"].feed_forward.experts.w1.grad[2 * rank:2 * rank + 2]
+        torch.testing.assert_close(grads["layers.1.feed_forward.experts.w1"], expected, rtol=1e-5, atol=1e-7)
+
+
 def test_experts_in_pipeline_stages_train_the_single_process_losses(ray_cluster, tmp_path):
     config = tiny_config(tmp_path, scaling__pp=2, steps=6, **EXPERTS)
     result = ElasticTrainer(config).fit()
@@ -114,6 +170,16 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
         tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__aux_loss_weight": 0.001})
     with pytest.raises(ConfigError, match=r"model.expert_bias_rate with scaling.pp=2: the experts' load is not balanced"):
         tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__expert_bias_rate": 0.001})
+    with pytest.raises(ConfigError, match=r"scaling.ep=2 with model.experts = 0: a dense model has no experts"):
+        tiny_config(tmp_path, shard=2, scaling__ep=2)
+    with pytest.raises(ConfigError, match=r"scaling.ep=2 with scaling.shard=4: .* set scaling.ep = 4 or 1"):
+        tiny_config(tmp_path, shard=4, scaling__ep=2, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"scaling.ep=3 with model.experts=4 does not split evenly over 3 ranks"):
+        tiny_config(tmp_path, shard=3, scaling__ep=3, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"scaling.ep=2 with scaling.pp=2: not with pipeline stages yet"):
+        tiny_config(tmp_path, shard=2, scaling__ep=2, scaling__pp=2, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"scaling.ep=2 with compute.compile: the all-to-all is not compiled yet"):
+        tiny_config(tmp_path, shard=2, scaling__ep=2, compute__compile=True, **EXPERTS)
     with pytest.raises(ConfigError, match=r"experts_per_token=6 is more than experts=4"):
         tiny_config(tmp_path, **{**EXPERTS, "model__experts_per_token": 6})
     with pytest.raises(ConfigError, match=r"dense_layers=2 leaves none of the 2 layers to the experts"):
@@ -193,3 +259,31 @@ def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_b
     exports_back_bit_for_bit(result.run_dir, source, tmp_path / "out")
     back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")  # and transformers loads it
     assert back.config.num_local_experts == 4
+
+
+def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_and_resumes_at_another_ep(
+        ray_cluster, tmp_path):
+    """Two groups of shard 2 with the experts split over each group's two ranks (ep 2), the
+    bias balancing them: a rank killed, a rank hung (its peer waits in the all-to-all: the hung
+    one is the culprit), a bit flipped. Saved at ep 2, resumed at ep 1 (FSDP2 shards the
+    experts), saved again and resumed at ep 2: DCP reshards the experts by name, and every
+    committed loss is the single process's."""
+    balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
+    inject = "kill:rank=1,step=1;hang:rank=2,step=3;flip:rank=3,step=4"
+    legs = [(8, {"groups": 2, "min_groups": 2, "scaling__ep": 2, "fault_tolerance__inject": inject,
+                 "integrity__every": 3, "fault_tolerance__min_deadline_s": 3.0,
+                 "fault_tolerance__deadline_factor": 4.0}),
+            (10, {}), (12, {"scaling__ep": 2})]
+    losses = []
+    for stop, layout in legs:
+        config = tiny_config(tmp_path, shard=2, steps=stop, checkpoint__every=2, **balanced, **layout)
+        result = ElasticTrainer(config).fit()
+        assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
+        losses += result.losses
+        if layout.get("fault_tolerance__inject"):
+            events = result.summary["events"]
+            failed = sorted((e["step"], e["rank"], e["cause"]) for e in events if e["kind"] == "rank-failed")
+            assert failed == [(1, 1, "death"), (3, 2, "hang")]
+            assert [e["step"] for e in events if e["kind"] == "integrity-mismatch"] == [6]
+    reference, _ = reference_run(config, 12)
+    assert max_relative_difference(losses, reference) <= 1e-5

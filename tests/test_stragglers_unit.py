@@ -395,10 +395,11 @@ def test_replace_chosen_when_spare_and_best():
     assert StragglerPolicy().decide(**args, spare_slots=0).action == "rebalance"
 
 
-def test_steps_of_milliseconds_are_never_worth_a_replacement_or_an_eviction():
+def test_steps_of_milliseconds_and_ranks_slow_by_their_experts_are_never_worth_a_replacement_or_an_eviction():
     """A flagged rank in a run of 10 ms steps (a user's MLP on a noisy host): replacing it
     would save 4 ms a step, and a heal costs seconds. Only the free rebalance is left; the same
-    slowdown on 1 s steps is worth the replacement."""
+    slowdown on 1 s steps is worth the replacement, unless the rank's work depends on its data
+    (it holds experts other ranks send their tokens to)."""
     s = {0: 0.010, 1: 0.010, 2: 0.015, 3: 0.010}
     args = dict(slow_ranks={2: 2}, group_fixed_seconds={}, weights={g: 1.0 for g in s}, spare_slots=1, min_groups=1)
     short = StragglerPolicy().decide(**args, group_seconds_per_sample=s, global_batch=4)  # 1 sample per group
@@ -408,6 +409,10 @@ def test_steps_of_milliseconds_are_never_worth_a_replacement_or_an_eviction():
     assert by_ratio_alone.baseline_step_s - by_ratio_alone.predicted_step_s < 0.05
     long = StragglerPolicy().decide(**args, group_seconds_per_sample={g: 100 * v for g, v in s.items()}, global_batch=4)
     assert long.action == "replace" and long.baseline_step_s - long.predicted_step_s >= 0.05
+    # With the experts split over ranks, the slow rank may hold a hot expert: slow by its data.
+    by_data = StragglerPolicy(slow_by_data=True).decide(
+        **args, group_seconds_per_sample={g: 100 * v for g, v in s.items()}, global_batch=4)
+    assert by_data.action == "rebalance"
 
 
 def test_none_on_healthy_cluster():

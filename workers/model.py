@@ -195,19 +195,54 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, 
 
 class GroupedExperts(nn.Module):
     """``experts`` SwiGLU feed-forwards, their weights stacked (expert, out, in): one grouped
-    GEMM computes every expert's rows. FSDP2 shards the stacks along the experts."""
+    GEMM computes every expert's rows. FSDP2 shards the stacks along the experts; or, with
+    expert parallelism (``workers.parallelize.split_experts``), each rank of the
+    ``dispatch_group`` holds its own experts whole and the rows travel to them by all-to-all."""
 
     def __init__(self, dim: int, hidden: int, experts: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.dispatch_group = None  # the ranks the experts are split over; None: all here
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's SwiGLU over its rows: ``rows`` sorted by expert, ``counts`` per expert."""
+        """Each expert's SwiGLU over its rows: ``rows`` sorted by expert, ``counts`` per expert
+        (of every expert, wherever it is held)."""
+        if self.dispatch_group is None:
+            return self._swiglu(rows, counts, self.w1, self.w2, self.w3)
+        return self._dispatched(rows, counts)
+
+    def _swiglu(self, rows, counts, w1, w2, w3) -> torch.Tensor:
         align = GROUP_ROWS_CUDA if rows.is_cuda else 1
-        hidden = F.silu(grouped_mm(rows, self.w1, counts, align)) * grouped_mm(rows, self.w3, counts, align)
-        return grouped_mm(hidden, self.w2, counts, align)
+        hidden = F.silu(grouped_mm(rows, w1, counts, align)) * grouped_mm(rows, w3, counts, align)
+        return grouped_mm(hidden, w2, counts, align)
+
+    def _dispatched(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows to the ranks holding their experts and back: every rank sends each peer the
+        rows of the peer's experts (uneven splits), computes the rows it received with its own
+        experts, and returns each its results in the order it sent them."""
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        group = self.dispatch_group
+        ranks = dist.get_world_size(group)
+        # this rank's experts, in the rows' precision (FSDP2 casts the weights it holds; not these)
+        own = [(weight.to_local() if isinstance(weight, DTensor) else weight).to(rows.dtype)
+               for weight in (self.w1, self.w2, self.w3)]
+        local = own[0].shape[0]
+        # what each peer sends each of this rank's experts (by peer, then expert)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        sent_splits = counts.view(ranks, local).sum(1).tolist()
+        received_splits = received.view(ranks, local).sum(1).tolist()
+        arrived = all_to_all_single_autograd(rows, received_splits, sent_splits, group)
+        # by this rank's expert, the peers' rows of each in peer order
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(received)
+        by_expert = expert_of_row.argsort(stable=True)
+        computed = self._swiglu(arrived[by_expert], received.view(ranks, local).sum(0), *own)
+        returned = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        return all_to_all_single_autograd(returned, sent_splits, received_splits, group)
 
 
 class MoE(nn.Module):

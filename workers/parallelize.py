@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from workers.model import Transformer
+from workers.model import GroupedExperts, Transformer
 
 Precision = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -149,14 +149,31 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.register_forward_hook(leave, always_call=True)
 
 
+def split_experts(model: nn.Module, shard_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Expert parallelism over the shard ranks: each rank keeps its own experts of each
+    expert layer, whole (the stacks sharded along the experts, as DTensors of the shard
+    mesh), and dispatches tokens to the others' by all-to-all (``GroupedExperts``). Returns
+    the split weights, which FSDP2 then leaves alone."""
+    split = set()
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            for name, weight in list(module.named_parameters(recurse=False)):
+                own = nn.Parameter(distribute_tensor(weight.data, shard_mesh, [Shard(0)], src_data_rank=None))
+                module.register_parameter(name, own)
+                split.add(own)
+            module.dispatch_group = shard_mesh.get_group()
+    return split
+
+
 def fully_shard_model(
     model: nn.Module, shard_mesh: DeviceMesh, blocks: list[nn.Module],
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), ignored: set[nn.Parameter] = frozenset(),
 ) -> None:
-    """FSDP2 per block, then at the root, with gradients summed across the shard dimension."""
+    """FSDP2 per block, then at the root, with gradients summed across the shard dimension;
+    ``ignored`` parameters (split experts) are not FSDP2's."""
     for block in blocks:
-        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=set(ignored) or None)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=set(ignored) or None)
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and AVG is where gloo goes wrong.
@@ -233,6 +250,7 @@ class Parallelize:
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
+    expert_parallel: bool = False  # the experts split over the shard ranks, dispatched to by all-to-all
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
@@ -254,7 +272,8 @@ class Parallelize:
             if dtype != torch.float32:
                 autocast_forward(model, mesh.device_type, dtype)
             return model
-        fully_shard_model(model, mesh["shard"], blocks, mixed_precision_policy(dtype))
+        experts = split_experts(model, mesh["shard"]) if self.expert_parallel else set()
+        fully_shard_model(model, mesh["shard"], blocks, mixed_precision_policy(dtype), ignored=experts)
         return model
 
 

@@ -84,9 +84,9 @@ class _Followup:
 
 class StragglerMitigation:
     def __init__(self, config: StragglerSettings, global_batch: int, events: EventLog,
-                 clock: Callable[[], float] = time.monotonic, min_gain: float = 0.05):
+                 clock: Callable[[], float] = time.monotonic, min_gain: float = 0.05, slow_by_data: bool = False):
         self.detector = StragglerDetector(config.window, config.threshold, config.mad_gate, config.patience, clock)
-        self.policy = StragglerPolicy(min_gain, config.min_saving_s)
+        self.policy = StragglerPolicy(min_gain, config.min_saving_s, slow_by_data)
         self.mitigate = config.mitigate
         self.global_batch = global_batch
         self.events = events

@@ -117,10 +117,14 @@ def water_fill(seconds: np.ndarray, fixed: np.ndarray, global_batch: int) -> tup
 
 
 class StragglerPolicy:
-    def __init__(self, min_gain: float = 0.05, min_saving_s: float = DEFAULT_MIN_SAVING_S):
+    def __init__(self, min_gain: float = 0.05, min_saving_s: float = DEFAULT_MIN_SAVING_S,
+                 slow_by_data: bool = False):
+        """``slow_by_data``: a rank's work per sample depends on its data (expert parallelism:
+        the rank holding a hot expert computes more rows), so a slow rank is not known to be
+        slow by its device, and neither replacing it nor evicting its group is taken."""
         if min_gain < 0 or min_saving_s < 0:
             raise ValueError(f"min_gain and min_saving_s must be >= 0, got {min_gain} and {min_saving_s}")
-        self.min_gain, self.min_saving_s = min_gain, min_saving_s
+        self.min_gain, self.min_saving_s, self.slow_by_data = min_gain, min_saving_s, slow_by_data
 
     def decide(
         self,
@@ -222,7 +226,8 @@ class StragglerPolicy:
             )
 
         worth = [c for c in candidates if c.predicted_step_s * (1.0 + self.min_gain) <= baseline * (1.0 + _TIE)
-                 and (c.action not in _DISRUPTIVE or baseline - c.predicted_step_s >= self.min_saving_s - _TIE)]
+                 and (c.action not in _DISRUPTIVE
+                      or not self.slow_by_data and baseline - c.predicted_step_s >= self.min_saving_s - _TIE)]
         if not worth:
             return None
         # The best prediction wins, but anything within min_gain of it is a tie that goes to

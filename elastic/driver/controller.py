@@ -155,7 +155,9 @@ class Controller:
         self.watch = RunWatch(collector)
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = (
-            StragglerMitigation(config.stragglers, config.global_batch, events, clock)
+            # with the experts split over ranks, a rank holding a hot expert is slow by its data
+            StragglerMitigation(config.stragglers, config.global_batch, events, clock,
+                                slow_by_data=config.scaling.ep > 1)
             if config.stragglers.enabled else None
         )
         self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary

@@ -86,6 +86,10 @@ class ScalingConfig(Section):
     # would draw the masks of its own share of the sequence, which a single process draws
     # differently).
     sequence_parallel: bool | None = None
+    # Expert parallelism: a mixture of experts' experts split over this many of a group's
+    # shard ranks (each its own, whole), tokens dispatched to them and back by all-to-all;
+    # 1: FSDP2 shards the experts like any parameter. For now 1 or all of scaling.shard.
+    ep: PositiveInt = Field(1, le=4096)
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> ScalingConfig:
@@ -478,6 +482,8 @@ class TrainConfig(Section):
         if model.experts and balancing and self.scaling.pp > 1:
             raise ValueError(f"model.{balancing[0]} with scaling.pp={self.scaling.pp}: the experts' load is not "
                              f"balanced across pipeline stages yet; set scaling.pp = 1, or {balancing[0]} = 0")
+        if self.scaling.ep > 1:
+            self._check_expert_parallel()
         if model.experts and tp > 1:
             raise ValueError(f"model.experts={model.experts} with scaling.tp={tp}: the experts are not tensor-parallel "
                              "yet; set scaling.tp = 1 (FSDP2 shards the experts over scaling.shard)")
@@ -498,6 +504,24 @@ class TrainConfig(Section):
         if self.scaling.pp > 1:
             self._check_pipeline()
         return self
+
+    def _check_expert_parallel(self) -> None:
+        scaling, model = self.scaling, self.model
+        ep = scaling.ep
+        problem = (
+            "model.experts = 0: a dense model has no experts to split" if not model.experts else
+            f"scaling.shard={scaling.shard}: experts split over a group's shard ranks, all of them for now; "
+            f"set scaling.ep = {scaling.shard} or 1" if ep != scaling.shard else
+            f"model.experts={model.experts} does not split evenly over {ep} ranks; give a multiple of {ep}"
+            if model.experts % ep else
+            f"scaling.pp={scaling.pp}: not with pipeline stages yet; set scaling.pp = 1" if scaling.pp > 1 else
+            "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"
+            if self.compute.compile else
+            "model.init_from: pretrained weights do not load split by expert yet; start at scaling.ep = 1 and "
+            "resume at this ep" if model.init_from else None
+        )
+        if problem:
+            raise ValueError(f"scaling.ep={ep} with {problem}")
 
     def _check_pipeline(self) -> None:
         scaling, model = self.scaling, self.model

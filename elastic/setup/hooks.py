@@ -114,6 +114,7 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
         sequence_parallel=config.sequence_parallel,
         tp_plan=tp_plan,
         float8=compute.float8,
+        expert_parallel=config.scaling.ep > 1,
     )
 
 
