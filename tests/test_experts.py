@@ -264,26 +264,29 @@ def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_b
 def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_and_resumes_at_another_ep(
         ray_cluster, tmp_path):
     """Two groups of shard 2 with the experts split over each group's two ranks (ep 2), the
-    bias balancing them: a rank killed, a rank hung (its peer waits in the all-to-all: the hung
-    one is the culprit), a bit flipped. Saved at ep 2, resumed at ep 1 (FSDP2 shards the
-    experts), saved again and resumed at ep 2: DCP reshards the experts by name, and every
-    committed loss is the single process's."""
+    bias balancing them: a rank killed, a bit flipped, a rank hung (its peer waits in the
+    all-to-all: the hung one is the culprit), then both copies of one rank's experts killed at
+    once (the memory tier restores them; no checkpoint is read). Saved at ep 2, resumed at ep 1
+    (FSDP2 shards the experts), saved again and resumed at ep 2: DCP reshards the experts by
+    name, and every committed loss is the single process's."""
     balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
-    inject = "kill:rank=1,step=1;hang:rank=2,step=3;flip:rank=3,step=4"
+    inject = "kill:rank=1,step=1;flip:rank=3,step=2;hang:rank=2,step=4;kill:rank=1,step=6;kill:rank=3,step=6"
     legs = [(8, {"groups": 2, "min_groups": 2, "scaling__ep": 2, "fault_tolerance__inject": inject,
-                 "integrity__every": 3, "fault_tolerance__min_deadline_s": 3.0,
-                 "fault_tolerance__deadline_factor": 4.0}),
+                 "integrity__every": 3, "checkpoint__every": 8, "checkpoint__memory_every": 2,
+                 "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
             (10, {}), (12, {"scaling__ep": 2})]
     losses = []
     for stop, layout in legs:
-        config = tiny_config(tmp_path, shard=2, steps=stop, checkpoint__every=2, **balanced, **layout)
+        config = tiny_config(tmp_path, shard=2, steps=stop, **{"checkpoint__every": 2, **balanced, **layout})
         result = ElasticTrainer(config).fit()
         assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
         losses += result.losses
         if layout.get("fault_tolerance__inject"):
             events = result.summary["events"]
             failed = sorted((e["step"], e["rank"], e["cause"]) for e in events if e["kind"] == "rank-failed")
-            assert failed == [(1, 1, "death"), (3, 2, "hang")]
-            assert [e["step"] for e in events if e["kind"] == "integrity-mismatch"] == [6]
+            assert failed == [(1, 1, "death"), (4, 2, "hang"), (6, 1, "death"), (6, 3, "death")]
+            assert [e["step"] for e in events if e["kind"] == "integrity-mismatch"] == [3]
+            kinds = {e["kind"] for e in events}
+            assert "restored-from-memory" in kinds and "restored-from-checkpoint" not in kinds
     reference, _ = reference_run(config, 12)
     assert max_relative_difference(losses, reference) <= 1e-5
