@@ -238,7 +238,8 @@ def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_
 
 def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(ray_cluster, tmp_path):
     """Mixtral's experts, one tensor each in its safetensors, read into the stacked weights at
-    shard 2 (each rank its own experts' slices): the first step's loss is transformers' own on
+    shard 2 with the experts split over both ranks (each rank reads its own experts, whole):
+    the first step's loss is transformers' own on
     that batch, and after steps that change nothing (SGD at learning rate 0) the export gives
     back every one of the source's tensors."""
     transformers = pytest.importorskip("transformers")
@@ -250,7 +251,7 @@ def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_b
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
     mixtral.save_pretrained(source)
-    config = tiny_config(tmp_path, shard=2, steps=2, checkpoint__every=2, model__init_from=str(source))
+    config = tiny_config(tmp_path, shard=2, scaling__ep=2, steps=2, checkpoint__every=2, model__init_from=str(source))
     assert (config.model.experts, config.model.experts_per_token, config.model.router_scores) == (4, 2, "softmax")
     result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.0)).fit()
     assert result.ok, result.exit

@@ -509,16 +509,15 @@ class TrainConfig(Section):
         scaling, model = self.scaling, self.model
         ep = scaling.ep
         problem = (
-            "model.experts = 0: a dense model has no experts to split" if not model.experts else
+            # model.init_from's fields come in later, checked again then
+            "model.experts = 0: a dense model has no experts to split" if not (model.experts or model.init_from) else
             f"scaling.shard={scaling.shard}: experts split over a group's shard ranks, all of them for now; "
             f"set scaling.ep = {scaling.shard} or 1" if ep != scaling.shard else
             f"model.experts={model.experts} does not split evenly over {ep} ranks; give a multiple of {ep}"
             if model.experts % ep else
             f"scaling.pp={scaling.pp}: not with pipeline stages yet; set scaling.pp = 1" if scaling.pp > 1 else
             "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"
-            if self.compute.compile else
-            "model.init_from: pretrained weights do not load split by expert yet; start at scaling.ep = 1 and "
-            "resume at this ep" if model.init_from else None
+            if self.compute.compile else None
         )
         if problem:
             raise ValueError(f"scaling.ep={ep} with {problem}")
