@@ -271,11 +271,15 @@ def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_an
     (FSDP2 shards the experts), saved again and resumed at ep 2: DCP reshards the experts by
     name, and every committed loss is the single process's."""
     balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
-    inject = "kill:rank=1,step=1;flip:rank=3,step=2;hang:rank=2,step=4;kill:rank=1,step=6;kill:rank=3,step=6"
-    legs = [(8, {"groups": 2, "min_groups": 2, "scaling__ep": 2, "fault_tolerance__inject": inject,
-                 "integrity__every": 3, "checkpoint__every": 8, "checkpoint__memory_every": 2,
-                 "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
-            (10, {}), (12, {"scaling__ep": 2})]
+    # The hang replaces rank 2, rank 1's buddy, and its copies go with it. A rank sends a
+    # snapshot once its buddy has the one before: by step 10, the snapshot of step 8 has gone
+    # out, so the buddy surely holds step 6's. (At step 6, only step 4's had been sent, and it
+    # may still have been on its way: then storage is the tier below.)
+    inject = "kill:rank=1,step=1;flip:rank=3,step=2;hang:rank=2,step=4;kill:rank=1,step=10;kill:rank=3,step=10"
+    legs = [(12, {"groups": 2, "min_groups": 2, "scaling__ep": 2, "fault_tolerance__inject": inject,
+                  "integrity__every": 3, "checkpoint__every": 12, "checkpoint__memory_every": 2,
+                  "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
+            (14, {}), (16, {"scaling__ep": 2})]
     losses = []
     for stop, layout in legs:
         config = tiny_config(tmp_path, shard=2, steps=stop, **{"checkpoint__every": 2, **balanced, **layout})
@@ -285,9 +289,9 @@ def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_an
         if layout.get("fault_tolerance__inject"):
             events = result.summary["events"]
             failed = sorted((e["step"], e["rank"], e["cause"]) for e in events if e["kind"] == "rank-failed")
-            assert failed == [(1, 1, "death"), (4, 2, "hang"), (6, 1, "death"), (6, 3, "death")]
+            assert failed == [(1, 1, "death"), (4, 2, "hang"), (10, 1, "death"), (10, 3, "death")]
             assert [e["step"] for e in events if e["kind"] == "integrity-mismatch"] == [3]
             kinds = {e["kind"] for e in events}
             assert "restored-from-memory" in kinds and "restored-from-checkpoint" not in kinds
-    reference, _ = reference_run(config, 12)
+    reference, _ = reference_run(config, 16)
     assert max_relative_difference(losses, reference) <= 1e-5
