@@ -15,8 +15,8 @@ Measured on the 2-core CI machine (2026-11-27, defaults): the MoE at 0.79 of the
 model's tokens/s; the grouped GEMM at 0.95 of a matmul per expert's time; the imbalance 3.38
 without the bias and 2.48 with it.
 
-Expert parallelism (the all-to-all's share of a step) is not built yet; a GPU's figures are
-bench/gpu_check.py's.
+Expert parallelism's all-to-all (``scaling.ep``) needs ranks: its share of a step is not
+measured here yet; a GPU's figures are bench/gpu_check.py's.
 
     python bench/moe.py [--dim 256] [--layers 4] [--experts 8] [--top-k 2] [--steps 40] [--bias-rate 0.01]
 """
@@ -37,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
-from workers.model import MoE, balance_experts, expert_layers, grouped_mm, looped_mm, routed_tokens  # noqa: E402
+from workers.model import (  # noqa: E402
+    balance_experts, expert_layers, expert_load, grouped_mm, looped_mm, routed_tokens,
+)
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
 
@@ -50,13 +52,13 @@ def config(args, storage: str, **model):
     })
 
 
-def train(job, steps: int, watch=None) -> list[float]:
-    """Seconds of each of ``steps`` training steps of ``job``'s model on its data; ``watch``,
-    given the model, returns what to call after each step."""
+def train(job, steps: int, loads: list[dict[int, float]] | None = None) -> list[float]:
+    """Seconds of each of ``steps`` training steps of ``job``'s model on its data; ``loads``
+    gets each step's expert load, as the step records hold it."""
     hooks = resolve_hooks(job)
     torch.manual_seed(job.seed)
     model = hooks.model_fn()
-    after_step = watch(model) if watch else lambda: None
+    experts = expert_layers(model)
     optimizer = hooks.optimizer_fn(model.parameters())
     cursor, seconds = DataCursor(), []
     for _ in range(steps):
@@ -66,10 +68,10 @@ def train(job, steps: int, watch=None) -> list[float]:
         accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
         optimizer.step()
         optimizer.zero_grad()
-        experts = expert_layers(model)
         balance_experts(experts, routed_tokens(experts))
         seconds.append(time.perf_counter() - started)
-        after_step()
+        if loads is not None:
+            loads.append(expert_load(experts, routed_tokens(experts)))
     return seconds
 
 
@@ -93,17 +95,9 @@ def expert_kernels(args) -> tuple[float, float]:
 
 def imbalance(job, steps: int) -> float:
     """The median over the run's second half of each step's mean over layers of max/mean load."""
-    per_step: list[float] = []
-
-    def watch(model):
-        routed: dict[int, torch.Tensor] = {}  # layer -> the tokens its experts got in the last forward
-        for index, layer in enumerate(module for module in model.modules() if isinstance(module, MoE)):
-            layer.experts.register_forward_hook(
-                lambda experts, inputs, output, index=index: routed.__setitem__(index, inputs[1].double()))
-        return lambda: per_step.append(statistics.mean((load.max() / load.mean()).item() for load in routed.values()))
-
-    train(job, steps, watch)
-    return statistics.median(per_step[steps // 2:])
+    loads: list[dict[int, float]] = []
+    train(job, steps, loads)
+    return statistics.median(statistics.mean(step.values()) for step in loads[steps // 2:])
 
 
 def main() -> None:

@@ -135,7 +135,7 @@ def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
         "vocab_size": fields["vocab_size"],
         "hidden_size": fields["dim"],
         # an expert's width, in a mixture of experts
-        "intermediate_size": fields.get("expert_hidden") or fields["ffn_hidden"] if experts else fields["ffn_hidden"],
+        "intermediate_size": (fields.get("expert_hidden") or fields["ffn_hidden"]) if experts else fields["ffn_hidden"],
         "num_hidden_layers": fields["n_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -262,12 +262,13 @@ def safetensors_header(path: str) -> dict[str, tuple[torch.Size, str]]:
                 for name in weights.keys()}
 
 
-def stored_shapes(directory: str, layout: LlamaLayout) -> dict[str, torch.Size]:
+def stored_shapes(directory: str, layout: LlamaLayout, files: dict[str, str] | None = None) -> dict[str, torch.Size]:
     """The shape of each of the reference model's tensors in ``directory`` (by its own name):
-    ValueError when a tensor is missing or not stored as floating point."""
+    ValueError when a tensor is missing or not stored as floating point. ``files``: its
+    ``weight_files``, where the caller has them."""
     names, stacked = llama_names(layout), expert_names(layout)
     wanted = {*names.values(), *(theirs for per_expert in stacked.values() for theirs in per_expert)}
-    files = weight_files(directory)
+    files = weight_files(directory) if files is None else files
     missing = sorted(wanted - files.keys())
     if missing:
         raise ValueError(f"the weights lack {len(missing)} of the model's tensors, such as {missing[0]!r}")
@@ -310,8 +311,8 @@ class PretrainedReader(StorageReader):
         return False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        shapes = stored_shapes(self.directory, self.layout)
         self.files = weight_files(self.directory)
+        shapes = stored_shapes(self.directory, self.layout, self.files)
         tensors = {ours: TensorStorageMetadata(TensorProperties(dtype=torch.float32), shape,
                                                [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
                    for ours, shape in shapes.items()}

@@ -94,11 +94,9 @@ def source_shapes(source: PretrainedSource, options: StorageOptions) -> dict[str
         return stored_shapes(source.location, source.layout)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from checkpointing.safe_loading import load_metadata
+    from checkpointing.safe_loading import check_metadata
 
-    fs, directory = options.filesystem(source.location)
-    with fs.open(f"{directory}/.metadata", "rb") as stream:
-        metadata = load_metadata(stream)
+    metadata = check_metadata(*options.filesystem(source.location))
     prefix = "model."
     return {key[len(prefix):]: item.size for key, item in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}

@@ -69,8 +69,8 @@ def load_metadata(stream: io.BufferedIOBase):
     return metadata
 
 
-def check_metadata(fs, directory: str) -> None:
-    """Raise ``UnsafeCheckpoint`` (or ``CorruptCheckpoint``) unless ``directory/.metadata``
-    is plain DCP metadata."""
+def check_metadata(fs, directory: str):
+    """``directory/.metadata``, checked to be plain DCP metadata: ``UnsafeCheckpoint`` (or
+    ``CorruptCheckpoint``) unless it is."""
     with fs.open(f"{directory}/.metadata", "rb") as stream:
-        load_metadata(stream)
+        return load_metadata(stream)

@@ -371,13 +371,21 @@ def routed_tokens(layers: list[MoE]) -> list[float]:
     return torch.cat([layer.step_routed for layer in layers]).tolist() if layers else []
 
 
+def routed_width(layers: list[MoE]) -> int:
+    """How many numbers ``routed_tokens`` gives: every layer's experts."""
+    return sum(layer.step_routed.numel() for layer in layers)
+
+
+def per_layer(layers: list[MoE], routed: Sequence[float]) -> list[torch.Tensor]:
+    """``routed``, as ``routed_tokens`` lays it out, cut into each layer's tokens per expert."""
+    return list(torch.tensor(routed, dtype=torch.float64).split([layer.step_routed.numel() for layer in layers]))
+
+
 def expert_load(layers: list[MoE], routed: Sequence[float]) -> dict[int, float]:
     """Each layer's load balance, by its number: its most loaded expert's tokens over the mean
-    (1.0: even), from ``routed`` as ``routed_tokens`` lays it out."""
-    routed = torch.tensor(routed, dtype=torch.float64)
-    loads = routed.split([layer.step_routed.numel() for layer in layers])
+    (1.0: even)."""
     return {layer.layer: round((tokens.max() / tokens.mean()).item(), 4) if tokens.sum() else 1.0
-            for layer, tokens in zip(layers, loads)}
+            for layer, tokens in zip(layers, per_layer(layers, routed))}
 
 
 def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
@@ -385,16 +393,15 @@ def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
     expert that got fewer tokens than the layer's mean and falls for one that got more.
     ``routed``: the step's tokens per expert of every layer, summed over every rank and every
     group (exact integers), so every replica moves its bias the same."""
-    routed = torch.tensor(routed, dtype=torch.float64)
     with torch.no_grad():
-        for layer, tokens in zip(layers, routed.split([layer.step_routed.numel() for layer in layers])):
+        for layer, tokens in zip(layers, per_layer(layers, routed)):
             bias = layer.expert_bias
             if bias is None:
                 continue
-            step = (layer.bias_rate * torch.sign(tokens.mean() - tokens)).to(bias.dtype)
+            step = (layer.bias_rate * torch.sign(tokens.mean() - tokens)).to(bias.device, bias.dtype)
             if isinstance(bias, DTensor):  # FSDP2's shard of it: this rank's part of the step
-                step = distribute_tensor(step.to(bias.device), bias.device_mesh, bias.placements, src_data_rank=None)
-            bias.add_(step.to(bias.device))
+                step = distribute_tensor(step, bias.device_mesh, bias.placements, src_data_rank=None)
+            bias.add_(step)
 
 
 def dropout(p: float) -> nn.Module:

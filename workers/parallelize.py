@@ -171,9 +171,10 @@ def fully_shard_model(
 ) -> None:
     """FSDP2 per block, then at the root, with gradients summed across the shard dimension;
     ``ignored`` parameters (split experts) are not FSDP2's."""
+    ignored_params = set(ignored) or None
     for block in blocks:
-        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=set(ignored) or None)
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=set(ignored) or None)
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and AVG is where gloo goes wrong.

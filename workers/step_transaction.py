@@ -54,7 +54,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
-from workers.model import balance_experts, expert_layers, expert_load, routed_tokens
+from workers.model import balance_experts, expert_layers, expert_load, routed_tokens, routed_width
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -312,7 +312,7 @@ class StepTransaction:
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             # a ballot of every rank's size: the routed tokens' places held with zeros
             sum_error = error
-            crossed = CrossGroupScalars(0.0, 0.0, 0.0, routed_tokens=(0.0,) * len(routed_tokens(self.experts)))
+            crossed = CrossGroupScalars(0.0, 0.0, 0.0, routed_tokens=(0.0,) * routed_width(self.experts))
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
@@ -349,7 +349,8 @@ class StepTransaction:
             self.at_micro_batch(step, index)
             self.gradient_sum.before_micro_batch(index, len(batches), self.world.replicate_group)
 
-        loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch)
+        loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch,
+                                                 self.experts)
         return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
 
     def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: float, report_due: bool,

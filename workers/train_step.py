@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
-from workers.model import add_micro_batch, expert_layers, set_row_shares
+from workers.model import MoE, add_micro_batch, expert_layers, set_row_shares
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Any model, any batch: (the batch's summed loss, how many things it summed over)
@@ -142,18 +142,19 @@ def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tok
 
 
 def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
-                on_micro_batch: Callable[[int], None], backward: bool) -> tuple[float, float]:
+                on_micro_batch: Callable[[int], None], backward: bool,
+                experts: Sequence[MoE] = ()) -> tuple[float, float]:
     """The micro-batches' summed loss shares over ``global_tokens`` and their summed counts,
     the shares summed on the device and read once, so the host never waits for the device
-    between micro-batches."""
+    between micro-batches. ``experts``: the expert layers that count the tokens the step routes
+    to each expert (its load, and the bias's step) and weigh each row's balance loss."""
     loss_share = torch.zeros((), device=batches[0].weights.device)
     counted = 0.0
-    # expert layers count the tokens a step routes to each expert (its load, and the bias's step)
-    experts = expert_layers(model) if backward else []
     try:
         for index, batch in enumerate(batches):
             on_micro_batch(index)
-            set_row_shares(experts, batch.row_shares(global_tokens))
+            if experts:
+                set_row_shares(experts, batch.row_shares(global_tokens))
             loss_sum, count = loss(model, batch)
             share = loss_sum / global_tokens
             if backward:
@@ -171,11 +172,14 @@ def counted_tokens(batches: Sequence[Batch]) -> int:
 
 
 def accumulate_counted(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
-                       on_micro_batch: Callable[[int], None] = lambda index: None) -> tuple[float, float]:
+                       on_micro_batch: Callable[[int], None] = lambda index: None,
+                       experts: Sequence[MoE] | None = None) -> tuple[float, float]:
     """Forward and backward over each micro-batch; returns this rank's share of the loss over
     ``global_tokens``, and what it counted (``token_rescale`` makes the step the mean over
-    every rank's count)."""
-    return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=True)
+    every rank's count). ``experts``: the model's expert layers, where the caller holds them
+    (a step on a hot path), else found in the model."""
+    experts = expert_layers(model) if experts is None else experts
+    return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=True, experts=experts)
 
 
 def accumulate_gradients(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,

@@ -13,8 +13,9 @@ A group with zero weight still pays ``fixed_g``: it takes part in the step with 
 
 Options, cheapest first (each only if it predicts at least ``min_gain`` over the current
 weights, and a replacement or an eviction only if it also saves ``min_saving_s`` of each
-step: steps of a few milliseconds are dominated by noise, and a heal costs seconds; the best prediction wins, where predictions less than ``min_gain`` apart are a tie
-that goes to the cheaper option):
+step: steps of a few milliseconds are dominated by noise, and a heal costs seconds; the
+best prediction wins, where predictions less than ``min_gain`` apart are a tie that goes to
+the cheaper option):
 
 1. ``rebalance``: water-filling weights that equalise ``fixed_g + share_g * s_g`` across
    groups (a group whose fixed cost alone is above the level gets no share). With no fixed

@@ -508,17 +508,17 @@ class TrainConfig(Section):
     def _check_expert_parallel(self) -> None:
         scaling, model = self.scaling, self.model
         ep = scaling.ep
-        problem = (
+        problems = [  # in order: the first that holds is refused
             # model.init_from's fields come in later, checked again then
-            "model.experts = 0: a dense model has no experts to split" if not (model.experts or model.init_from) else
-            f"scaling.shard={scaling.shard}: experts split over a group's shard ranks, all of them for now; "
-            f"set scaling.ep = {scaling.shard} or 1" if ep != scaling.shard else
-            f"model.experts={model.experts} does not split evenly over {ep} ranks; give a multiple of {ep}"
-            if model.experts % ep else
-            f"scaling.pp={scaling.pp}: not with pipeline stages yet; set scaling.pp = 1" if scaling.pp > 1 else
-            "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"
-            if self.compute.compile else None
-        )
+            (not (model.experts or model.init_from), "model.experts = 0: a dense model has no experts to split"),
+            (ep != scaling.shard, f"scaling.shard={scaling.shard}: experts split over a group's shard ranks, all of "
+                                  f"them for now; set scaling.ep = {scaling.shard} or 1"),
+            (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; give a "
+                                 f"multiple of {ep}"),
+            (scaling.pp > 1, f"scaling.pp={scaling.pp}: not with pipeline stages yet; set scaling.pp = 1"),
+            (self.compute.compile, "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"),
+        ]
+        problem = next((text for broken, text in problems if broken), None)
         if problem:
             raise ValueError(f"scaling.ep={ep} with {problem}")
 

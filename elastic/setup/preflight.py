@@ -77,7 +77,6 @@ def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
     if is_huggingface(source):
         from checkpointing.huggingface import model_fields, read_config
 
-
         # Its weights are checked where the run is known to start from them, not to resume.
         try:
             fields = model_fields(read_config(source))
