@@ -11,12 +11,18 @@ what the routing bias does to the experts' load.
 3. The load imbalance over a run, with DeepSeek-V3's routing bias off and on: each layer's
    most loaded expert's tokens over the mean, per step, its median over the run's second half.
 
-Measured on the 2-core CI machine (2026-11-27, defaults): the MoE at 0.79 of the dense
-model's tokens/s; the grouped GEMM at 0.95 of a matmul per expert's time; the imbalance 3.38
-without the bias and 2.48 with it.
+Measured on the 2-core CI machine (2026-11-27, defaults): the MoE at 0.77 of the dense
+model's tokens/s; the grouped GEMM at 0.99 of a matmul per expert's time; the imbalance 3.38
+without the bias and 2.48 with it; on two ranks ep 2 at 1.28x the tokens/s of ep 1, the
+all-to-all 14 % of an ep 2 step.
 
-Expert parallelism's all-to-all (``scaling.ep``) needs ranks: its share of a step is not
-measured here yet; a GPU's figures are bench/gpu_check.py's.
+4. Expert parallelism on two gloo processes (one CPU thread each): tokens/s of a training
+   step at ep 1 (FSDP2 shards the experts over both ranks and gathers them) and at ep 2 (each
+   rank holds half the experts whole; tokens travel by all-to-all), and the all-to-all's
+   share of the ep 2 step: the time torch's profiler records in gloo's all-to-all (the
+   counts' exchange, the rows' dispatch and return, forward and backward) over the step's.
+
+A GPU's figures are bench/gpu_check.py's.
 
     python bench/moe.py [--dim 256] [--layers 4] [--experts 8] [--top-k 2] [--steps 40] [--bias-rate 0.01]
 """
@@ -24,6 +30,7 @@ measured here yet; a GPU's figures are bench/gpu_check.py's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,6 +109,53 @@ def imbalance(job, steps: int) -> float:
     return statistics.median(statistics.mean(step.values()) for step in loads[steps // 2:])
 
 
+def expert_parallel_rank(rank: int, args, ep: int, init_file: str, results) -> None:
+    """One of two ranks training the MoE at ``ep``: its median step seconds, and the seconds of
+    gloo's all-to-all in the profiled steps over those steps' seconds (rank 0's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.parallelize import Parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    job = config(args, tempfile.mkdtemp(), ffn_hidden=args.dim * 2, experts=args.experts,
+                 experts_per_token=args.top_k, expert_hidden=args.dim * 2)
+    hooks = resolve_hooks(job)
+    torch.manual_seed(job.seed)
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "shard", "tp"))
+    model = Parallelize(precision="fp32", expert_parallel=ep > 1)(hooks.model_fn(), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cursor, seconds, profiled = DataCursor(), [], 4
+    step_count = args.steps // 4 + 3 + profiled
+    with profile(activities=[ProfilerActivity.CPU], schedule=torch.profiler.schedule(
+            wait=step_count - profiled - 1, warmup=1, active=profiled)) as profiler:
+        for _ in range(step_count):
+            indices, cursor = take_global_batch(cursor, len(hooks.dataset), job.global_batch, job.seed)
+            own = indices.tolist()[rank::2]
+            batch = collate(hooks.dataset, own, torch.device("cpu"))
+            started = time.perf_counter()
+            accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens * 2)
+            optimizer.step()
+            optimizer.zero_grad()
+            seconds.append(time.perf_counter() - started)
+            profiler.step()
+    all_to_all_us = sum(event.cpu_time_total for event in profiler.key_averages() if event.key == "gloo:all_to_all")
+    if rank == 0:
+        results.put((statistics.median(seconds[3:-profiled]), all_to_all_us / 1e6 / sum(seconds[-profiled:])))
+    dist.destroy_process_group()
+
+
+def expert_parallel(args, ep: int) -> tuple[float, float]:
+    """Median step seconds at ``ep`` on two processes, and the all-to-all's share of a step."""
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    init_file = os.path.join(tempfile.mkdtemp(), "init")
+    multiprocessing.start_processes(expert_parallel_rank, args=(args, ep, init_file, results), nprocs=2,
+                                    start_method="spawn")
+    return results.get()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=256)
@@ -133,6 +189,10 @@ def main() -> None:
                           expert_hidden=hidden, expert_bias_rate=rate)
         print(f"load imbalance (the most loaded expert's tokens over the mean), routing bias rate {rate:g}: "
               f"{imbalance(balanced, args.steps):.2f}")
+    (ep1_s, _), (ep2_s, all_to_all_share) = expert_parallel(args, 1), expert_parallel(args, 2)
+    print(f"two gloo ranks, {tokens // 2} tokens each: ep 1 (FSDP2 gathers the experts) {tokens / ep1_s:,.0f} "
+          f"tokens/s, ep 2 (all-to-all) {tokens / ep2_s:,.0f} tokens/s (ep 2/ep 1 {ep1_s / ep2_s:.2f}); the "
+          f"all-to-all {all_to_all_share:.0%} of an ep 2 step")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from checkpointing.huggingface import LlamaLayout  # noqa: E402
+from checkpointing.huggingface import HuggingFaceLayout  # noqa: E402
 from checkpointing.pretrained import PretrainedSource, load_pretrained  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
-from elastic.export import huggingface_llama  # noqa: E402
+from elastic.export import huggingface_model  # noqa: E402
 from tests.gloo_ranks import gloo_ranks  # noqa: E402
 from tests.memory import rss_bytes  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
@@ -75,7 +75,7 @@ def model_args(n_layers: int, dim: int) -> ModelArgs:
 def write_checkpoint(directory: Path, args: ModelArgs) -> int:
     """A HuggingFace directory of ``args``'s model; returns its weights' bytes."""
     torch.manual_seed(0)
-    weights, config = huggingface_llama(Transformer(args).state_dict(), args)
+    weights, config = huggingface_model(Transformer(args).state_dict(), args)
     directory.mkdir(parents=True)
     save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config))
@@ -93,7 +93,7 @@ def rank(index: int, world: tuple[int, int], directory: str | None, args: ModelA
     def build(args: ModelArgs, directory: str | None):
         load = None
         if directory is not None:
-            source = PretrainedSource(directory, LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads,
+            source = PretrainedSource(directory, HuggingFaceLayout(args.n_layers, args.n_heads, args.n_kv_heads,
                                                              args.tie_embeddings))
             load = lambda model: load_pretrained(model, source, StorageOptions(), dist.group.WORLD)  # noqa: E731
         return first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),

@@ -1,14 +1,15 @@
-"""HuggingFace Llama and Mixtral checkpoints, out and in: the one table of names and layouts
-between the reference model (``workers.model.Transformer``) and ``LlamaForCausalLM`` or, with
-experts, ``MixtralForCausalLM``, used by ``elastic export --format huggingface`` and by
+"""HuggingFace Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints, out and in: the one table of
+names and layouts between the reference model (``workers.model.Transformer``) and
+``LlamaForCausalLM``, ``MixtralForCausalLM`` (experts), ``Qwen3ForCausalLM`` (query-key norms)
+or ``Qwen3MoeForCausalLM`` (both), used by ``elastic export --format huggingface`` and by
 ``model.init_from``.
 
 - Names: ``tok_embeddings`` is ``model.embed_tokens``, ``layers.N.attention.wq`` is
   ``model.layers.N.self_attn.q_proj``, and so on; with tied embeddings Llama has no
   ``lm_head`` and the output projection is the embedding. Mixtral's router is
-  ``block_sparse_moe.gate``, and each expert's weights are tensors of their own
-  (``block_sparse_moe.experts.E.w1``): the reference model's stacked expert weights are
-  theirs stacked (``expert_names``).
+  ``block_sparse_moe.gate`` (Qwen3-MoE's ``mlp.gate``), and each expert's weights are
+  tensors of their own (``block_sparse_moe.experts.E.w1``, ``mlp.experts.E.gate_proj``): the
+  reference model's stacked expert weights are theirs stacked (``expert_names``).
 - Layout: the reference model rotates adjacent pairs of each head's dimensions, Llama the
   two halves, so the query and key projections' rows are permuted, as Meta's own Llama
   conversion does.
@@ -40,19 +41,42 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
-class LlamaLayout:
-    """What the name table depends on: the reference model's layers, heads and tying, and its
-    experts: a model with experts in every layer is Mixtral's (``MixtralForCausalLM``)."""
+class HuggingFaceLayout:
+    """What the name table depends on: the reference model's layers, heads and tying, its
+    query-key norms and its experts, which make it one of four HuggingFace families
+    (``model_type``)."""
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
     tie_embeddings: bool
     experts: int = 0
+    dense_layers: int = 0  # the first layers', feed-forwards without experts
+    qk_norm: bool = False
+
+    @property
+    def model_type(self) -> str:
+        """Qwen3's attention has the query-key norms; Mixtral's and Qwen3-MoE's layers experts."""
+        if self.qk_norm:
+            return "qwen3_moe" if self.experts else "qwen3"
+        return "mixtral" if self.experts else "llama"
+
+    def has_experts(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.dense_layers
 
 
-def llama_names(layout: LlamaLayout) -> dict[str, str]:
-    """The reference model's parameter names -> Llama's (tied: the output is the embedding)."""
+# Per family: the router's name in a layer of experts, and each of an expert's weights (the
+# reference model's w1, w2, w3) by the family's name.
+ROUTER_NAMES = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}
+EXPERT_WEIGHT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+                       "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def huggingface_names(layout: HuggingFaceLayout) -> dict[str, str]:
+    """The reference model's parameter names -> the family's (tied: the output is the
+    embedding); the stacked experts are ``expert_names``'."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "model.embed_tokens.weight" if layout.tie_embeddings else "lm_head.weight"}
     for layer in range(layout.n_layers):
@@ -65,8 +89,11 @@ def llama_names(layout: LlamaLayout) -> dict[str, str]:
             f"{ours}attention_norm.weight": f"{theirs}input_layernorm.weight",
             f"{ours}ffn_norm.weight": f"{theirs}post_attention_layernorm.weight",
         }
-        if layout.experts:
-            names[f"{ours}feed_forward.router.weight"] = f"{theirs}block_sparse_moe.gate.weight"
+        if layout.qk_norm:
+            names |= {f"{ours}attention.q_norm.weight": f"{theirs}self_attn.q_norm.weight",
+                      f"{ours}attention.k_norm.weight": f"{theirs}self_attn.k_norm.weight"}
+        if layout.has_experts(layer):
+            names[f"{ours}feed_forward.router.weight"] = f"{theirs}{ROUTER_NAMES[layout.model_type]}.weight"
         else:
             names |= {
                 f"{ours}feed_forward.w1.weight": f"{theirs}mlp.gate_proj.weight",
@@ -76,15 +103,18 @@ def llama_names(layout: LlamaLayout) -> dict[str, str]:
     return names
 
 
-def expert_names(layout: LlamaLayout) -> dict[str, tuple[str, ...]]:
-    """The reference model's stacked expert weights -> Mixtral's tensor of each expert."""
-    return {f"layers.{layer}.feed_forward.experts.{weight}": tuple(
-                f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{weight}.weight"
-                for expert in range(layout.experts))
-            for layer in range(layout.n_layers if layout.experts else 0) for weight in ("w1", "w2", "w3")}
+def expert_names(layout: HuggingFaceLayout) -> dict[str, tuple[str, ...]]:
+    """The reference model's stacked expert weights -> the family's tensor of each expert."""
+    if not layout.experts:
+        return {}
+    prefix, weight_names = EXPERT_WEIGHT_NAMES[layout.model_type]
+    return {f"layers.{layer}.feed_forward.experts.{ours}": tuple(
+                f"model.layers.{layer}.{prefix}.{expert}.{theirs}.weight" for expert in range(layout.experts))
+            for layer in range(layout.n_layers) if layout.has_experts(layer)
+            for ours, theirs in weight_names.items()}
 
 
-def rotary_heads(name: str, layout: LlamaLayout) -> int | None:
+def rotary_heads(name: str, layout: HuggingFaceLayout) -> int | None:
     """The heads of a projection whose rows are in rotary order (query, key), else None."""
     if name.endswith("attention.wq.weight"):
         return layout.n_heads
@@ -108,10 +138,10 @@ def halves_rows(rows: range, total_rows: int, heads: int) -> torch.Tensor:
     return index - within + (within % 2) * (head_dim // 2) + within // 2
 
 
-def huggingface_state(state: dict[str, torch.Tensor], layout: LlamaLayout) -> dict[str, torch.Tensor]:
-    """The reference model's whole state under Llama's (or Mixtral's) names and layout."""
+def huggingface_state(state: dict[str, torch.Tensor], layout: HuggingFaceLayout) -> dict[str, torch.Tensor]:
+    """The reference model's whole state under its HuggingFace family's names and layout."""
     out = {}
-    for ours, theirs in llama_names(layout).items():
+    for ours, theirs in huggingface_names(layout).items():
         if ours == "output.weight" and layout.tie_embeddings:
             continue
         heads = rotary_heads(ours, layout)
@@ -121,25 +151,60 @@ def huggingface_state(state: dict[str, torch.Tensor], layout: LlamaLayout) -> di
     return out
 
 
+def layout_of(fields: dict[str, Any]) -> HuggingFaceLayout:
+    """The name table of a model whose ``model`` section (or ``ModelArgs``) has ``fields``."""
+    return HuggingFaceLayout(fields["n_layers"], fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"],
+                       fields["tie_embeddings"], fields.get("experts") or 0, fields.get("dense_layers") or 0,
+                       bool(fields.get("qk_norm")))
+
+
+def family_obstacle(fields: dict[str, Any]) -> str | None:
+    """Why no HuggingFace family computes what the reference model with ``fields`` does, or
+    None: experts are Mixtral's (no query-key norms: every layer, all normalised) or
+    Qwen3-MoE's, and neither has shared experts, sigmoid scores or a routing bias."""
+    if not fields.get("experts"):
+        return None
+    differing = [name for name, theirs in (("shared_experts", 0), ("router_scores", "softmax"),
+                                           ("expert_bias_rate", 0.0)) if fields.get(name, theirs) != theirs]
+    if not fields.get("qk_norm"):  # Mixtral's
+        differing += [name for name, theirs in (("dense_layers", 0), ("normalize_top_k", True))
+                      if fields.get(name, theirs) != theirs]
+    if not differing:
+        return None
+    return (f"experts are written as Mixtral's (every layer, no query-key norms) or Qwen3-MoE's (with them), "
+            f"neither of which has this run's {', '.join(f'model.{name}' for name in differing)}")
+
+
 def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
     """``config.json`` of a model whose ``model`` section (or ``ModelArgs``) has ``fields``,
-    trained on sequences of ``max_seq_len``."""
+    trained on sequences of ``max_seq_len``; its family is ``layout_of(fields).model_type``
+    (``family_obstacle`` says first whether one holds it)."""
     scaling = fields.get("rope_scaling")
     heads, kv_heads = fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"]
-    experts = fields.get("experts") or 0
-    mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
-               "num_experts_per_tok": fields.get("experts_per_token"), "output_router_logits": False,
-               "router_jitter_noise": 0.0, "sliding_window": None}
+    model_type = layout_of(fields).model_type
+    experts, expert_hidden = fields.get("experts") or 0, fields.get("expert_hidden") or fields["ffn_hidden"]
+    family = {
+        "llama": {"intermediate_size": fields["ffn_hidden"], "mlp_bias": False},
+        "mixtral": {"num_local_experts": experts, "num_experts_per_tok": fields.get("experts_per_token"),
+                    "intermediate_size": expert_hidden, "output_router_logits": False,
+                    "router_jitter_noise": 0.0, "sliding_window": None},
+        "qwen3": {"intermediate_size": fields["ffn_hidden"], "use_sliding_window": False, "sliding_window": None},
+        "qwen3_moe": {"num_experts": experts, "num_experts_per_tok": fields.get("experts_per_token"),
+                      "intermediate_size": fields["ffn_hidden"], "moe_intermediate_size": expert_hidden,
+                      "decoder_sparse_step": 1, "mlp_only_layers": list(range(fields.get("dense_layers") or 0)),
+                      "norm_topk_prob": bool(fields.get("normalize_top_k", True)), "output_router_logits": False,
+                      "use_sliding_window": False, "sliding_window": None},
+    }[model_type]
     return {
-        **(mixtral if experts else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        **family,
         "vocab_size": fields["vocab_size"],
         "hidden_size": fields["dim"],
-        # an expert's width, in a mixture of experts
-        "intermediate_size": (fields.get("expert_hidden") or fields["ffn_hidden"]) if experts else fields["ffn_hidden"],
         "num_hidden_layers": fields["n_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": fields["dim"] // heads,
+        "head_dim": fields.get("head_dim") or fields["dim"] // heads,
         "hidden_act": "silu",
         # The length the model is made for, which HuggingFace bounds generation with: the
         # source's when the run started from one (its config.json's), or the length the run
@@ -153,13 +218,13 @@ def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
             "original_max_position_embeddings": scaling["original_max_len"]},
         "tie_word_embeddings": fields["tie_embeddings"],
         "attention_bias": False,
-        "mlp_bias": False,
     }
 
 
 def model_fields(config: dict) -> dict[str, Any]:
-    """The ``model`` section's fields of a HuggingFace Llama ``config.json``; ValueError names
-    what the reference model cannot compute, or a field that is not what Llama's is."""
+    """The ``model`` section's fields of a HuggingFace Llama, Mixtral, Qwen3 or Qwen3-MoE
+    ``config.json``; ValueError names what the reference model cannot compute, or a field
+    that is not what the family's is."""
     if not isinstance(config, dict):
         raise ValueError(f"{CONFIG_NAME} holds a {type(config).__name__}, not a JSON object")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -167,37 +232,43 @@ def model_fields(config: dict) -> dict[str, Any]:
     for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         positive_int(config, name, required=False)
     model_type = config.get("model_type")
-    if model_type not in ("llama", "mixtral"):
-        raise ValueError(f"model_type is {model_type!r}: only Llama-family checkpoints (model_type 'llama', or "
-                         "'mixtral' with experts) load into the reference model")
-    mixtral = model_type == "mixtral"
-    if mixtral:
-        positive_int(config, "num_local_experts", required=True)
-        positive_int(config, "num_experts_per_tok", required=True)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type is {model_type!r}: only {', '.join(map(repr, ARCHITECTURES))} checkpoints "
+                         "load into the reference model")
+    qwen3 = model_type.startswith("qwen3")
+    experts = experts_of(config, model_type)
+    # Qwen3's configs carry a sliding_window that only use_sliding_window turns on.
+    sliding = ("use_sliding_window", False) if qwen3 else ("sliding_window", None)
     unsupported = [f"{key}={config.get(key)!r}" for key, ours in
-                   (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("sliding_window", None))
+                   (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), sliding)
                    if config.get(key, ours) != ours]
-    heads = config["num_attention_heads"]
-    if (config.get("head_dim") or config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        unsupported.append(f"head_dim={config['head_dim']!r} (not hidden_size / num_attention_heads)")
     # transformers 5 writes rope_parameters (the base inside it); earlier versions rope_theta
     # and rope_scaling.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         unsupported.append(f"rope_type={rope_type!r}")
+    if model_type == "qwen3_moe" and config.get("decoder_sparse_step", 1) != 1:
+        unsupported.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} (experts in every layer "
+                           "after the first mlp_only_layers)")
+    dense_layers = (config.get("mlp_only_layers") or []) if model_type == "qwen3_moe" else []
+    if dense_layers != list(range(len(dense_layers))):
+        unsupported.append(f"mlp_only_layers={dense_layers!r} (the reference model's dense layers are the first)")
     if unsupported:
         raise ValueError(f"the reference model does not compute {', '.join(unsupported)}")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return {
         "vocab_size": config["vocab_size"],
         "dim": config["hidden_size"],
         "n_layers": config["num_hidden_layers"],
         "n_heads": heads,
         "n_kv_heads": config.get("num_key_value_heads", heads),
+        "head_dim": None if head_dim * heads == config["hidden_size"] else head_dim,
+        "qk_norm": qwen3,
         "ffn_hidden": config["intermediate_size"],
-        # Mixtral's: every layer's feed-forward a softmax-routed mixture of experts that wide
-        "experts": config["num_local_experts"] if mixtral else 0,
-        **({"experts_per_token": config["num_experts_per_tok"], "router_scores": "softmax"} if mixtral else {}),
+        **experts,
+        **({"dense_layers": len(dense_layers)} if dense_layers else {}),
         "max_position_embeddings": config.get("max_position_embeddings"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
@@ -207,6 +278,28 @@ def model_fields(config: dict) -> dict[str, Any]:
             "high_freq_factor": float(rope["high_freq_factor"]),
             "original_max_len": int(rope["original_max_position_embeddings"])},
     }
+
+
+def experts_of(config: dict, model_type: str) -> dict[str, Any]:
+    """The ``model`` section's expert fields of a family's ``config.json``: Mixtral's every
+    layer softmax-routed experts as wide as ``intermediate_size``, normalised; Qwen3-MoE's
+    ``moe_intermediate_size`` wide, normalised as ``norm_topk_prob`` says. A dense family's:
+    none."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {"experts": 0}
+    # transformers 5 writes num_local_experts for Qwen3-MoE too; the published configs num_experts
+    count = "num_experts" if model_type == "qwen3_moe" and "num_experts" in config else "num_local_experts"
+    positive_int(config, count, required=True)
+    positive_int(config, "num_experts_per_tok", required=True)
+    fields = {"experts": config[count], "experts_per_token": config["num_experts_per_tok"], "router_scores": "softmax"}
+    if model_type == "qwen3_moe":
+        positive_int(config, "moe_intermediate_size", required=True)
+        fields |= {"expert_hidden": config["moe_intermediate_size"],
+                   "normalize_top_k": bool(config.get("norm_topk_prob", False))}
+    else:
+        # Mixtral's intermediate_size is its experts' width, and it has no dense feed-forward.
+        fields |= {"expert_hidden": config["intermediate_size"]}
+    return fields
 
 
 def positive_int(config: dict, name: str, required: bool) -> None:
@@ -262,11 +355,12 @@ def safetensors_header(path: str) -> dict[str, tuple[torch.Size, str]]:
                 for name in weights.keys()}
 
 
-def stored_shapes(directory: str, layout: LlamaLayout, files: dict[str, str] | None = None) -> dict[str, torch.Size]:
+def stored_shapes(directory: str, layout: HuggingFaceLayout,
+                  files: dict[str, str] | None = None) -> dict[str, torch.Size]:
     """The shape of each of the reference model's tensors in ``directory`` (by its own name):
     ValueError when a tensor is missing or not stored as floating point. ``files``: its
     ``weight_files``, where the caller has them."""
-    names, stacked = llama_names(layout), expert_names(layout)
+    names, stacked = huggingface_names(layout), expert_names(layout)
     wanted = {*names.values(), *(theirs for per_expert in stacked.values() for theirs in per_expert)}
     files = weight_files(directory) if files is None else files
     missing = sorted(wanted - files.keys())
@@ -292,13 +386,13 @@ def stored_shapes(directory: str, layout: LlamaLayout, files: dict[str, str] | N
 
 
 class PretrainedReader(StorageReader):
-    """A HuggingFace Llama directory as a DCP checkpoint of the reference model's state: its
+    """A HuggingFace directory as a DCP checkpoint of the reference model's state: its
     names and rotary layout, each requested slice read from the safetensors files alone."""
 
-    def __init__(self, directory: str, layout: LlamaLayout):
+    def __init__(self, directory: str, layout: HuggingFaceLayout):
         super().__init__()
         self.directory, self.layout = directory, layout
-        self.names = llama_names(layout)
+        self.names = huggingface_names(layout)
         self.stacked = expert_names(layout)  # a stacked expert weight: its experts' stored tensors
         self.files: dict[str, str] = {}
         self.bytes_read = 0

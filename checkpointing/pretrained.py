@@ -1,4 +1,4 @@
-"""The weights a run starts from (``model.init_from``): a HuggingFace Llama directory, or a
+"""The weights a run starts from (``model.init_from``): a HuggingFace directory, or a
 committed checkpoint of another run of this project (``RUN`` or ``RUN@STEP``: its model's
 weights only; the optimizer and the data cursor start fresh). Either way every rank of a
 build reads only the slices its shards hold, through DCP: over the safetensors files
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from checkpointing.huggingface import (
-    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, LlamaLayout, PretrainedReader, expert_names, llama_names, stored_shapes,
-    weight_files,
+    CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, HuggingFaceLayout, PretrainedReader, expert_names, huggingface_names,
+    layout_of, stored_shapes, weight_files,
 )
 from checkpointing.catalog import CHECKPOINTS_DIR, step_dir_name
 from checkpointing.manifest import MANIFEST_NAME
@@ -30,7 +30,7 @@ RUN_STEP = re.compile(r"^(?P<run>.+?)(?:@(?P<step>\d+))?$")
 @dataclass(frozen=True)
 class PretrainedSource:
     location: str  # a HuggingFace directory, or a checkpoint's URL
-    layout: LlamaLayout | None  # a HuggingFace directory's name table; None: a checkpoint of this project
+    layout: HuggingFaceLayout | None  # a HuggingFace directory's name table; None: a checkpoint of this project
 
 
 def pretrained_source(model, options: StorageOptions) -> PretrainedSource | None:
@@ -39,8 +39,7 @@ def pretrained_source(model, options: StorageOptions) -> PretrainedSource | None
     if not model.init_from:
         return None
     if is_huggingface(model.init_from):
-        return PretrainedSource(model.init_from, LlamaLayout(model.n_layers, model.n_heads, model.kv_heads,
-                                                             model.tie_embeddings, model.experts))
+        return PretrainedSource(model.init_from, layout_of(model.model_dump()))
     run, step = run_and_step(model.init_from)
     return PretrainedSource(join_url(run, CHECKPOINTS_DIR, step_dir_name(step)), None)
 
@@ -121,7 +120,7 @@ def load_pretrained(model: nn.Module, source: PretrainedSource, options: Storage
 
             load_weights(model, source.location, options, process_group)
             return 0
-        names = llama_names(source.layout) | expert_names(source.layout)
+        names = huggingface_names(source.layout) | expert_names(source.layout)
         state = {name: tensor for name, tensor in model.state_dict().items() if name in names}
         reader = PretrainedReader(source.location, source.layout)
         dcp.load(state, storage_reader=reader, process_group=process_group)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
-from checkpointing.huggingface import WEIGHTS_NAME, LlamaLayout, config_json, huggingface_state
+from checkpointing.huggingface import WEIGHTS_NAME, config_json, family_obstacle, huggingface_state, layout_of
 from checkpointing.manifest import CorruptCheckpoint, signing_key_from_environment
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
 from checkpointing.safe_loading import load_metadata
@@ -76,7 +76,7 @@ def reference_model_args(manifest_config: dict) -> ModelArgs:
     """The reference model's arguments as the run configured them (the manifest's record)."""
     from elastic.setup.hooks import model_args
 
-    # at tp 1: the model alone, not the default layout's checks (experts refuse tp 2)
+    # at tp 1: the model alone, not the checks of the layout it trained at
     config = TrainConfig.model_validate({"model": manifest_config["model"], "scaling": {"tp": 1},
                                          "data": {"seq_len": manifest_config["data"]["seq_len"]}})
     return model_args(config)
@@ -90,14 +90,13 @@ def is_reference_model(state: dict[str, torch.Tensor], args: ModelArgs) -> bool:
     return set(state) == set(expected) and all(state[name].shape == expected[name].shape for name in expected)
 
 
-def huggingface_llama(state: dict[str, torch.Tensor], args: ModelArgs,
+def huggingface_model(state: dict[str, torch.Tensor], args: ModelArgs,
                       max_position_embeddings: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The reference model's state under HuggingFace Llama's names, and its ``config.json``.
     ``max_position_embeddings``: the ``model`` section's, the source model's when the run
     started from one (``ModelArgs`` hold only the length the run trained on)."""
-    layout = LlamaLayout(args.n_layers, args.n_heads, args.n_kv_heads, args.tie_embeddings, args.experts)
     fields = asdict(args) | {"max_position_embeddings": max_position_embeddings}
-    return huggingface_state(state, layout), config_json(fields, args.max_seq_len)
+    return huggingface_state(state, layout_of(fields)), config_json(fields, args.max_seq_len)
 
 
 def later_steps_passed_over(catalog: CheckpointCatalog, exported_step: int) -> tuple[PassedOver, ...]:
@@ -156,13 +155,10 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         if not reference:
             raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
                               "export --format native and load it with your model's load_state_dict")
-        if args.experts and (args.dense_layers or args.shared_experts or args.router_scores != "softmax"
-                             or args.expert_bias_rate):
-            raise ConfigError("--format huggingface: experts are written as Mixtral's, which has experts in every "
-                              "layer, no shared experts, softmax routing and no routing bias; this run's differ "
-                              "(model.dense_layers, shared_experts, router_scores, expert_bias_rate): "
-                              "export --format native")
-        state, config = huggingface_llama(state, args,
+        obstacle = family_obstacle(asdict(args))
+        if obstacle:
+            raise ConfigError(f"--format huggingface: {obstacle}; export --format native")
+        state, config = huggingface_model(state, args,
                                           checkpoint.manifest.config["model"].get("max_position_embeddings"))
         config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         _write_json(os.path.join(output, "config.json"), config)

@@ -155,8 +155,21 @@ def test_experts_split_over_the_ranks_give_each_token_and_each_expert_what_one_p
         torch.testing.assert_close(grads["layers.1.feed_forward.experts.w1"], expected, rtol=1e-5, atol=1e-7)
 
 
-def test_experts_in_pipeline_stages_train_the_single_process_losses(ray_cluster, tmp_path):
-    config = tiny_config(tmp_path, scaling__pp=2, steps=6, **EXPERTS)
+@pytest.mark.parametrize("layout", [
+    {"scaling__pp": 2},
+    {"scaling__pp": 2, "shard": 2, "scaling__ep": 2},
+    {"shard": 2, "scaling__ep": 2, "tp": 2, "model__expert_bias_rate": 0.01, "model__aux_loss_weight": 0.01,
+     "model__router_scores": "sigmoid"},
+    {"shard": 2, "tp": 2, "scaling__sequence_parallel": False, "model__qk_norm": True, "model__head_dim": 16,
+     "model__normalize_top_k": False},
+], ids=["pp2", "pp2-ep2", "ep2-tp2-balanced", "shard2-tp2-no-sp-qwen3"])
+def test_experts_in_pipeline_stages_and_tensor_parallel_rows_train_the_single_process_losses(
+        ray_cluster, tmp_path, layout):
+    """Each pipeline stage's experts split over its shard ranks; TP ranks routing the same
+    tokens to the same experts, the shared expert split like a dense feed-forward, with and
+    without sequence parallelism's shares around it; Qwen3's query-key norms over each TP
+    rank's own heads."""
+    config = tiny_config(tmp_path, steps=6, **{**EXPERTS, **layout})
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     reference, _ = reference_run(config, 6)
@@ -164,8 +177,8 @@ def test_experts_in_pipeline_stages_train_the_single_process_losses(ray_cluster,
 
 
 def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"model.experts=4 with scaling.tp=2: the experts are not tensor-parallel"):
-        tiny_config(tmp_path, tp=2, **EXPERTS)
+    with pytest.raises(ConfigError, match=r"scaling.tp=4 does not divide model.expert_hidden x shared_experts=6"):
+        tiny_config(tmp_path, tp=4, **{**EXPERTS, "model__expert_hidden": 6})
     with pytest.raises(ConfigError, match=r"model.aux_loss_weight with scaling.pp=2: the experts' load is not balanced"):
         tiny_config(tmp_path, scaling__pp=2, **{**EXPERTS, "model__aux_loss_weight": 0.001})
     with pytest.raises(ConfigError, match=r"model.expert_bias_rate with scaling.pp=2: the experts' load is not balanced"):
@@ -176,8 +189,6 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
         tiny_config(tmp_path, shard=4, scaling__ep=2, **EXPERTS)
     with pytest.raises(ConfigError, match=r"scaling.ep=3 with model.experts=4 does not split evenly over 3 ranks"):
         tiny_config(tmp_path, shard=3, scaling__ep=3, **EXPERTS)
-    with pytest.raises(ConfigError, match=r"scaling.ep=2 with scaling.pp=2: not with pipeline stages yet"):
-        tiny_config(tmp_path, shard=2, scaling__ep=2, scaling__pp=2, **EXPERTS)
     with pytest.raises(ConfigError, match=r"scaling.ep=2 with compute.compile: the all-to-all is not compiled yet"):
         tiny_config(tmp_path, shard=2, scaling__ep=2, compute__compile=True, **EXPERTS)
     with pytest.raises(ConfigError, match=r"experts_per_token=6 is more than experts=4"):
@@ -236,30 +247,45 @@ def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_
     assert main(["export", resumed.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2
 
 
-def test_a_tiny_mixtral_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(ray_cluster, tmp_path):
-    """Mixtral's experts, one tensor each in its safetensors, read into the stacked weights at
+def tiny_mixtral(transformers):
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def tiny_qwen3_moe(transformers):
+    """Qwen3-MoE's own shape: heads wider than hidden_size / heads, norms on each head's query
+    and key, a dense first layer, experts narrower than it, weights normalised over the chosen."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("family", [tiny_mixtral, tiny_qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_a_tiny_moe_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(
+        ray_cluster, tmp_path, family):
+    """A family's experts, one tensor each in its safetensors, read into the stacked weights at
     shard 2 with the experts split over both ranks (each rank reads its own experts, whole):
-    the first step's loss is transformers' own on
-    that batch, and after steps that change nothing (SGD at learning rate 0) the export gives
-    back every one of the source's tensors."""
+    the first step's loss is transformers' own on that batch, and after steps that change
+    nothing (SGD at learning rate 0) the export gives back every one of the source's tensors,
+    under the same family."""
     transformers = pytest.importorskip("transformers")
     from tests.test_pretrained import exports_back_bit_for_bit, first_batch_loss_of
 
-    source = tmp_path / "hf-mixtral"
+    source = tmp_path / "hf-moe"
     torch.manual_seed(5)
-    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
-    mixtral.save_pretrained(source)
+    model = family(transformers)
+    model.save_pretrained(source)
     config = tiny_config(tmp_path, shard=2, scaling__ep=2, steps=2, checkpoint__every=2, model__init_from=str(source))
     assert (config.model.experts, config.model.experts_per_token, config.model.router_scores) == (4, 2, "softmax")
     result = ElasticTrainer(config, optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.0)).fit()
     assert result.ok, result.exit
-    expected = first_batch_loss_of(lambda tokens: mixtral(tokens).logits, config)
+    expected = first_batch_loss_of(lambda tokens: model(tokens).logits, config)
     assert abs(result.losses[0] - expected) <= 1e-4 * expected
     exports_back_bit_for_bit(result.run_dir, source, tmp_path / "out")
-    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")  # and transformers loads it
-    assert back.config.num_local_experts == 4
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # and transformers loads it
+    assert type(back) is type(model) and back.config.num_experts_per_tok == 2
 
 
 def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_and_resumes_at_another_ep(

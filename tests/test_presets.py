@@ -22,7 +22,7 @@ DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
 
 # The largest tp each preset's sizes (heads, kv heads, dim, ffn, vocabulary) allow up to 8.
 FITTING_TP = {"tiny": 4, "llama-125m": 4, "llama3-1b": 8, "llama3-8b": 8, "llama3-70b": 8, "llama3-405b": 8,
-              "mixtral-8x7b": 1, "mixtral-8x22b": 1}  # experts have no TP yet
+              "mixtral-8x7b": 8, "mixtral-8x22b": 8, "qwen3-30b-a3b": 4, "qwen3-235b-a22b": 4}
 # llama3-*: the parameter counts published for Llama 3.2 1B, Llama 3 8B and 70B, and Llama 3.1 405B.
 EXPECTED_PARAMETERS = {
     "tiny": pytest.approx(139_584),
@@ -34,6 +34,9 @@ EXPECTED_PARAMETERS = {
     # Mixtral 8x7B and 8x22B as published
     "mixtral-8x7b": 46_702_792_704,
     "mixtral-8x22b": 140_630_071_296,
+    # Qwen3-30B-A3B and Qwen3-235B-A22B as their safetensors hold them
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
 }
 
 
@@ -90,12 +93,16 @@ def test_cli_unknown_preset_fails_before_anything_starts(monkeypatch, capsys):
     assert "model.preset: unknown preset 'nope'; choose one of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qwen3-heads"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_activation_estimate_counts_what_autograd_saves(dtype):
-    # GQA, and every width distinct, so a term counted with the wrong width shows. Dropout
-    # stays off: on CPU it saves a mask in the input's dtype, on CUDA the estimated one byte.
+def test_activation_estimate_counts_what_autograd_saves(dtype, qwen3):
+    # GQA, and every width distinct, so a term counted with the wrong width shows (Qwen3's
+    # heads wider than dim / n_heads, with their query-key norms). Dropout stays off: on CPU
+    # it saves a mask in the input's dtype, on CUDA the estimated one byte.
+    heads = {"head_dim": 24, "qk_norm": True} if qwen3 else {}
     config = build_config({
-        "model": {"vocab_size": 96, "dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 320},
+        "model": {"vocab_size": 96, "dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 320,
+                  **heads},
         "data": {"seq_len": 16},
     })
     model = Transformer(model_args(config)).to(dtype)

@@ -25,11 +25,11 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing.huggingface import INDEX_NAME, LlamaLayout
+from checkpointing.huggingface import INDEX_NAME, HuggingFaceLayout
 from checkpointing.pretrained import PretrainedSource, load_pretrained
 from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
-from elastic.export import huggingface_llama, model_state
+from elastic.export import huggingface_model, model_state
 from elastic.setup.errors import ConfigError
 from tests.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
@@ -46,7 +46,7 @@ def write_checkpoint(directory, args: ModelArgs = ARGS, sharded: bool = False) -
     """A HuggingFace Llama directory of a seeded model; returns the model's own state."""
     torch.manual_seed(11)
     state = Transformer(args).state_dict()
-    weights, config = huggingface_llama(state, args)
+    weights, config = huggingface_model(state, args)
     os.makedirs(directory, exist_ok=True)
     if sharded:  # two files and their index, as large checkpoints come
         names = sorted(weights)
@@ -63,7 +63,7 @@ def write_checkpoint(directory, args: ModelArgs = ARGS, sharded: bool = False) -
 
 def loading_rank(rank: int, directory: str) -> tuple[dict[str, torch.Tensor], int]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-    layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+    layout = HuggingFaceLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
     read = []
     # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
     model, _ = first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []),
@@ -90,7 +90,7 @@ def unloadable_rank(rank: int, directory: str) -> str:
     from checkpointing.pretrained import PretrainedUnloadable
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "tp"))
-    layout = LlamaLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+    layout = HuggingFaceLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
     try:
         first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []), torch.device("cpu"),
                     lambda model: load_pretrained(model, PretrainedSource(directory, layout), StorageOptions(),
@@ -139,7 +139,7 @@ def test_a_directory_that_is_not_a_llama_checkpoint_is_refused_naming_what_it_la
     write_checkpoint(tmp_path / "other")
     config = json.loads((tmp_path / "other" / "config.json").read_text())
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="model_type is 'gpt2': only Llama-family checkpoints"):
+    with pytest.raises(ConfigError, match="model_type is 'gpt2': only 'llama', 'mixtral', 'qwen3', 'qwen3_moe' "):
         tiny_config(tmp_path, model__init_from=str(tmp_path / "other"))
 
 
@@ -251,7 +251,7 @@ def test_a_run_starts_from_the_checkpoints_weights_and_resumes_from_its_own(ray_
     resume = tiny_config(tmp_path, shard=2, steps=3, checkpoint__every=2, model__init_from=str(tmp_path / "llama"))
     # Other weights under the source's name: the resume is refused, naming the file.
     torch.manual_seed(5)
-    weights, _ = huggingface_llama(Transformer(ARGS).state_dict(), ARGS)
+    weights, _ = huggingface_model(Transformer(ARGS).state_dict(), ARGS)
     save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp_path / "llama" / "model.safetensors")
     with pytest.raises(ConfigError, match=r"model.init_from changed since the run started from it: "
                                           r"model.safetensors: .* bytes, sha256"):

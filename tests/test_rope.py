@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elastic.export import huggingface_llama
+from elastic.export import huggingface_model
 from elastic.setup.config import ModelConfig
 from elastic.setup.errors import ConfigError
 from elastic.setup.preflight import build_config
@@ -46,7 +46,7 @@ def test_the_scaled_frequencies_are_metas_in_all_three_bands(factor):
     assert any(1.0 < ratio < factor * (1 - 1e-9) for ratio in ratios)  # and blended between
 
 
-def test_the_reference_model_with_llama3_rope_computes_what_huggingface_llama_computes(tmp_path):
+def test_the_reference_model_with_llama3_rope_computes_what_huggingface_model_computes(tmp_path):
     transformers = pytest.importorskip("transformers")
     # wavelengths 6.3, 168 and 4,443 positions: one kept, one blended, one stretched
     args = ModelArgs(dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32, rope_theta=500000.0,
@@ -54,7 +54,7 @@ def test_the_reference_model_with_llama3_rope_computes_what_huggingface_llama_co
                                               original_max_len=64))
     torch.manual_seed(0)
     ours = Transformer(args)
-    state, config = huggingface_llama(ours.state_dict(), args)
+    state, config = huggingface_model(ours.state_dict(), args)
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(config))
     llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")

@@ -39,6 +39,8 @@ class ModelArgs:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 4
+    head_dim: int = 0  # each attention head's width; 0: dim // n_heads (Qwen3's is its own)
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key, before RoPE
     ffn_hidden: int = 192
     max_seq_len: int = 64
     rope_theta: float = 10000.0
@@ -55,6 +57,9 @@ class ModelArgs:
     shared_experts: int = 0
     dense_layers: int = 0
     router_scores: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    # the chosen experts' weights scaled to sum to one (Qwen3-MoE's norm_topk_prob; Mixtral's
+    # and DeepSeek-V3's always are)
+    normalize_top_k: bool = True
     # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that choose
     # the experts, moved by this much a step against each expert's load (0: no bias)
     expert_bias_rate: float = 0.0
@@ -64,10 +69,8 @@ class ModelArgs:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     def has_experts(self, layer: int) -> bool:
         return self.experts > 0 and layer >= self.dense_layers
@@ -128,6 +131,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -135,6 +140,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         k = k.repeat_interleave(self.kv_repeats, dim=2)
         v = v.repeat_interleave(self.kv_repeats, dim=2)
@@ -249,8 +256,8 @@ class MoE(nn.Module):
     """Token-choice top-k routing: each token goes to the ``experts_per_token`` experts of the
     router's highest scores (a softmax over the experts, as Qwen3-MoE and Mixtral; or each
     expert's sigmoid, as DeepSeek-V3), and their outputs are summed weighted by those scores,
-    normalised to sum to one. The shared experts, one SwiGLU of their summed width, add theirs
-    for every token.
+    normalised to sum to one (unless ``normalize_top_k`` is off). The shared experts, one
+    SwiGLU of their summed width, add theirs for every token.
 
     Dropless: every token reaches each of its experts whatever the others chose, so a token's
     output depends on nothing else in the batch, and the result is the same however the batch
@@ -266,7 +273,7 @@ class MoE(nn.Module):
         super().__init__()
         hidden = args.expert_hidden or args.ffn_hidden
         self.layer = layer  # its number in the whole model, which the step records name its load by
-        self.top_k, self.scores = args.experts_per_token, args.router_scores
+        self.top_k, self.scores, self.normalize_top_k = args.experts_per_token, args.router_scores, args.normalize_top_k
         self.router = nn.Linear(args.dim, args.experts, bias=False)
         self.experts = GroupedExperts(args.dim, hidden, args.experts)
         self.shared = FeedForward(args.dim, hidden * args.shared_experts) if args.shared_experts else None
@@ -294,7 +301,8 @@ class MoE(nn.Module):
             weights = scores.gather(-1, chosen)
         if torch.is_grad_enabled():  # a training step's forward, not an evaluation's
             self._count_routed(chosen, x.shape[0])
-        weights = weights / weights.sum(-1, keepdim=True)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
         # Each (token, choice) a row, sorted by expert: the experts' groups of rows.
         by_expert = chosen.flatten().argsort(stable=True)
         token_of_row = by_expert // self.top_k

@@ -46,13 +46,14 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from workers.model import GroupedExperts, Transformer
+from workers.model import GroupedExperts, MoE, Transformer
 
 Precision = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -105,6 +106,11 @@ def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequ
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=stream),
     }
+    if model.args.qk_norm:
+        # Each TP rank normalises its own heads (dimension 2) with the whole norm's weight,
+        # whose gradient is then the sum of the ranks' parts.
+        block_plan |= {f"attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                       for norm in ("q_norm", "k_norm")}
     if sequence_parallel:
         block_plan |= {
             "attention_norm": SequenceParallel(),
@@ -113,10 +119,30 @@ def tensor_parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh, sequ
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        plan = expert_block_plan(block.feed_forward, block_plan, sequence_parallel) \
+            if isinstance(block.feed_forward, MoE) else block_plan
+        parallelize_module(block, tp_mesh, plan)
     if model.args.tie_embeddings:
         # Both layouts shard the vocabulary dimension, so the tie survives as one DTensor.
         model.output.weight = model.tok_embeddings.weight
+
+
+def expert_block_plan(moe: MoE, block_plan: dict, sequence_parallel: bool) -> dict:
+    """The TP plan of a block whose feed-forward is a mixture of experts: every TP rank routes
+    the whole sequence's tokens (all-gathered from sequence parallelism's shares, which
+    backward cuts again), the same on each, and computes them with the same experts (the
+    routed experts are not split across TP ranks: expert parallelism splits them over the
+    shard ranks); only the shared experts are split, like a dense feed-forward, their output
+    all-reduced."""
+    plan = {name: style for name, style in block_plan.items() if not name.startswith("feed_forward")}
+    if moe.shared is not None:
+        plan |= {"feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
+                 "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate())}
+    if sequence_parallel:
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
+    return plan
 
 
 def compute_dtype(precision: Precision, mesh: DeviceMesh) -> torch.dtype:

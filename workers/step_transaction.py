@@ -445,7 +445,7 @@ class StepTransaction:
         and adds them up in rank order, so all decide the same: apply or discard, and whether
         to stop after this step (a pause every group saw the same, or an abort)."""
         sums = [crossed.loss_share, crossed.counted_tokens] if self.counts_loss else [0.0, 0.0]
-        # A TP row's ranks route the same tokens: its first counts them (experts have no TP yet).
+        # A TP row's ranks route the same tokens: its first counts them.
         routed = crossed.routed_tokens if self.rank.tp_index == 0 else [0.0] * len(crossed.routed_tokens)
         ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times, *routed],
                               dtype=torch.float64)

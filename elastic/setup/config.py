@@ -169,6 +169,9 @@ class ModelConfig(Section):
     n_layers: PositiveInt = Field(2, le=1024)
     n_heads: PositiveInt = Field(4, le=1024)
     n_kv_heads: PositiveInt | None = Field(None, le=1024)
+    # each attention head's width (unset: dim / n_heads; Qwen3's is its own)
+    head_dim: PositiveInt | None = Field(None, le=4096)
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key, before RoPE
     ffn_hidden: PositiveInt = Field(192, le=2**18)
     tie_embeddings: bool = False
     norm_eps: PositiveFloat = 1e-5  # RMSNorm's epsilon
@@ -187,6 +190,8 @@ class ModelConfig(Section):
     shared_experts: NonNegativeInt = Field(0, le=64)
     dense_layers: NonNegativeInt = Field(0, le=1024)
     router_scores: Literal["softmax", "sigmoid"] = "softmax"
+    # the chosen experts' weights scaled to sum to one (Qwen3-MoE's norm_topk_prob)
+    normalize_top_k: bool = True
     # DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias moves by this
     # much a step against its load, from the tokens every rank and group routed (0: off;
     # DeepSeek-V3 used 0.001)
@@ -197,8 +202,9 @@ class ModelConfig(Section):
     # on the embeddings and each block's residual branches; draws from the rank's generators,
     # which steps, heals and checkpoints carry (workers.rng)
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    # The weights a new run starts from: a HuggingFace Llama directory (config.json and
-    # safetensors) or another run (RUN or RUN@STEP, weights only); it gives the fields above
+    # The weights a new run starts from: a HuggingFace Llama, Mixtral, Qwen3 or Qwen3-MoE
+    # directory (config.json and safetensors) or another run (RUN or RUN@STEP, weights only);
+    # it gives the fields above
     # (elastic.setup.preflight). A resume starts from the run's own checkpoints, never from it.
     init_from: str | None = None
     # A named shape from elastic.setup.presets under the fields given here. Left out of dumps: the
@@ -229,8 +235,12 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; pick a multiple")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; pick a multiple, "
+                             "or give head_dim")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs of a head's dimensions: "
+                             "give an even head_dim")
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; pick a divisor"
@@ -246,6 +256,11 @@ class ModelConfig(Section):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' one SwiGLU's width (``workers.model.MoE``)."""
+        return (self.expert_hidden or self.ffn_hidden) * self.shared_experts
 
 
 class DataConfig(Section):
@@ -466,6 +481,9 @@ class TrainConfig(Section):
             "model.dim": model.dim,
             "model.ffn_hidden": model.ffn_hidden,
             "model.vocab_size": model.vocab_size,
+            # the shared experts' one SwiGLU, split like a dense feed-forward
+            **({"model.expert_hidden x shared_experts": model.shared_width} if model.experts and model.shared_experts
+               else {}),
         }
         for field, size in sizes.items():
             if size % tp:
@@ -484,9 +502,6 @@ class TrainConfig(Section):
                              f"balanced across pipeline stages yet; set scaling.pp = 1, or {balancing[0]} = 0")
         if self.scaling.ep > 1:
             self._check_expert_parallel()
-        if model.experts and tp > 1:
-            raise ValueError(f"model.experts={model.experts} with scaling.tp={tp}: the experts are not tensor-parallel "
-                             "yet; set scaling.tp = 1 (FSDP2 shards the experts over scaling.shard)")
         obstacles = self._sequence_parallel_obstacles() if self.scaling.sequence_parallel and tp > 1 else []
         if obstacles:
             raise ValueError(obstacles[0])
@@ -515,7 +530,6 @@ class TrainConfig(Section):
                                   f"them for now; set scaling.ep = {scaling.shard} or 1"),
             (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; give a "
                                  f"multiple of {ep}"),
-            (scaling.pp > 1, f"scaling.pp={scaling.pp}: not with pipeline stages yet; set scaling.pp = 1"),
             (self.compute.compile, "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"),
         ]
         problem = next((text for broken, text in problems if broken), None)

@@ -86,6 +86,8 @@ def model_args(config: TrainConfig) -> ModelArgs:
         n_layers=model.n_layers,
         n_heads=model.n_heads,
         n_kv_heads=model.kv_heads,
+        head_dim=model.head_dim or 0,
+        qk_norm=model.qk_norm,
         ffn_hidden=model.ffn_hidden,
         max_seq_len=config.data.seq_len,
         norm_eps=model.norm_eps,
@@ -99,6 +101,7 @@ def model_args(config: TrainConfig) -> ModelArgs:
         shared_experts=model.shared_experts,
         dense_layers=model.dense_layers,
         router_scores=model.router_scores,
+        normalize_top_k=model.normalize_top_k,
         expert_bias_rate=model.expert_bias_rate,
         aux_loss_weight=model.aux_loss_weight,
     )

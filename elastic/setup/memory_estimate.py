@@ -23,18 +23,30 @@ H100_GIB = 81_559 / 1024
 H100_BUDGET_GIB = 0.9 * H100_GIB
 
 
+def _head_dim(model: ModelConfig) -> int:
+    return model.head_dim or model.dim // model.n_heads
+
+
+def _routed_expert_parameters(model: ModelConfig) -> int:
+    """A block of experts' routed experts and router: whole on every TP rank (TP ranks route
+    the same tokens to the same experts; expert parallelism splits them over shard ranks)."""
+    return 3 * model.dim * (model.expert_hidden or model.ffn_hidden) * model.experts + model.dim * model.experts
+
+
 def _block_parameters(model: ModelConfig, tp: int, experts: bool | None = None) -> int:
-    """One transformer block's parameters on one TP rank: projections split, norms whole. A
-    block of experts (by default the largest block the model has): every expert's SwiGLU, the
-    shared experts' and the router."""
-    head_dim = model.dim // model.n_heads
-    attention = 2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim
+    """One transformer block's parameters on one TP rank: projections split, norms, routed
+    experts and router whole. A block of experts (by default the largest block the model
+    has): every expert's SwiGLU, the shared experts' and the router."""
+    head_dim = _head_dim(model)
+    attention = 2 * model.dim * (model.n_heads + model.kv_heads) * head_dim
+    routed = 0
     if model.experts if experts is None else experts:
-        hidden = model.expert_hidden or model.ffn_hidden
-        feed_forward = 3 * model.dim * hidden * (model.experts + model.shared_experts) + model.dim * model.experts
+        feed_forward = 3 * model.dim * (model.expert_hidden or model.ffn_hidden) * model.shared_experts
+        routed = _routed_expert_parameters(model)
     else:
         feed_forward = 3 * model.dim * model.ffn_hidden
-    return (attention + feed_forward) // tp + 2 * model.dim
+    norms = 2 * model.dim + (2 * head_dim if model.qk_norm else 0)
+    return (attention + feed_forward) // tp + routed + norms
 
 
 def _root_parameters(model: ModelConfig, tp: int, pp: int = 1) -> int:
@@ -86,13 +98,19 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_
     matrix; SwiGLU saves w1's and w3's outputs, silu's output and their product. RoPE saves
     only its cos/sin buffer.
     """
-    attention = 4 * compute * model.dim + FP32_BYTES * model.n_heads
-    # a token passes through its routed experts and the shared ones: SwiGLU's four per expert
-    width = ((model.expert_hidden or model.ffn_hidden) * (model.experts_per_token + model.shared_experts)
-             if model.experts else model.ffn_hidden)
-    feed_forward = 4 * compute * width
+    attention = 4 * compute * model.n_heads * _head_dim(model) + FP32_BYTES * model.n_heads
+    if model.qk_norm:
+        # each head's query and key normed over its own width; the norm's output is what RoPE
+        # took without it, counted above
+        head_dim = _head_dim(model)
+        attention += (model.n_heads + model.kv_heads) * (_norm_activation_bytes(head_dim, compute) - compute * head_dim)
+    # a token passes through its routed experts (whole on every TP rank) and the shared ones
+    # (split like a dense feed-forward): SwiGLU's four per expert
+    expert_hidden = model.expert_hidden or model.ffn_hidden
+    split_width = expert_hidden * model.shared_experts if model.experts else model.ffn_hidden
+    routed = 4 * compute * expert_hidden * model.experts_per_token if model.experts else 0
     norms = 2 * _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
-    return norms + (attention + feed_forward) / tp
+    return norms + (attention + 4 * compute * split_width) / tp + routed
 
 
 def activation_bytes(
@@ -128,8 +146,11 @@ def memory_per_rank(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     pp: int = 1,
+    ep: int = 1,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
+    With expert parallelism (``ep`` > 1: all of the shard ranks, for now) a rank holds its
+    experts whole, as many bytes as FSDP2's shards of them, and FSDP2 gathers none of them.
 
     The terms are added as if they peaked together. They do not quite (the loss's fp32
     buffers are freed before the blocks' gradients appear), so the total leans high. With
@@ -142,6 +163,7 @@ def memory_per_rank(
     layers = _stage_layers(model, pp)
     block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
     shard_parameters = (root + layers * block) / shard
+    gathered_block = block - (_routed_expert_parameters(model) - model.dim * model.experts if ep > 1 else 0)
     output_projection = model.vocab_size * model.dim // tp
     held_bytes = {
         "parameters": FP32_BYTES * shard_parameters,
@@ -151,7 +173,8 @@ def memory_per_rank(
         # gathers two blocks at a time (the running one and the prefetched next). In backward
         # the output projection's gradient waits for the root's reduce-scatter, and a block's
         # gradient is copied into an fp32 buffer to be reduce-scattered.
-        "unsharded": compute * (root + 2 * block + output_projection) + (compute + FP32_BYTES) * block,
+        "unsharded": (compute * (root + 2 * gathered_block + output_projection)
+                      + (compute + FP32_BYTES) * gathered_block),
         "activations": pp * activation_bytes(
             model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing,
             sequence_parallel=sequence_parallel, layers=layers,

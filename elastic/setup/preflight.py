@@ -151,7 +151,8 @@ def check_pretrained_weights(config: TrainConfig) -> None:
 
 def pretrained_refused(source: str, error: Exception) -> ConfigError:
     what = f"no {error.args[0]!r} in config.json" if isinstance(error, KeyError) else str(error)
-    return ConfigError(invalid_config([f"model.init_from: {source}: {what}; give a HuggingFace Llama directory "
+    return ConfigError(invalid_config([f"model.init_from: {source}: {what}; give a HuggingFace Llama, Mixtral, Qwen3 "
+                                       "or Qwen3-MoE directory "
                                        "(config.json, and model.safetensors or its index and shards), or a run "
                                        "of this project (RUN or RUN@STEP)"]))
 

@@ -22,6 +22,12 @@ class Layout:
     activation_checkpointing: Literal["none", "full"] = "none"
     sequence_parallel: bool | None = None  # None: the config's default (on where tp > 1 allows it)
     pp: int = 1
+    ep: int = 1  # the experts split over this many shard ranks (1, or all of them)
+
+    @property
+    def dimensions(self) -> str:
+        shard = f"{self.shard} (ep {self.ep})" if self.ep > 1 else f"{self.shard}"
+        return f"{self.pp} × {shard} × {self.tp}"
 
 
 DOC_LAYOUTS = [
@@ -46,6 +52,14 @@ DOC_LAYOUTS = [
     Layout("mixtral-8x7b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
     Layout("mixtral-8x22b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
     Layout("mixtral-8x22b", shard=64, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
+    Layout("mixtral-8x7b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=8),
+    Layout("mixtral-8x7b", shard=8, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing="full", pp=4, ep=8),
+    Layout("qwen3-30b-a3b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
+    Layout("qwen3-30b-a3b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=8),
+    Layout("qwen3-30b-a3b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=32),
+    Layout("qwen3-235b-a22b", shard=64, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=64),
+    Layout("qwen3-235b-a22b", shard=16, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing="full", pp=4,
+           ep=16),
 ]
 
 
@@ -74,7 +88,7 @@ def shapes_table() -> str:
 def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     """One row per layout, each first validated as a full config (so tp divides the shapes)."""
     lines = [
-        "| preset | pp × shard × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
+        "| preset | pp × shard (ep) × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
         "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
         "|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
@@ -84,6 +98,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             # as many micro-batches per rank as stages: the fewest a pipeline takes
             "global_batch": layout.micro_batch * layout.shard * layout.pp,
             "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp, "pp": layout.pp,
+                        "ep": layout.ep,
                         **({} if layout.sequence_parallel is None else {"sequence_parallel": layout.sequence_parallel})},
             "model": {"preset": layout.preset},
             "data": {"seq_len": layout.seq_len},
@@ -93,12 +108,12 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
-            sequence_parallel=config.sequence_parallel, pp=config.scaling.pp,
+            sequence_parallel=config.sequence_parallel, pp=config.scaling.pp, ep=config.scaling.ep,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
         lines.append(
-            f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.tp} "
+            f"| `{layout.preset}` | {layout.dimensions} "
             f"| {layout.seq_len} × {layout.micro_batch} | {layout.activation_checkpointing} "
             f"| {'yes' if config.sequence_parallel else 'no'} "
             f"| {states:.2f} | {memory['unsharded']:.2f} | {memory['activations']:.2f} | {memory['logits']:.2f} "

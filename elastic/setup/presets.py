@@ -50,4 +50,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 32768, "dim": 6144, "n_layers": 56, "n_heads": 48, "n_kv_heads": 8, "ffn_hidden": 16384,
         "tie_embeddings": False, "rope_theta": 1000000.0, "experts": 8, "experts_per_token": 2,
     },
+    # Qwen/Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active; heads of 128, wider than dim / n_heads
+    "qwen3-30b-a3b": {
+        "vocab_size": 151936, "dim": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128,
+        "qk_norm": True, "ffn_hidden": 6144, "norm_eps": 1e-6, "tie_embeddings": False, "rope_theta": 1000000.0,
+        "experts": 128, "experts_per_token": 8, "expert_hidden": 768,
+    },
+    # Qwen/Qwen3-235B-A22B: 235 B parameters, 22 B active
+    "qwen3-235b-a22b": {
+        "vocab_size": 151936, "dim": 4096, "n_layers": 94, "n_heads": 64, "n_kv_heads": 4, "head_dim": 128,
+        "qk_norm": True, "ffn_hidden": 12288, "norm_eps": 1e-6, "tie_embeddings": False, "rope_theta": 1000000.0,
+        "experts": 128, "experts_per_token": 8, "expert_hidden": 1536,
+    },
 }
