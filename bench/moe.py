@@ -47,7 +47,7 @@ from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from workers.model import (  # noqa: E402
-    balance_experts, expert_layers, expert_load, grouped_mm, looped_mm, routed_tokens,
+    RoutedLayout, balance_experts, expert_layers, expert_load, grouped_mm, looped_mm,
 )
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
@@ -67,7 +67,7 @@ def train(job, steps: int, loads: list[dict[int, float]] | None = None) -> list[
     hooks = resolve_hooks(job)
     torch.manual_seed(job.seed)
     model = hooks.model_fn()
-    experts = expert_layers(model)
+    experts, layout = expert_layers(model), RoutedLayout.of(model.args)
     optimizer = hooks.optimizer_fn(model.parameters())
     cursor, seconds = DataCursor(), []
     for _ in range(steps):
@@ -77,10 +77,11 @@ def train(job, steps: int, loads: list[dict[int, float]] | None = None) -> list[
         accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
         optimizer.step()
         optimizer.zero_grad()
-        balance_experts(experts, routed_tokens(experts))
+        routed = layout.routed_tokens(experts)
+        balance_experts(experts, layout, routed)
         seconds.append(time.perf_counter() - started)
         if loads is not None:
-            loads.append(expert_load(experts, routed_tokens(experts)))
+            loads.append(expert_load(layout, routed))
     return seconds
 
 

@@ -94,7 +94,7 @@ def rank(index: int, world: tuple[int, int], directory: str | None, args: ModelA
         load = None
         if directory is not None:
             source = PretrainedSource(directory, HuggingFaceLayout(args.n_layers, args.n_heads, args.n_kv_heads,
-                                                             args.tie_embeddings))
+                                                                   args.tie_embeddings))
             load = lambda model: load_pretrained(model, source, StorageOptions(), dist.group.WORLD)  # noqa: E731
         return first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
                            torch.device("cpu"), load)[0]

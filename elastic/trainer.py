@@ -201,8 +201,8 @@ def connect_ray() -> bool:
 
 def start_local_ray(**options) -> None:
     """A local Ray instance on loopback only; gloo follows the same interface. Ray 2.60 turns
-    token authentication on for it and says so on every run: that notice is dropped (the
-    README says it). Ray's usage statistics are off."""
+    token authentication on for it and says so on every run: that notice is dropped
+    (docs/operations.md says it). Ray's usage statistics are off."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
@@ -333,7 +333,7 @@ class ElasticTrainer:
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
             events.listeners += [metrics.on_event, *self.on_event]
             scaling = self.config.scaling
-            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp)
+            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp, scaling.ep)
             injects = bool(self.faults) or self.config.stragglers.noise > 0
             # A Ray this driver started is this machine's alone: its ranks reach the store on
             # loopback (Ray's own node address is the routable one even then).

@@ -13,7 +13,7 @@ import torch
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
-from workers.model import balance_experts, expert_layers, expert_load, routed_tokens
+from workers.model import RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.train_step import accumulate_gradients, collate
 
 
@@ -64,8 +64,10 @@ def reference_trace(config: TrainConfig, steps: int, chunks: int = 1, dataset=No
         optimizer.step()
         optimizer.zero_grad()
         experts = expert_layers(model)  # the one process routed every token of the step
-        trace.expert_loads.append(expert_load(experts, routed_tokens(experts)))
-        balance_experts(experts, routed_tokens(experts))
+        layout = RoutedLayout.of(model.args) if experts else RoutedLayout((), 0)
+        routed = layout.routed_tokens(experts)
+        trace.expert_loads.append(expert_load(layout, routed))
+        balance_experts(experts, layout, routed)
     trace.params = [p.detach().clone() for p in model.parameters()]
     return trace
 

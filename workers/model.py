@@ -329,6 +329,7 @@ class MoE(nn.Module):
         shares = self.row_shares.to(scores.device, torch.float32).expand(batch)
         return self.aux_loss_weight * ((load * probabilities).sum(-1) * shares).sum()
 
+    @torch.compiler.disable  # a buffer written outside the graph: compiled blocks break here anyway
     def _count_routed(self, chosen: torch.Tensor, batch: int) -> None:
         rows = self.row_shares
         if rows is not None:  # padding rows route too, but a single process has none
@@ -374,38 +375,61 @@ def add_micro_batch(layers: list[MoE], first: bool) -> None:
                 layer.step_routed.add_(layer.micro_batch_routed)
 
 
-def routed_tokens(layers: list[MoE]) -> list[float]:
-    """The step's tokens per expert of every layer, one layer after another."""
-    return torch.cat([layer.step_routed for layer in layers]).tolist() if layers else []
+@dataclass(frozen=True)
+class RoutedLayout:
+    """Where each expert layer's tokens per expert sit in a step's routed counts: the whole
+    model's expert layers one after another, by number, whichever of them a rank holds (a
+    pipeline stage fills its own layers' places and leaves the others' zero), so every rank's
+    counts line up and add up."""
+
+    layers: tuple[int, ...]  # the whole model's expert layers, by number
+    experts: int  # each one's
+
+    @classmethod
+    def of(cls, args: ModelArgs) -> RoutedLayout:
+        return cls(tuple(layer for layer in range(args.n_layers) if args.has_experts(layer)), args.experts)
+
+    @classmethod
+    def of_held(cls, held: Sequence[MoE]) -> RoutedLayout:
+        """A model with no ``ModelArgs`` (a custom one): the expert layers it holds."""
+        return cls(tuple(layer.layer for layer in held), held[0].router.out_features if held else 0)
+
+    @property
+    def width(self) -> int:
+        return len(self.layers) * self.experts
+
+    def routed_tokens(self, held: Sequence[MoE]) -> list[float]:
+        """The step's tokens per expert of the ``held`` layers, in their places."""
+        routed = torch.zeros(self.width, dtype=torch.float64)
+        for layer in held:
+            at = self.layers.index(layer.layer) * self.experts
+            routed[at:at + self.experts] = layer.step_routed.cpu()
+        return routed.tolist()
+
+    def per_layer(self, routed: Sequence[float]) -> dict[int, torch.Tensor]:
+        """``routed``, as ``routed_tokens`` lays it out, cut into each layer's tokens per expert."""
+        return dict(zip(self.layers, torch.tensor(routed, dtype=torch.float64).split(self.experts)))
 
 
-def routed_width(layers: list[MoE]) -> int:
-    """How many numbers ``routed_tokens`` gives: every layer's experts."""
-    return sum(layer.step_routed.numel() for layer in layers)
+def expert_load(layout: RoutedLayout, routed: Sequence[float]) -> dict[int, float]:
+    """Each expert layer's load balance, by its number: its most loaded expert's tokens over
+    the mean (1.0: even)."""
+    return {layer: round((tokens.max() / tokens.mean()).item(), 4) if tokens.sum() else 1.0
+            for layer, tokens in layout.per_layer(routed).items()}
 
 
-def per_layer(layers: list[MoE], routed: Sequence[float]) -> list[torch.Tensor]:
-    """``routed``, as ``routed_tokens`` lays it out, cut into each layer's tokens per expert."""
-    return list(torch.tensor(routed, dtype=torch.float64).split([layer.step_routed.numel() for layer in layers]))
-
-
-def expert_load(layers: list[MoE], routed: Sequence[float]) -> dict[int, float]:
-    """Each layer's load balance, by its number: its most loaded expert's tokens over the mean
-    (1.0: even)."""
-    return {layer.layer: round((tokens.max() / tokens.mean()).item(), 4) if tokens.sum() else 1.0
-            for layer, tokens in zip(layers, per_layer(layers, routed))}
-
-
-def balance_experts(layers: list[MoE], routed: Sequence[float]) -> None:
-    """DeepSeek-V3's update, at a step's commit: each layer's bias rises by its rate for an
-    expert that got fewer tokens than the layer's mean and falls for one that got more.
-    ``routed``: the step's tokens per expert of every layer, summed over every rank and every
-    group (exact integers), so every replica moves its bias the same."""
+def balance_experts(held: Sequence[MoE], layout: RoutedLayout, routed: Sequence[float]) -> None:
+    """DeepSeek-V3's update, at a step's commit: each held layer's bias rises by its rate for
+    an expert that got fewer tokens than the layer's mean and falls for one that got more.
+    ``routed``: the step's tokens per expert of every layer (``layout``), summed over every
+    rank and every group (exact integers), so every replica moves its bias the same."""
+    by_layer = layout.per_layer(routed)
     with torch.no_grad():
-        for layer, tokens in zip(layers, per_layer(layers, routed)):
+        for layer in held:
             bias = layer.expert_bias
             if bias is None:
                 continue
+            tokens = by_layer[layer.layer]
             step = (layer.bias_rate * torch.sign(tokens.mean() - tokens)).to(bias.device, bias.dtype)
             if isinstance(bias, DTensor):  # FSDP2's shard of it: this rank's part of the step
                 step = distribute_tensor(step, bias.device_mesh, bias.placements, src_data_rank=None)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -175,20 +175,31 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.register_forward_hook(leave, always_call=True)
 
 
-def split_experts(model: nn.Module, shard_mesh: DeviceMesh) -> set[nn.Parameter]:
-    """Expert parallelism over the shard ranks: each rank keeps its own experts of each
-    expert layer, whole (the stacks sharded along the experts, as DTensors of the shard
-    mesh), and dispatches tokens to the others' by all-to-all (``GroupedExperts``). Returns
-    the split weights, which FSDP2 then leaves alone."""
+def split_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> set[nn.Parameter]:
+    """Expert parallelism: each rank of the ``ep`` dimension (all of ``shard`` where the mesh
+    has none: ``workers.world.group_mesh``) keeps its own experts of each expert layer (the
+    stacks sharded along the experts, as DTensors of that dimension) and dispatches tokens to
+    the others' by all-to-all (``GroupedExperts``). Where ``ep`` is less than ``shard``, FSDP2
+    shards each rank's experts over ``expert_shard`` (along the experts where they divide
+    evenly, else along their rows, as TorchTitan does), gathering them for the layer's forward.
+    Returns the split weights FSDP2 does not hold, which the model's FSDP2 must leave alone."""
+    names = mesh.mesh_dim_names
+    ep_mesh = mesh["ep"] if "ep" in names else mesh["shard"]
+    expert_shard = mesh["expert_shard"] if "expert_shard" in names else None
     split = set()
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name, weight in list(module.named_parameters(recurse=False)):
-                own = nn.Parameter(distribute_tensor(weight.data, shard_mesh, [Shard(0)], src_data_rank=None))
+                own = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None))
                 module.register_parameter(name, own)
                 split.add(own)
-            module.dispatch_group = shard_mesh.get_group()
-    return split
+            module.dispatch_group = ep_mesh.get_group()
+            if expert_shard is not None:
+                held = module.w1.to_local().shape[0]
+                along = Shard(0) if held % expert_shard.size() == 0 else Shard(1)
+                fully_shard(module, mesh=expert_shard, mp_policy=mp_policy, shard_placement_fn=lambda _: along)
+                summed_not_averaged(module)
+    return set() if expert_shard is not None else split
 
 
 def fully_shard_model(
@@ -202,9 +213,15 @@ def fully_shard_model(
         fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     for module in [*blocks, model]:
-        module.set_gradient_divide_factor(1.0)
-        # Plain SUM collectives: gloo has no PREMUL_SUM, and AVG is where gloo goes wrong.
-        module.set_force_sum_reduction_for_comms(True)
+        summed_not_averaged(module)
+
+
+def summed_not_averaged(module: FSDPModule) -> None:
+    """FSDP2's gradient reduction a plain sum: the loss is already divided by the global token
+    count (``workers.train_step``). Plain SUM collectives: gloo has no PREMUL_SUM, and AVG
+    is where gloo goes wrong."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
 
 
 # Ops whose outputs the per-op policy saves: the matmuls (every other one, so that half of
@@ -252,13 +269,18 @@ def wrap_blocks(
     """Activation checkpointing, then ``torch.compile``, per transformer block.
 
     One compiled block serves every layer (same code, same shapes), so compile time does not
-    grow with depth. FSDP2's hooks stay outside the compiled region. Checkpoint FQNs are
+    grow with depth; a block of experts compiles with graph breaks where its routing reads
+    group sizes on the host. FSDP2's hooks stay outside the compiled region. Checkpoint FQNs are
     unchanged: DCP's state dict drops the wrappers' prefixes.
     """
     for index, (name, block) in enumerate(list(model.layers.named_children())):
+        experts = isinstance(block.feed_forward, MoE)
         block = checkpointed(block, index, activation_checkpointing, selective)
         if compile_blocks:
-            block = torch.compile(block, fullgraph=True)
+            # A mixture of experts' routing sizes its groups of rows (and its all-to-all's
+            # splits) on the host: graph breaks there, as TorchTitan compiles its MoE blocks,
+            # and shapes that vary from the start, so that no step stalls to recompile.
+            block = torch.compile(block, fullgraph=not experts, dynamic=True if experts else None)
         model.layers.register_module(name, block)
     return list(model.layers.values())
 
@@ -277,7 +299,7 @@ class Parallelize:
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
-    expert_parallel: bool = False  # the experts split over the shard ranks, dispatched to by all-to-all
+    expert_parallel: bool = False  # the experts split over the ep ranks, dispatched to by all-to-all
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
@@ -299,8 +321,9 @@ class Parallelize:
             if dtype != torch.float32:
                 autocast_forward(model, mesh.device_type, dtype)
             return model
-        experts = split_experts(model, mesh["shard"]) if self.expert_parallel else set()
-        fully_shard_model(model, mesh["shard"], blocks, mixed_precision_policy(dtype), ignored=experts)
+        policy = mixed_precision_policy(dtype)
+        experts = split_experts(model, mesh, policy) if self.expert_parallel else set()
+        fully_shard_model(model, mesh["shard"], blocks, policy, ignored=experts)
         return model
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from elastic.core.data_plan import PADDING_INDEX, MicroBatches
-from workers.model import Transformer
+from workers.model import Transformer, add_micro_batch, expert_layers, set_row_shares
 from workers.train_step import Batch, LossFn, reshard, weighted_loss
 
 # torch.distributed.pipelining's schedule classes by ``scaling.pp_schedule``: one stage per
@@ -178,6 +178,33 @@ def _watch_chunks(stage, activity: ChunkWatcher) -> None:
         setattr(stage, name, watched)
 
 
+def _route_chunks(stage, shares: list) -> None:
+    """Each chunk ``stage`` computes with its micro-batch's rows' shares of the loss set in
+    its expert layers (the weights of their balance losses, the rows their load counts), in
+    forward and in backward (which may compute the forward again); after a training
+    forward, the chunk's routed tokens added to the step's. ``shares``: the step's, by
+    micro-batch, filled by ``Pipeline._run``."""
+    experts = expert_layers(stage.submod)
+    if not experts:
+        return
+    def with_shares(method, counts: bool):
+        def routed(chunk: int, *args, **kwargs):
+            set_row_shares(experts, shares[chunk])
+            try:
+                return method(chunk, *args, **kwargs)
+            finally:
+                set_row_shares(experts, None)
+                if counts and torch.is_grad_enabled():
+                    add_micro_batch(experts, first=chunk == 0)
+
+        return routed
+
+    for name in CHUNK_METHODS:
+        method = getattr(stage, name, None)
+        if method is not None:
+            setattr(stage, name, with_shares(method, counts=name == "forward_one_chunk"))
+
+
 class Pipeline:
     """The stages of one rank and the schedule that runs a step's micro-batches over them."""
 
@@ -192,8 +219,10 @@ class Pipeline:
         self.stages = [pipelining.PipelineStage(module, stage, layout.n_stages, device, group=pp_group)
                        for module, stage in zip(modules, layout.stages_of(pp_index))]
         self.activity = activity
-        if activity is not None:
-            for stage in self.stages:
+        self._row_shares: list[torch.Tensor] = []  # the step's micro-batches', for the expert layers
+        for stage in self.stages:
+            _route_chunks(stage, self._row_shares)
+            if activity is not None:
                 _watch_chunks(stage, activity)
         self.holds_last_stage = any(stage.is_last for stage in self.stages)
         self.loss_fn = loss_fn
@@ -233,6 +262,7 @@ class Pipeline:
 
     def _run(self, batches: Sequence[Batch], global_tokens: int, backward: bool) -> float:
         self._global_tokens = global_tokens
+        self._row_shares[:] = [batch.row_shares(global_tokens) for batch in batches]
         schedule = self._schedule_for(len(batches))
         inputs, targets = torch.cat([batch.inputs for batch in batches]), _packed_targets(batches)
         losses: list[torch.Tensor] = []

@@ -36,6 +36,7 @@ class RankSpec:
     pipeline: PipelineLayout = PipelineLayout()
     pp_index: int = 0  # its place along the group's pipeline
     pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
+    ep: int = 1  # the shard ranks a mixture's experts are split over (elastic.core.topology)
 
     @property
     def ranks_per_group(self) -> int:

@@ -54,7 +54,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
-from workers.model import balance_experts, expert_layers, expert_load, routed_tokens, routed_width
+from workers.model import ModelArgs, RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -205,7 +205,7 @@ class CrossGroupScalars:
     counted_tokens: float
     pause: float
     report: float = 0.0  # the groups' first ranks: any whose report interval is over
-    routed_tokens: tuple[float, ...] = ()  # per expert of the expert layers (``workers.model.routed_tokens``)
+    routed_tokens: tuple[float, ...] = ()  # per expert of the expert layers (``RoutedLayout.routed_tokens``)
 
 
 @dataclass(frozen=True)
@@ -260,9 +260,10 @@ class StepTransaction:
         self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device,
                                   loss.loss_fn, activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
-        # The expert layers whose load the step sums and records: each stage of a pipeline holds
-        # other layers, and its ballot would not line up with its peers' (not counted yet).
-        self.experts = [] if stages else expert_layers(model)
+        # The expert layers whose load the step sums, records and balances by: the rank's own
+        # (a pipeline stage's are some of the model's), in the whole model's places.
+        self.experts = expert_layers(model)
+        self.routed_layout = routed_layout(model, stages, self.experts)
         self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.ranks_per_group))
@@ -312,7 +313,7 @@ class StepTransaction:
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             # a ballot of every rank's size: the routed tokens' places held with zeros
             sum_error = error
-            crossed = CrossGroupScalars(0.0, 0.0, 0.0, routed_tokens=(0.0,) * routed_width(self.experts))
+            crossed = CrossGroupScalars(0.0, 0.0, 0.0, routed_tokens=(0.0,) * self.routed_layout.width)
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
@@ -383,11 +384,11 @@ class StepTransaction:
             return Discarded(nonfinite=NonFinite(share.step, loss, norm))
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
         self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
-        balance_experts(self.experts, vote.routed_tokens)
+        balance_experts(self.experts, self.routed_layout, vote.routed_tokens)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             vote.times, counted=vote.counted_tokens,
-                            expert_load=expert_load(self.experts, vote.routed_tokens))
+                            expert_load=expert_load(self.routed_layout, vote.routed_tokens))
         return Committed(record, vote.pause, report)
 
     def at_micro_batch(self, step: int, index: int) -> None:
@@ -431,7 +432,7 @@ class StepTransaction:
         """The loss shares, counted tokens, pause requests and due reports of this position
         summed over the groups, in float64: identical at this position in every group."""
         scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due),
-                                *routed_tokens(self.experts)], dtype=torch.float64)
+                                *self.routed_layout.routed_tokens(self.experts)], dtype=torch.float64)
         if self.world.replicate_group is not None:
             on_device = scalars.to(self.device)
             self.wait_replicate(self.world.replicate_group.allreduce([on_device]), deadline)
@@ -511,3 +512,11 @@ class StepTransaction:
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
             return None
         return [member.cpu().tolist() for member in gathered]
+
+
+def routed_layout(model: torch.nn.Module, stages: Sequence[torch.nn.Module], held: Sequence) -> RoutedLayout:
+    """The places of the whole model's expert layers in a step's routed counts: from the
+    reference model's arguments, which every stage keeps whole; a custom model's, from the
+    expert layers it holds (it has no stages with experts: each would count its own)."""
+    args = getattr(stages[0] if stages else model, "args", None)
+    return RoutedLayout.of(args) if isinstance(args, ModelArgs) else RoutedLayout.of_held(held)

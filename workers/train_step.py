@@ -216,6 +216,11 @@ def evaluate_loss(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], g
     return evaluate_counted(model, TokenLoss(loss_fn), batches, global_tokens, on_micro_batch)[0]
 
 
+# A mesh dimension flattened from others (``workers.world.group_mesh``): a tensor sharded
+# along it is sharded along them, and one sharded along all of them is along it.
+FLATTENED = {"shard": ("expert_shard", "ep")}
+
+
 def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:
     """Whether this rank counts ``tensor`` toward the group's gradient norm: a tensor
     replicated along a mesh dimension (or not laid out on it at all) is counted only by the
@@ -224,6 +229,11 @@ def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:
         return all(index == 0 for index in coordinate.values())
     names = tensor.device_mesh.mesh_dim_names or ()
     sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
+    for whole, parts in FLATTENED.items():
+        if whole in sharded:
+            sharded.update(parts)
+        elif sharded.issuperset(parts):
+            sharded.add(whole)
     return all(index == 0 for name, index in coordinate.items() if name not in sharded)
 
 

@@ -65,16 +65,16 @@ class World:
             timeout=self.timeout,
         )
         device_type = "cuda" if rank.use_gpu else "cpu"
-        self.mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
-                                     mesh_dim_names=("pp", "shard", "tp"))
+        self.mesh = group_mesh(device_type, rank)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.ranks_per_group > 1 else None
         return self.mesh
 
     @property
     def mesh_coordinate(self) -> dict[str, int]:
-        """This rank's index on each dimension of the group's mesh, by name."""
-        return dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+        """This rank's index on each dimension of the group's mesh, by name (``shard`` too,
+        where it is flattened from the experts' dimensions)."""
+        return {**dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate())), "shard": self.rank.shard_index}
 
     def leave_replicas(self) -> None:
         if self.replicate_group is not None:
@@ -98,3 +98,17 @@ class World:
                 self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
             else:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+
+
+def group_mesh(device_type: str, rank: RankSpec) -> DeviceMesh:
+    """The group's mesh: ``(pp, shard, tp)``; with experts split over fewer ranks than the
+    shard dimension (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard``
+    flattened from the middle two: the experts split over ``ep`` and sharded by FSDP2 over
+    ``expert_shard``, the rest of the model over ``shard`` (``Topology.expert_coordinates``)."""
+    if not 1 < rank.ep < rank.shard:
+        return init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
+                                mesh_dim_names=("pp", "shard", "tp"))
+    mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard // rank.ep, rank.ep, rank.tp),
+                            mesh_dim_names=("pp", "expert_shard", "ep", "tp"))
+    mesh["expert_shard", "ep"]._flatten("shard")
+    return mesh

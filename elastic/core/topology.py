@@ -4,6 +4,9 @@ The one owner of the rank <-> (group, pipeline index, shard index, tp index) for
 group's ranks are consecutive, and inside a group the tp index varies fastest, then the shard
 index, then the pipeline stage, so a group rank doubles as the rank's bundle index in its
 group's placement group (TP neighbours packed together) and as its rank in the group's world.
+With expert parallelism the shard ranks are ``shard / ep`` blocks of ``ep`` consecutive ones:
+a block splits the experts among its ranks, and the blocks shard each rank's experts
+(``expert_coordinates``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,16 @@ class Topology:
     tp: int
     max_groups: int = 1
     pp: int = 1
+    ep: int = 1
 
     @property
     def ranks_per_group(self) -> int:
         return self.pp * self.shard * self.tp
+
+    def expert_coordinates(self, shard_index: int) -> tuple[int, int]:
+        """A shard rank's block of ``ep`` ranks (the experts' shard, by FSDP2) and its place
+        in it (its experts, ``shard_index % ep``)."""
+        return divmod(shard_index, self.ep)
 
     @property
     def max_ranks(self) -> int:

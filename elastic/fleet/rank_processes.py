@@ -43,6 +43,7 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         pipeline=PipelineLayout(scaling.pp, scaling.pp_schedule, scaling.stages_per_rank, config.micro_batch),
         shard=topology.shard,
         tp=topology.tp,
+        ep=topology.ep,
         seed=config.seed,
         use_gpu=config.scaling.uses_gpu,
         gpu_collectives=config.scaling.gpu_collectives,

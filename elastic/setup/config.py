@@ -86,9 +86,10 @@ class ScalingConfig(Section):
     # would draw the masks of its own share of the sequence, which a single process draws
     # differently).
     sequence_parallel: bool | None = None
-    # Expert parallelism: a mixture of experts' experts split over this many of a group's
-    # shard ranks (each its own, whole), tokens dispatched to them and back by all-to-all;
-    # 1: FSDP2 shards the experts like any parameter. For now 1 or all of scaling.shard.
+    # Expert parallelism: a mixture of experts' experts split over each block of this many
+    # consecutive shard ranks, tokens dispatched to them and back by all-to-all; FSDP2
+    # shards each rank's experts over the shard / ep blocks (none where ep = shard: each
+    # rank holds its own whole). 1: FSDP2 shards the experts like any parameter.
     ep: PositiveInt = Field(1, le=4096)
 
     @model_validator(mode="after")
@@ -496,10 +497,6 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
-        balancing = [name for name in ("expert_bias_rate", "aux_loss_weight") if getattr(model, name)]
-        if model.experts and balancing and self.scaling.pp > 1:
-            raise ValueError(f"model.{balancing[0]} with scaling.pp={self.scaling.pp}: the experts' load is not "
-                             f"balanced across pipeline stages yet; set scaling.pp = 1, or {balancing[0]} = 0")
         if self.scaling.ep > 1:
             self._check_expert_parallel()
         obstacles = self._sequence_parallel_obstacles() if self.scaling.sequence_parallel and tp > 1 else []
@@ -526,11 +523,10 @@ class TrainConfig(Section):
         problems = [  # in order: the first that holds is refused
             # model.init_from's fields come in later, checked again then
             (not (model.experts or model.init_from), "model.experts = 0: a dense model has no experts to split"),
-            (ep != scaling.shard, f"scaling.shard={scaling.shard}: experts split over a group's shard ranks, all of "
-                                  f"them for now; set scaling.ep = {scaling.shard} or 1"),
+            (scaling.shard % ep, f"scaling.shard={scaling.shard}: the shard ranks split into blocks of ep ranks, "
+                                 f"each holding every expert once; give an ep that divides {scaling.shard}"),
             (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; give a "
                                  f"multiple of {ep}"),
-            (self.compute.compile, "compute.compile: the all-to-all is not compiled yet; set compute.compile = false"),
         ]
         problem = next((text for broken, text in problems if broken), None)
         if problem:

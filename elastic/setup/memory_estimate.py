@@ -149,8 +149,8 @@ def memory_per_rank(
     ep: int = 1,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
-    With expert parallelism (``ep`` > 1: all of the shard ranks, for now) a rank holds its
-    experts whole, as many bytes as FSDP2's shards of them, and FSDP2 gathers none of them.
+    With expert parallelism (``ep`` > 1) a rank holds as many bytes of experts as FSDP2's
+    shards of them, and FSDP2 gathers only its own experts (none where ``ep`` = ``shard``).
 
     The terms are added as if they peaked together. They do not quite (the loss's fp32
     buffers are freed before the blocks' gradients appear), so the total leans high. With
@@ -163,7 +163,11 @@ def memory_per_rank(
     layers = _stage_layers(model, pp)
     block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
     shard_parameters = (root + layers * block) / shard
-    gathered_block = block - (_routed_expert_parameters(model) - model.dim * model.experts if ep > 1 else 0)
+    # FSDP2 gathers a layer's experts that a rank computes: every expert at ep 1, the rank's
+    # own 1 / ep of them below ep = shard, none at ep = shard (each rank holds its own whole)
+    gathered_experts = 0.0 if ep == shard > 1 else 1 / ep
+    routed_weights = _routed_expert_parameters(model) - model.dim * model.experts
+    gathered_block = block - routed_weights * (1 - gathered_experts)
     output_projection = model.vocab_size * model.dim // tp
     held_bytes = {
         "parameters": FP32_BYTES * shard_parameters,

@@ -22,7 +22,7 @@ class Layout:
     activation_checkpointing: Literal["none", "full"] = "none"
     sequence_parallel: bool | None = None  # None: the config's default (on where tp > 1 allows it)
     pp: int = 1
-    ep: int = 1  # the experts split over this many shard ranks (1, or all of them)
+    ep: int = 1  # the experts split over blocks of this many shard ranks
 
     @property
     def dimensions(self) -> str:
@@ -54,6 +54,7 @@ DOC_LAYOUTS = [
     Layout("mixtral-8x22b", shard=64, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
     Layout("mixtral-8x7b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=8),
     Layout("mixtral-8x7b", shard=8, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing="full", pp=4, ep=8),
+    Layout("mixtral-8x7b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=8),
     Layout("qwen3-30b-a3b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full"),
     Layout("qwen3-30b-a3b", shard=8, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=8),
     Layout("qwen3-30b-a3b", shard=32, tp=1, seq_len=4096, micro_batch=1, activation_checkpointing="full", ep=32),
