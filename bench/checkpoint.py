@@ -40,7 +40,7 @@ from checkpointing.storage import StorageOptions  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
-from tests.s3 import MotoServer, set_test_credentials  # noqa: E402
+from elastic.testing.s3 import MotoServer, set_test_credentials  # noqa: E402
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
 

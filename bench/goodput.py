@@ -13,7 +13,7 @@ it alone at twice the time.
 
 The job: 2 groups x shard 2 (4 ranks; Ray Train: 4 workers) of a small reference model whose
 forward waits like a host thread on a GPU, so a step takes ``--step-s`` while the CPU stays
-free (``tests/paced.py``), and a rank killed (``os._exit``) every ``--interval`` seconds of
+free (``elastic/testing/paced.py``), and a rank killed (``os._exit``) every ``--interval`` seconds of
 training, ``--kills`` times. For A it also prints each kill's time until the killed rank's
 group is whole again (joined the quorum), in step times; for A and D each kill's time until
 the next committed step.
@@ -84,7 +84,7 @@ def ratio(steps: int, healthy_s: float, wall_s: float) -> float:
 def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares: int, memory_every: int,
                 checkpoint_every: int, scaling: dict | None = None, steps: int | None = None) -> dict:
     from elastic import ElasticTrainer
-    from tests.paced import paced_model
+    from elastic.testing.paced import paced_model
 
     steps = steps or steps_for(interval, kills, step_s)
     inject = ";".join(f"kill:rank=random,at={interval * k:g}" for k in range(1, kills + 1))
@@ -129,7 +129,7 @@ def ray_train_loop(loop: dict) -> None:
     import ray.train
     from bench.ray_train_job import report, restore, train_step
     from elastic.setup.hooks import model_args, resolve_hooks
-    from tests.paced import PacedModel
+    from elastic.testing.paced import PacedModel
 
     config: TrainConfig = loop["config"]
     rank = ray.train.get_context().get_world_rank()

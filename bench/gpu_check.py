@@ -20,7 +20,7 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
   the finding, op by op, with the error where one fails.
 - ``shared_gpu``: several ranks on one GPU, gloo carrying CUDA tensors
   (``scaling.gpu_collectives = gloo``, ``gpus_per_rank = 0.2``): 2 groups x shard 2 and a
-  warm spare, the in-memory tier every step, steps paced to ``--step-s`` (``tests/paced.py``),
+  warm spare, the in-memory tier every step, steps paced to ``--step-s`` (``elastic/testing/paced.py``),
   one rank killed mid-run (``bench/goodput.py``'s job). Figures: the kill to the whole group
   again with the spare's CUDA context made ahead (<= 2 step times), and the committed losses
   against the same job trained on CPU ranks with no kill (equal to 1e-4). Where FSDP2's
@@ -220,7 +220,7 @@ def gloo_op(rank: int, port: int, device: str, answers) -> None:
 def gloo_ops(args: argparse.Namespace) -> list[Row]:
     import multiprocessing
 
-    from tests.loopback import free_port
+    from elastic.testing.loopback import free_port
 
     context = multiprocessing.get_context("spawn")
     answers = context.Queue()

@@ -198,7 +198,8 @@ def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float
     controller = Controller(config, fleet, dataset_len=1_000_000, events=EventLog(clock), ledger=TimeLedger(clock),
                             clock=clock, on_step=[mark])
     try:
-        assert controller.run() == "completed"
+        ended = controller.run()
+        assert ended.ok, str(ended)
     finally:
         fleet.shutdown()
     (cpu0, _), (cpu1, _) = marks[WARMUP_STEPS - 1], marks[steps - WARMUP_STEPS - 1]

@@ -35,8 +35,8 @@ from checkpointing.huggingface import HuggingFaceLayout  # noqa: E402
 from checkpointing.pretrained import PretrainedSource, load_pretrained  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
 from elastic.export import huggingface_model  # noqa: E402
-from tests.gloo_ranks import gloo_ranks  # noqa: E402
-from tests.memory import rss_bytes  # noqa: E402
+from elastic.testing.gloo_ranks import gloo_ranks  # noqa: E402
+from elastic.testing.memory import rss_bytes  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
 from workers.model_build import first_model  # noqa: E402
 from workers.parallelize import Parallelize  # noqa: E402

@@ -68,7 +68,7 @@ from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 from bench.goodput import chosen_systems  # noqa: E402
 from bench.torchft_job import TorchftResult  # noqa: E402
-from tests.reference import max_relative_difference  # noqa: E402
+from elastic.testing.losses import max_relative_difference  # noqa: E402
 
 KILLED_RANK = 1
 SYSTEMS = ("A", "B", "D")
@@ -328,7 +328,7 @@ def memory_case_run(case: MemoryCase, storage: str, storage_options: dict, memor
 
 
 def compare_memory() -> bool:
-    from tests.s3 import MotoServer
+    from elastic.testing.s3 import MotoServer
 
     s3 = MotoServer(bucket="bench-memory").start()
     verdicts = []
@@ -376,7 +376,7 @@ def main() -> int:
     systems = chosen_systems(parser, args.systems, SYSTEMS)
     if args.memory:
         from elastic.trainer import start_local_ray
-        from tests.s3 import set_test_credentials
+        from elastic.testing.s3 import set_test_credentials
 
         set_test_credentials()  # before Ray starts: the ranks inherit them
         start_local_ray(num_cpus=4, log_to_driver=False)

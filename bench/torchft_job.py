@@ -12,7 +12,7 @@ SIGKILLed by the supervisor) and ``KillAtStep`` (``recovery.py``: a given rank e
 at the start of a given step or some seconds into it, once, as elastic's and Ray Train's
 injected kills do).
 
-The job is the other systems' job: the reference model paced by ``tests/paced.py`` (unpaced at
+The job is the other systems' job: the reference model paced by ``elastic/testing/paced.py`` (unpaced at
 a step time of 0), seeded alike, the data plan of ``bench/ray_train_job.train_step`` with the
 replica groups as the plan's groups and each group's share split over its shard ranks, the
 same loss, AdamW and global batch. The parallelism is torchft 0.2.0's HSDP pattern (its
@@ -85,7 +85,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.setup.config import TrainConfig  # noqa: E402
-from tests.loopback import free_port  # noqa: E402
+from elastic.testing.loopback import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 POLL_S = 0.02
@@ -426,7 +426,7 @@ def train(spec: WorkerSpec) -> None:
     from torchft import Optimizer
 
     from elastic.setup.hooks import resolve_hooks
-    from tests.paced import paced_model
+    from elastic.testing.paced import paced_model
     from workers.parallelize import fully_shard_model
 
     config = TrainConfig.model_validate_json(Path(spec.config_path).read_text())

@@ -14,6 +14,7 @@ import tomllib
 from checkpointing.lease import LeaseRefused
 from elastic.setup.errors import ConfigError
 from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
+from elastic.core.exits import PREEMPTED_CODE
 from elastic.setup.presets import PRESETS
 
 
@@ -175,15 +176,6 @@ def train_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
-# A preempted run exits like a process killed by SIGTERM, so a retry policy (a RayJob's
-# backoffLimit, a scheduler) runs it again, and the rerun resumes from its checkpoint.
-# Anything else that is not a completed run with its final checkpoint is a failure.
-def exit_code(exit_reason: str) -> int:
-    if exit_reason == "completed":
-        return 0
-    return 143 if exit_reason.startswith("preempted") else 1
-
-
 class SignalsBeforeTheRun:
     """SIGTERM or Ctrl-C before the trainer takes the signals over (while the config and data
     are checked and torch and Ray import, seconds): remembered, so that the run ends preempted
@@ -197,7 +189,7 @@ class SignalsBeforeTheRun:
 
     def _handle(self, signum, _frame) -> None:
         if self._received is not None:
-            raise SystemExit(143)
+            raise SystemExit(PREEMPTED_CODE)
         self._received = signal.Signals(signum).name
         print(f"elastic: {self._received} before the run started: it stops before training (send it again to "
               "stop at once)", file=sys.stderr, flush=True)
@@ -238,7 +230,7 @@ def run_train(args: argparse.Namespace) -> int:
         + f"; last checkpoint {summary['last_checkpoint']}; summary at {result.summary_path}"
     ))
     linger_for_scrapes(summary["events"], config.metrics.linger_s)
-    return exit_code(result.exit)
+    return result.ended.code
 
 
 def linger_for_scrapes(events: list[dict], seconds: float, sleep=time.sleep) -> None:

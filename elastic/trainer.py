@@ -31,6 +31,7 @@ from elastic.setup.preflight import check_pretrained_weights, preflight, pretrai
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
 from elastic.fleet.ray_messages import worker_deaths_to_log_file
+from elastic.core.exits import Ending, Exit
 from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
@@ -159,12 +160,17 @@ class RunResult:
 
     @property
     def exit(self) -> str:
+        """How the run ended, as its summary's line says it."""
         return self.summary["exit"]
+
+    @property
+    def ended(self) -> Exit:
+        return Exit.parse(self.exit)
 
     @property
     def ok(self) -> bool:
         """Completed, with its final checkpoint committed."""
-        return self.exit == "completed"
+        return self.ended.ok
 
     @property
     def last_checkpoint(self) -> str | None:
@@ -307,7 +313,7 @@ class ElasticTrainer:
         renewing = threading.Event()
         fleet = None
         controller = None
-        exit_reason = "completed"
+        exit_reason = Exit(Ending.COMPLETED)
         final_state = None
         summary_path = None
         signals = StopOnSignals(stop, events)
@@ -367,30 +373,30 @@ class ElasticTrainer:
             if self.keep_final_state:
                 final_state = controller.final_state()
         except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
-            exit_reason = f"stopped: {error}"
+            exit_reason = Exit(Ending.STOPPED, str(error))
             log.error("%s", redact_credentials(str(error)))
         except StoppedBeforeStart:
-            exit_reason = "preempted: a stop signal before Ray started, before any step"
+            exit_reason = Exit(Ending.PREEMPTED, "a stop signal before Ray started, before any step")
         except SystemExit as error:
             if error.code != signal.SIGTERM:
-                exit_reason = f"failed: {describe_error(error, 1000)}"
+                exit_reason = Exit(Ending.FAILED, describe_error(error, 1000))
                 raise
             # ray.init's own SIGTERM handler, in place while Ray starts, exits with the signal's number.
-            exit_reason = "preempted: SIGTERM while Ray was starting, before any step"
+            exit_reason = Exit(Ending.PREEMPTED, "SIGTERM while Ray was starting, before any step")
         except BaseException as error:  # refused settings, a bug: never "completed"
             second = second_signal_behind(error)
             if second is None:
-                exit_reason = f"failed: {describe_error(error, 1000)}"
+                exit_reason = Exit(Ending.FAILED, describe_error(error, 1000))
                 raise
             committed = controller.checkpoints.last_committed_step if controller and controller.checkpoints else None
-            exit_reason = (f"preempted: a second {second} stopped the run at once, before the step boundary; "
-                           + ("run it again to resume from its newest committed checkpoint, if it has one"
-                              if committed is None else f"it resumes from its checkpoint of step {committed}"))
+            exit_reason = Exit(Ending.PREEMPTED, f"a second {second} stopped the run at once, before the step boundary; "
+                               + ("run it again to resume from its newest committed checkpoint, if it has one"
+                                  if committed is None else f"it resumes from its checkpoint of step {committed}"))
         finally:
             signals.finishing = True
             renewing.set()
             try:
-                events.emit(EventKind.RUN_FINISHED, exit=exit_reason)
+                events.emit(EventKind.RUN_FINISHED, exit=str(exit_reason))
                 summary = with_history(self._summary(controller, events, ledger, exit_reason), earlier)
                 metrics.time_spent(summary["goodput"], summary["time_breakdown"])
                 if lease.lost:  # the summary is the new holder's to write now
@@ -434,7 +440,7 @@ class ElasticTrainer:
             log.warning("the run lease could not be released (it expires in %.0f s): %s",
                         lease.ttl_s, describe_error(error))
 
-    def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: str) -> dict:
+    def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: Exit) -> dict:
         scaling = self.config.scaling
         wall = ledger.wall()
         tokens = controller.history.tokens_committed if controller else 0
@@ -467,7 +473,7 @@ class ElasticTrainer:
             "time_breakdown": ledger.breakdown(),
             "steps": [result.to_json() for result in steps],
             "events": events.events,
-            "exit": exit_reason,
+            "exit": str(exit_reason),
         }
         return json.loads(redact_credentials(json.dumps(strict_json(summary), default=str, allow_nan=False)))
 
@@ -477,7 +483,8 @@ class ElasticTrainer:
             return self._write_summary(summary)
         except Exception as error:
             log.error("the run summary could not be written to %s: %s", self.run_dir, describe_error(error))
-            summary["exit"] = f"failed: summary not written ({describe_error(error, 300)}); the run ended: {summary['exit']}"
+            summary["exit"] = str(Exit(Ending.FAILED, f"summary not written ({describe_error(error, 300)}); the run "
+                                                      f"ended: {summary['exit']}"))
             return None
 
     def _write_summary(self, summary: dict) -> str:

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 
 from tests.ray_head import RayHead  # noqa: E402
-from tests.s3 import MotoServer, set_test_credentials  # noqa: E402
+from elastic.testing.s3 import MotoServer, set_test_credentials  # noqa: E402
 
 BUCKETS = itertools.count()
 

@@ -25,8 +25,9 @@ from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
     GroupRecords,
-    RECORD_MESSAGES,
     NonFinite,
+    Phase,
+    RECORD_MESSAGES,
     RankActivity,
     RankTimes,
     RunEnd,
@@ -306,7 +307,7 @@ class FakeFleet:
         faults = self.faults.pop(step, [])
         finish = now + self.step_s
         calls = {rank: Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
-                                               wall_s=self.step_s), activity=RankActivity(rank, step, "compute", 0, 9, 0.0))
+                                               wall_s=self.step_s), activity=RankActivity(rank, step, Phase.COMPUTE, 0, 9, 0.0))
                  for rank in requests}
         for fault in faults:
             assert isinstance(fault, Kill), "evaluations fail here by a kill only"
@@ -458,7 +459,7 @@ class FakeRun:
         self.report = any([loop.step_starts(now) for loop in self.loops.values()])
         self.compute = {rank: fleet.step_s * fleet.slow.get(rank, 1.0) for rank in self.ranks}
         self.ends_at = now + max(self.compute.values())
-        fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, "replicate", 0, 9, 0.0))
+        fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, Phase.REPLICATE, 0, 9, 0.0))
                            for rank in self.ranks}
         faults = fleet.faults.pop(step, [])
         fleet.corrupt |= {fault.rank for fault in faults if isinstance(fault, Flip)}
@@ -495,10 +496,10 @@ class FakeRun:
                     finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, RunEnd(peer, step, StepReport(
                         peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
             elif isinstance(fault, Hang):
-                fleet.in_flight[fault.rank] = Call(NEVER, activity=RankActivity(fault.rank, step, "compute", 0, 1, 0.0))
+                fleet.in_flight[fault.rank] = Call(NEVER, activity=RankActivity(fault.rank, step, Phase.COMPUTE, 0, 1, 0.0))
                 finals[fault.rank] = Call(NEVER, (fault.rank, None))
                 for peer in peers:
-                    fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, "compute", 0, 2, 0.0))
+                    fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, Phase.COMPUTE, 0, 2, 0.0))
                     finals[peer] = Call(NEVER, (peer, None))
             elif isinstance(fault, CollectiveError):
                 finals[fault.rank] = Call(self.ends_at, (fault.rank, RunEnd(fault.rank, step, StepReport(
@@ -551,7 +552,7 @@ class FakeRun:
         if decided[self.groups[0]].run_ends:
             self.over = True
             self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
-            fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, "done", 0, 9, 0.0))
+            fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, Phase.DONE, 0, 9, 0.0))
                                for rank in self.ranks}
 
     def _discard(self, step: int, at: float) -> None:

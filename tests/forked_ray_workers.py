@@ -32,16 +32,13 @@ import socket
 import struct
 import sys
 
-# The part of torch a rank imports on its way to its first step: torch._dynamo too, which
-# the first optimizer and DTensor's first distribute_tensor import (about 1 CPU-second).
-# tests/gloo_ranks.py's fork server preloads it as well.
-TORCH_PRELOADED = ("torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
-                   "torch.distributed.checkpoint", "torch.distributed.pipelining")
-# And the rank's own modules, short of Ray: Ray's library reads the worker's job id from the
-# environment as it loads, so each worker loads it, and the rank's modules that import it,
-# itself (0.4 CPU-s).
-PRELOADED = (*TORCH_PRELOADED, "checkpointing.rank_io", "checkpointing.healing", "checkpointing.pretrained",
-             "workers.model_build", "workers.step_transaction", "workers.world")
+# The part of torch a rank imports on its way to its first step (elastic.testing.preload's:
+# torch._dynamo too, which the first optimizer and DTensor's first distribute_tensor import,
+# about 1 CPU-second), and the rank's own modules, short of Ray: Ray's library reads the
+# worker's job id from the environment as it loads, so each worker loads it, and the rank's
+# modules that import it, itself (0.4 CPU-s).
+RANK_MODULES = ("checkpointing.rank_io", "checkpointing.healing", "checkpointing.pretrained",
+                "workers.model_build", "workers.step_transaction", "workers.world")
 _FDS = 4  # stdin, stdout, stderr, the lifeline
 SOCKET = "ELASTIC_TEST_FORK_SOCKET"  # where a driver's runtime_env_hook finds the server
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,10 +119,12 @@ def serve(socket_path: str) -> None:
     import importlib
     import selectors
 
-    for module in PRELOADED:
+    from elastic.testing.preload import TORCH_PRELOADED
+
+    for module in (*TORCH_PRELOADED, *RANK_MODULES):
         importlib.import_module(module)
         if "ray" in sys.modules:
-            sys.exit(f"{module} imports ray, which a forked Ray worker must load itself: leave it out of PRELOADED")
+            sys.exit(f"{module} imports ray, which a forked Ray worker must load itself: leave it out of RANK_MODULES")
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)

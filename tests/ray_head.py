@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from tests import forked_ray_workers
-from tests.loopback import free_port
+from elastic.testing.loopback import free_port
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 # ``ray start`` with the ``python`` its raylet starts workers with in argv[1]: Ray builds that

@@ -80,7 +80,3 @@ def reference_run(config: TrainConfig, steps: int, chunks: int = 1) -> tuple[lis
 def max_parameter_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

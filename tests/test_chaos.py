@@ -13,7 +13,8 @@ import re
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.test_faults import FAST_DETECTION
 from tests.tiny import tiny_config
 

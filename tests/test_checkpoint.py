@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from checkpointing.lease import LeaseDirectory, lease_url
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from tests.events import on_events
-from tests.loopback import wait_for
-from tests.paced import paced_model
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.loopback import wait_for
+from elastic.testing.paced import paced_model
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 
 TOLERANCE = 1e-5
@@ -175,6 +177,12 @@ def test_s3_outage_during_upload_is_not_committed_and_a_later_checkpoint_succeed
     assert fs.exists(last)
 
 
+def lease_expired(run_url: str, options) -> bool:
+    """Whether the run's newest lease record has ended, as the next driver will judge it."""
+    records = LeaseDirectory(lease_url(run_url), options)
+    return not records.read(max(records.generations())).live(time.time())
+
+
 def driver(tmp_path, ray_head, config):
     """``elastic train`` in its own process, joined to the session's cluster like a Ray job. Its
     output goes to ``tmp_path/driver.log``: a pipe nobody reads until the end would block the
@@ -195,15 +203,20 @@ def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_co
     root = f"{own_s3_server.bucket}/runs/job/checkpoints"
     s3 = {"run_name": "job", "storage": own_s3_server.url("runs"),
           "checkpoint__s3_endpoint_url": own_s3_server.endpoint_url}
-    job = driver(tmp_path, ray_head, tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5,
-                                                    checkpoint__lease_ttl_s=4, **s3))
+    job_config = tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5, checkpoint__lease_ttl_s=4, **s3)
+    job = driver(tmp_path, ray_head, job_config)
     wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), 300, "the first commit", interval=0.05)
-    own_s3_server.pause()  # the next upload hangs mid-flight
-    time.sleep(2)
+    # The next save's first files are out: stop the storage mid-upload. (Should the save
+    # commit in the moment between, the run resumes from it: what the test computes below.)
+    wait_for(lambda: fs.exists(f"{root}/step-00000010") and fs.ls(f"{root}/step-00000010", refresh=True), 300,
+             "the next save's first files", interval=0.05)
+    own_s3_server.pause()
     job.kill()
     job.wait()
     own_s3_server.resume()
-    time.sleep(4)  # the dead driver's run lease expires
+    run_url = own_s3_server.url("runs", "job")
+    wait_for(lambda: lease_expired(run_url, job_config.checkpoint.storage_options()), 60,
+             "the dead driver's run lease to expire", interval=0.1)
     fs.invalidate_cache()
     committed = sorted(p for p in fs.ls(root) if fs.exists(f"{p}/manifest.json"))
     last_committed = int(committed[-1].rsplit("-", 1)[-1])

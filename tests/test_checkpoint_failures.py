@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from elastic import ElasticTrainer
-from elastic.cli import exit_code
 from elastic.core.events import EventKind
 from tests.events import on_events
-from tests.paced import paced_model
+from elastic.testing.paced import paced_model
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.waits  # steps paced to 0.3 s
@@ -54,7 +53,7 @@ def test_failed_saves_back_off_to_due_boundaries_and_stop_the_run_after_n(ray_cl
     assert "NotADirectoryError" in failed[0]["error"] or "FileExistsError" in failed[0]["error"], failed[0]["error"]
     assert not result.ok
     assert result.exit.startswith("stopped: 3 checkpoint saves failed in a row, the last at step 20"), result.exit
-    assert exit_code(result.exit) == 1
+    assert result.ended.code == 1
     # stopped at the third failure (seen once its upload failed), not trained on to step 40
     assert 20 <= result.summary["steps_committed"] < 25
     assert result.last_checkpoint.endswith("step-00000005")
@@ -68,4 +67,4 @@ def test_a_missed_final_checkpoint_fails_the_run(ray_cluster, tmp_path):
     assert [e["step"] for e in result.summary["events"] if e["kind"] == EventKind.FINAL_CHECKPOINT_MISSED] == [20]
     assert not result.ok
     assert result.exit.startswith("completed, final checkpoint missed (step 20)"), result.exit
-    assert exit_code(result.exit) == 1
+    assert result.ended.code == 1

@@ -65,7 +65,7 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
     write of the driver's finds the pipe broken. The run still stops at a step boundary with
     a checkpoint, and says so: preempted, exit 143. Pressed twice, it stops at once, and says
     that too."""
-    from tests.loopback import wait_for
+    from elastic.testing.loopback import wait_for
 
     env = ray_head.driver_env()
     # Pressed twice, the second press must land before the first stop reaches its step

@@ -65,7 +65,7 @@ class Scenario:
                                      resume=self.checkpoints.latest() if resume else None)
 
     def run(self) -> str:
-        return self.controller.run()
+        return str(self.controller.run())  # the line summary.json keeps
 
     def kinds(self, kind: EventKind) -> list[dict]:
         return self.events.of_kind(kind)

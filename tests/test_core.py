@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
@@ -29,34 +24,6 @@ from elastic.core.recovery import STUCK_IN_COLLECTIVE, plan_recovery
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
 from elastic.core.topology import Topology
-
-CORE = sorted(path.stem for path in (Path(__file__).parents[1] / "elastic" / "core").glob("*.py")
-              if path.stem != "__init__")
-HEAVY = ("ray", "torch", "fsspec", "pydantic", "prometheus_client")
-
-
-def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
-    """Which of ``watched`` a fresh interpreter has loaded after importing ``modules``."""
-    imports = "; ".join(f"import {module}" for module in modules)
-    code = f"import json, sys; {imports}; print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).parents[1])
-    return json.loads(result.stdout)
-
-
-def test_every_core_module_imports_neither_ray_nor_torch_nor_the_layers_above():
-    assert {"protocol", "data_plan", "faults", "topology"} <= set(CORE)
-    assert imported_after([f"elastic.core.{module}" for module in CORE], HEAVY + ("workers", "checkpointing")) == []
-
-
-def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
-    assert imported_after(["elastic.driver.controller", "tests.fake_fleet"], ("ray", "torch")) == []
-
-
-def test_the_layers_below_the_config_do_not_import_it():
-    # config imports presets and errors; dataset reads a config but names it only as a type
-    assert imported_after(["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"], ("elastic.setup.config",)) == []
-
 
 def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_tp():
     topology = Topology(shard=2, tp=3, max_groups=4)

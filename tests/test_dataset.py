@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic.setup.dataset import GeneratedCorpus, TextFiles, generate_corpus, resolve_text_files
-from tests.memory import reset_peak_rss, rss_bytes
+from elastic.testing.memory import reset_peak_rss, rss_bytes
 
 
 def eager_samples(data: bytes, seq_len: int) -> list[torch.Tensor]:

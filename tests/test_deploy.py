@@ -1,6 +1,6 @@
 """Static checks of deploy/: KubeRay manifests against the CRD schemas, the training config they
 point at, the Grafana dashboard against the metrics elastic/outputs/metrics.py exports, and the
-PodMonitor against the head pod it scrapes, and the README's metric table against the same
+PodMonitor against the head pod it scrapes, and docs/monitoring.md's metric table against the same
 metrics; token authentication on every Ray container, the NetworkPolicy against the pods and
 ports of the manifests, and the shutdown budget against the kill deadlines. Fast: no network,
 no Ray, no Kubernetes.
@@ -602,13 +602,13 @@ def test_prometheus_config_scrapes_the_local_driver():
     assert job.get("metrics_path", "/metrics") == "/metrics"
 
 
-def test_readme_lists_every_exported_metric():
-    readme = (REPO / "README.md").read_text()
-    listed = set(re.findall(r"^\| `(elastic_\w+)` \|", readme, flags=re.MULTILINE))
+def test_the_monitoring_page_lists_every_exported_metric():
+    page = (REPO / "docs" / "monitoring.md").read_text()
+    listed = set(re.findall(r"^\| `(elastic_\w+)` \|", page, flags=re.MULTILINE))
     exported = {
         family + "_total" if kind == "counter" else family for family, (kind, _) in exported_metrics().items()
     }
-    assert listed == exported, f"README metric table: missing {sorted(exported - listed)}, stale {sorted(listed - exported)}"
+    assert listed == exported, f"docs/monitoring.md metric table: missing {sorted(exported - listed)}, stale {sorted(listed - exported)}"
 
 
 # --------------------------------------------------------------------------- (e) closed doors

@@ -1,11 +1,11 @@
 """Failure attribution over plain reports, without a cluster."""
 
 from elastic.core.diagnosis import HANG, OWN_CODE, OWN_DATA, OWN_ERROR, diagnose, least_advanced
-from elastic.core.protocol import RankActivity, StepReport
+from elastic.core.protocol import Phase, RankActivity, StepReport
 
 
 def activity(rank: int, phase: str, micro_batch: int = 0, step: int = 5) -> RankActivity:
-    return RankActivity(rank, step, phase, micro_batch, module_entries=0, phase_age_s=1.0)
+    return RankActivity(rank, step, Phase(phase), micro_batch, module_entries=0, phase_age_s=1.0)
 
 
 def test_the_hang_is_blamed_on_the_rank_furthest_behind():
@@ -16,9 +16,9 @@ def test_the_hang_is_blamed_on_the_rank_furthest_behind():
 def test_in_a_pipeline_the_stage_stuck_computing_is_blamed_not_the_stages_waiting_for_it():
     # Stage 0 ran ahead (more chunks entered) and waits for stage 1's gradients; stage 2 never
     # got its input. Only stage 1 is inside a chunk of compute.
-    ranks = [RankActivity(0, 5, "stage-wait", 0, module_entries=3, phase_age_s=2.0),
-             RankActivity(1, 5, "compute", 0, module_entries=1, phase_age_s=2.0),
-             RankActivity(2, 5, "stage-wait", 0, module_entries=0, phase_age_s=2.0)]
+    ranks = [RankActivity(0, 5, Phase.STAGE_WAIT, 0, module_entries=3, phase_age_s=2.0),
+             RankActivity(1, 5, Phase.COMPUTE, 0, module_entries=1, phase_age_s=2.0),
+             RankActivity(2, 5, Phase.STAGE_WAIT, 0, module_entries=0, phase_age_s=2.0)]
     assert least_advanced(ranks) == [1]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from elastic.cli import exit_code
+from elastic.core.exits import Exit
 from elastic.core.events import EventKind
 from elastic.core.gradient_clipping import clip_coefficient
 from elastic.core.policies import DivergencePolicy
@@ -35,7 +35,7 @@ def test_a_run_that_keeps_summing_to_nan_stops_as_diverged_with_what_it_committe
     exit_reason = scenario.run()
     assert exit_reason.startswith("diverged: 3 steps in a row with a loss or gradient norm that is not finite")
     assert "step 5" in exit_reason and "optimizer.lr" in exit_reason
-    assert exit_code(exit_reason) == 1
+    assert Exit.parse(exit_reason).code == 1
     assert scenario.committed_steps() == list(range(5))
     assert len(scenario.kinds(EventKind.NONFINITE_STEP)) == 3
 
@@ -46,7 +46,7 @@ def test_committed_steps_between_nonfinite_ones_reset_the_count():
     assert policy.diverged(nan_step) is None
     policy.committed()
     assert policy.diverged(nan_step) is None
-    assert policy.diverged(nan_step).startswith("diverged: 2 steps in a row")
+    assert str(policy.diverged(nan_step)).startswith("diverged: 2 steps in a row")
 
 
 def test_the_summary_is_strict_json_whatever_floats_it_holds():

@@ -13,9 +13,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from tests.events import on_events
-from tests.loopback import wait_for
-from tests.paced import paced_model
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.loopback import wait_for
+from elastic.testing.paced import paced_model
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.waits  # steps paced to 0.1 s while a node starts

@@ -15,7 +15,8 @@ from elastic import ElasticTrainer
 from elastic.cli import main
 from elastic.setup.hooks import resolve_hooks
 from elastic.setup.errors import ConfigError
-from tests.reference import max_relative_difference, reference_run, reference_trace
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run, reference_trace
 from tests.tiny import tiny_config
 from workers.model import MoE, ModelArgs, grouped_mm, looped_mm, set_row_shares
 from workers.train_step import token_cross_entropy
@@ -141,7 +142,7 @@ def test_experts_split_over_the_ranks_give_each_token_and_each_expert_what_one_p
     """Each rank holds two of the four experts whole and sends every other token to the
     other's; the loss shares add up to one process's loss, and each rank's experts' gradients
     are that process's gradients of those experts (the rest summed by FSDP2 over the ranks)."""
-    from tests.gloo_ranks import gloo_ranks
+    from elastic.testing.gloo_ranks import gloo_ranks
     from workers.model import Transformer
     from workers.train_step import accumulate_gradients
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.gloo_ranks import rank_processes
-from tests.loopback import free_port
+from elastic.testing.gloo_ranks import rank_processes
+from elastic.testing.loopback import free_port
 from workers.failures import (
     CollectiveAborted,
     CollectiveFailed,

@@ -8,7 +8,7 @@ from torch import nn
 from elastic.core.data_plan import DataCursor
 from elastic.core.faults import InjectedFault, InjectedRunSpec
 from elastic.core.lr_schedule import LRSchedule
-from tests.gloo_ranks import rank_processes
+from elastic.testing.gloo_ranks import rank_processes
 from workers.fault_injection import InjectedFaults
 
 AFTER_S = 0.5

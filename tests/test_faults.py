@@ -5,7 +5,8 @@ import torch
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
-from tests.reference import max_parameter_difference, max_relative_difference, reference_run
+from elastic.testing.losses import max_relative_difference
+from tests.reference import max_parameter_difference, reference_run
 from tests.tiny import tiny_config
 
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}

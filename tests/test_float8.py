@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic import ElasticTrainer
 from elastic.setup.errors import ConfigError
-from tests.gloo_ranks import gloo_ranks
+from elastic.testing.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize

@@ -15,7 +15,7 @@ import sys
 
 import ray
 
-from tests.loopback import wait_for
+from elastic.testing.loopback import wait_for
 from tests.processes import alive
 
 PROBE = """

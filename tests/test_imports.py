@@ -1,14 +1,19 @@
-"""The project's modules import one another without a circle.
+"""The import rules, in one place: the project's modules import one another without a circle,
+the pure core names nothing outside itself, and what the core, the controller and the layers
+below the config load when they run leaves out Ray, torch and the layers above.
 
-Read from the source with ``ast``, importing nothing, so it runs in milliseconds. Every import
-counts: at the top of a module, inside a function, and under ``if TYPE_CHECKING:``, because a
-circle that only shows up when a function runs, or only to the type checker, still ties two
-modules together for whoever reads them. A package's own ``__init__`` counts only for what it
+The graph is read from the source with ``ast``, importing nothing, so it runs in milliseconds.
+Every import counts: at the top of a module, inside a function, and under ``if
+TYPE_CHECKING:``, because a circle that only shows up when a function runs, or only to the type
+checker, still ties two modules together for whoever reads them. A package's own ``__init__`` counts only for what it
 imports itself; ``elastic/__init__.py`` names its public modules in strings, loaded on first
 use, and a string is not an import.
 """
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -103,8 +108,38 @@ def test_no_module_imports_itself_back_through_others():
 
 
 def test_the_pure_core_imports_only_the_core_even_for_types():
-    # tests/test_core.py checks what the core loads when it runs; this, what it names at all
+    # what it names at all; test_every_core_module_imports_neither_ray_nor_torch_nor_the_layers_above,
+    # what it loads when it runs
     graph = import_graph()
     outside = {module: sorted(target for target in targets if not target.startswith("elastic.core"))
                for module, targets in graph.items() if module.startswith("elastic.core")}
     assert {module: targets for module, targets in outside.items() if targets} == {}
+
+
+CORE = sorted(path.stem for path in (Path(__file__).parents[1] / "elastic" / "core").glob("*.py")
+              if path.stem != "__init__")
+HEAVY = ("ray", "torch", "fsspec", "pydantic", "prometheus_client")
+
+
+def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after importing ``modules``."""
+    imports = "; ".join(f"import {module}" for module in modules)
+    code = f"import json, sys; {imports}; print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parents[1])
+    return json.loads(result.stdout)
+
+
+def test_every_core_module_imports_neither_ray_nor_torch_nor_the_layers_above():
+    assert {"protocol", "data_plan", "faults", "topology"} <= set(CORE)
+    assert imported_after([f"elastic.core.{module}" for module in CORE], HEAVY + ("workers", "checkpointing")) == []
+
+
+def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
+    assert imported_after(["elastic.driver.controller", "tests.fake_fleet"], ("ray", "torch")) == []
+
+
+def test_the_layers_below_the_config_do_not_import_it():
+    # config imports presets and errors; dataset reads a config but names it only as a type
+    below = ["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"]
+    assert imported_after(below, ("elastic.setup.config",)) == []

@@ -8,7 +8,8 @@ import torch
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from elastic.core.integrity import NAMED_TENSORS, check_due, compare, suspect_groups
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 from workers.integrity import fingerprints, flip_bit, state_tensors
 

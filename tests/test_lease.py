@@ -24,15 +24,12 @@ from checkpointing.lease import (
 from checkpointing.storage import StorageOptions
 from elastic.cli import main as cli_main
 from elastic.trainer import ElasticTrainer
+from tests.fake_fleet import FakeClock
 from tests.tiny import tiny_config
 
 
-class FakeClock:
-    def __init__(self, now: float = 1_800_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+# A lease's times are the wall clock's (its records name them in UTC).
+NOW = 1_800_000_000.0
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -46,7 +43,7 @@ def run_url(request, tmp_path):
 
 def test_a_second_driver_is_refused_naming_the_holder_until_the_lease_ends(run_url):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     first = RunLease(url, options, ttl_s=60, holder="head-0 pid 7", clock=clock)
     assert first.acquire() == 1
     second = RunLease(url, options, ttl_s=60, holder="head-1 pid 9", clock=clock)
@@ -65,7 +62,7 @@ def test_a_second_driver_is_refused_naming_the_holder_until_the_lease_ends(run_u
 
 def test_a_dead_drivers_lease_expires_and_the_next_driver_takes_over(run_url):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     RunLease(url, options, ttl_s=60, holder="dead", clock=clock).acquire()  # never renewed, never released
     clock.now += 61
     assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 2
@@ -73,7 +70,7 @@ def test_a_dead_drivers_lease_expires_and_the_next_driver_takes_over(run_url):
 
 def test_generations_past_eight_digits_stay_the_newest(run_url):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     LeaseDirectory(lease_url(url), options).create(LeaseRecord(99_999_999, "old", clock.now - 1, released=True))
     assert RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire() == 100_000_000
     with pytest.raises(LeaseHeld, match="next"):
@@ -82,7 +79,7 @@ def test_generations_past_eight_digits_stay_the_newest(run_url):
 
 def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url, monkeypatch):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     winner = RunLease(url, options, ttl_s=60, holder="winner", clock=clock)
     loser = RunLease(url, options, ttl_s=60, holder="loser", clock=clock)
     assert winner.acquire() == 1
@@ -101,7 +98,7 @@ def test_of_two_drivers_racing_for_one_generation_exactly_one_wins(run_url, monk
 
 
 def test_a_driver_whose_lease_was_taken_commits_and_deletes_nothing(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     url, options = str(tmp_path / "run"), StorageOptions()
     old = RunLease(url, options, ttl_s=60, holder="old", clock=clock)
     old.acquire()
@@ -117,7 +114,7 @@ def test_a_driver_whose_lease_was_taken_commits_and_deletes_nothing(tmp_path):
 
 
 def test_a_renewal_that_finds_a_newer_generation_loses_the_run(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     url, options = str(tmp_path / "run"), StorageOptions()
     old = RunLease(url, options, ttl_s=60, holder="old", clock=clock)
     old.acquire()
@@ -139,7 +136,7 @@ def write_record(url: str, options: StorageOptions, generation: int, data: bytes
 ])
 def test_an_unreadable_record_is_named_in_one_line_and_break_lease_recovers_the_run(run_url, data, problem):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     RunLease(url, options, ttl_s=60, holder="crashed", clock=clock).acquire()
     write_record(url, options, 1, data)
     next_driver = RunLease(url, options, ttl_s=60, holder="next", clock=clock)
@@ -157,7 +154,7 @@ def test_an_unreadable_record_is_named_in_one_line_and_break_lease_recovers_the_
 
 
 def test_break_lease_never_breaks_a_live_lease(tmp_path):
-    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock()
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock(NOW)
     holder = RunLease(url, options, ttl_s=60, holder="alive", clock=clock)
     holder.acquire()
     with pytest.raises(LeaseHeld, match="alive"):
@@ -166,7 +163,7 @@ def test_break_lease_never_breaks_a_live_lease(tmp_path):
 
 
 def test_a_crash_mid_renewal_leaves_the_previous_record_whole(tmp_path, monkeypatch):
-    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock()
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock(NOW)
     lease = RunLease(url, options, ttl_s=60, holder="renewing", clock=clock)
     lease.acquire()
     before = (tmp_path / "run" / "lease" / "00000001.json").read_bytes()
@@ -187,7 +184,7 @@ def test_a_crash_mid_renewal_leaves_the_previous_record_whole(tmp_path, monkeypa
 
 def test_a_renewal_that_finds_its_record_overwritten_loses_the_run(run_url):
     url, options = run_url
-    clock = FakeClock()
+    clock = FakeClock(NOW)
     first = RunLease(url, options, ttl_s=60, holder="first", clock=clock)
     first.acquire()
     # what a store that ignores If-None-Match lets a racing driver do: create generation 1 over it

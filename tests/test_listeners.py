@@ -1,5 +1,5 @@
-"""What a local run listens on, read from the kernel while it trains (README: "What listens
-where"): the product's own listeners (the rendezvous store, the metrics endpoint) on loopback
+"""What a local run listens on, read from the kernel while it trains (docs/operations.md: "What
+listens where"): the product's own listeners (the rendezvous store, the metrics endpoint) on loopback
 only, and every listener beyond loopback one of Ray's own processes, which Ray 2.60 binds to
 every interface."""
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.loopback import free_port, wait_for
+from elastic.testing.loopback import free_port, wait_for
 
 pytestmark = pytest.mark.waits  # a Ray of its own starts
 

@@ -185,7 +185,8 @@ def test_a_single_group_that_loses_a_rank_resumes_from_memory_with_the_losses_of
     """No peer group and no checkpoint: before the memory tier this run went back to step 0."""
     from elastic import ElasticTrainer
     from elastic.core.events import EventKind
-    from tests.reference import max_relative_difference, reference_run
+    from elastic.testing.losses import max_relative_difference
+    from tests.reference import reference_run
     from tests.tiny import tiny_config
 
     steps = 10

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from elastic.setup.config import ModelConfig
 from elastic.setup.memory_estimate import activation_bytes
 from workers.model import ModelArgs, Transformer
-from tests.gloo_ranks import gloo_ranks
+from elastic.testing.gloo_ranks import gloo_ranks
 from workers.parallelize import Parallelize, tensor_parallelize_transformer, wrap_blocks
 
 ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8)

@@ -23,10 +23,11 @@ from elastic import ElasticTrainer
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
-from tests.gloo_ranks import START_METHOD, rank_processes
-from tests.loopback import free_port
-from tests.paced import paced_model
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.gloo_ranks import START_METHOD, rank_processes
+from elastic.testing.loopback import free_port
+from elastic.testing.paced import paced_model
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize

@@ -31,7 +31,7 @@ from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
 from elastic.export import huggingface_model, model_state
 from elastic.setup.errors import ConfigError
-from tests.gloo_ranks import gloo_ranks
+from elastic.testing.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, RopeScaling, Transformer
 from workers.model_build import first_model

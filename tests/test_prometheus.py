@@ -18,7 +18,7 @@ import yaml
 
 from elastic import ElasticTrainer
 from tests.test_deploy import dashboard_queries, metric_names
-from tests.loopback import free_port, wait_for
+from elastic.testing.loopback import free_port, wait_for
 from tests.tiny import tiny_config
 
 PROMETHEUS = shutil.which("prometheus")

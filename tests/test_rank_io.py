@@ -26,10 +26,10 @@ from checkpointing.storage import StorageOptions
 from elastic.setup.preflight import build_config
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
-from tests.gloo_ranks import rank_processes
-from tests.loopback import wait_for
+from elastic.testing.gloo_ranks import rank_processes
+from elastic.testing.loopback import wait_for
 from tests.processes import alive
-from tests.s3 import TEST_CREDENTIALS
+from elastic.testing.s3 import TEST_CREDENTIALS
 from workers.train_step import accumulate_gradients, collate
 
 ROOT = Path(__file__).resolve().parents[1]

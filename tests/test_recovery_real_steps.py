@@ -8,8 +8,9 @@ import pytest
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
-from tests.paced import paced_model
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.paced import paced_model
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.waits  # steps paced to 2.2 s

@@ -12,7 +12,7 @@ import pytest
 
 from checkpointing.catalog import Restorable
 from checkpointing.manifest import FileRecord, Manifest
-from elastic.cli import exit_code
+from elastic.core.exits import Exit
 from elastic.setup.config import ConfigError
 from elastic.core.events import EventLog
 from elastic.trainer import ElasticTrainer, check_resumable, config_hash, config_record
@@ -68,12 +68,12 @@ def test_a_summary_that_cannot_be_written_fails_the_run_and_keeps_why_it_ended(t
     assert trainer._save_summary(summary) is None
     assert summary["exit"].startswith("failed: summary not written (PermissionError: read-only bucket)")
     assert summary["exit"].endswith("the run ended: completed")
-    assert exit_code(summary["exit"]) == 1
+    assert Exit.parse(summary["exit"]).code == 1
 
 
 def test_the_rendezvous_store_refuses_an_outsider_on_this_machines_own_address():
     from elastic.fleet.rendezvous import Rendezvous
-    from tests.loopback import own_outside_address
+    from elastic.testing.loopback import own_outside_address
 
     rendezvous = Rendezvous.start("127.0.0.1")  # a local run's node address
     outside = own_outside_address()

@@ -24,7 +24,7 @@ from checkpointing.healing import export_local_state
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
-from tests.gloo_ranks import rank_processes
+from elastic.testing.gloo_ranks import rank_processes
 from workers.failures import CollectiveFailed
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec

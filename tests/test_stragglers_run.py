@@ -2,7 +2,8 @@
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 
 ONSET = 5

@@ -19,17 +19,7 @@ from elastic.core.straggler_policy import (
 )
 from elastic.outputs.metrics import Metrics
 from elastic.core.protocol import StepReport
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def tick(self, seconds: float = 1.0) -> None:
-        self.t += seconds
+from tests.fake_fleet import FakeClock
 
 
 def timings(rng: np.random.Generator, n: int, noise: float, slow: dict[int, float] | None = None) -> dict[int, float]:
@@ -43,7 +33,7 @@ def run(detector: StragglerDetector, clock: FakeClock, steps, make, events=None)
     """Feed ``make(step)`` for each step; collect (step, flags, recovered) when non-empty."""
     events = [] if events is None else events
     for step in steps:
-        clock.tick()
+        clock.sleep(1.0)
         flags, back = detector.observe(step, make(step))
         if flags or back:
             events.append((step, flags, back))
@@ -98,7 +88,7 @@ def test_flag_timestamp_comes_from_injected_clock():
     detector = StragglerDetector(window=5, patience=3, clock=clock)
     flags = []
     for step in range(10):
-        clock.tick(2.5)
+        clock.sleep(2.5)
         new, _ = detector.observe(step, {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0})
         flags += new
     assert flags == [StragglerFlag(3, 4, 3.0, 5.0 + 5 * 2.5)]

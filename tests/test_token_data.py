@@ -26,7 +26,7 @@ from elastic.setup.hooks import resolve_hooks
 from elastic.setup.preflight import build_config
 from elastic.prepare import prepare_tokens
 from elastic.trainer import ElasticTrainer
-from tests.memory import reset_peak_rss, rss_bytes
+from elastic.testing.memory import reset_peak_rss, rss_bytes
 from tests.test_dataset import assert_same_samples
 from tests.tiny import tiny_config
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from elastic import ElasticTrainer
-from tests.reference import max_relative_difference, reference_run
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_run
 from tests.tiny import tiny_config
 
 STEPS = 20

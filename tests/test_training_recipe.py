@@ -9,8 +9,9 @@ import pytest
 
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
-from tests.paced import paced_model
-from tests.reference import max_relative_difference, reference_trace
+from elastic.testing.paced import paced_model
+from elastic.testing.losses import max_relative_difference
+from tests.reference import reference_trace
 from tests.tiny import tiny_config
 
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import checkpointing
 import elastic
 import workers
-from elastic.core.protocol import Failure, StepReport, describe_error
+from elastic.core.protocol import Failure, Phase, StepReport, describe_error
 
 
 class CollectiveAborted(RuntimeError):
@@ -140,7 +140,7 @@ def describe_failure(error: BaseException) -> str:
     return describe_error(error) if frame is None else f"{describe_error(error)} (at {frame})"
 
 
-def classify(error: BaseException, phase: str) -> Failure:
+def classify(error: BaseException, phase: Phase) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
     error = unwrapped(error)
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
@@ -149,16 +149,16 @@ def classify(error: BaseException, phase: str) -> Failure:
         return Failure.OWN_COMPUTE
     if raised_in_collective(error):
         return Failure.COLLECTIVE
-    if phase == "data":  # storage may recover; the data or the dataset's code will not
+    if phase == Phase.DATA:  # storage may recover; the data or the dataset's code will not
         return Failure.OWN_IO if isinstance(error, OSError) else Failure.OWN_DATA
     return Failure.OWN_CODE if raised_by_user_code(error) else Failure.OWN_COMPUTE
 
 
-def failure_report(global_rank: int, step: int, error: BaseException, phase: str) -> StepReport:
+def failure_report(global_rank: int, step: int, error: BaseException, phase: Phase) -> StepReport:
     """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
     world is broken when a rank failed in its own work outside an agreed stop (its peers may
     wait for it in a collective of the group), or in the vote."""
-    group_broken = (phase in ("data", "compute", "stage-wait") and not isinstance(error, StepInterrupted)
+    group_broken = (phase in (Phase.DATA, Phase.COMPUTE, Phase.STAGE_WAIT) and not isinstance(error, StepInterrupted)
                     or isinstance(error, VoteFailed))
     return StepReport(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
                       group_broken=group_broken)

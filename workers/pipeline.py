@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from elastic.core.data_plan import PADDING_INDEX, MicroBatches
+from elastic.core.topology import SINGLE_STAGE_SCHEDULES
 from workers.model import Transformer, add_micro_batch, expert_layers, set_row_shares
 from workers.train_step import Batch, LossFn, reshard, weighted_loss
 
@@ -36,7 +37,6 @@ SCHEDULES = {
     "Interleaved1F1B": "ScheduleInterleaved1F1B",
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
 }
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 # A custom model's split: the module of ``stage`` of ``n_stages``, cut from the whole model
 # (which it may change: it is a copy where the rank holds several stages).

@@ -42,7 +42,8 @@ from torch.distributed.fsdp import FSDPModule
 from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
-from elastic.core.protocol import NonFinite, RankActivity, RankTimes, RunSpec, StepRecord
+from elastic.core.protocol import NonFinite, Phase, RankActivity, RankTimes, RunSpec, StepRecord
+from elastic.core.topology import counts_loss
 from workers import rng
 from workers.failures import (
     CollectiveAborted,
@@ -69,8 +70,6 @@ from workers.train_step import (
 from workers.world import World
 
 REPLICATE_POLL_S = 0.001
-# Where a ballot's routed tokens begin: after its six fields and the rank's times.
-ROUTED_AT = 6 + len(RankTimes._fields)
 
 
 class ComputeTimer:
@@ -105,13 +104,13 @@ class ActivityTracker:
     def __init__(self):
         self._lock = threading.Lock()
         self.module_entries = 0
-        self.set(-1, "idle")
+        self.set(-1, Phase.IDLE)
 
-    def set(self, step: int, phase: str, micro_batch: int = 0) -> None:
+    def set(self, step: int, phase: Phase, micro_batch: int = 0) -> None:
         with self._lock:
             self.step, self.phase, self.micro_batch = step, phase, micro_batch
             self._phase_started = time.monotonic()
-            if phase == "data":
+            if phase == Phase.DATA:
                 self.module_entries = 0
 
     def count_module_entry(self, *_args) -> None:
@@ -128,12 +127,12 @@ class ActivityTracker:
         """A pipeline stage begins a micro-batch's forward or backward."""
         with self._lock:
             self.module_entries += 1
-            self.phase, self._phase_started = "compute", time.monotonic()
+            self.phase, self._phase_started = Phase.COMPUTE, time.monotonic()
 
     def chunk_ended(self) -> None:
         """A pipeline stage is through a chunk: what follows waits on its neighbours."""
         with self._lock:
-            self.phase, self._phase_started = "stage-wait", time.monotonic()
+            self.phase, self._phase_started = Phase.STAGE_WAIT, time.monotonic()
 
     def read(self, global_rank: int) -> RankActivity:
         with self._lock:
@@ -209,6 +208,34 @@ class CrossGroupScalars:
 
 
 @dataclass(frozen=True)
+class Ballot:
+    """One rank's part of its group's vote on a step, sent as one float64 row (``row``, read
+    back by ``of_row``): every rank's row has the same width, the routed tokens' places
+    included (zeros where the rank counts none)."""
+
+    succeeded: bool
+    loss_share: float  # the step's loss, summed over the groups: the rank that counts the loss sends it
+    counted_tokens: float  # likewise
+    pause: bool
+    integrity_mismatch: bool
+    grad_sq_norm: float  # this rank's part of the squared gradient norm (``squared_gradient_norm``)
+    times: RankTimes
+    routed_tokens: tuple[float, ...]  # summed over the groups: a TP row's first rank sends them
+
+    def row(self) -> torch.Tensor:
+        return torch.tensor([float(self.succeeded), self.loss_share, self.counted_tokens, float(self.pause),
+                             float(self.integrity_mismatch), self.grad_sq_norm, *self.times, *self.routed_tokens],
+                            dtype=torch.float64)
+
+    @classmethod
+    def of_row(cls, row: list[float]) -> Ballot:
+        times_at = 6
+        routed_at = times_at + len(RankTimes._fields)
+        return cls(row[0] == 1.0, row[1], row[2], row[3] > 0, row[4] > 0, row[5],
+                   RankTimes(*row[times_at:routed_at]), tuple(row[routed_at:]))
+
+
+@dataclass(frozen=True)
 class Vote:
     """What every rank of a group decided together about a step."""
 
@@ -270,7 +297,7 @@ class StepTransaction:
         # Stages hold different parameters: each counts its own toward the gradient norm.
         self.mesh_coordinate = {name: index for name, index in world.mesh_coordinate.items() if name != "pp"}
         # The last stage computes the loss; a TP row's ranks share it, counted by the first.
-        self.counts_loss = rank.tp_index == 0 and rank.pp_index == rank.pipeline.pp - 1
+        self.counts_loss = counts_loss(rank.position, rank.pipeline.pp)
         # The schedule scales these; the optimizer's own lr changes every step, and a heal or
         # restore loads the lr a peer last stepped with.
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -297,12 +324,12 @@ class StepTransaction:
         replicate_group = self.world.replicate_group
         check = (start_check(step, self.rank.group, self.model, self.optimizer, replicate_group, self.device)
                  if replicate_group is not None and check_due(step, spec.integrity_every) else None)
-        self.activity.set(step, "data")
+        self.activity.set(step, Phase.DATA)
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
         loss_share, counted, compute_s = self._compute(step, on_device, share.global_tokens, faults)
         comm_started = time.perf_counter()
-        self.activity.set(step, "replicate")
+        self.activity.set(step, Phase.REPLICATE)
         sum_error, mismatch, sum_times = None, None, SumTimes(0.0, 0.0)
         try:
             if check is not None:
@@ -317,7 +344,7 @@ class StepTransaction:
         comm_s = time.perf_counter() - comm_started
         grad_sq_norm = 0.0 if sum_error else squared_gradient_norm(self.model, self.mesh_coordinate)
         times = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
-        self.activity.set(step, "vote")
+        self.activity.set(step, Phase.VOTE)
         try:
             vote = self._vote(sum_error is None, crossed, mismatch is not None, grad_sq_norm, times)
         except Exception as error:
@@ -327,13 +354,13 @@ class StepTransaction:
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
         outcome = self._apply_or_discard(spec, share, vote, mismatch, report=crossed.report > 0)
-        self.activity.set(step, "done")
+        self.activity.set(step, Phase.DONE)
         return outcome
 
     def _compute(self, step: int, batches: list[Batch], global_tokens: int,
                  faults: FaultPlan) -> tuple[float, float, float]:
         """This rank's share of the step: (loss share, what it counted, its own compute seconds)."""
-        self.activity.set(step, "compute")
+        self.activity.set(step, Phase.COMPUTE)
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         self.compute_timer.start()
 
@@ -396,7 +423,7 @@ class StepTransaction:
         the abort flag: every rank of the group is at this same boundary (FSDP keeps them in
         step), so they all stop here or all go on, and none waits in a collective its peers
         left. Nothing here waits for the device."""
-        self.activity.set(step, "compute", index)
+        self.activity.set(step, Phase.COMPUTE, index)
         if index == 0:
             return
         stop = torch.tensor([int(self.signals.abort_requested())])
@@ -442,29 +469,31 @@ class StepTransaction:
 
     def _vote(self, succeeded: bool, crossed: CrossGroupScalars, mismatch: bool, grad_sq_norm: float,
               times: RankTimes) -> Vote:
-        """Every rank of the group gets every rank's ballot (one all-gather on the CPU group)
-        and adds them up in rank order, so all decide the same: apply or discard, and whether
-        to stop after this step (a pause every group saw the same, or an abort)."""
-        sums = [crossed.loss_share, crossed.counted_tokens] if self.counts_loss else [0.0, 0.0]
-        # A TP row's ranks route the same tokens: its first counts them.
-        routed = crossed.routed_tokens if self.rank.tp_index == 0 else [0.0] * len(crossed.routed_tokens)
-        ballot = torch.tensor([float(succeeded), *sums, crossed.pause, float(mismatch), grad_sq_norm, *times, *routed],
-                              dtype=torch.float64)
+        """Every rank of the group gets every rank's ``Ballot`` (one all-gather on the CPU
+        group) and adds them up in rank order, so all decide the same: apply or discard, and
+        whether to stop after this step (a pause every group saw the same, or an abort)."""
+        counts_loss = self.counts_loss
+        ballot = Ballot(
+            succeeded, crossed.loss_share if counts_loss else 0.0, crossed.counted_tokens if counts_loss else 0.0,
+            crossed.pause > 0, mismatch, grad_sq_norm, times,
+            # A TP row's ranks route the same tokens: its first counts them.
+            crossed.routed_tokens if self.rank.tp_index == 0 else (0.0,) * len(crossed.routed_tokens))
+        row = ballot.row()
         if self.world.control_group is None:
-            ballots = [ballot]
+            rows = [row]
         else:
-            ballots = [torch.empty_like(ballot) for _ in self.group_ranks]
-            dist.all_gather(ballots, ballot, group=self.world.control_group)
-        table = torch.stack(ballots).tolist()
+            rows = [torch.empty_like(row) for _ in self.group_ranks]
+            dist.all_gather(rows, row, group=self.world.control_group)
+        ballots = [Ballot.of_row(row) for row in torch.stack(rows).tolist()]
         return Vote(
-            every_rank_succeeded=all(row[0] == 1.0 for row in table),
-            loss=sum(row[1] for row in table),
-            counted_tokens=round(sum(row[2] for row in table)),
-            pause=any(row[3] > 0 for row in table),
-            integrity_mismatch=any(row[4] > 0 for row in table),
-            grad_norm=global_norm({group_rank: row[5] for group_rank, row in enumerate(table)}),
-            times=tuple(RankTimes(*row[6:ROUTED_AT]) for row in table),
-            routed_tokens=tuple(map(sum, zip(*(row[ROUTED_AT:] for row in table)))),
+            every_rank_succeeded=all(ballot.succeeded for ballot in ballots),
+            loss=sum(ballot.loss_share for ballot in ballots),
+            counted_tokens=round(sum(ballot.counted_tokens for ballot in ballots)),
+            pause=any(ballot.pause for ballot in ballots),
+            integrity_mismatch=any(ballot.integrity_mismatch for ballot in ballots),
+            grad_norm=global_norm({group_rank: ballot.grad_sq_norm for group_rank, ballot in enumerate(ballots)}),
+            times=tuple(ballot.times for ballot in ballots),
+            routed_tokens=tuple(map(sum, zip(*(ballot.routed_tokens for ballot in ballots)))),
         )
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:
@@ -487,7 +516,7 @@ class StepTransaction:
         """This rank's share of the held-out loss of the committed state, what it counted, and
         its compute seconds: computed as a step's share is, with the same agreement to stop,
         committing nothing."""
-        self.activity.set(step, "compute")
+        self.activity.set(step, Phase.COMPUTE)
         # The held-out loss leaves the training generators where they were.
         with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
             self.compute_timer.start()
@@ -497,7 +526,7 @@ class StepTransaction:
                 loss_share, counted = evaluate_counted(self.model, self.loss, batches, global_tokens,
                                                        on_micro_batch=lambda index: self.at_micro_batch(step, index))
             compute_s = self.compute_timer.seconds()
-        self.activity.set(step, "done")
+        self.activity.set(step, Phase.DONE)
         return loss_share, counted, compute_s
 
     def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:

@@ -137,10 +137,6 @@ class SampleLoss:
 MicroBatchLoss = TokenLoss | SampleLoss
 
 
-def micro_batch_loss(model: nn.Module, loss_fn: LossFn, batch: Batch, global_tokens: int) -> torch.Tensor:
-    return weighted_loss(loss_fn, model(batch.inputs), batch.targets, batch.weights, global_tokens)
-
-
 def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
                 on_micro_batch: Callable[[int], None], backward: bool,
                 experts: Sequence[MoE] = ()) -> tuple[float, float]:

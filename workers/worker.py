@@ -40,6 +40,7 @@ from elastic.core.protocol import (
     EvalRequest,
     GroupRecords,
     HookFailed,
+    Phase,
     RankActivity,
     RunEnd,
     RunMessage,
@@ -250,7 +251,7 @@ class RankWorker:
     def _failed(self, step: int, error: Exception) -> StepReport:
         report = failure_report(self.spec.global_rank, step, error, self.activity.phase)
         self.world.leave_replicas()
-        self.activity.set(step, "failed")
+        self.activity.set(step, Phase.FAILED)
         return report
 
     def evaluate(self, request: EvalRequest) -> StepReport:
@@ -258,7 +259,7 @@ class RankWorker:
         started = time.perf_counter()
         self.signals.begin(request.attempt)
         try:
-            self.activity.set(request.step, "data")
+            self.activity.set(request.step, Phase.DATA)
             batches = [self.hooks.micro_batch(mb, self.device, held_out=True)
                        for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
             data_s = time.perf_counter() - started

@@ -8,7 +8,7 @@ the inner one's seconds go to its own category and are not charged to the outer 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 # In the order reports show them: the useful time first, what remained uncharged last.
@@ -58,5 +58,11 @@ class TimeLedger:
         return {"wall_s": wall, **parts}
 
     def goodput(self) -> float:
-        wall = self.wall()
-        return self.seconds["committed"] / wall if wall > 0 else 0.0
+        return goodput_of({"committed": self.seconds["committed"], "wall_s": self.wall()})
+
+
+def goodput_of(breakdown: Mapping[str, float]) -> float:
+    """Committed step time over the wall time, of a breakdown by category with its ``wall_s``:
+    a leg's, a whole run's or a ledger's now (0 before any time has passed)."""
+    wall = breakdown.get("wall_s", 0.0)
+    return breakdown.get("committed", 0.0) / wall if wall > 0 else 0.0

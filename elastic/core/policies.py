@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from elastic.core.diagnosis import OWN_CODE, OWN_DATA, OWN_ERROR, Diagnosis
+from elastic.core.exits import Ending, Exit
 from elastic.core.protocol import NonFinite
 
 
@@ -47,14 +48,14 @@ class DivergencePolicy:
     max_nonfinite_steps: int
     in_a_row: int = 0
 
-    def diverged(self, step: NonFinite) -> str | None:
+    def diverged(self, step: NonFinite) -> Exit | None:
         """Count one more discarded step: the run's exit once it has diverged, else None."""
         self.in_a_row += 1
         if self.in_a_row < self.max_nonfinite_steps:
             return None
-        return (f"diverged: {self.in_a_row} steps in a row with a loss or gradient norm that is not finite "
-                f"(step {step.step}: loss {step.loss}, grad norm {step.grad_norm}); lower optimizer.lr, set "
-                "optimizer.clip_grad_norm, or check the data")
+        return Exit(Ending.DIVERGED, f"{self.in_a_row} steps in a row with a loss or gradient norm that is not finite "
+                                     f"(step {step.step}: loss {step.loss}, grad norm {step.grad_norm}); lower "
+                                     "optimizer.lr, set optimizer.clip_grad_norm, or check the data")
 
     def committed(self) -> None:
         self.in_a_row = 0

@@ -111,11 +111,28 @@ class StepReport:
         return self.failure is not None and Failure(self.failure).blames_peers
 
 
-# In order of progress through a step. ``stage-wait``: a pipeline stage between its chunks of
-# compute, waiting on a neighbouring stage; ahead of a rank stuck computing, which it waits for.
-PHASES = ("idle", "data", "compute", "stage-wait", "replicate", "vote", "done", "failed")
-# The rank is through with its step: its report is on the way, whatever a probe says.
-FINISHED_PHASES = ("done", "failed")
+class Phase(StrEnum):
+    """Where a rank is in its step, in order of progress. ``STAGE_WAIT``: a pipeline stage
+    between its chunks of compute, waiting on a neighbouring stage; ahead of a rank stuck
+    computing, which it waits for."""
+
+    IDLE = "idle"
+    DATA = "data"
+    COMPUTE = "compute"
+    STAGE_WAIT = "stage-wait"
+    REPLICATE = "replicate"
+    VOTE = "vote"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def progress(self) -> int:
+        return list(Phase).index(self)
+
+    @property
+    def finished(self) -> bool:
+        """Through with its step: its report is on the way, whatever a probe says."""
+        return self in (Phase.DONE, Phase.FAILED)
 
 
 @dataclass(frozen=True)
@@ -124,17 +141,17 @@ class RankActivity:
 
     global_rank: int
     step: int
-    phase: str
+    phase: Phase
     micro_batch: int
     module_entries: int
     phase_age_s: float
 
     @property
     def finished(self) -> bool:
-        return self.phase in FINISHED_PHASES
+        return Phase(self.phase).finished
 
     def order(self) -> tuple[int, int, int]:
-        return (PHASES.index(self.phase), self.micro_batch, self.module_entries)
+        return (Phase(self.phase).progress, self.micro_batch, self.module_entries)
 
 
 class RankTimes(NamedTuple):

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+# The pipeline schedules (``scaling.pp_schedule``) that run one stage per rank; the others
+# loop several stages over the ranks.
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+
+
 class Position(NamedTuple):
     """Where a rank sits in its group: ranks at the same position in different groups hold
     the same part of the model and sum their gradients across groups."""
@@ -23,6 +28,12 @@ class Position(NamedTuple):
     pp: int
     shard: int
     tp: int
+
+
+def counts_loss(position: Position, pp: int) -> bool:
+    """Whether the loss share of the rank at ``position`` (of ``pp`` stages) counts: the last
+    stage computes the loss, and its tp ranks share one, counted by the first."""
+    return position.pp == pp - 1 and position.tp == 0
 
 
 @dataclass(frozen=True)
@@ -67,10 +78,7 @@ class Topology:
         return self.position_of(global_rank).shard
 
     def counts_loss(self, global_rank: int) -> bool:
-        """Whether the rank's loss share counts: the last stage computes the loss, and its tp
-        ranks share one, counted by the first."""
-        position = self.position_of(global_rank)
-        return position.pp == self.pp - 1 and position.tp == 0
+        return counts_loss(self.position_of(global_rank), self.pp)
 
     def stream_of(self, global_rank: int) -> str:
         """The name of the random stream the rank draws from, as a checkpoint keeps it: one per

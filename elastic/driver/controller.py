@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from checkpointing.catalog import Restorable
@@ -36,6 +36,7 @@ from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import group_weights
 from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
+from elastic.core.exits import Ending, Exit
 from elastic.core.topology import Position
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
@@ -43,7 +44,6 @@ from elastic.core.membership import GroupStage, Membership
 from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
 from elastic.core.protocol import RunSpec, describe_error
 from elastic.core.recovery import plan_recovery
-from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerMitigation
 from elastic.driver.evaluation import Evaluation
 from elastic.fleet.api import FleetApi, FleetError, RunStream
 from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper
@@ -53,6 +53,7 @@ from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.report_collector import FailureSeen, ReportCollector
 from elastic.driver.run_watch import RunWatch
 from elastic.driver.state_sources import StateSources
+from elastic.driver.straggler_watch import StragglerWatch
 from elastic.driver.stopped import TrainingStopped
 
 __all__ = ["Controller", "TrainingStopped"]
@@ -116,12 +117,12 @@ class Recovering:
 
 @dataclass(frozen=True)
 class Stopping:
-    reason: str  # completed | preempted | diverged: why
+    reason: Exit  # completed, preempted or diverged: why
 
 
 @dataclass(frozen=True)
 class Finished:
-    exit: str
+    exit: Exit
 
 
 RunState = Starting | AtBoundary | Stepping | Evaluating | Recovering | Stopping | Finished
@@ -154,25 +155,19 @@ class Controller:
         collector = ReportCollector(fleet, self.topology, self.deadline, events, clock)
         self.watch = RunWatch(collector)
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
-        self.stragglers = (
-            # with the experts split over ranks, a rank holding a hot expert is slow by its data
-            StragglerMitigation(config.stragglers, config.global_batch, events, clock,
-                                slow_by_data=config.scaling.ep > 1)
-            if config.stragglers.enabled else None
-        )
-        self.straggler_actions = NO_ACTIONS  # decided at a commit, applied at the next boundary
+        self.stragglers = StragglerWatch(config, self.topology, events, clock)
         self.history = RunHistory(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
         self.state_sources = StateSources(config, fleet, self.membership, self.history, self.timing, events, clock,
                                           checkpoints)
         self.groups = GroupKeeper(config, fleet, self.membership, self.history, self.state_sources, self.timing,
-                                  events, clock, sleep, self.stragglers)
+                                  events, clock, sleep, self.stragglers.mitigation)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the run in flight
 
     # the state machine
 
-    def run(self) -> str:
+    def run(self) -> Exit:
         """Run to the configured step count, or until a stop is requested; returns the exit:
         ``completed`` or ``preempted`` only with the final checkpoint committed."""
         state: RunState = Starting()
@@ -196,16 +191,15 @@ class Controller:
                 if self.groups.start_failed():
                     return self.group_start_failed()
                 if self.stop_requested.is_set():
-                    return Stopping("preempted")
+                    return Stopping(Exit(Ending.PREEMPTED))
                 if self.history.step >= self.config.steps and not self.eval_due():
-                    return Stopping("completed")
+                    return Stopping(Exit(Ending.COMPLETED))
                 # Growing, healing and joining groups at the boundary is elasticity overhead.
                 with self.ledger.timing("recovery"):
                     if replicas_stale and self.membership.live_groups():
                         self.groups.rebuild_replicas()
                     if self.straggler_actions_ready():
-                        actions, self.straggler_actions = self.straggler_actions, NO_ACTIONS
-                        self.groups.apply_straggler_actions(actions)
+                        self.groups.apply_straggler_actions(self.stragglers.take())
                     self.groups.settle(self.deadline.typical_s())
                 if self.groups.start_failed():
                     return AtBoundary()
@@ -276,8 +270,7 @@ class Controller:
             run=self.attempts, first_step=self.history.step, stop_step=self.next_boundary(),
             cursor=self.history.cursor, dataset_len=self.dataset_len, global_batch=self.config.global_batch,
             seed=self.config.seed, micro_batch=self.config.micro_batch, seq_len=self.config.data.seq_len,
-            group_weights=group_weights(self.membership.live_groups(),
-                                        self.stragglers.weights if self.stragglers is not None else {}),
+            group_weights=group_weights(self.membership.live_groups(), self.stragglers.weights),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
             deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
@@ -311,33 +304,13 @@ class Controller:
         )
 
     def straggler_actions_ready(self) -> bool:
-        """Straggler actions are due, and stop no rank a checkpoint still uploads from: a slow
-        rank costs a fraction of a step, a broken save a whole checkpoint interval. They wait
-        for the upload to end."""
-        actions = self.straggler_actions
-        if actions == NO_ACTIONS:
-            return False
         uploading = self.checkpoints.in_flight if self.checkpoints is not None else None
-        if uploading is None:
-            return True
-        stopped = set(actions.replace) | {rank for group in actions.evict_groups
-                                          for rank in self.topology.global_ranks(group)}
-        return not stopped & set(uploading.ranks)
+        return self.stragglers.ready(None if uploading is None else frozenset(uploading.ranks))
 
     def commit(self, committed: CommittedStep) -> None:
         """A step every group of the run committed: feed the straggler detector, record it,
         feed the deadline, close an open recovery, tell the listeners."""
-        scores = None
-        if self.stragglers is not None:
-            ranks, times = committed.ranks, committed.ranks.times
-            actions = self.stragglers.on_step_arrays(
-                self.history.step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
-                compute_s=times.compute_s, fixed_s=times.data_s, step_s=float(times.wall_s.max()),
-                spare_slot=self.fleet.has_spare_slot, min_groups=self.config.scaling.min_groups,
-            )
-            if actions != NO_ACTIONS:  # the run goes on until the pause: keep it for the boundary
-                self.straggler_actions = actions
-            scores = self.stragglers.scores(4)
+        scores = self.stragglers.on_commit(self.history.step, committed, self.fleet.has_spare_slot)
         result = self.history.commit(committed, generation=self.membership.generation,
                                      t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
         self.deadline.record(result.step_s)
@@ -424,14 +397,13 @@ class Controller:
         if self.checkpoints is not None and self.checkpoints.wants_save(self.history.step):
             self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group())
 
-    def finish(self, reason: str) -> str:
-        if self.stragglers is not None:
-            self.stragglers.close()  # report the decisions still being measured
+    def finish(self, reason: Exit) -> Exit:
+        self.stragglers.close()
         if self.save_final(reason):
             return reason
-        return f"{reason}, final checkpoint missed (step {self.history.step}): see the checkpoint-failed events"
+        return replace(reason, final_checkpoint_missed_at=self.history.step)
 
-    def save_final(self, reason: str) -> bool:
+    def save_final(self, reason: Exit) -> bool:
         """Checkpoint the last committed step within the grace period; returns whether the
         final checkpoint is committed (always, when checkpoints are off)."""
         if self.checkpoints is None:
@@ -443,7 +415,8 @@ class Controller:
                 committed = self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
                                                     self.clock() + grace_s)
         if not committed:
-            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=reason, grace_s=grace_s)
+            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=str(reason),
+                             grace_s=grace_s)
         return committed
 
     def final_state(self) -> dict[Position, list]:

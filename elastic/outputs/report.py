@@ -23,9 +23,10 @@ from typing import Any
 import fsspec
 
 from elastic.core.events import EventKind as K, redact_credentials
-from elastic.core.goodput import CATEGORIES
+from elastic.core.exits import Ending, Exit
+from elastic.core.goodput import CATEGORIES, goodput_of
+from elastic.outputs.run_record import SUMMARY_NAME
 
-SUMMARY_NAME = "summary.json"
 DEFAULT_PNG_NAME = "timeline.png"
 
 
@@ -135,11 +136,6 @@ def goodput_breakdown(summary: dict[str, Any]) -> dict[str, float]:
     return breakdown
 
 
-def _goodput(breakdown: dict[str, float]) -> float:
-    wall = breakdown["wall_s"]
-    return breakdown["committed"] / wall if wall > 0 else 0.0
-
-
 def format_breakdown(breakdown: dict[str, float]) -> str:
     """An aligned text table: category, seconds, percent of wall, a total line, and goodput."""
     wall = breakdown["wall_s"]
@@ -159,7 +155,7 @@ def format_breakdown(breakdown: dict[str, float]) -> str:
         lines.append(row)
     lines.append(rule)
     lines.append(f"{'total (wall)':<{width}}  {wall:>10.2f}  {pct(wall):>7}")
-    lines.append(f"** goodput = committed / wall = {100.0 * _goodput(breakdown):.1f}% **")
+    lines.append(f"** goodput = committed / wall = {100.0 * goodput_of(breakdown):.1f}% **")
     return "\n".join(lines)
 
 
@@ -365,11 +361,15 @@ def leg_ending(leg: dict[str, Any]) -> str | None:
     exit_status = leg.get("exit")
     if not exit_status:
         return None
-    ending = str(exit_status).split(":", 1)[0]
+    try:
+        ended = Exit.parse(str(exit_status))
+    except ValueError:  # a line of another version's: its head, as it is
+        return str(exit_status).split(":", 1)[0]
     signal = next((event.get("signal") for event in leg.get("events") or []
                    if event.get("kind") == K.STOP_REQUESTED), None)
-    if signal and ending.startswith("preempted"):
-        ending = ending.replace("preempted", f"preempted ({signal})", 1)
+    ending = f"{ended.ending} ({signal})" if signal and ended.ending == Ending.PREEMPTED else str(ended.ending)
+    if ended.final_checkpoint_missed_at is not None:
+        ending += f", final checkpoint missed (step {ended.final_checkpoint_missed_at})"
     return ending
 
 
@@ -407,7 +407,7 @@ def timeline_figure(summary: dict[str, Any]) -> Any:
         or summary.get("wall_s")
         or max([0.0] + [step.t for step in steps] + [float(e["t"]) for e in events])
     )
-    goodput = _goodput(breakdown) if breakdown else float(summary.get("goodput") or 0.0)
+    goodput = goodput_of(breakdown) if breakdown else float(summary.get("goodput") or 0.0)
 
     expert_loads = expert_load_series(steps)
     height_ratios = [2.2, 1.3, 1.0]
@@ -674,7 +674,7 @@ def timeline_figure(summary: dict[str, Any]) -> Any:
              f"{summary.get('steps_committed', len(steps))} steps committed, "
              f"{summary.get('steps_discarded', 0)} discarded")
     exit_status = summary.get("exit")
-    if exit_status and exit_status != "completed":
+    if exit_status and exit_status != str(Exit(Ending.COMPLETED)):
         title += f"\nexit: {str(exit_status)[:100]}"
     fig.suptitle(title, fontsize=13)
     return fig

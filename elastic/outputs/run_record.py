@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Any
 
+from elastic.core.goodput import goodput_of
+
 log = logging.getLogger("elastic.outputs.run_record")
 
 SUMMARY_NAME = "summary.json"
@@ -53,7 +55,7 @@ def with_history(summary: dict[str, Any], earlier: list[dict[str, Any]]) -> dict
     total = {
         "legs": len(legs),
         "wall_s": wall,
-        "goodput": breakdown.get("committed", 0.0) / wall if wall > 0 else 0.0,
+        "goodput": goodput_of(breakdown),
         "time_breakdown": breakdown,
         "steps_committed": sum(leg.get("steps_committed", 0) for leg in legs),
         "steps_discarded": sum(leg.get("steps_discarded", 0) for leg in legs),

@@ -24,6 +24,7 @@ from elastic.core.faults import check_targets, parse_faults
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
+from elastic.core.topology import SINGLE_STAGE_SCHEDULES
 from elastic.setup.errors import ConfigError
 from elastic.setup.presets import PRESETS
 
@@ -57,8 +58,6 @@ class Section(BaseModel):
         return value
 
 
-# The pipeline schedules that run one stage per rank (workers.pipeline names the same two).
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 
 
 class ScalingConfig(Section):

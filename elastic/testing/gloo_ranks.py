@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.forked_ray_workers import TORCH_PRELOADED
+from elastic.testing.preload import TORCH_PRELOADED
+
 
 START_METHOD = "forkserver"
 # What a test's ranks import: the fork server imports it once, before any rank is forked.

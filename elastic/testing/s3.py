@@ -11,7 +11,7 @@ import time
 
 import s3fs
 
-from tests.loopback import free_port
+from elastic.testing.loopback import free_port
 
 # Dummy credentials for the loopback server; set before the session's Ray starts, so the
 # rank actors inherit them the way they would inherit a node's real AWS environment.
