@@ -267,7 +267,7 @@ def main() -> int:
     systems = chosen_systems(parser, args.systems, SYSTEMS) - ({"C"} if args.no_ray_train else set())
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if systems & {"A", "B", "C"}:
-        from elastic.trainer import start_local_ray
+        from elastic.fleet.ray_connection import start_local_ray
 
         start_local_ray(num_cpus=4, log_to_driver=False)
     verdicts = []

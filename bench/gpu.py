@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (default: by name)")
     args = parser.parse_args()
-    from elastic.trainer import start_local_ray
+    from elastic.fleet.ray_connection import start_local_ray
 
     import ray
 

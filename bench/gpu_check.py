@@ -104,7 +104,7 @@ def start_ray(args: argparse.Namespace, **options) -> None:
     """A local Ray for a part. On CPU it advertises one GPU all the same, as the GPU machine's
     does: a part whose ranks should stay on CPU and leave ``device = auto`` asks for it
     there, and fails here too, not only in the minutes a GPU machine is lent."""
-    from elastic.trainer import start_local_ray
+    from elastic.fleet.ray_connection import start_local_ray
 
     start_local_ray(log_to_driver=False, **({"num_gpus": 1} if args.device == "cpu" else {}), **options)
 

@@ -160,7 +160,7 @@ def main() -> int:
 
     import ray
 
-    from elastic.trainer import start_local_ray
+    from elastic.fleet.ray_connection import start_local_ray
 
     start_local_ray(log_to_driver=False)
     try:

@@ -139,7 +139,7 @@ def main() -> int:
     parser.add_argument("--tiers", action="store_true", help="also the product with the memory tier and check off")
     parser.add_argument("--memory-every", type=int, help="A's checkpoint.memory_every (default: the product's)")
     args = parser.parse_args()
-    from elastic.trainer import start_local_ray
+    from elastic.fleet.ray_connection import start_local_ray
 
     import ray
 

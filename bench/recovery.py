@@ -375,7 +375,7 @@ def main() -> int:
     args = parser.parse_args()
     systems = chosen_systems(parser, args.systems, SYSTEMS)
     if args.memory:
-        from elastic.trainer import start_local_ray
+        from elastic.fleet.ray_connection import start_local_ray
         from elastic.testing.s3 import set_test_credentials
 
         set_test_credentials()  # before Ray starts: the ranks inherit them
@@ -383,7 +383,7 @@ def main() -> int:
         return 0 if compare_memory() else 1
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if systems & {"A", "B"}:
-        from elastic.trainer import start_local_ray
+        from elastic.fleet.ray_connection import start_local_ray
 
         start_local_ray(num_cpus=4, log_to_driver=False)
     results = []

@@ -42,7 +42,7 @@ from elastic.setup.config import StragglerConfig  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind, EventLog  # noqa: E402
 from elastic.core.straggler_mitigation import StragglerMitigation  # noqa: E402
-from elastic.trainer import start_local_ray  # noqa: E402
+from elastic.fleet.ray_connection import start_local_ray  # noqa: E402
 
 
 class FakeClock:

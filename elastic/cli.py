@@ -14,7 +14,7 @@ import tomllib
 from checkpointing.lease import LeaseRefused
 from elastic.setup.errors import ConfigError
 from elastic.core.events import EventKind, RedactingFormatter, redact_credentials
-from elastic.core.exits import PREEMPTED_CODE
+from elastic.stop_signals import SignalsBeforeTheRun
 from elastic.setup.presets import PRESETS
 
 
@@ -174,28 +174,6 @@ def train_overrides(args: argparse.Namespace) -> dict:
         overrides.update(args.groups)
     overrides.update(args.set)  # last: --set says exactly which field it means
     return overrides
-
-
-class SignalsBeforeTheRun:
-    """SIGTERM or Ctrl-C before the trainer takes the signals over (while the config and data
-    are checked and torch and Ray import, seconds): remembered, so that the run ends preempted
-    with its summary written instead of dying without one. A second one exits at once, 143:
-    a check stuck on storage that does not answer must not hold the command."""
-
-    def __init__(self):
-        self._received: str | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if self._received is not None:
-            raise SystemExit(PREEMPTED_CODE)
-        self._received = signal.Signals(signum).name
-        print(f"elastic: {self._received} before the run started: it stops before training (send it again to "
-              "stop at once)", file=sys.stderr, flush=True)
-
-    def received(self) -> str | None:
-        return self._received
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -2,45 +2,49 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import ray
 
-from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.manifest import signing_key_from_environment
-from checkpointing.pretrained import changed_files, source_identity
+from checkpointing.pretrained import source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.config import (
     ConfigError, TrainConfig, check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity,
 )
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
+from elastic.setup.resume_checks import (
+    check_resumable, check_same_source, config_hash, config_record, resume_over_data,
+)
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
 from elastic.fleet.ray_messages import worker_deaths_to_log_file
 from elastic.core.exits import Ending, Exit
-from elastic.core.events import EventKind, EventLog, console_line, redact_credentials
+from elastic.stop_signals import StopOnSignals, StoppedBeforeStart, second_signal_behind
+from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.setup.dataset import data_identity
+from elastic.fleet.ray_connection import connect_ray
 from elastic.fleet.ray_fleet import Fleet
 from elastic.fleet.rendezvous import Rendezvous
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.outputs.metrics import Metrics
+from elastic.outputs.progress import ProgressBar
 from elastic.outputs.run_record import SUMMARY_NAME, earlier_legs, with_history, write_summary
 from elastic.core.protocol import describe_error
 
@@ -49,101 +53,6 @@ log = logging.getLogger("elastic")
 
 def default_run_name() -> str:
     return f"run-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-
-
-# The settings a checkpoint's state and data cursor depend on. Layout, steps, checkpoint,
-# compute and metrics settings may change across a resume.
-STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
-# Recorded with the state (elastic export reads them back) but no part of its math: a resume
-# may differ in them (a run started before the field existed recorded none).
-NOT_IN_THE_MATH = {"model.max_position_embeddings"}
-
-
-def config_record(config: TrainConfig) -> dict:
-    record = config.model_dump(mode="json", include=STATE_FIELDS)
-    # A decaying schedule's horizon as resolved: a run extended with more steps and no
-    # explicit decay_steps would change its learning rates under the resume.
-    schedule = config.lr_schedule
-    record["optimizer"]["decay_steps"] = schedule.decay_steps if schedule.decay != "constant" else None
-    return record
-
-
-def config_hash(config: TrainConfig) -> str:
-    return hashlib.sha256(json.dumps(config_record(config), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def flatten(record: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> None:
-    """Refuse a resume whose settings would change the math the checkpoint was trained with."""
-    manifest = checkpoint.manifest
-    if manifest.config:
-        now = flatten(config_record(config))
-        # A setting added since the checkpoint was written trained it at its default value.
-        saved = {**flatten(config_record(TrainConfig())), **flatten(manifest.config)}
-        keys = (saved.keys() | now.keys()) - NOT_IN_THE_MATH
-        changed = sorted(key for key in keys if saved.get(key) != now.get(key))
-        described = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
-    else:  # written before manifests recorded the settings: only the hash can tell
-        changed = [] if manifest.config_hash == config_hash(config) else ["(settings not recorded)"]
-        described = "model, data, optimizer, seed or global_batch"
-    if changed:
-        raise ConfigError(
-            f"run {run!r} resumes from step {checkpoint.step} ({checkpoint.url}), which was trained "
-            f"with other settings: {described}; these change the model or the data order. Use the run's settings, "
-            "or a new run name (--run-name) to start another run"
-        )
-
-
-def described_changes(saved: dict[str, str], now: dict[str, str], files: list[str], shown: int = 5) -> str:
-    """Each changed file, what it was and what it is (``absent`` for none), the first
-    ``shown`` of them."""
-    return "; ".join(f"{file}: {saved.get(file, 'absent')} -> {now.get(file, 'absent')}" for file in files[:shown]) + (
-        f"; and {len(files) - shown} more" if len(files) > shown else "")
-
-
-def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, identity: dict[str, str],
-                     events: EventLog) -> Restorable:
-    """The checkpoint to resume from, given the data as it is now. Data changed under the same
-    path is refused, naming the files: the saved cursor indexes an order over other data, and
-    would skip some samples and train others twice. With ``checkpoint.accept_changed_data``
-    the model resumes and the data starts a new epoch."""
-    saved = checkpoint.manifest.data  # empty: the data was generated, or the user's own
-    changed = sorted(file for file in saved.keys() | identity.keys() if saved.get(file) != identity.get(file))
-    if not saved or not changed:
-        return checkpoint
-    described = described_changes(saved, identity, changed)
-    if not config.checkpoint.accept_changed_data:
-        raise ConfigError(
-            f"run {run!r} resumes from step {checkpoint.step}, but its data changed since: {described}; its data "
-            "cursor would skip some samples and train others twice. Restore the data, or pass --accept-changed-data "
-            "(checkpoint.accept_changed_data = true) to resume the model with a new epoch over the data"
-        )
-    cursor = {"epoch": checkpoint.manifest.cursor.get("epoch", 0) + 1, "position": 0}
-    events.emit(EventKind.DATA_CHANGED, step=checkpoint.step, files=changed, cursor=cursor)
-    return replace(checkpoint, manifest=checkpoint.manifest.model_copy(update={"cursor": cursor}))
-
-
-def check_same_source(run: str, checkpoint: Restorable, identity: dict[str, str]) -> dict[str, str]:
-    """The source identity a resumed run records: the one it started from. A resume never reads
-    ``model.init_from`` again (it may be gone), but a source changed under the same name is
-    refused: the run's record would name weights it did not start from."""
-    saved = checkpoint.manifest.source
-    changed = changed_files(saved, identity) if saved else []
-    if changed:
-        raise ConfigError(
-            f"run {run!r} resumes from step {checkpoint.step}, but model.init_from changed since the run started "
-            f"from it: {described_changes(saved, identity, changed)}; restore the source, or start a new run (--run-name) from it"
-        )
-    return saved or identity
 
 
 @dataclass
@@ -187,39 +96,6 @@ def strict_json(value):
     if isinstance(value, (list, tuple)):
         return [strict_json(item) for item in value]
     return value
-
-
-def connect_ray() -> bool:
-    """Join the surrounding cluster (RAY_ADDRESS, ray job submit) or start a local one.
-
-    Returns whether this process started Ray and so should stop it.
-    """
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        # Ray retries an address that does not answer for minutes without a word.
-        log.info("joining the Ray cluster at %s (RAY_ADDRESS)", os.environ.get("RAY_ADDRESS", "of this job"))
-        ray.init(log_to_driver=True)
-        return False
-    start_local_ray()
-    return True
-
-
-def start_local_ray(**options) -> None:
-    """A local Ray instance on loopback only; gloo follows the same interface. Ray 2.60 turns
-    token authentication on for it and says so on every run: that notice is dropped
-    (docs/operations.md says it). Ray's usage statistics are off."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    ray.init(
-        address="local",  # a new instance, even when another one runs on this machine
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        configure_logging=False,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
-        **{"log_to_driver": True, **options},
-    )
 
 
 class ElasticTrainer:
@@ -491,101 +367,3 @@ class ElasticTrainer:
         fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)
         write_summary(fs, path, summary)
         return join_url(self.run_dir, SUMMARY_NAME)
-
-
-class StoppedBeforeStart(Exception):
-    """A stop signal came before Ray started: the run ends preempted, with nothing to save."""
-
-
-class SecondSignal(BaseException):
-    """A second SIGTERM or Ctrl-C while the run stops: it stops at once, not at the step
-    boundary. A BaseException, so that no handler of errors between here and ``fit`` takes it
-    for a fault of the run's own."""
-
-
-def second_signal_behind(error: BaseException) -> SecondSignal | None:
-    """The second signal ``error`` is, or came from: raised in a call into Ray's C++ core (a
-    wait), it comes out as that call's SystemError, caused by it."""
-    while error is not None and not isinstance(error, SecondSignal):
-        error = error.__cause__ or error.__context__
-    return error
-
-
-class StopOnSignals:
-    """SIGTERM (preemption, ``ray job stop``, pod eviction) and Ctrl-C ask the controller to
-    stop at the next step boundary with a checkpoint, instead of killing the driver mid-step;
-    a second one stops the run at once (``SecondSignal``). Once the run is ``finishing`` (its
-    summary written, its actors stopped) a signal changes nothing: the run has its ending."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, stop: threading.Event, events: EventLog):
-        self.stop, self.events, self.previous = stop, events, {}
-        self.finishing = False
-
-    def _handle(self, signum, _frame) -> None:
-        if self.finishing:
-            return
-        if self.stop.is_set():
-            raise SecondSignal(signal.Signals(signum).name)  # the user insists
-        self.stop.set()
-        self.events.emit(EventKind.STOP_REQUESTED, signal=signal.Signals(signum).name)
-
-    def catch(self, caught_before: Callable[[], str | None] = lambda: None) -> None:
-        """Take the signals over. ``caught_before``: the signal a caller caught until now, if
-        any, read once these handlers are in place (so none falls between), as if it came now."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                previous = signal.signal(sig, self._handle)
-                self.previous.setdefault(sig, previous)
-        name = caught_before()
-        if name is not None and not self.stop.is_set():
-            self.stop.set()
-            self.events.emit(EventKind.STOP_REQUESTED, signal=name)
-
-    def release(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-class ProgressBar:
-    """Step, loss, tokens/s and live ranks on a tqdm bar (a no-op when disabled)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.bar = total, enabled, None
-
-    def __enter__(self) -> ProgressBar:
-        if self.enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True)
-        return self
-
-    def skip_to(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-
-    def update(self, result: StepResult) -> None:
-        if self.bar is None:
-            return
-        # The step's number, not a count of commits: after a rollback the steps since the state
-        # it went back to are committed again, and the bar goes back with them.
-        self.bar.update(result.step + 1 - self.bar.n)
-        self.bar.set_postfix(
-            loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}", ranks=result.live_ranks, refresh=False
-        )
-
-    def on_event(self, event: dict) -> None:
-        """Faults and recoveries as one line each: above the bar, or logged without one."""
-        line = console_line(event)
-        if line is None:
-            return
-        if self.bar is not None:
-            self.bar.write(redact_credentials(line))
-        else:  # a quorum that grows is no warning
-            log.log(logging.INFO if event["kind"] == EventKind.GROUP_JOINED else logging.WARNING, "%s",
-                    redact_credentials(line))
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()

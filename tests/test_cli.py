@@ -305,7 +305,7 @@ def test_the_progress_bar_shows_the_step_committed_not_a_count_of_commits():
     steps (it said 27 steps of a 20-step run)."""
     from types import SimpleNamespace
 
-    from elastic.trainer import ProgressBar
+    from elastic.outputs.progress import ProgressBar
 
     with ProgressBar(20, enabled=True) as bar:
         bar.skip_to(4)  # resumed from the checkpoint of step 4

@@ -15,7 +15,8 @@ from checkpointing.manifest import FileRecord, Manifest
 from elastic.core.exits import Exit
 from elastic.setup.config import ConfigError
 from elastic.core.events import EventLog
-from elastic.trainer import ElasticTrainer, check_resumable, config_hash, config_record
+from elastic.setup.resume_checks import check_resumable, config_hash, config_record
+from elastic.trainer import ElasticTrainer
 from tests.tiny import tiny_config
 
 
@@ -133,7 +134,7 @@ def test_a_resume_over_changed_data_is_refused_naming_the_file_unless_accepted(t
     import numpy as np
 
     from elastic.core.events import EventKind
-    from elastic.trainer import resume_over_data
+    from elastic.setup.resume_checks import resume_over_data
 
     path = tmp_path / "train.bin"
     np.arange(4_000, dtype="<u2").tofile(path)
