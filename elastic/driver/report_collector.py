@@ -3,9 +3,9 @@
 An evaluation's reports are collected here (``ReportCollector.collect``) within its
 deadline. The first failure (a dead rank, an error report, the deadline) ends the wait: the
 hung ranks are found and killed, the others are told to abort, and the rest of the reports
-are drained before ``diagnose`` names the culprits. A run's watch (``run_watch``) finds the
-hung ranks, aborts and drains the same way: after any failure, the other ranks get the same
-time to report. All waiting goes through the fleet, with deadlines from the injected clock.
+are drained before ``diagnose`` names the culprits (``ReportCollector.after_failure``, the
+one way failed work ends: a run's watch, ``run_watch``, ends its failures through it too,
+so after any failure the other ranks get the same time to report). All waiting goes through the fleet, with deadlines from the injected clock.
 """
 
 from __future__ import annotations
@@ -108,9 +108,6 @@ class ReportCollector:
             failed = receive_into(self.fleet.next_reports(pending, remaining), reports, dead)
         if not failed:
             return reports, None
-        seen_at = self.clock()
-        group_of = {rank: self.topology.group_of(rank) for rank in dispatched}
-        waiting = self.abort(pending.ranks, hung, attempt)
 
         def receive(ranks: list[int], timeout: float):
             arrived = self.fleet.next_reports(Pending({rank: pending.refs[rank] for rank in ranks}), timeout)
@@ -118,9 +115,20 @@ class ReportCollector:
                 del pending.refs[rank]
             return arrived
 
-        stuck = drain(receive, waiting, reports, dead, hung, group_of, started + deadline_s, self.deadline, self.clock)
-        return reports, FailureSeen(diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of),
-                                    seen_at)
+        group_of = {rank: self.topology.group_of(rank) for rank in dispatched}
+        failure = self.after_failure(pending.ranks, hung, attempt, receive, reports, dead, group_of,
+                                     started + deadline_s)
+        return reports, failure
+
+    def after_failure(self, unfinished: list[int], hung: list[int], attempt: int, receive: Receive,
+                      reports: dict[int, StepReport], dead: set[int], group_of: dict[int, int],
+                      step_deadline: float) -> FailureSeen:
+        """The one way failed work ends, a run's or an evaluation's: the hung ranks killed,
+        the others aborted, the rest of the reports drained (``drain``), the culprits named."""
+        seen_at = self.clock()
+        waiting = self.abort(unfinished, hung, attempt)
+        stuck = drain(receive, waiting, reports, dead, hung, group_of, step_deadline, self.deadline, self.clock)
+        return FailureSeen(diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of), seen_at)
 
     def find_hung(self, unfinished: list[int], step: int, deadline_s: float) -> list[int]:
         """Past the deadline: the unfinished ranks that made the least progress (or do not

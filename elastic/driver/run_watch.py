@@ -8,8 +8,8 @@ it. A group that stays silent longer than the step deadline plus the interval be
 is probed like a step past its deadline; the same ``least_advanced`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
 in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
-aborts the others, which are drained with the evaluations' rules (``report_collector.drain``) before
-``diagnose`` names the culprits.
+ends the run as failed evaluations end (``ReportCollector.after_failure``): the hung killed,
+the others aborted and drained, and ``diagnose`` naming the culprits.
 
 A run every rank ended on a step the replicas' integrity check discarded is a failure
 without culprits: the positions that disagreed name the suspect groups, which heal.
@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elastic.core.diagnosis import diagnose, diagnose_mismatch
+from elastic.core.diagnosis import diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupRecords, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
 from elastic.fleet.api import FleetApi, RunStream
 from elastic.driver.history import CommittedStep
-from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, drain, receive_into
+from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
 # groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
@@ -159,8 +159,6 @@ class RunWatch:
             # long enough here: the same probe names the peer they waited for.
             hung = self.collector.find_hung(stream.ranks, state["next"], spec.deadline_s)
 
-        seen_at = self.clock()
-        waiting = self.collector.abort(stream.ranks, hung, stream.run)
         for rank in hung:  # killed as the culprit: their streams end, but not as deaths
             stream.generators.pop(rank, None)
 
@@ -169,9 +167,9 @@ class RunWatch:
             commit_complete()
             return arrived
 
-        stuck = drain(receive, waiting, ends, dead, hung, group_of, self.clock() + spec.deadline_s,
-                      self.collector.deadline, self.clock)
-        diagnosis = diagnose(dead=dead, reports=ends, hung=hung, stuck=stuck, group_of=group_of)
+        failure = self.collector.after_failure(stream.ranks, hung, stream.run, receive, ends, dead, group_of,
+                                               self.clock() + spec.deadline_s)
+        diagnosis = failure.diagnosis
         healthy = {group: min(next_steps.get(rank, state["next"]) for rank in self.topology.global_ranks(group))
                    for group in groups if group not in diagnosis.broken_groups}
         reached = max(healthy.values(), default=state["next"])
@@ -179,7 +177,7 @@ class RunWatch:
         while state["next"] < reached:  # steps a healthy group committed that a broken one never reported
             commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
-        return RunOutcome(state["next"], FailureSeen(diagnosis, seen_at), state["committed_until"])
+        return RunOutcome(state["next"], replace(failure, diagnosis=diagnosis), state["committed_until"])
 
     def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
                          committed_until: float) -> RunOutcome:
