@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
-from elastic.core.diagnosis import DEATH, HANG, OWN_CODE, OWN_DATA, OWN_ERROR, Diagnosis
+from elastic.core.diagnosis import Cause, Diagnosis
 from elastic.core.events import EventKind, EventLog
 from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
 from elastic.core.membership import (
@@ -20,7 +20,7 @@ from elastic.core.membership import (
     transition,
 )
 from elastic.core.policies import FailurePolicy, StepDeadline
-from elastic.core.recovery import STUCK_IN_COLLECTIVE, plan_recovery
+from elastic.core.recovery import plan_recovery
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
 from elastic.core.topology import Topology
@@ -105,19 +105,19 @@ def test_removing_a_live_group_changes_the_generation():
 
 def test_recovery_plan_evicts_culprits_then_stuck_ranks_and_keeps_healthy_groups():
     membership = live_membership(3)
-    diagnosis = Diagnosis(culprits={1: DEATH}, broken_groups=frozenset({0}), errors={}, stuck=(0,))
+    diagnosis = Diagnosis(culprits={1: Cause.DEATH}, broken_groups=frozenset({0}), errors={}, stuck=(0,))
     plan = plan_recovery(diagnosis, membership.topology, membership.live_groups())
     assert [(e.rank, e.group, e.cause, e.failed_the_step) for e in plan.evictions] == [
-        (1, 0, DEATH, True), (0, 0, STUCK_IN_COLLECTIVE, False)
+        (1, 0, Cause.DEATH, True), (0, 0, Cause.STUCK_IN_COLLECTIVE, False)
     ]
-    assert plan.rebuilding == (0,) and plan.survivors == (1, 2) and plan.cause == DEATH
+    assert plan.rebuilding == (0,) and plan.survivors == (1, 2) and plan.cause == Cause.DEATH
 
 
 def test_recovery_plan_with_every_group_affected_has_no_survivors():
     membership = live_membership(2, shard=1)
-    diagnosis = Diagnosis(culprits={0: HANG, 1: OWN_ERROR}, broken_groups=frozenset({0, 1}), errors={})
+    diagnosis = Diagnosis(culprits={0: Cause.HANG, 1: Cause.OWN_ERROR}, broken_groups=frozenset({0, 1}), errors={})
     plan = plan_recovery(diagnosis, membership.topology, membership.live_groups())
-    assert plan.survivors == () and plan.affected_groups == {0, 1} and plan.cause == HANG
+    assert plan.survivors == () and plan.affected_groups == {0, 1} and plan.cause == Cause.HANG
 
 
 def test_step_deadline_follows_recent_steps():
@@ -140,24 +140,25 @@ def test_failure_policy_allows_its_budget_of_recoveries():
 
 def test_an_error_no_fresh_process_would_avoid_stops_the_run_instead_of_a_recovery():
     index_error = "IndexError: index out of range in self"
-    one_rank = Diagnosis({2: OWN_ERROR}, frozenset({1}), {2: index_error})
+    one_rank = Diagnosis({2: Cause.OWN_ERROR}, frozenset({1}), {2: index_error})
     policy = FailurePolicy(max_recoveries=100)
     assert policy.refusal(7, one_rank) is None  # a first error: the rank is replaced
     assert policy.refusal(7, one_rank) == (f"the same error again on fresh processes: {index_error} (the code or "
                                            "the data, not the cluster; fix it and resume)")
-    assert FailurePolicy(100).refusal(7, Diagnosis({0: OWN_ERROR, 3: OWN_ERROR}, frozenset({0, 1}),
+    assert FailurePolicy(100).refusal(7, Diagnosis({0: Cause.OWN_ERROR, 3: Cause.OWN_ERROR}, frozenset({0, 1}),
                                                    {0: index_error, 3: index_error})).startswith(
         f"ranks [0, 3] raised the same error: {index_error}")
     in_code = "ValueError: bad (at train.py:3 in my_loss)"
-    assert FailurePolicy(100).refusal(7, Diagnosis({2: OWN_CODE}, frozenset({1}), {2: in_code})) == (
+    assert FailurePolicy(100).refusal(7, Diagnosis({2: Cause.OWN_CODE}, frozenset({1}), {2: in_code})) == (
         f"rank 2 raised an error in your code: {in_code} (the code or the data, not the cluster; fix it and resume)")
-    data = Diagnosis({3: OWN_DATA, 1: DEATH}, frozenset({0, 1}), {3: "DataError: sample 9 holds token id 300"})
+    data = Diagnosis({3: Cause.OWN_DATA, 1: Cause.DEATH}, frozenset({0, 1}),
+                     {3: "DataError: sample 9 holds token id 300"})
     assert FailurePolicy(100).refusal(0, data).startswith("rank 3's data failed: DataError: sample 9 holds token id")
     # the same error at another step, or another error at the same step, is a fault like any other
     policy = FailurePolicy(max_recoveries=100)
     assert policy.refusal(7, one_rank) is None
     assert policy.refusal(8, one_rank) is None
-    assert policy.refusal(8, Diagnosis({2: OWN_ERROR}, frozenset({1}), {2: "RuntimeError: ECC error"})) is None
+    assert policy.refusal(8, Diagnosis({2: Cause.OWN_ERROR}, frozenset({1}), {2: "RuntimeError: ECC error"})) is None
 
 
 def test_a_new_group_gets_a_typical_weight():

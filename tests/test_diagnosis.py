@@ -1,6 +1,6 @@
 """Failure attribution over plain reports, without a cluster."""
 
-from elastic.core.diagnosis import HANG, OWN_CODE, OWN_DATA, OWN_ERROR, diagnose, least_advanced
+from elastic.core.diagnosis import Cause, diagnose, least_advanced
 from elastic.core.protocol import Phase, RankActivity, StepReport
 
 
@@ -36,7 +36,7 @@ def test_a_hang_breaks_only_the_hung_rank_group():
         3: StepReport(3, 5, error="CollectiveAborted: rank 3", failure="released"),
     }
     diagnosis = diagnose(dead=[], reports=reports, hung=[1], stuck=[0], group_of=group_of)
-    assert diagnosis.culprits == {1: HANG}
+    assert diagnosis.culprits == {1: Cause.HANG}
     assert diagnosis.broken_groups == frozenset({0})
 
 
@@ -49,5 +49,5 @@ def test_a_ranks_own_failures_name_what_they_point_at():
         3: StepReport(3, 5, error="CollectiveFailed: peer", failure="collective"),
     }
     diagnosis = diagnose(dead=[], reports=reports, hung=[], group_of=group_of)
-    assert diagnosis.culprits == {0: OWN_CODE, 1: OWN_DATA, 2: OWN_ERROR}  # rank 3 blames a peer
-    assert diagnosis.cause == OWN_DATA
+    assert diagnosis.culprits == {0: Cause.OWN_CODE, 1: Cause.OWN_DATA, 2: Cause.OWN_ERROR}  # rank 3 blames a peer
+    assert diagnosis.cause == Cause.OWN_DATA

@@ -12,41 +12,51 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from elastic.core.integrity import IntegrityMismatch, suspect_groups
 from elastic.core.protocol import Failure, RankActivity, StepReport, describe_error
 
-DEATH, HANG = "death", "hang"
-# The rank raised about itself: its own compute, I/O or hooks (the user's code, or the device).
-OWN_ERROR = "own-error"
-# The rank's data (or the dataset's code) failed: no fresh process reads it differently.
-OWN_DATA = "own-data"
-# The user's own code raised (not the device, memory or a peer): no fresh process runs it differently.
-OWN_CODE = "own-code"
-# Every rank that failed blames a peer, and none died or hung: the transport itself.
-COLLECTIVE_ERROR = "collective-error"
-# A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank that
-# still answers: it is replaced like any failed rank.
-CONTROL_ERROR = "control-error"
-# Replicas disagreed about their committed state: the suspect groups heal, no rank is evicted.
-INTEGRITY_MISMATCH = "integrity-mismatch"
+class Cause(StrEnum):
+    """Why a rank or a group failed, as the driver names it: one word per cause, the same in
+    the events, the metrics' ``cause`` label and the summary."""
+
+    DEATH = "death"
+    HANG = "hang"
+    # The rank raised about itself: its own compute, I/O or hooks (the user's code, or the device).
+    OWN_ERROR = "own-error"
+    # The rank's data (or the dataset's code) failed: no fresh process reads it differently.
+    OWN_DATA = "own-data"
+    # The user's own code raised (not the device, memory or a peer): no fresh process runs it differently.
+    OWN_CODE = "own-code"
+    # Every rank that failed blames a peer, and none died or hung: the transport itself.
+    COLLECTIVE_ERROR = "collective-error"
+    # A control call (commit, heal, restore, rebuild, checkpoint staging) failed on a rank
+    # that still answers: it is replaced like any failed rank.
+    CONTROL_ERROR = "control-error"
+    # Replicas disagreed about their committed state: the suspect groups heal, no rank is evicted.
+    INTEGRITY_MISMATCH = "integrity-mismatch"
+    # A victim blocked in its own group's collectives after a peer failed: replaced, not at fault.
+    STUCK_IN_COLLECTIVE = "stuck-in-collective"
+    # Slow by its hardware: replaced or its group evicted by the straggler policy.
+    STRAGGLER = "straggler"
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    culprits: dict[int, str]
+    culprits: dict[int, Cause]
     broken_groups: frozenset[int]
     errors: dict[int, str]
     stuck: tuple[int, ...] = ()
     corrupt: frozenset[int] = frozenset()  # groups whose state failed the integrity check
 
     @property
-    def cause(self) -> str:
+    def cause(self) -> Cause:
         causes = set(self.culprits.values())
-        for cause in (DEATH, HANG, OWN_DATA, OWN_CODE, OWN_ERROR, CONTROL_ERROR):
+        for cause in (Cause.DEATH, Cause.HANG, Cause.OWN_DATA, Cause.OWN_CODE, Cause.OWN_ERROR, Cause.CONTROL_ERROR):
             if cause in causes:
                 return cause
-        return INTEGRITY_MISMATCH if self.corrupt else COLLECTIVE_ERROR
+        return Cause.INTEGRITY_MISMATCH if self.corrupt else Cause.COLLECTIVE_ERROR
 
 
 def least_advanced(activities: Iterable[RankActivity]) -> list[int]:
@@ -66,11 +76,12 @@ def diagnose(
     stuck: Iterable[int] = (),
     group_of: Mapping[int, int],
 ) -> Diagnosis:
-    culprits = {rank: DEATH for rank in dead}
-    culprits.update({rank: HANG for rank in hung if rank not in culprits})
+    culprits = {rank: Cause.DEATH for rank in dead}
+    culprits.update({rank: Cause.HANG for rank in hung if rank not in culprits})
     for rank, report in reports.items():
         if not report.ok and not report.blames_peers and rank not in culprits:
-            culprits[rank] = {Failure.OWN_DATA: OWN_DATA, Failure.OWN_CODE: OWN_CODE}.get(report.failure, OWN_ERROR)
+            culprits[rank] = {Failure.OWN_DATA: Cause.OWN_DATA, Failure.OWN_CODE: Cause.OWN_CODE}.get(report.failure,
+                                                                                          Cause.OWN_ERROR)
     broken = {group_of[rank] for rank in culprits}
     broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
     broken |= {group_of[rank] for rank in stuck}
@@ -88,7 +99,7 @@ def diagnose_control_failure(*, failed_on: Iterable[int], dead: Iterable[int], l
     waited on a dead peer are kept."""
     dead = set(dead)
     failed = set() if dead and left_state_intact else set(failed_on) - dead
-    culprits = {rank: DEATH if rank in dead else CONTROL_ERROR for rank in sorted(dead | failed)}
+    culprits = {rank: Cause.DEATH if rank in dead else Cause.CONTROL_ERROR for rank in sorted(dead | failed)}
     return Diagnosis(culprits, frozenset(group_of[rank] for rank in culprits), dict.fromkeys(culprits, error))
 
 

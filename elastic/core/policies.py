@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from elastic.core.diagnosis import OWN_CODE, OWN_DATA, OWN_ERROR, Diagnosis
+from elastic.core.diagnosis import Cause, Diagnosis
 from elastic.core.exits import Ending, Exit
 from elastic.core.protocol import NonFinite
 
@@ -75,18 +75,18 @@ class FailurePolicy:
     def refusal(self, step: int, diagnosis: Diagnosis) -> str | None:
         """None: recover; else why the run stops instead (no rank is evicted then)."""
         own = {rank: diagnosis.errors.get(rank, "?") for rank, cause in diagnosis.culprits.items()
-               if cause in (OWN_DATA, OWN_CODE, OWN_ERROR)}
+               if cause in (Cause.OWN_DATA, Cause.OWN_CODE, Cause.OWN_ERROR)}
         errors = frozenset(own.values())
         again = errors & self.last_errors[1] if self.last_errors[0] == step else frozenset()
         self.last_errors = (step, errors)
-        data = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == OWN_DATA)
+        data = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == Cause.OWN_DATA)
         if data:
             return (f"rank {data[0]}'s data failed: {own[data[0]]} (own-data: the data or the dataset's code, "
                     "not the cluster; fix it and resume)")
         if len(own) > 1 and len(errors) == 1:
             return (f"ranks {sorted(own)} raised the same error: {next(iter(errors))} (the code or the data, "
                     "not the cluster; fix it and resume)")
-        code = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == OWN_CODE)
+        code = sorted(rank for rank, cause in diagnosis.culprits.items() if cause == Cause.OWN_CODE)
         if code:
             return (f"rank {code[0]} raised an error in your code: {own[code[0]]} (the code or the data, not the "
                     "cluster; fix it and resume)")

@@ -13,21 +13,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from elastic.core.diagnosis import Diagnosis
+from elastic.core.diagnosis import Cause, Diagnosis
 from elastic.core.topology import Topology
-
-STUCK_IN_COLLECTIVE = "stuck-in-collective"
 
 
 @dataclass(frozen=True)
 class Eviction:
     rank: int
     group: int
-    cause: str  # the diagnosis' cause for a culprit, STUCK_IN_COLLECTIVE for a stuck rank
+    cause: Cause  # the diagnosis' cause for a culprit, STUCK_IN_COLLECTIVE for a stuck rank
 
     @property
     def failed_the_step(self) -> bool:
-        return self.cause != STUCK_IN_COLLECTIVE
+        return self.cause != Cause.STUCK_IN_COLLECTIVE
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class RecoveryPlan:
 def plan_recovery(diagnosis: Diagnosis, topology: Topology, live_groups: Iterable[int]) -> RecoveryPlan:
     evictions = tuple(
         [Eviction(rank, topology.group_of(rank), cause) for rank, cause in sorted(diagnosis.culprits.items())]
-        + [Eviction(rank, topology.group_of(rank), STUCK_IN_COLLECTIVE) for rank in diagnosis.stuck]
+        + [Eviction(rank, topology.group_of(rank), Cause.STUCK_IN_COLLECTIVE) for rank in diagnosis.stuck]
     )
     rebuilding = set(diagnosis.broken_groups) | {eviction.group for eviction in evictions}
     survivors = tuple(sorted(set(live_groups) - rebuilding))

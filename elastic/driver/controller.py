@@ -51,6 +51,7 @@ from elastic.driver.history import CommittedStep, RunHistory
 from elastic.driver.records import StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.report_collector import FailureSeen, ReportCollector
+from elastic.driver.run_context import RunContext
 from elastic.driver.run_watch import RunWatch
 from elastic.driver.state_sources import StateSources
 from elastic.driver.straggler_watch import StragglerWatch
@@ -158,10 +159,9 @@ class Controller:
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
         self.history = RunHistory(integrity_every=config.integrity.every)
         self.timing = RecoveryTiming(events, clock)
-        self.state_sources = StateSources(config, fleet, self.membership, self.history, self.timing, events, clock,
-                                          checkpoints)
-        self.groups = GroupKeeper(config, fleet, self.membership, self.history, self.state_sources, self.timing,
-                                  events, clock, sleep, self.stragglers.mitigation)
+        run = RunContext(config, fleet, self.membership, self.history, self.timing, events, clock)
+        self.state_sources = StateSources(run, checkpoints)
+        self.groups = GroupKeeper(run, self.state_sources, sleep, self.stragglers.mitigation)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the run in flight
 

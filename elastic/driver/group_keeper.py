@@ -15,36 +15,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from elastic.core.diagnosis import DEATH, OWN_ERROR, Diagnosis, merged
-from elastic.core.events import EventKind, EventLog
+from elastic.core.diagnosis import Cause, Diagnosis, merged
+from elastic.core.events import EventKind
 from elastic.core.memory_tier import choose_buddies
-from elastic.core.membership import Broken, Built, GroupStage, Membership, Placed, Started
+from elastic.core.membership import Broken, Built, GroupStage, Placed, Started
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
-from elastic.driver.history import RunHistory
-from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.run_context import RunContext
 from elastic.driver.spare_keeper import SpareKeeper
 from elastic.driver.state_sources import StateSources
 from elastic.driver.stopped import TrainingStopped
-from elastic.fleet.api import CallFailed, FleetApi, FleetError, Pending, RanksLost
-from elastic.setup.config import TrainConfig
+from elastic.fleet.api import CallFailed, FleetError, Pending, RanksLost
 
 # How often the boundary polls groups on their way into the quorum.
 JOIN_POLL_S = 0.05
 
 
 class GroupKeeper:
-    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, history: RunHistory,
-                 state_sources: StateSources, timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
-                 sleep: Callable[[float], None], stragglers: StragglerMitigation | None):
+    def __init__(self, run: RunContext, state_sources: StateSources, sleep: Callable[[float], None],
+                 stragglers: StragglerMitigation | None):
+        config, fleet, events, clock = run.config, run.fleet, run.events, run.clock
         self.config = config
         self.fleet = fleet
-        self.topology = fleet.topology
-        self.membership = membership
-        self.history = history
+        self.topology = run.topology
+        self.membership = run.membership
+        self.history = run.history
         self.state_sources = state_sources
-        self.timing = timing
+        self.timing = run.timing
         self.events = events
         self.clock = clock
         self.sleep = sleep
@@ -97,7 +95,7 @@ class GroupKeeper:
                 hooks_failed = error.hooks_failed if isinstance(error, CallFailed) else {}
                 self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=describe_error(error, 300))
                 self._failed_starts[group] = Diagnosis(
-                    culprits={**dict.fromkeys(lost, DEATH), **dict.fromkeys(hooks_failed, OWN_ERROR)},
+                    culprits={**dict.fromkeys(lost, Cause.DEATH), **dict.fromkeys(hooks_failed, Cause.OWN_ERROR)},
                     broken_groups=frozenset({group}),
                     errors={rank: hooks_failed.get(rank, describe_error(error, 300)) for rank in error.ranks},
                 )
@@ -208,7 +206,7 @@ class GroupKeeper:
 
     # on the way out
 
-    def evict(self, rank: int, cause: str) -> int:
+    def evict(self, rank: int, cause: Cause) -> int:
         """Kill the rank's process; its group leaves the quorum to replace it. Returns the group."""
         self.fleet.kill(rank)
         group = self.topology.group_of(rank)
@@ -231,7 +229,7 @@ class GroupKeeper:
         changed = False
         for rank in actions.replace:
             if self.topology.group_of(rank) in live:  # else its group left since the decision
-                self.evict(rank, "straggler")
+                self.evict(rank, Cause.STRAGGLER)
                 changed = True
         for group in actions.evict_groups:
             if group not in live:
@@ -242,7 +240,7 @@ class GroupKeeper:
                 self.stragglers.forget(rank)
             cooldown_s = self.config.stragglers.regrow_cooldown_s
             self.scaling.hold_back_one(self.clock() + cooldown_s)
-            self.events.emit(EventKind.GROUP_EVICTED, group=group, cause="straggler", regrow_after_s=cooldown_s)
+            self.events.emit(EventKind.GROUP_EVICTED, group=group, cause=Cause.STRAGGLER, regrow_after_s=cooldown_s)
             changed = True
         if changed and self.membership.live_groups():
             self.rebuild_replicas()

@@ -18,35 +18,28 @@ steps committed after it rerun.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 from checkpointing.catalog import Restorable
 from elastic.core.data_plan import DataCursor
 from elastic.core.diagnosis import Diagnosis
-from elastic.core.events import EventKind, EventLog
+from elastic.core.events import EventKind
 from elastic.core.memory_tier import plan_memory_restore
-from elastic.core.membership import Membership
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
-from elastic.driver.history import RunHistory
-from elastic.driver.recovery_timing import RecoveryTiming
+from elastic.driver.run_context import RunContext
 from elastic.driver.stopped import TrainingStopped
-from elastic.fleet.api import FleetApi
-from elastic.setup.config import TrainConfig
 
 
 class StateSources:
-    def __init__(self, config: TrainConfig, fleet: FleetApi, membership: Membership, history: RunHistory,
-                 timing: RecoveryTiming, events: EventLog, clock: Callable[[], float],
-                 checkpoints: CheckpointCoordinator | None):
-        self.config = config
-        self.fleet = fleet
-        self.topology = fleet.topology
-        self.membership = membership
-        self.history = history
-        self.timing = timing
-        self.events = events
-        self.clock = clock
+    def __init__(self, run: RunContext, checkpoints: CheckpointCoordinator | None):
+        self.config = run.config
+        self.fleet = run.fleet
+        self.topology = run.topology
+        self.membership = run.membership
+        self.history = run.history
+        self.timing = run.timing
+        self.events = run.events
+        self.clock = run.clock
         self.checkpoints = checkpoints
         # After an integrity mismatch: the newest step a restore may take the state from (a
         # later checkpoint may hold the corruption). None: the newest checkpoint.

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from elastic.core.diagnosis import COLLECTIVE_ERROR, CONTROL_ERROR, DEATH, HANG, INTEGRITY_MISMATCH, OWN_ERROR
+from elastic.core.diagnosis import Cause
 from elastic.core.events import Event, EventKind
 from elastic.core.goodput import CATEGORIES, TimeLedger
-from elastic.core.recovery import STUCK_IN_COLLECTIVE
 from elastic.core.straggler_policy import ACTIONS
 from elastic.driver.records import StepResult
 
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
 # series misses the first failure, and panels would show "no data" instead of 0.
-RANK_FAILURES = (DEATH, HANG, OWN_ERROR, COLLECTIVE_ERROR, CONTROL_ERROR)
-RECOVERY_CAUSES = (*RANK_FAILURES, INTEGRITY_MISMATCH)  # a mismatch evicts no rank
-EVICTION_CAUSES = (*RANK_FAILURES, STUCK_IN_COLLECTIVE, "straggler")
+RANK_FAILURES = (Cause.DEATH, Cause.HANG, Cause.OWN_ERROR, Cause.COLLECTIVE_ERROR, Cause.CONTROL_ERROR)
+RECOVERY_CAUSES = (*RANK_FAILURES, Cause.INTEGRITY_MISMATCH)  # a mismatch evicts no rank
+EVICTION_CAUSES = (*RANK_FAILURES, Cause.STUCK_IN_COLLECTIVE, Cause.STRAGGLER)
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
