@@ -29,6 +29,7 @@ from elastic.core.diagnosis import diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupRecords, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
+from elastic.core.topology import Topology
 from elastic.fleet.api import FleetApi, RunStream
 from elastic.driver.history import CommittedStep
 from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, receive_into
@@ -50,6 +51,75 @@ class RunOutcome:
     nonfinite: NonFinite | None = None  # the run stopped on a step whose loss or norm was not finite
 
 
+class RunInbox:
+    """What a run's streams have said so far: the steps each group committed, in order of
+    step, handed on once every group of the run has it (``commit_complete``); every rank's
+    final report, the ranks gone, each rank's next step, the discarded step's findings."""
+
+    def __init__(self, spec: RunSpec, topology: Topology, on_step: Callable[[CommittedStep], None],
+                 clock: Callable[[], float]):
+        self.topology, self.on_step, self.clock = topology, on_step, clock
+        self.groups = spec.groups
+        started = clock()
+        self.records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
+        self.complete: dict[int, CommittedStep] = {}  # by step, from a RunRecords: every group's
+        self.ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
+        self.next_steps: dict[int, int] = {}
+        self.dead: set[int] = set()
+        self.heard_at = dict.fromkeys(self.groups, started)
+        self.next = spec.first_step  # the next step to hand on
+        self.committed_until = started  # when the last was
+        self.nonfinite: NonFinite | None = None
+        self.mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
+
+    def file(self, arrived) -> list[tuple[int, StepReport | None]]:
+        """File the records among the messages that arrived and hand on the steps now
+        complete; returns the final reports among them (None: a rank gone)."""
+        finals = []
+        for rank, message in arrived:
+            # A step can come twice: from the run's message, and from a group's own when its
+            # run ended before it heard that the gather went through.
+            if isinstance(message, RunRecords):
+                self.heard_at.update(dict.fromkeys(message.groups, self.clock()))
+                self.complete.update((committed.record.step, committed)
+                                     for committed in CommittedStep.of_run(message, self.topology)
+                                     if committed.record.step >= self.next)
+                continue
+            if isinstance(message, GroupRecords):
+                self.heard_at[message.group] = self.clock()
+                for record in message.records:
+                    if record.step >= self.next:
+                        self.records.setdefault(record.step, {})[message.group] = record
+                continue
+            if isinstance(message, RunEnd):
+                self.next_steps[rank] = message.next_step
+                self.nonfinite = self.nonfinite or message.nonfinite
+                if message.integrity is not None:
+                    self.mismatches[message.integrity.position] = message.integrity
+                message = message.failure or StepReport(rank, message.next_step)
+            finals.append((rank, message))
+        self.commit_complete()
+        return finals
+
+    def receive(self, arrived) -> bool:
+        """``file`` the messages, the final reports too; returns whether any rank's work failed."""
+        return receive_into(self.file(arrived), self.ends, self.dead)
+
+    def commit_next(self) -> None:
+        own = self.records.pop(self.next, None)
+        self.on_step(self.complete.pop(self.next, None) or CommittedStep.of_groups(own))
+        self.next += 1
+        self.committed_until = self.clock()
+
+    def commit_complete(self) -> None:
+        while self.next in self.complete or len(self.records.get(self.next, ())) == len(self.groups):
+            self.commit_next()
+
+    def only_victims_reported(self, hung: list[int]) -> bool:
+        return not hung and not self.dead and all(report.blames_peers for report in self.ends.values()
+                                                 if not report.ok)
+
+
 class RunWatch:
     def __init__(self, collector: ReportCollector):
         self.collector = collector
@@ -61,61 +131,13 @@ class RunWatch:
               between: Callable[[], None]) -> RunOutcome:
         """Hand on each step every group committed, call ``between`` while waiting, and
         return how the run ended."""
+        inbox = RunInbox(spec, self.topology, on_step, self.clock)
         started = self.clock()
-        groups = spec.groups
         group_of = {rank: self.topology.group_of(rank) for rank in stream.ranks}
-        records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
-        complete: dict[int, CommittedStep] = {}  # by step, from a RunRecords: every group's
-        ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
-        next_steps: dict[int, int] = {}
-        dead: set[int] = set()
-        heard_at = dict.fromkeys(groups, started)
-        state = {"next": spec.first_step, "committed_until": started, "nonfinite": None}
-        mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
-
-        def file(arrived) -> list[tuple[int, StepReport | None]]:
-            finals = []
-            for rank, message in arrived:
-                # A step can come twice: from the run's message, and from a group's own when
-                # its run ended before it heard that the gather went through.
-                if isinstance(message, RunRecords):
-                    heard_at.update(dict.fromkeys(message.groups, self.clock()))
-                    complete.update((committed.record.step, committed)
-                                    for committed in CommittedStep.of_run(message, self.topology)
-                                    if committed.record.step >= state["next"])
-                    continue
-                if isinstance(message, GroupRecords):
-                    heard_at[message.group] = self.clock()
-                    for record in message.records:
-                        if record.step >= state["next"]:
-                            records.setdefault(record.step, {})[message.group] = record
-                    continue
-                if isinstance(message, RunEnd):
-                    next_steps[rank] = message.next_step
-                    state["nonfinite"] = state["nonfinite"] or message.nonfinite
-                    if message.integrity is not None:
-                        mismatches[message.integrity.position] = message.integrity
-                    message = message.failure or StepReport(rank, message.next_step)
-                finals.append((rank, message))
-            return finals
-
-        def commit_next() -> None:
-            own = records.pop(state["next"], None)
-            on_step(complete.pop(state["next"], None) or CommittedStep.of_groups(own))
-            state["next"] += 1
-            state["committed_until"] = self.clock()
-
-        def commit_complete() -> None:
-            while state["next"] in complete or len(records.get(state["next"], ())) == len(groups):
-                commit_next()
-
-        def only_victims_reported() -> bool:
-            return not hung and not dead and all(report.blames_peers for report in ends.values() if not report.ok)
-
         # Between polls of every rank, the wait is on the groups' first ranks only (they carry
         # the records; a peer's death or failure reaches them through the group's collectives),
         # so the driver's work per message does not grow with the group's size.
-        leaders = [self.topology.global_ranks(group)[0] for group in groups]
+        leaders = [self.topology.global_ranks(group)[0] for group in spec.groups]
         polled_at = started
         hung: list[int] = []
         failed = False
@@ -125,9 +147,9 @@ class RunWatch:
             # what is left of each group's allowed silence, and of the time to the next poll (a
             # remainder under TICK_S counts as none: the clock may not move by less)
             watched_groups = {group_of[rank] for rank in stream.generators}
-            silent_for = silence_s - (now - min(heard_at[group] for group in watched_groups))
+            silent_for = silence_s - (now - min(inbox.heard_at[group] for group in watched_groups))
             if silent_for < TICK_S:
-                hung = self.collector.find_hung(stream.ranks, state["next"], silence_s)
+                hung = self.collector.find_hung(stream.ranks, inbox.next, silence_s)
                 failed = True
                 break
             to_poll = WATCH_POLL_S - (now - polled_at)
@@ -139,45 +161,40 @@ class RunWatch:
                 # once a first rank has ended its run, the others' ends follow: wait on all
                 arrived = self.fleet.next_messages(
                     stream, wait_s, leaders if all(rank in stream.generators for rank in leaders) else None)
-            failed = receive_into(file(arrived), ends, dead)
-            commit_complete()
+            failed = inbox.receive(arrived)
             if not failed:
                 between()
-        if not failed and mismatches:
-            return self.integrity_failed(list(mismatches.values()), state["next"], state["committed_until"])
+        if not failed and inbox.mismatches:
+            return self.integrity_failed(list(inbox.mismatches.values()), inbox.next, inbox.committed_until)
         if not failed:
-            return RunOutcome(state["next"], None, state["committed_until"], state["nonfinite"])
-        if only_victims_reported():
+            return RunOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite)
+        if inbox.only_victims_reported(hung):
             # Only victims have reported so far. A peer that died tells it through its own
             # stream, which the wait on first ranks skipped: read every stream for that long.
             settle_until = self.clock() + ABORT_SETTLE_S
-            while stream.generators and not dead and self.clock() < settle_until:
-                receive_into(file(self.fleet.next_messages(stream, settle_until - self.clock())), ends, dead)
-                commit_complete()
-        if only_victims_reported():
+            while stream.generators and not inbox.dead and self.clock() < settle_until:
+                inbox.receive(self.fleet.next_messages(stream, settle_until - self.clock()))
+        if inbox.only_victims_reported(hung):
             # Ranks gave up waiting on a peer at the step's deadline before the silence was
             # long enough here: the same probe names the peer they waited for.
-            hung = self.collector.find_hung(stream.ranks, state["next"], spec.deadline_s)
-
+            hung = self.collector.find_hung(stream.ranks, inbox.next, spec.deadline_s)
         for rank in hung:  # killed as the culprit: their streams end, but not as deaths
             stream.generators.pop(rank, None)
 
         def receive(ranks: list[int], timeout: float):
-            arrived = file(self.fleet.next_messages(stream, timeout, ranks))
-            commit_complete()
-            return arrived
+            return inbox.file(self.fleet.next_messages(stream, timeout, ranks))
 
-        failure = self.collector.after_failure(stream.ranks, hung, stream.run, receive, ends, dead, group_of,
-                                               self.clock() + spec.deadline_s)
+        failure = self.collector.after_failure(stream.ranks, hung, stream.run, receive, inbox.ends, inbox.dead,
+                                               group_of, self.clock() + spec.deadline_s)
         diagnosis = failure.diagnosis
-        healthy = {group: min(next_steps.get(rank, state["next"]) for rank in self.topology.global_ranks(group))
-                   for group in groups if group not in diagnosis.broken_groups}
-        reached = max(healthy.values(), default=state["next"])
+        healthy = {group: min(inbox.next_steps.get(rank, inbox.next) for rank in self.topology.global_ranks(group))
+                   for group in spec.groups if group not in diagnosis.broken_groups}
+        reached = max(healthy.values(), default=inbox.next)
         behind = {group for group, step in healthy.items() if step < reached}
-        while state["next"] < reached:  # steps a healthy group committed that a broken one never reported
-            commit_next()
+        while inbox.next < reached:  # steps a healthy group committed that a broken one never reported
+            inbox.commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
-        return RunOutcome(state["next"], replace(failure, diagnosis=diagnosis), state["committed_until"])
+        return RunOutcome(inbox.next, replace(failure, diagnosis=diagnosis), inbox.committed_until)
 
     def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
                          committed_until: float) -> RunOutcome:
