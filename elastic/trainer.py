@@ -22,9 +22,8 @@ from checkpointing.manifest import signing_key_from_environment
 from checkpointing.pretrained import source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
-from elastic.setup.config import (
-    ConfigError, TrainConfig, check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity,
-)
+from elastic.setup.capacity import check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity
+from elastic.setup.config import ConfigError, TrainConfig
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.setup.resume_checks import (
     check_resumable, check_same_source, config_hash, config_record, resume_over_data,

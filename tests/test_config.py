@@ -3,7 +3,8 @@
 import pytest
 
 from elastic.cli import build_parser, train_overrides
-from elastic.setup.config import CheckpointConfig, ConfigError, check_capacity, on_cluster, parse_config
+from elastic.setup.capacity import check_capacity, on_cluster
+from elastic.setup.config import CheckpointConfig, ConfigError, parse_config
 from elastic.setup.preflight import build_config, load_config
 
 
@@ -55,7 +56,7 @@ def test_layout_larger_than_cluster():
 
 
 def test_spares_the_cluster_has_no_room_for_are_warned_of():
-    from elastic.setup.config import spares_beyond_capacity
+    from elastic.setup.capacity import spares_beyond_capacity
 
     config = build_config({"scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 2, "spares": 100}})
     assert spares_beyond_capacity(config, {"CPU": 2.0}) == (
@@ -66,7 +67,7 @@ def test_spares_the_cluster_has_no_room_for_are_warned_of():
 
 
 def test_groups_the_cluster_has_no_room_for_are_warned_of_with_a_layout_that_fits():
-    from elastic.setup.config import groups_beyond_capacity
+    from elastic.setup.capacity import groups_beyond_capacity
 
     # The default two groups with two stages each: 16 ranks of a 2-CPU machine's 8
     config = build_config({"scaling": {"min_groups": 1, "max_groups": 2, "shard": 2, "tp": 2, "pp": 2}})

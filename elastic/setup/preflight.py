@@ -18,7 +18,8 @@ from typing import Any
 
 from checkpointing.manifest import CorruptCheckpoint
 from checkpointing.storage import check_writable
-from elastic.setup.config import TrainConfig, invalid_config, merge, parse_config, read_config_file
+from elastic.setup.config import TrainConfig, invalid_config, parse_config
+from elastic.setup.config_files import merge, read_config_file
 from elastic.setup.errors import ConfigError
 
 
