@@ -163,7 +163,7 @@ def measure_per_step_calls(ranks: int, steps: int, step_s: float) -> tuple[float
 
 
 def measure_runs(ranks: int, steps: int, step_s: float, tmp: str) -> tuple[float, float]:
-    from elastic.setup.config import on_cluster
+    from elastic.setup.capacity import on_cluster
     from elastic.setup.preflight import build_config
     from elastic.driver.controller import Controller
     from elastic.driver.records import StepResult

@@ -7,7 +7,7 @@ import time
 
 from ray.util.placement_group import PlacementGroup
 
-from elastic.setup.config import on_cluster
+from elastic.setup.capacity import on_cluster
 from elastic.core.membership import Membership
 from elastic.core.topology import Topology
 from elastic.fleet.ray_fleet import Fleet
