@@ -1,6 +1,7 @@
 """The import rules, in one place: the project's modules import one another without a circle,
-the pure core names nothing outside itself, and what the core, the controller and the layers
-below the config load when they run leaves out Ray, torch and the layers above.
+the pure core names nothing outside itself, what the core, the controller and the layers
+below the config load when they run leaves out Ray, torch and the layers above, and every
+name imported from the project is there.
 
 The graph is read from the source with ``ast``, importing nothing, so it runs in milliseconds.
 Every import counts: at the top of a module, inside a function, and under ``if
@@ -143,3 +144,23 @@ def test_the_layers_below_the_config_do_not_import_it():
     # config imports presets and errors; dataset reads a config but names it only as a type
     below = ["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"]
     assert imported_after(below, ("elastic.setup.config",)) == []
+
+
+def test_every_name_imported_from_the_project_is_there():
+    """Each ``from <project module> import <name>`` anywhere in the tree, those inside functions
+    too (a benchmark's, a test's), names something its module has: a moved function breaks
+    here, not in the first run that reaches the import."""
+    import importlib.util
+
+    missing = []
+    for root in (*PACKAGES, "tests", "bench", "examples"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] in (*PACKAGES, "tests")):
+                    continue
+                module = importlib.import_module(node.module)
+                missing += [f"{path.relative_to(ROOT)}: {node.module}.{alias.name}" for alias in node.names
+                            if not hasattr(module, alias.name)
+                            and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
+    assert missing == []
