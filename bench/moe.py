@@ -38,14 +38,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
+from elastic.testing.gloo_ranks import gloo_ranks  # noqa: E402
 from workers.model import (  # noqa: E402
     RoutedLayout, balance_experts, expert_layers, expert_load, grouped_mm, looped_mm,
 )
@@ -110,16 +109,14 @@ def imbalance(job, steps: int) -> float:
     return statistics.median(statistics.mean(step.values()) for step in loads[steps // 2:])
 
 
-def expert_parallel_rank(rank: int, args, ep: int, init_file: str, results) -> None:
-    """One of two ranks training the MoE at ``ep``: its median step seconds, and the seconds of
-    gloo's all-to-all in the profiled steps over those steps' seconds (rank 0's)."""
+def expert_parallel_rank(rank: int, args, ep: int) -> tuple[float, float]:
+    """One of two gloo ranks training the MoE at ``ep``: its median step seconds, and the
+    seconds of gloo's all-to-all in the profiled steps over those steps' seconds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
     from workers.parallelize import Parallelize
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     job = config(args, tempfile.mkdtemp(), ffn_hidden=args.dim * 2, experts=args.experts,
                  experts_per_token=args.top_k, expert_hidden=args.dim * 2)
     hooks = resolve_hooks(job)
@@ -142,19 +139,13 @@ def expert_parallel_rank(rank: int, args, ep: int, init_file: str, results) -> N
             seconds.append(time.perf_counter() - started)
             profiler.step()
     all_to_all_us = sum(event.cpu_time_total for event in profiler.key_averages() if event.key == "gloo:all_to_all")
-    if rank == 0:
-        results.put((statistics.median(seconds[3:-profiled]), all_to_all_us / 1e6 / sum(seconds[-profiled:])))
-    dist.destroy_process_group()
+    return statistics.median(seconds[3:-profiled]), all_to_all_us / 1e6 / sum(seconds[-profiled:])
 
 
 def expert_parallel(args, ep: int) -> tuple[float, float]:
-    """Median step seconds at ``ep`` on two processes, and the all-to-all's share of a step."""
-    context = multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
-    init_file = os.path.join(tempfile.mkdtemp(), "init")
-    multiprocessing.start_processes(expert_parallel_rank, args=(args, ep, init_file, results), nprocs=2,
-                                    start_method="spawn")
-    return results.get()
+    """Median step seconds at ``ep`` on two gloo ranks, and the all-to-all's share of a step
+    (rank 0's)."""
+    return gloo_ranks(expert_parallel_rank, 2, os.path.join(tempfile.mkdtemp(), "init"), args, ep)[0]
 
 
 def main() -> None:

@@ -264,7 +264,8 @@ class ElasticTrainer:
                 exit_reason = Exit(Ending.FAILED, describe_error(error, 1000))
                 raise
             committed = controller.checkpoints.last_committed_step if controller and controller.checkpoints else None
-            exit_reason = Exit(Ending.PREEMPTED, f"a second {second} stopped the run at once, before the step boundary; "
+            exit_reason = Exit(Ending.PREEMPTED,
+                               f"a second {second} stopped the run at once, before the step boundary; "
                                + ("run it again to resume from its newest committed checkpoint, if it has one"
                                   if committed is None else f"it resumes from its checkpoint of step {committed}"))
         finally:

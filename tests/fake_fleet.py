@@ -307,7 +307,8 @@ class FakeFleet:
         faults = self.faults.pop(step, [])
         finish = now + self.step_s
         calls = {rank: Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
-                                               wall_s=self.step_s), activity=RankActivity(rank, step, Phase.COMPUTE, 0, 9, 0.0))
+                                               wall_s=self.step_s),
+                            activity=RankActivity(rank, step, Phase.COMPUTE, 0, 9, 0.0))
                  for rank in requests}
         for fault in faults:
             assert isinstance(fault, Kill), "evaluations fail here by a kill only"
@@ -496,7 +497,8 @@ class FakeRun:
                     finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, RunEnd(peer, step, StepReport(
                         peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
             elif isinstance(fault, Hang):
-                fleet.in_flight[fault.rank] = Call(NEVER, activity=RankActivity(fault.rank, step, Phase.COMPUTE, 0, 1, 0.0))
+                fleet.in_flight[fault.rank] = Call(NEVER,
+                                                   activity=RankActivity(fault.rank, step, Phase.COMPUTE, 0, 1, 0.0))
                 finals[fault.rank] = Call(NEVER, (fault.rank, None))
                 for peer in peers:
                     fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, Phase.COMPUTE, 0, 2, 0.0))

@@ -399,11 +399,14 @@ class RoutedLayout:
         return len(self.layers) * self.experts
 
     def routed_tokens(self, held: Sequence[MoE]) -> list[float]:
-        """The step's tokens per expert of the ``held`` layers, in their places."""
-        routed = torch.zeros(self.width, dtype=torch.float64)
+        """The step's tokens per expert of the ``held`` layers, in their places: laid out where
+        the counts are and read to the host once."""
+        if not held:
+            return [0.0] * self.width
+        routed = held[0].step_routed.new_zeros(self.width)
         for layer in held:
             at = self.layers.index(layer.layer) * self.experts
-            routed[at:at + self.experts] = layer.step_routed.cpu()
+            routed[at:at + self.experts] = layer.step_routed
         return routed.tolist()
 
     def per_layer(self, routed: Sequence[float]) -> dict[int, torch.Tensor]:

@@ -160,22 +160,28 @@ class ChunkWatcher(Protocol):
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
+def _around_chunks(stage, around: Callable[[str, Callable], Callable]) -> None:
+    """Each of ``stage``'s chunk methods replaced by ``around(name, method)``."""
+    for name in CHUNK_METHODS:
+        method = getattr(stage, name, None)
+        if method is not None:
+            setattr(stage, name, around(name, method))
+
+
 def _watch_chunks(stage, activity: ChunkWatcher) -> None:
     """Tell ``activity`` when ``stage`` computes and when it waits: a rank stuck computing
     is told apart from the stages that wait for it (``elastic.core.diagnosis``)."""
-    for name in CHUNK_METHODS:
-        method = getattr(stage, name, None)
-        if method is None:
-            continue
-
-        def watched(*args, _method=method, **kwargs):
+    def watched(name: str, method: Callable) -> Callable:
+        def watching(*args, **kwargs):
             activity.chunk_started()
             try:
-                return _method(*args, **kwargs)
+                return method(*args, **kwargs)
             finally:
                 activity.chunk_ended()
 
-        setattr(stage, name, watched)
+        return watching
+
+    _around_chunks(stage, watched)
 
 
 def _route_chunks(stage, shares: list) -> None:
@@ -187,22 +193,20 @@ def _route_chunks(stage, shares: list) -> None:
     experts = expert_layers(stage.submod)
     if not experts:
         return
-    def with_shares(method, counts: bool):
+
+    def with_shares(name: str, method: Callable) -> Callable:
         def routed(chunk: int, *args, **kwargs):
             set_row_shares(experts, shares[chunk])
             try:
                 return method(chunk, *args, **kwargs)
             finally:
                 set_row_shares(experts, None)
-                if counts and torch.is_grad_enabled():
+                if name == "forward_one_chunk" and torch.is_grad_enabled():
                     add_micro_batch(experts, first=chunk == 0)
 
         return routed
 
-    for name in CHUNK_METHODS:
-        method = getattr(stage, name, None)
-        if method is not None:
-            setattr(stage, name, with_shares(method, counts=name == "forward_one_chunk"))
+    _around_chunks(stage, with_shares)
 
 
 class Pipeline:

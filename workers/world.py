@@ -104,7 +104,8 @@ def group_mesh(device_type: str, rank: RankSpec) -> DeviceMesh:
     """The group's mesh: ``(pp, shard, tp)``; with experts split over fewer ranks than the
     shard dimension (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard``
     flattened from the middle two: the experts split over ``ep`` and sharded by FSDP2 over
-    ``expert_shard``, the rest of the model over ``shard`` (``Topology.expert_coordinates``)."""
+    ``expert_shard``, the rest of the model over ``shard``: a shard rank's block is
+    ``shard_index // ep``, its place in it ``shard_index % ep`` (``elastic.core.topology``)."""
     if not 1 < rank.ep < rank.shard:
         return init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
                                 mesh_dim_names=("pp", "shard", "tp"))

@@ -20,8 +20,11 @@ class Ending(StrEnum):
 # A preempted run exits like a process killed by SIGTERM, so a retry policy (a RayJob's
 # backoffLimit, a scheduler) runs it again, and the rerun resumes from its checkpoint.
 PREEMPTED_CODE = 143
-_LINE = re.compile(r"^(?P<ending>[a-z]+)(?:, final checkpoint missed \(step (?P<step>\d+)\)[^:]*)?(?:: (?P<detail>.*))?$",
-                   re.DOTALL)
+# After the ending's word, when the final checkpoint was missed, before any detail; and the
+# line's parts, as ``Exit.__str__`` writes them.
+MISSED = ", final checkpoint missed (step {step}): see the checkpoint-failed events"
+_LINE = re.compile(r"(?P<ending>[a-z]+)(?:, final checkpoint missed \(step (?P<step>\d+)\): see the checkpoint-failed "
+                   r"events(?:; (?P<after_missed>.*))?|: (?P<detail>.*))?", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,7 @@ class Exit:
     def __str__(self) -> str:
         line = str(self.ending)
         if self.final_checkpoint_missed_at is not None:
-            line += (f", final checkpoint missed (step {self.final_checkpoint_missed_at}): "
-                     "see the checkpoint-failed events")
+            line += MISSED.format(step=self.final_checkpoint_missed_at)
             return f"{line}; {self.detail}" if self.detail else line
         return f"{line}: {self.detail}" if self.detail else line
 
@@ -54,11 +56,8 @@ class Exit:
     @classmethod
     def parse(cls, line: str) -> Exit:
         """The exit a summary's line records (``str(exit)``); ValueError for another line."""
-        match = _LINE.match(line)
-        if match is None or match["ending"] not in Ending.__members__.values():
+        match = _LINE.fullmatch(line)
+        if match is None or match["ending"] not in set(Ending):
             raise ValueError(f"not an exit line: {line[:80]!r}")
         missed = int(match["step"]) if match["step"] else None
-        detail = match["detail"] or ""
-        if missed is not None:
-            detail = line.split("see the checkpoint-failed events", 1)[1].removeprefix("; ")
-        return cls(Ending(match["ending"]), detail, missed)
+        return cls(Ending(match["ending"]), match["after_missed"] or match["detail"] or "", missed)

@@ -6,7 +6,7 @@ index, then the pipeline stage, so a group rank doubles as the rank's bundle ind
 group's placement group (TP neighbours packed together) and as its rank in the group's world.
 With expert parallelism the shard ranks are ``shard / ep`` blocks of ``ep`` consecutive ones:
 a block splits the experts among its ranks, and the blocks shard each rank's experts
-(``expert_coordinates``).
+(``workers.world.group_mesh`` lays the group's mesh out so).
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class Topology:
     @property
     def ranks_per_group(self) -> int:
         return self.pp * self.shard * self.tp
-
-    def expert_coordinates(self, shard_index: int) -> tuple[int, int]:
-        """A shard rank's block of ``ep`` ranks (the experts' shard, by FSDP2) and its place
-        in it (its experts, ``shard_index % ep``)."""
-        return divmod(shard_index, self.ep)
 
     @property
     def max_ranks(self) -> int:

@@ -5,7 +5,8 @@ deadline. The first failure (a dead rank, an error report, the deadline) ends th
 hung ranks are found and killed, the others are told to abort, and the rest of the reports
 are drained before ``diagnose`` names the culprits (``ReportCollector.after_failure``, the
 one way failed work ends: a run's watch, ``run_watch``, ends its failures through it too,
-so after any failure the other ranks get the same time to report). All waiting goes through the fleet, with deadlines from the injected clock.
+so after any failure the other ranks get the same time to report). All waiting goes
+through the fleet, with deadlines from the injected clock.
 """
 
 from __future__ import annotations
