@@ -657,6 +657,57 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
     assert [len(by_epoch[epoch]) for epoch in range(4)] == [96] * 4  # whole epochs, less the tail
 
 
+def test_every_sample_of_every_source_of_a_mixture_is_trained_once_across_a_kill_a_resize_and_a_resume(
+        tmp_path, s3_server):
+    """A Parquet source on S3 and a JSONL source on local disk, mixed 2:1: the ledger of the
+    mixture's samples, mapped to each source's own, never trains a source's sample twice in
+    one pass over that source."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import json
+
+    import pyarrow as pa
+
+    from elastic.data.mixture import at_epoch
+    from elastic.setup.dataset import default_datasets, generate_corpus
+    from elastic.setup.preflight import build_config
+
+    documents = generate_corpus(12_000, 7).decode().split(". ")
+    pq.write_table(pa.table({"text": documents[:150]}), tmp_path / "a.parquet", row_group_size=32)
+    s3_server.filesystem().put(str(tmp_path / "a.parquet"), f"{s3_server.bucket}/a.parquet")
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[150:300]))
+    mixture = default_datasets(build_config({
+        "data": {"seq_len": 64, "sources": [{"path": s3_server.url("a.parquet"), "weight": 2},
+                                            {"path": str(tmp_path / "b.jsonl"), "weight": 1}]},
+        "checkpoint": {"s3_endpoint_url": s3_server.endpoint_url}}))[0]
+    dataset_len = len(mixture)
+    first = Scenario(tmp_path, groups=3, shard=2, steps=24, checkpoint_every=6, capacity=3, dataset_len=dataset_len)
+    first.fleet.faults = {9: [Kill(rank=1, after_s=0.4)]}
+    first.controller.step_listeners.append(lambda record: record.step == 14 and first.fleet.unplaceable.add(2))
+    first.fleet.faults[16] = [Kill(rank=4, after_s=0.3)]  # group 2 cannot come back: the run shrinks to 2
+    ledger = SampleLedger(first)
+    assert first.run() == "completed"
+    assert first.live_groups_by_step()[0] == 3 and first.live_groups_by_step()[-1] == 2
+    resumed = Scenario(tmp_path, groups=3, shard=2, steps=40, checkpoint_every=6, capacity=3,
+                       dataset_len=dataset_len, resume=True)
+    second = SampleLedger(resumed)
+    assert resumed.run() == "completed"
+
+    history = ledger.committed() + second.committed()
+    assert len(history) == 40
+    drawn: dict[tuple[int, int], list[int]] = {}  # (source, its own pass) -> its samples trained
+    for epoch, samples in history:
+        view = at_epoch(mixture, epoch)
+        for index in samples:
+            source, source_pass, sample = view.locate(index)
+            drawn.setdefault((source, source_pass), []).append(sample)
+    assert max(epoch for epoch, _ in history) >= 2  # the mixture went round more than twice
+    assert {source for source, _ in drawn} == {0, 1}
+    for (source, source_pass), samples in drawn.items():
+        assert len(samples) == len(set(samples)), f"source {source}, pass {source_pass}: a sample trained twice"
+    trained = [sum(len(samples) for (s, _), samples in drawn.items() if s == source) for source in (0, 1)]
+    assert abs(trained[0] / sum(trained) - 2 / 3) < 0.05
+
+
 def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_memory(tmp_path):
     # The flip at step 7 goes into every group's update through the gradient sums until the
     # check at step 10 finds it: the majority is not clean either. The check at step 5 passed

@@ -142,7 +142,8 @@ def test_the_controller_and_the_fake_fleet_import_neither_ray_nor_torch():
 
 def test_the_layers_below_the_config_do_not_import_it():
     # config imports presets and errors; dataset reads a config but names it only as a type
-    below = ["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors"]
+    data = [f"elastic.data.{path.stem}" for path in (ROOT / "elastic" / "data").glob("[!_]*.py")]
+    below = ["elastic.setup.dataset", "elastic.setup.presets", "elastic.setup.errors", *data]
     assert imported_after(below, ("elastic.setup.config",)) == []
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
+from elastic.data.tokenizing import IGNORE_INDEX  # a label that takes no part in the loss, as HuggingFace marks it
 from workers.model import MoE, add_micro_batch, expert_layers, set_row_shares
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,7 +36,6 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     )
 
 
-IGNORE_INDEX = -100  # a label that takes no part in the loss, as HuggingFace's labels mark them
 
 
 def sample_ids(sample) -> tuple[torch.Tensor, torch.Tensor]:

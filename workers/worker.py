@@ -230,7 +230,8 @@ class RankWorker:
 
     def _prefetch(self, share: RankShare) -> Future:
         """Read the step's samples on the loader thread while the current step computes."""
-        return self.loader.submit(lambda: [self.hooks.micro_batch(mb, CPU) for mb in share.micro_batches])
+        return self.loader.submit(lambda: [self.hooks.micro_batch(mb, CPU, epoch=share.epoch)
+                                           for mb in share.micro_batches])
 
     def _held_records(self, loop: RankRunLoop) -> Iterator[GroupRecords]:
         held = loop.held()

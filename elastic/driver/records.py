@@ -46,6 +46,7 @@ class StepResult:
             "generation": self.generation,
             "tokens_per_s": self.tokens_per_s,
             "rank_step_s": {str(rank): times.wall_s for rank, times in self.rank_times.items()},
+            "rank_data_s": {str(rank): times.data_s for rank, times in self.rank_times.items()},
             "rank_compute_s": {str(rank): times.compute_s for rank, times in self.rank_times.items()},
             "rank_comm_s": {str(rank): times.comm_s for rank, times in self.rank_times.items()},
             "rank_grad_sum_s": {str(rank): times.grad_sum_s for rank, times in self.rank_times.items()},

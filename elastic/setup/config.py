@@ -260,12 +260,43 @@ class ModelConfig(Section):
         return (self.expert_hidden or self.ffn_hidden) * self.shared_experts
 
 
+DataFormat = Literal["auto", "text", "tokens", "parquet", "jsonl", "arrow", "megatron", "chat"]
+
+
+class DataSource(Section):
+    """One source of a mixture: its data and its share of every batch."""
+
+    path: str
+    # its share of the samples, against the other sources' weights (they need not sum to 1)
+    weight: PositiveFloat = 1.0
+    # None: data.format
+    format: DataFormat | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_absolute(cls, path: str) -> str:
+        return absolute_url(refuse_credentials(path))
+
+
 class DataConfig(Section):
     path: str | None = None
+    # Several sources mixed by weight, instead of data.path: [[data.sources]] tables of path
+    # and weight. Every sample of each is trained once before any of it repeats.
+    sources: list[DataSource] = Field(default_factory=list, max_length=256)
     # text: bytes are tokens; tokens: a flat binary of token_dtype (elastic prepare writes one);
-    # auto: tokens for a path ending in .bin, else text. Applies to validation_path too.
-    format: Literal["auto", "text", "tokens"] = "auto"
+    # parquet, jsonl (.gz, .zst) and arrow (a HuggingFace dataset's save_to_disk directory):
+    # documents in data.text_column, tokenized by data.tokenizer and packed; megatron: a
+    # .bin/.idx pair; chat: JSONL or Parquet conversations (messages, or prompt and
+    # completion), trained on the assistant's tokens only. auto: by the path's extension
+    # (.bin, .parquet, .jsonl, .jsonl.gz, .jsonl.zst, .idx), a save_to_disk directory, else text.
+    # Applies to validation_path too.
+    format: DataFormat = "auto"
     token_dtype: Literal["uint16", "uint32"] = "uint16"
+    # A HuggingFace tokenizer (a directory, or a Hub id) for parquet, jsonl, arrow and chat
+    # documents; never runs a tokenizer's own code. None: UTF-8 bytes are the tokens.
+    tokenizer: str | None = None
+    # the column (Parquet, Arrow) or field (JSONL) that holds each document: text, or token ids
+    text_column: str = Field("text", min_length=1)
     # Held out for evaluation, never trained on: data of its own, or the training data's last
     # fraction. None and 0: the generated default corpus still has one, file data has none.
     validation_path: str | None = None
@@ -286,12 +317,19 @@ class DataConfig(Section):
                 f"validation_fraction={self.validation_fraction:g} and validation_path={self.validation_path!r} "
                 "both choose the validation data; set only one of them"
             )
+        if self.path and self.sources:
+            raise ValueError("path and sources both name the training data; give one source as path, or several "
+                             "as sources")
+        if self.sources and self.validation_fraction:
+            raise ValueError("validation_fraction splits one source, not a mixture (its samples move from epoch to "
+                             "epoch); give the held-out data as validation_path")
+        if "chat" in (self.format, *(source.format for source in self.sources)) and not self.tokenizer:
+            raise ValueError("format chat renders conversations with a tokenizer's chat template; set tokenizer")
         return self
 
-    def format_of(self, path: str) -> Literal["text", "tokens"]:
-        if self.format != "auto":
-            return self.format
-        return "tokens" if path.endswith(".bin") else "text"
+    def training_sources(self) -> list[DataSource]:
+        """The training data as sources: data.path is a source of weight 1."""
+        return list(self.sources) or ([DataSource(path=self.path)] if self.path else [])
 
 
 class OptimizerConfig(Section):

@@ -1,4 +1,5 @@
-"""Map-style token datasets: a generated default corpus, text files, or a token file, by path or URL.
+"""Map-style token datasets: a generated default corpus, text files, a token file, or
+documents (``elastic.data``) mixed by weight, by path or URL.
 
 A sample is ``seq_len + 1`` tokens (inputs and shifted targets). The driver owns the order;
 a dataset only answers ``len`` and ``[index]``. Every dataset is small to pickle: it holds a
@@ -6,7 +7,9 @@ recipe and reads its tokens lazily on the worker that reads them. Files are neve
 whole: ``len`` takes only their sizes and a sample reads only its own window.
 
 Text is byte-level (a byte is a token); a token file is a flat binary of uint16 or uint32
-tokens with no header (nanoGPT / Megatron ``.bin``), written by ``elastic prepare``.
+tokens with no header (nanoGPT), written by ``elastic prepare``, or the ``.bin`` of a
+Megatron pair. Parquet, JSONL and Arrow documents are packed by ``elastic.data.packing``,
+whose index is built here, on the driver, once.
 
 This module owns the datasets a config names (``default_datasets``), their identity for a
 resume (``data_identity``) and the check that the config's data can be read at all
@@ -26,6 +29,12 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.storage import fingerprint
+from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files
+from elastic.data.megatron import DTYPES, pair_urls, read_index
+from elastic.data.mixture import Mixture
+from elastic.data.packing import PackedDocuments
+from elastic.data.tokenizing import tokenizer_for
+from elastic.data.windows import TokenWindows
 from elastic.setup.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,6 +51,8 @@ _OPEN_FILES = 8  # local file handles a TextFiles keeps open, least recently use
 
 # Little-endian whatever the host: a token file is written on one machine and read on others.
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# What a token file may be read as: the above, and the integer dtypes of Megatron's .bin files.
+STREAM_DTYPES = {**TOKEN_DTYPES, **{name: np.dtype(name).newbyteorder("<") for name in DTYPES.values()}}
 
 # Windows a TokenFile reads through one memory map before it maps the file afresh. Each read
 # maps its window's pages, and the kernel's fault-around maps neighbours (64 KiB a fault by
@@ -109,69 +120,6 @@ def read_range(fs: fsspec.AbstractFileSystem, file: str, start: int, end: int) -
         raise OSError(f"{fs.unstrip_protocol(file)} ignored a byte-range request (asked for {end - start} bytes, "
                       f"got {len(data)}); serve it from storage that answers Range requests, or copy it locally")
     return data
-
-
-class DataError(ValueError):
-    """The data itself is wrong, not the storage it is read from: every read of it fails the
-    same way, so no retry or fresh process helps (a rank reports it as ``own-data``)."""
-
-
-class TokenWindows:
-    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
-
-    A subclass gives the stream's length (``n_tokens``) and reads a range of it (``read``,
-    an integer array of any width); sample ``i`` is the tokens ``[i * seq_len, i * seq_len +
-    seq_len + 1)``, widened to int64 one window at a time. Attributes named in ``_transient``
-    are caches, left out of a pickle. With ``vocab_size`` set (the model's), every window is
-    checked to hold only ids below it: one ``max`` a window.
-    """
-
-    _transient: tuple[str, ...] = ()
-    vocab_size: int | None = None
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-
-    def n_tokens(self) -> int:
-        raise NotImplementedError
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        size = self.n_tokens()
-        if size < self.seq_len + 1:
-            raise ValueError(f"the data holds {size} tokens, fewer than one sample of seq_len + 1; give more "
-                             "data or lower data.seq_len")
-        return (size - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} is outside the dataset's {len(self)} samples")
-        tokens = self.read(index * self.seq_len, self.seq_len + 1)
-        if len(tokens) != self.seq_len + 1:
-            raise OSError(f"sample {index} read {len(tokens)} of {self.seq_len + 1} tokens: did the data change?")
-        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
-            position = int(np.argmax(tokens >= self.vocab_size))
-            raise DataError(
-                f"sample {index} holds token id {int(tokens[position])} (token {index * self.seq_len + position} "
-                f"of the data), not below model.vocab_size {self.vocab_size}: the data was tokenized for another "
-                "vocabulary, or is not a token file"
-            )
-        import torch  # here, not at the top: a config refused for its data never loads torch
-
-        return torch.from_numpy(tokens.astype(np.int64))
-
-    def check_token_ids(self, windows: int = 64) -> None:
-        """Raise ``DataError`` if one of ``windows`` samples spread over the data holds an id
-        at or above ``vocab_size``: a cheap look before training; the ranks check the rest
-        as they read it."""
-        n = len(self)
-        for index in sorted({i * (n - 1) // max(1, windows - 1) for i in range(windows)}):
-            self[index]
-
-    def __getstate__(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key not in self._transient}
 
 
 class GeneratedCorpus(TokenWindows):
@@ -272,8 +220,8 @@ class TokenFile(TokenWindows):
 
     def __init__(self, path: str, seq_len: int, dtype: str = "uint16", storage_options: dict | None = None):
         super().__init__(seq_len)
-        if dtype not in TOKEN_DTYPES:
-            raise ValueError(f"token dtype {dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+        if dtype not in STREAM_DTYPES:
+            raise ValueError(f"token dtype {dtype!r} is not one of {sorted(STREAM_DTYPES)}")
         self.path, self.dtype = path, dtype
         self.storage_options = storage_options or {}
 
@@ -287,7 +235,7 @@ class TokenFile(TokenWindows):
     @cached_property
     def _n_tokens(self) -> int:
         fs, file = self._filesystem
-        size, itemsize = fs.size(file), TOKEN_DTYPES[self.dtype].itemsize
+        size, itemsize = fs.size(file), STREAM_DTYPES[self.dtype].itemsize
         if size % itemsize:
             raise ValueError(
                 f"{self.path!r} holds {size} bytes, not a whole number of {self.dtype} tokens ({itemsize} bytes "
@@ -309,14 +257,14 @@ class TokenFile(TokenWindows):
 
     @cached_property
     def _map(self) -> np.memmap:
-        return np.memmap(self._filesystem[1], dtype=TOKEN_DTYPES[self.dtype], mode="r", shape=(self._n_tokens,))
+        return np.memmap(self._filesystem[1], dtype=STREAM_DTYPES[self.dtype], mode="r", shape=(self._n_tokens,))
 
     def n_tokens(self) -> int:
         return self._n_tokens
 
     def read(self, start: int, count: int) -> np.ndarray:
         fs, file = self._filesystem
-        dtype = TOKEN_DTYPES[self.dtype]
+        dtype = STREAM_DTYPES[self.dtype]
         if not isinstance(fs, LocalFileSystem):
             data = read_range(fs, file, start * dtype.itemsize, (start + count) * dtype.itemsize)
             return np.frombuffer(data, dtype=dtype, count=len(data) // dtype.itemsize)
@@ -360,31 +308,85 @@ def held_out_split(dataset, fraction: float) -> tuple[SampleRange, SampleRange]:
     return SampleRange(dataset, 0, n - held_out), SampleRange(dataset, n - held_out, n)
 
 
-def file_dataset(config: TrainConfig, path: str) -> TextFiles | TokenFile:
-    """The dataset at ``path`` in ``data.format``, opened with the run's S3 settings."""
+def source_format(config: TrainConfig, path: str, declared: str | None = None) -> str:
+    """The format ``path`` is read as: as declared (a source's own, else ``data.format``), or
+    for ``auto`` by its extension, a save_to_disk directory's ``state.json`` or the Megatron
+    index beside a ``.bin`` or a prefix."""
+    chosen = declared or config.data.format
+    if chosen != "auto":
+        return chosen
+    name = path.rstrip("/")
+    for suffixes, found in (((".parquet",), "parquet"), ((".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson"), "jsonl"),
+                            ((".idx",), "megatron")):
+        if name.endswith(suffixes):
+            return found
+    fs, local = url_to_fs(name, **config.checkpoint.storage_options().for_url(path))
+    if fs.exists(pair_urls(local)[1]):  # a .bin or a prefix with its Megatron index beside it
+        return "megatron"
+    if name.endswith(".bin"):
+        return "tokens"
+    return "arrow" if fs.exists(f"{local}/state.json") else "text"
+
+
+def file_dataset(config: TrainConfig, path: str, declared: str | None = None) -> TokenWindows:
+    """The dataset at ``path`` in its format, opened with the run's S3 settings; documents
+    (parquet, jsonl, arrow, chat) indexed now, on this process."""
     data = config.data
     storage_options = config.checkpoint.storage_options().for_url(path)
-    if data.format_of(path) == "tokens":
+    chosen = source_format(config, path, declared)
+    if chosen in ("text", "tokens", "megatron") and data.tokenizer:
+        raise ValueError(f"data.tokenizer applies to parquet, jsonl, arrow and chat documents, not to {path} "
+                         f"({chosen}); tokenize text files with `elastic prepare --tokenizer`, or unset data.tokenizer")
+    if chosen == "tokens":
         return TokenFile(path, data.seq_len, data.token_dtype, storage_options)
-    return TextFiles(path, data.seq_len, storage_options)
+    if chosen == "text":
+        return TextFiles(path, data.seq_len, storage_options)
+    if chosen == "megatron":
+        fs = url_to_fs(path, **storage_options)[0]
+        pair = read_index(fs, path)
+        return TokenFile(pair.bin_url, data.seq_len, pair.dtype, storage_options)
+    if chosen == "arrow":
+        fs, directory = url_to_fs(path, **storage_options)
+        urls = [fs.unstrip_protocol(file) for file in arrow_files(fs, directory)]
+        files = [ArrowFile(url, data.text_column, storage_options=storage_options) for url in urls]
+    else:
+        fs, found = list_files(path, storage_options)
+        columnar = chosen == "parquet" or (chosen == "chat" and path.rstrip("/").endswith(".parquet"))
+        reader = ParquetFile if columnar else JsonlFile
+        files = [reader(fs.unstrip_protocol(file), data.text_column, chat=chosen == "chat",
+                        storage_options=storage_options) for file in found]
+    packed = PackedDocuments(files, tokenizer_for(data.tokenizer), data.seq_len)
+    packed.build_index()
+    return packed
+
+
+def training_dataset(config: TrainConfig) -> TokenWindows | Mixture:
+    """``data.path``'s dataset, or ``data.sources`` mixed by weight."""
+    sources = config.data.sources
+    if not sources:
+        return file_dataset(config, config.data.path)
+    datasets = [file_dataset(config, source.path, source.format) for source in sources]
+    return Mixture(datasets, [source.weight for source in sources], [source.path for source in sources], config.seed)
 
 
 def check_readable(config: TrainConfig) -> None:
-    """Raise ValueError naming the field when ``data.path`` or ``data.validation_path`` cannot
-    be read as its format, with the run's S3 settings."""
-    for field in ("path", "validation_path"):
-        path = getattr(config.data, field)
+    """Raise ValueError naming the field when the training or validation data cannot be read
+    as its format, with the run's S3 settings."""
+    fields = [(f"sources[{i}].path", source.path, source.format) for i, source in enumerate(config.data.sources)]
+    fields += [(field, getattr(config.data, field), None) for field in ("path", "validation_path")]
+    for field, path, declared in fields:
         if path is None:
             continue
         try:
-            dataset = file_dataset(config, path)
+            dataset = file_dataset(config, path, declared)
             len(dataset)  # sizes: enough data for one sample
             dataset[0]  # and it reads as the ranks will, by range
-            if config.data.format_of(path) == "tokens":
+            chosen = source_format(config, path, declared)
+            if chosen == "tokens":
                 if dataset.looks_like_text():
                     raise ValueError(f"{path} looks like text, not {config.data.token_dtype} token ids; train on "
                                      "it as text (data.format = \"text\") or tokenize it with `elastic prepare`")
-            else:
+            elif chosen == "text":
                 resolve_text_files(path, config.checkpoint.storage_options().for_url(path))
         except OSError as error:
             raise ValueError(f"data.{field}: {error}; give a readable file, glob or fsspec URL") from None
@@ -413,7 +415,11 @@ def default_datasets(config: TrainConfig, vocab_size: int | None = None,
     each file is checked now and every window as a rank reads it.
     """
     data = config.data
-    if data.path:
+    if data.sources:
+        train = training_dataset(config)
+        for i, source in enumerate(train.sources):
+            bounded(source, vocab_size, f"data.sources[{i}].path")
+    elif data.path:
         train = bounded(file_dataset(config, data.path), vocab_size, "data.path")
     else:
         train = GeneratedCorpus(data.seq_len, data.corpus_tokens, config.seed)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from elastic.data.mixture import at_epoch
 from elastic.setup.config import TrainConfig
 from elastic.setup.dataset import default_datasets
 from elastic.setup.errors import ConfigError
@@ -73,9 +74,10 @@ class TrainHooks:
     def micro_loss(self) -> MicroBatchLoss:
         return SampleLoss(self.batch_loss_fn) if self.batch_loss_fn is not None else TokenLoss(self.loss_fn)
 
-    def micro_batch(self, indices, device: torch.device, held_out: bool = False) -> Batch:
-        """The micro-batch of these samples of the training (or held-out) data."""
-        return collate(self.eval_dataset if held_out else self.dataset, indices, device, self.collate_fn)
+    def micro_batch(self, indices, device: torch.device, held_out: bool = False, epoch: int = 0) -> Batch:
+        """The micro-batch of these samples of the training data in ``epoch`` (or of the held-out data)."""
+        return collate(self.eval_dataset if held_out else at_epoch(self.dataset, epoch), indices, device,
+                       self.collate_fn)
 
 
 def model_args(config: TrainConfig) -> ModelArgs:

@@ -1,0 +1,323 @@
+"""A file's documents, by row: Parquet and HuggingFace Arrow files through pyarrow, JSONL
+(plain, ``.gz`` or ``.zst``) line by line.
+
+A document is a text (from ``data.text_column``), a list of token ids (a column of them,
+read as it is), or a conversation (``chat``: a row's ``messages``, or its ``prompt`` and
+``completion``). Each reader counts its rows once, on the driver (``scan``), and then reads
+any range of them on a rank (``read``) without reading the rest: a Parquet file by row
+group, a plain JSONL file by the byte ranges of its lines, an Arrow file memory-mapped. A
+compressed JSONL file cannot be entered in the middle: a rank decompresses it whole, the
+first time it reads from it.
+
+Nothing here executes what it reads: JSON is parsed, Arrow and Parquet are columns.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import fsspec
+import numpy as np
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+# Row groups, decompressed files and Arrow tables a reader keeps, least recently used dropped first.
+_CACHED_BLOCKS = 4
+
+# Rows a scan reads at once: the index is built a batch at a time, never a file in memory.
+SCAN_ROWS = 8192
+
+
+class DataError(ValueError):
+    """The data itself is wrong, not the storage it is read from: every read of it fails the
+    same way, so no retry or fresh process helps (a rank reports it as ``own-data``)."""
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation to render with the tokenizer's chat template: ``messages``, or a
+    ``prompt`` and its ``completion``. ``where`` names its file and row in an error."""
+
+    where: str
+    messages: list = field(default_factory=list)
+    prompt: str | None = None
+    completion: str | None = None
+
+
+Document = str | np.ndarray | Chat
+
+
+class DocumentFile:
+    """One file's documents. ``column`` names the text (or token-id) column; ``chat`` reads
+    conversations instead. Attributes in ``_transient`` are caches, left out of a pickle."""
+
+    _transient: tuple[str, ...] = ("_fs", "_blocks")
+
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
+        self.url, self.column, self.chat = url, column, chat
+        self.storage_options = storage_options or {}
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key not in self._transient}
+
+    @cached_property
+    def _fs(self) -> fsspec.AbstractFileSystem:
+        return url_to_fs(self.url, **self.storage_options)[0]
+
+    @cached_property
+    def _blocks(self) -> OrderedDict:
+        return OrderedDict()
+
+    def _cached(self, key, load):
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return self._blocks[key]
+        value = self._blocks[key] = load()
+        if len(self._blocks) > _CACHED_BLOCKS:
+            self._blocks.popitem(last=False)
+        return value
+
+    def scan(self) -> Iterator[list[Document]]:
+        """Every document, a batch at a time, in order; records what ``read`` needs later."""
+        raise NotImplementedError
+
+    def read(self, start: int, stop: int) -> list[Document]:
+        raise NotImplementedError
+
+    def where(self, row: int) -> str:
+        return f"{self.url} row {row}"
+
+    def _document(self, value, row: int) -> Document:
+        """A row's value as a document, or a ``DataError`` naming the file, the row and the fix."""
+        if self.chat:
+            return self._conversation(value, row)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list | np.ndarray) and all(isinstance(v, int | np.integer) for v in value):
+            return np.asarray(value, dtype=np.int64)
+        if value is None:
+            raise DataError(f"{self.where(row)}: column {self.column!r} is empty; fill it or drop the row")
+        raise DataError(f"{self.where(row)}: column {self.column!r} holds {type(value).__name__}, not text or a list "
+                        "of token ids; set data.text_column to the column that holds the documents")
+
+    def _conversation(self, row_value, row: int) -> Chat:
+        where = self.where(row)
+        if not isinstance(row_value, dict):
+            raise DataError(f"{where}: a chat row is an object with messages, or with prompt and completion")
+        if "messages" in row_value:
+            messages = row_value["messages"]
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects of text")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise DataError(f"{where}: the conversation has no assistant turn to train on")
+            return Chat(where, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
+        prompt, completion = row_value.get("prompt"), row_value.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return Chat(where, prompt=prompt, completion=completion)
+        raise DataError(f"{where}: a chat row needs messages, or prompt and completion as text")
+
+
+class JsonlFile(DocumentFile):
+    """JSON Lines, one document a line (blank lines skipped). A plain file is read by the byte
+    ranges of its lines, which ``scan`` records; a ``.gz`` or ``.zst`` file is decompressed
+    whole on the rank that first reads it."""
+
+    _transient = (*DocumentFile._transient, "_lines")
+
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
+        super().__init__(url, column, chat, storage_options)
+        self.spans: np.ndarray | None = None  # plain files: each document's [start, end) bytes
+
+    @property
+    def compressed(self) -> bool:
+        return self.url.endswith((".gz", ".zst"))
+
+    @contextmanager
+    def _stream(self) -> Iterator[io.BufferedIOBase]:
+        """The file's bytes, decompressed as they are read."""
+        with self._fs.open(self.url, "rb") as handle:
+            if self.url.endswith(".gz"):
+                with gzip.open(handle) as stream:
+                    yield stream
+            elif self.url.endswith(".zst"):
+                try:
+                    import zstandard
+                except ImportError:
+                    raise DataError(f"{self.url}: reading .zst needs zstandard: pip install "
+                                    "'elastic-trainer[data]'") from None
+                with zstandard.ZstdDecompressor().stream_reader(handle) as reader:
+                    yield io.BufferedReader(reader)
+            else:
+                yield handle
+
+    def _parse(self, line: bytes, row: int) -> Document:
+        try:
+            value = json.loads(line)
+        except UnicodeDecodeError:
+            raise DataError(f"{self.where(row)}: the line is not UTF-8; re-encode the file as UTF-8") from None
+        except ValueError as error:
+            raise DataError(f"{self.where(row)}: not a JSON object ({error}); fix or drop the line") from None
+        if self.chat:
+            return self._document(value, row)
+        if not isinstance(value, dict) or self.column not in value:
+            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise DataError(f"{self.where(row)}: no {self.column!r} field (it has {keys}); set data.text_column to "
+                            "the field that holds the documents")
+        return self._document(value[self.column], row)
+
+    def where(self, row: int) -> str:
+        return f"{self.url} document {row}"
+
+    def scan(self) -> Iterator[list[Document]]:
+        starts, ends, batch, row, at = [], [], [], 0, 0
+        try:
+            with self._stream() as stream:
+                for line in iter(stream.readline, b""):
+                    begin, at = at, at + len(line)
+                    if not line.strip():
+                        continue
+                    batch.append(self._parse(line, row))
+                    starts.append(begin)
+                    ends.append(at)
+                    row += 1
+                    if len(batch) == SCAN_ROWS:
+                        yield batch
+                        batch = []
+        except (EOFError, gzip.BadGzipFile) as error:
+            raise DataError(f"{self.url}: the compressed file is cut short or damaged ({error})") from None
+        if batch:
+            yield batch
+        self.spans = None if self.compressed else np.array([starts, ends], dtype=np.int64).reshape(2, -1)
+
+    @cached_property
+    def _lines(self) -> list[bytes]:
+        with self._stream() as stream:
+            return [line for line in iter(stream.readline, b"") if line.strip()]
+
+    def read(self, start: int, stop: int) -> list[Document]:
+        if self.spans is None:
+            return [self._parse(line, row) for row, line in zip(range(start, stop), self._lines[start:stop])]
+        begin, end = int(self.spans[0, start]), int(self.spans[1, stop - 1])
+        data = self._fs.cat_file(self.url, start=begin, end=end)
+        return [self._parse(data[int(a) - begin : int(b) - begin], row)
+                for row, a, b in zip(range(start, stop), self.spans[0, start:stop], self.spans[1, start:stop])]
+
+
+class ColumnarFile(DocumentFile):
+    """A table read through pyarrow; a subclass gives its blocks (row groups, record batches)."""
+
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
+        super().__init__(url, column, chat, storage_options)
+        self.block_rows: np.ndarray | None = None  # rows in each block, from the file's own metadata
+
+    def _block_count_rows(self) -> list[int]:
+        raise NotImplementedError
+
+    def _load_block(self, block: int):
+        raise NotImplementedError
+
+    def _columns(self) -> list[str] | None:
+        return None if self.chat else [self.column]
+
+    def _values(self, table, first_row: int) -> list[Document]:
+        if self.chat:
+            return [self._document(row, first_row + i) for i, row in enumerate(table.to_pylist())]
+        if self.column not in table.column_names:
+            raise DataError(f"{self.url}: no column {self.column!r} (it has {table.column_names}); set "
+                            "data.text_column to the column that holds the documents")
+        return [self._document(value, first_row + i) for i, value in enumerate(table.column(self.column).to_pylist())]
+
+    def scan(self) -> Iterator[list[Document]]:
+        self.block_rows = np.array(self._block_count_rows(), dtype=np.int64)
+        row = 0
+        for block in range(len(self.block_rows)):
+            table = self._load_block(block)
+            for at in range(0, table.num_rows, SCAN_ROWS):
+                yield self._values(table.slice(at, SCAN_ROWS), row + at)
+            row += table.num_rows
+
+    def read(self, start: int, stop: int) -> list[Document]:
+        bounds = np.concatenate([[0], np.cumsum(self.block_rows)])
+        documents = []
+        block = int(np.searchsorted(bounds, start, side="right")) - 1
+        while start < stop:
+            first, last = int(bounds[block]), int(bounds[block + 1])
+            table = self._cached(block, lambda: self._load_block(block))
+            take = min(stop, last) - start
+            documents += self._values(table.slice(start - first, take), start)
+            start += take
+            block += 1
+        return documents
+
+
+class ParquetFile(ColumnarFile):
+    """A Parquet file, read a row group at a time (only ``data.text_column``, or a chat's columns)."""
+
+    _transient = (*ColumnarFile._transient, "_parquet")
+
+    @cached_property
+    def _parquet(self):
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(self._fs.open(self.url, "rb"))
+        except Exception as error:  # pyarrow raises ArrowInvalid and OSError alike
+            raise DataError(f"{self.url}: not a Parquet file ({error})") from None
+
+    def _block_count_rows(self) -> list[int]:
+        metadata = self._parquet.metadata
+        names = self._parquet.schema_arrow.names
+        if not self.chat and self.column not in names:
+            raise DataError(f"{self.url}: no column {self.column!r} (it has {names}); set data.text_column to the "
+                            "column that holds the documents")
+        return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+    def _load_block(self, block: int):
+        return self._parquet.read_row_group(block, columns=self._columns())
+
+
+class ArrowFile(ColumnarFile):
+    """One Arrow stream file of a HuggingFace dataset saved with ``save_to_disk``: memory-mapped
+    where it is local, read whole (once a rank) where it is not."""
+
+    _transient = (*ColumnarFile._transient, "_table")
+
+    @cached_property
+    def _table(self):
+        import pyarrow as pa
+
+        try:
+            local = isinstance(self._fs, LocalFileSystem)
+            source = pa.memory_map(url_to_fs(self.url)[1]) if local else self._fs.open(self.url, "rb")
+            return pa.ipc.open_stream(source).read_all()
+        except Exception as error:  # pyarrow raises ArrowInvalid and OSError alike
+            raise DataError(f"{self.url}: not an Arrow stream file as datasets' save_to_disk writes ({error})") \
+                from None
+
+    def _block_count_rows(self) -> list[int]:
+        return [self._table.num_rows]
+
+    def _load_block(self, block: int):
+        return self._table
+
+
+def arrow_files(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
+    """The Arrow files of a dataset saved with ``save_to_disk``, in its own order (``state.json``)."""
+    try:
+        state = json.loads(fs.cat_file(f"{directory.rstrip('/')}/state.json"))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{directory}: not a dataset saved with save_to_disk (its state.json: {error}); give the "
+                        "directory save_to_disk wrote, or a split of a DatasetDict") from None
+    if not all(isinstance(name, str) and "/" not in name and name not in (".", "..") for name in names):
+        raise DataError(f"{directory}: state.json names files outside the dataset's directory")
+    return [f"{directory.rstrip('/')}/{name}" for name in names]

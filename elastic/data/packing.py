@@ -1,0 +1,124 @@
+"""Documents laid end to end and cut into samples: ``seq_len + 1`` tokens each, the same cut
+on every rank and in every run over the same data and tokenizer.
+
+The index (each document's token count, separator included) is built once, on the driver,
+by ``scan``ning every file and tokenizing every document; it travels with the dataset to
+the ranks, which read and tokenize only the documents a sample spans. A document whose
+tokens differ from the index's count when a rank reads it means the data or the tokenizer
+changed under the run: the read fails rather than train on a shifted stream.
+
+Conversations carry labels: a sample is then ``{"input_ids", "labels"}``, the labels
+``IGNORE_INDEX`` outside the assistant's turns (``workers.train_step.sample_ids`` reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from functools import cached_property
+
+import numpy as np
+
+from checkpointing.storage import fingerprint
+from elastic.data.documents import DataError, DocumentFile
+from elastic.data.tokenizing import ByteTokens, HuggingFaceTokens
+from elastic.data.windows import TokenWindows
+
+log = logging.getLogger("elastic.data.packing")
+
+# Indexes built in this process, by what they index (the files as they are now, the tokenizer,
+# the column): the preflight and the run read the same data once.
+_BUILT: dict[tuple, tuple[list[DocumentFile], list[np.ndarray]]] = {}
+_KEPT_INDEXES = 4
+
+
+class PackedDocuments(TokenWindows):
+    """The documents of ``files``, tokenized by ``tokenizer`` and packed into windows."""
+
+    _transient = ("_starts",)
+
+    def __init__(self, files: Sequence[DocumentFile], tokenizer: ByteTokens | HuggingFaceTokens, seq_len: int):
+        super().__init__(seq_len)
+        self.files, self.tokenizer = list(files), tokenizer
+        self.lengths: list[np.ndarray] | None = None  # per file, each document's tokens: the index
+
+    def build_index(self) -> None:
+        """Count every document's tokens (the driver's one pass over the data)."""
+        if self.lengths is not None:
+            return
+        key = (tuple(sorted(self.identity().items())), tuple((file.url, file.column, file.chat) for file in self.files))
+        if key in _BUILT:
+            self.files, self.lengths = _BUILT[key]
+            return
+        began, lengths = time.perf_counter(), []
+        for file in self.files:
+            counts = [len(ids) for batch in file.scan() for ids, _ in self.tokenizer.encode(batch)]
+            if not counts:
+                raise DataError(f"{file.url} holds no documents; remove it from the data or fill it")
+            lengths.append(np.array(counts, dtype=np.int32))
+        self.lengths = lengths
+        _BUILT[key] = (self.files, lengths)
+        while len(_BUILT) > _KEPT_INDEXES:
+            _BUILT.pop(next(iter(_BUILT)))
+        log.info("indexed %d documents, %d tokens, in %d files in %.1f s", sum(map(len, lengths)),
+                 int(sum(int(c.sum()) for c in lengths)), len(self.files), time.perf_counter() - began)
+
+    @cached_property
+    def _starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where each document starts in the stream (and the end), and where each file's first document is."""
+        self.build_index()
+        counts = np.concatenate(self.lengths)
+        starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        first = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in self.lengths], out=first[1:])
+        return starts, first
+
+    @property
+    def labelled(self) -> bool:
+        return any(file.chat for file in self.files)
+
+    def identity(self) -> dict[str, str]:
+        identity = {file.url: fingerprint(file._fs, file.url) for file in self.files}
+        return {**identity, "data.tokenizer": self.tokenizer.identity()}
+
+    def n_tokens(self) -> int:
+        return int(self._starts[0][-1])
+
+    def _stream(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens ``[start, start + count)`` of the packed stream, and their labels if it has any."""
+        starts, first = self._starts
+        end = start + count
+        begin_doc = int(np.searchsorted(starts, start, side="right")) - 1
+        end_doc = int(np.searchsorted(starts, end, side="left"))
+        ids, labels = [], []
+        doc = begin_doc
+        while doc < end_doc:
+            file = int(np.searchsorted(first, doc, side="right")) - 1
+            stop = min(end_doc, int(first[file + 1]))
+            row = doc - int(first[file])
+            documents = self.files[file].read(row, row + stop - doc)
+            for offset, (tokens, labelled) in enumerate(self.tokenizer.encode(documents)):
+                if len(tokens) != self.lengths[file][row + offset]:
+                    raise DataError(f"{self.files[file].where(row + offset)} tokenizes to {len(tokens)} tokens, the "
+                                  f"index counted {self.lengths[file][row + offset]}: the data or the tokenizer "
+                                  "changed under the run")
+                ids.append(tokens)
+                labels.append(tokens if labelled is None else labelled)
+            doc = stop
+        skip = start - int(starts[begin_doc])
+        stream = np.concatenate(ids)[skip : skip + count]
+        return stream, (np.concatenate(labels)[skip : skip + count] if self.labelled else None)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        return self._stream(start, count)[0]
+
+    def __getitem__(self, index: int):
+        if not self.labelled:
+            return super().__getitem__(index)
+        self.check_index(index)
+        tokens, labels = self._stream(index * self.seq_len, self.seq_len + 1)
+        import torch  # here, not at the top: a config refused for its data never loads torch
+
+        return {"input_ids": torch.from_numpy(self.checked(index, tokens)), "labels": torch.from_numpy(labels)}

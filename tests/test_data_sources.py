@@ -1,0 +1,304 @@
+"""Data as people keep it: Parquet, JSONL (plain, gz, zst), HuggingFace save_to_disk and
+Megatron pairs, tokenized, packed and mixed; bad data refused before anything starts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from elastic.data.megatron import MAGIC  # noqa: E402
+from elastic.data.mixture import at_epoch  # noqa: E402
+from elastic.data.tokenizing import IGNORE_INDEX  # noqa: E402
+from elastic.setup.dataset import default_datasets, generate_corpus  # noqa: E402
+from elastic.setup.errors import ConfigError  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
+from elastic.testing.tokenizer import make_tokenizer  # noqa: E402
+
+SEQ_LEN = 16
+VOCAB = 300
+DOCUMENTS = generate_corpus(40_000, 3).decode().split(". ")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return str(make_tokenizer(tmp_path_factory.mktemp("tokenizer"), DOCUMENTS, VOCAB))
+
+
+def config_of(data: dict, **values):
+    return build_config({"data": {"seq_len": SEQ_LEN, **data}, "model": {"vocab_size": VOCAB}, **values})
+
+
+def train_set(data: dict, **values):
+    return default_datasets(config_of(data, **values), VOCAB)[0]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def packed_stream(tokenizer_dir: str, documents: list[str]) -> np.ndarray:
+    """What packing must give: each document's ids and the end-of-sequence token, end to end."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    return np.concatenate([[*row, tokenizer.eos_token_id] for row in ids])
+
+
+def windows(dataset) -> np.ndarray:
+    return np.stack([dataset[i].numpy() for i in range(len(dataset))])
+
+
+def test_every_format_packs_the_same_documents_into_the_same_windows(tmp_path, tokenizer):
+    documents = DOCUMENTS[:600]
+    pq.write_table(pa.table({"text": documents}), tmp_path / "d.parquet", row_group_size=64)
+    plain = write_jsonl(tmp_path / "d.jsonl", [{"text": text, "id": i} for i, text in enumerate(documents)])
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress((tmp_path / "d.jsonl").read_bytes()))
+    zstandard = pytest.importorskip("zstandard")
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "d.jsonl").read_bytes()))
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": documents}).save_to_disk(str(tmp_path / "saved"))
+
+    stream = packed_stream(tokenizer, documents)
+    n = (len(stream) - 1) // SEQ_LEN
+    expected = np.stack([stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(n)])
+    for path in ("d.parquet", "d.jsonl", "d.jsonl.gz", "d.jsonl.zst", "saved"):
+        dataset = train_set({"path": str(tmp_path / path), "tokenizer": tokenizer})
+        assert len(dataset) == n, path
+        np.testing.assert_array_equal(windows(dataset), expected, err_msg=path)
+        shipped = pickle.loads(pickle.dumps(dataset))  # as a rank gets it: the index, no caches
+        assert shipped.lengths is not None
+        np.testing.assert_array_equal(shipped[n - 1].numpy(), expected[n - 1], err_msg=path)
+    # without a tokenizer, UTF-8 bytes are the tokens and a newline ends a document
+    raw = train_set({"path": plain})
+    assert raw[0].tolist() == list((documents[0] + "\n" + documents[1]).encode()[: SEQ_LEN + 1])
+
+
+def test_a_rank_reads_only_the_row_group_a_window_lies_in(tmp_path, tokenizer):
+    pq.write_table(pa.table({"text": DOCUMENTS[:640]}), tmp_path / "d.parquet", row_group_size=64)
+    shipped = pickle.loads(pickle.dumps(train_set({"path": str(tmp_path / "d.parquet"), "tokenizer": tokenizer})))
+    loaded = []
+    file = shipped.files[0]
+    original = file._load_block
+    file._load_block = lambda block: loaded.append(block) or original(block)
+    shipped[len(shipped) // 2]
+    assert len(loaded) == 1 and 0 < loaded[0] < 9
+
+
+def test_a_column_of_token_ids_is_read_as_it_is(tmp_path):
+    rows = [list(range(i, i + 7)) for i in range(40)]
+    pq.write_table(pa.table({"ids": rows}), tmp_path / "ids.parquet", row_group_size=8)
+    dataset = train_set({"path": str(tmp_path / "ids.parquet"), "text_column": "ids"})
+    stream = np.concatenate([[*row, ord("\n")] for row in rows])  # no tokenizer: a newline separates
+    np.testing.assert_array_equal(dataset[3].numpy(), stream[3 * SEQ_LEN : 4 * SEQ_LEN + 1])
+
+
+def write_megatron(prefix, sequences: list[list[int]], code: int = 8, dtype: str = "<u2") -> None:
+    """A pair as Megatron-LM's indexed dataset builder writes it (version 1)."""
+    (prefix.parent / f"{prefix.name}.bin").write_bytes(np.concatenate(sequences).astype(dtype).tobytes())
+    lengths = np.array([len(s) for s in sequences], dtype="<i4")
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * np.dtype(dtype).itemsize]).astype("<i8")
+    header = MAGIC + struct.pack("<QBQQ", 1, code, len(sequences), len(sequences) + 1)
+    documents = np.arange(len(sequences) + 1, dtype="<i8")
+    (prefix.parent / f"{prefix.name}.idx").write_bytes(header + lengths.tobytes() + pointers.tobytes()
+                                                        + documents.tobytes())
+
+
+@pytest.mark.parametrize("code, dtype", [(8, "<u2"), (4, "<i4")])
+def test_a_megatron_pair_is_its_token_stream(tmp_path, code, dtype):
+    sequences = [list(range(5 * i, 5 * i + 9)) for i in range(30)]
+    write_megatron(tmp_path / "corpus_text_document", sequences, code, dtype)
+    stream = np.concatenate(sequences)
+    for named in ("corpus_text_document", "corpus_text_document.bin", "corpus_text_document.idx"):
+        dataset = train_set({"path": str(tmp_path / named)})
+        assert len(dataset) == (len(stream) - 1) // SEQ_LEN
+        np.testing.assert_array_equal(dataset[2].numpy(), stream[2 * SEQ_LEN : 3 * SEQ_LEN + 1])
+    (tmp_path / "corpus_text_document.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ConfigError, match=r"data.path: .*corpus_text_document.bin holds 10 bytes; its index counts"):
+        config_of({"path": str(tmp_path / "corpus_text_document")})
+
+
+def test_a_conversation_trains_on_the_assistants_tokens_only(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sees"},
+                    {"role": "assistant", "content": "a dog"}, {"role": "user", "content": "and then"},
+                    {"role": "assistant", "content": "the old man"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation}] * 8
+                       + [{"prompt": "my sister likes", "completion": "two apples"}] * 8)
+    dataset = train_set({"path": path, "format": "chat", "tokenizer": tokenizer})
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    ids = hf.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    trained = [token for index in range(len(dataset)) for token, label in
+               zip(dataset[index]["input_ids"][1:].tolist(), dataset[index]["labels"][1:].tolist())
+               if label != IGNORE_INDEX]
+    assistant = [*hf("a dog", add_special_tokens=False)["input_ids"], hf.eos_token_id,
+                 *hf("the old man", add_special_tokens=False)["input_ids"], hf.eos_token_id]
+    assert trained[: len(assistant)] == assistant  # the first conversation's turns, nothing of the user's
+    completion = [*hf("two apples", add_special_tokens=False)["input_ids"], hf.eos_token_id]
+    assert trained[-len(completion):] == completion
+    assert dataset[0]["input_ids"][: len(ids)].tolist() == ids[: SEQ_LEN + 1]
+
+
+def test_a_mixture_keeps_every_sample_of_every_source_once_until_it_repeats(tmp_path, tokenizer):
+    pq.write_table(pa.table({"text": DOCUMENTS[:300]}), tmp_path / "a.parquet", row_group_size=50)
+    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[300:900]])
+    mixture = train_set({"sources": [{"path": str(tmp_path / "a.parquet"), "weight": 1},
+                                     {"path": jsonl, "weight": 3}], "tokenizer": tokenizer})
+    sizes = mixture.sizes.tolist()
+    assert abs(mixture.counts[1] - 0.75 * len(mixture)) <= 1 and sum(mixture.counts) == len(mixture)
+    assert sizes[1] - 1 <= mixture.counts[1] <= sizes[1]  # the source that runs out first sets the epoch
+    assert mixture.counts[0] < sizes[0]
+    drawn: list[list[int]] = [[], []]
+    for epoch in range(4):
+        view = at_epoch(mixture, epoch)
+        for index in range(len(view)):
+            source, _, sample = view.locate(index)
+            drawn[source].append(sample)
+        assert np.array_equal(view[5].numpy(), view.sources[view.locate(5).source][view.locate(5).sample].numpy())
+    for source, samples in enumerate(drawn):
+        size = sizes[source]
+        for start in range(0, len(samples) - size + 1, size):  # each whole pass over the source: all of it once
+            assert sorted(samples[start : start + size]) == list(range(size)), source
+        tail = samples[len(samples) - len(samples) % size :]
+        assert len(set(tail)) == len(tail)
+    assert mixture.identity()["data.sources"] == f"{tmp_path / 'a.parquet'} x1; {jsonl} x3"
+
+
+def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything_starts(tmp_path, tokenizer):
+    good = [{"text": text} for text in DOCUMENTS[:50]]
+    cases = {
+        "malformed": (write_jsonl(tmp_path / "m.jsonl", good[:3]) and (tmp_path / "m.jsonl").open("a").write(
+            "{not json\n") and str(tmp_path / "m.jsonl"), r"m.jsonl document 3: not a JSON object"),
+        "no column": (write_jsonl(tmp_path / "c.jsonl", [{"body": "x"}]), r"c.jsonl document 0: no 'text' field "
+                      r"\(it has \['body'\]\); set data.text_column"),
+        "empty": (write_jsonl(tmp_path / "e.jsonl", []), r"e.jsonl holds no documents"),
+        "not a number": (write_jsonl(tmp_path / "n.jsonl", [{"text": 5}]), r"n.jsonl document 0: column 'text' "
+                         r"holds int, not text or a list of token ids"),
+    }
+    (tmp_path / "u.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    cases["not utf-8"] = (str(tmp_path / "u.jsonl"), r"u.jsonl document 0: the line is not UTF-8")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    cases["parquet column"] = (str(tmp_path / "p.parquet"), r"p.parquet: no column 'text' \(it has \['body'\]\)")
+    for name, (path, message) in cases.items():
+        with pytest.raises(ConfigError, match=f"invalid config: data.path: .*{message}") as raised:
+            config_of({"path": path, "tokenizer": tokenizer})
+        assert "\n" not in str(raised.value), name
+    # a tokenizer whose loading would run its own code
+    remote = tmp_path / "remote-tokenizer"
+    make_tokenizer(remote, DOCUMENTS[:100], VOCAB)
+    settings = json.loads((remote / "tokenizer_config.json").read_text())
+    settings["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (remote / "tokenizer_config.json").write_text(json.dumps(settings))
+    (remote / "tokenization_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(ConfigError, match=r"data.path: tokenizer .*remote-tokenizer.* asks to run its own code"):
+        config_of({"path": write_jsonl(tmp_path / "ok.jsonl", good), "tokenizer": str(remote)})
+    settings["tokenizer_class"] = "EvilTokenizer"  # and one that cannot load without it
+    (remote / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match=r"data.path: tokenizer .*remote-tokenizer.* cannot be loaded without "
+                                          r"running its own code"):
+        config_of({"path": str(tmp_path / "ok.jsonl"), "tokenizer": str(remote)})
+    with pytest.raises(ConfigError, match=r"data.sources.0.weight"):
+        config_of({"sources": [{"path": str(tmp_path / "ok.jsonl"), "weight": 0}]})
+    with pytest.raises(ConfigError, match=r"format chat renders conversations with a tokenizer's chat template"):
+        config_of({"path": str(tmp_path / "ok.jsonl"), "format": "chat"})
+    with pytest.raises(ConfigError, match=r"validation_fraction splits one source, not a mixture"):
+        config_of({"sources": [{"path": str(tmp_path / "ok.jsonl")}], "validation_fraction": 0.1})
+
+
+def test_a_mixture_on_s3_and_local_disk_reads_by_range(tmp_path, tokenizer, s3_server):
+    pq.write_table(pa.table({"text": DOCUMENTS[:200]}), tmp_path / "a.parquet", row_group_size=40)
+    s3_server.filesystem().put(str(tmp_path / "a.parquet"), f"{s3_server.bucket}/shards/a.parquet")
+    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[200:500]])
+    config = config_of({"sources": [{"path": s3_server.url("shards", "*.parquet"), "weight": 2},
+                                    {"path": jsonl}], "tokenizer": tokenizer},
+                       checkpoint={"s3_endpoint_url": s3_server.endpoint_url})
+    mixture = pickle.loads(pickle.dumps(default_datasets(config, VOCAB)[0]))
+    local = train_set({"path": str(tmp_path / "a.parquet"), "tokenizer": tokenizer})
+    source, _, sample = mixture.locate(0)
+    assert source == 0
+    np.testing.assert_array_equal(mixture[0].numpy(), local[sample].numpy())
+    assert any(key.startswith("s3://") for key in mixture.identity())
+
+
+def conversations(count: int) -> list[dict]:
+    rows = []
+    for i in range(count):
+        turns = [{"role": "user", "content": DOCUMENTS[3 * i]}, {"role": "assistant", "content": DOCUMENTS[3 * i + 1]}]
+        if i % 3 == 0:
+            turns = [{"role": "system", "content": "answer in one sentence"}, *turns,
+                     {"role": "user", "content": "and then"}, {"role": "assistant", "content": DOCUMENTS[3 * i + 2]}]
+        rows.append({"messages": turns} if i % 4 else {"prompt": DOCUMENTS[3 * i], "completion": DOCUMENTS[3 * i + 1]})
+    return rows
+
+
+def test_a_chat_run_at_two_groups_of_shard_two_starts_at_transformers_own_masked_loss(ray_cluster, tmp_path, tokenizer):
+    """A tiny HuggingFace Llama and chat JSONL: the first step's loss, over 2 groups x shard 2,
+    is transformers' own on the same batch with every non-assistant label -100."""
+    import torch
+    import transformers
+
+    from elastic.core.data_plan import epoch_order
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(11)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    llama.save_pretrained(tmp_path / "llama")
+    chat = write_jsonl(tmp_path / "chat.jsonl", conversations(120))
+    config = tiny_config(tmp_path, groups=2, shard=2, steps=1, model__init_from=str(tmp_path / "llama"),
+                         data__path=chat, data__format="chat", data__tokenizer=tokenizer)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+
+    dataset = default_datasets(config, VOCAB)[0]
+    batch = [dataset[int(i)] for i in epoch_order(len(dataset), config.seed, 0)[: config.global_batch]]
+    ids, labels = (torch.stack([sample[key] for sample in batch]) for key in ("input_ids", "labels"))
+    assert 0 < int((labels[:, 1:] != IGNORE_INDEX).sum()) < labels[:, 1:].numel()  # the prompts are masked
+    with torch.no_grad():
+        expected = llama(input_ids=ids, labels=labels).loss.item()
+    assert abs(result.losses[0] - expected) <= 1e-4 * expected
+
+
+def test_a_resume_with_another_mixture_is_refused_unless_accepted(tmp_path, tokenizer):
+    from checkpointing.manifest import FileRecord, Manifest
+    from checkpointing.catalog import Restorable
+    from elastic.core.events import EventKind, EventLog
+    from elastic.setup.resume_checks import resume_over_data
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    pq.write_table(pa.table({"text": DOCUMENTS[:300]}), tmp_path / "a.parquet", row_group_size=50)
+    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[300:600]])
+
+    def identity(weight: float, **settings) -> tuple:
+        config = tiny_config(tmp_path, data__sources=[{"path": str(tmp_path / "a.parquet"), "weight": weight},
+                                                      {"path": jsonl}], data__tokenizer=tokenizer,
+                             model__vocab_size=VOCAB, **settings)
+        return config, ElasticTrainer(config, model_fn=lambda: None).data_identity
+
+    config, trained_on = identity(2.0)
+    manifest = Manifest(step=4, cursor={"epoch": 1, "position": 16}, topology={"shard": 1, "tp": 1},
+                        config_hash="h", data=trained_on, files=(FileRecord(name=".metadata", size=1, sha256="0" * 64),))
+    checkpoint = Restorable("file:///run/checkpoints/step-00000004", manifest)
+    events = EventLog(lambda: 0.0)
+    assert resume_over_data(config, "r", checkpoint, trained_on, events) is checkpoint
+    config, now = identity(1.0)
+    with pytest.raises(ConfigError, match=r"its data changed since: data.sources: .*a.parquet x2; .*b.jsonl x1 -> "
+                                          r".*a.parquet x1; .*b.jsonl x1.*--accept-changed-data"):
+        resume_over_data(config, "r", checkpoint, now, events)
+    accepted, _ = identity(1.0, checkpoint__accept_changed_data=True)
+    assert resume_over_data(accepted, "r", checkpoint, now, events).manifest.cursor == {"epoch": 2, "position": 0}
+    [event] = events.of_kind(EventKind.DATA_CHANGED)
+    assert event["files"] == ["data.sources"]
