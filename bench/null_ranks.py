@@ -43,6 +43,7 @@ from elastic.core.protocol import (  # noqa: E402
     BuildReport, GroupRecords, RankActivity, RankTimes, RunEnd, RunRecords, StepRecord,
 )
 from elastic.core.topology import Topology  # noqa: E402
+from elastic.fleet.ray_connection import start_local_ray  # noqa: E402
 
 RANKS_PER_GROUP = 4
 WARMUP_STEPS = 20
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     step_s = args.step_ms / 1000
     # The actors need this module's classes, not its file: send them by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=max(scales) + 2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=max(scales) + 2, log_to_driver=False)
 
     print(f"null ranks, {RANKS_PER_GROUP} per group, steps of {args.step_ms:g} ms, "
           f"{args.steps - 2 * WARMUP_STEPS} steady-state steps measured (not the first or last {WARMUP_STEPS})")

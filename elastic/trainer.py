@@ -37,7 +37,8 @@ from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.setup.dataset import data_identity
+from elastic.data.ray_dataset import is_ray_dataset
+from elastic.setup.dataset import data_identity, ray_dataset_source
 from elastic.fleet.ray_connection import connect_ray
 from elastic.fleet.ray_fleet import Fleet
 from elastic.fleet.rendezvous import Rendezvous
@@ -115,6 +116,14 @@ class ElasticTrainer:
         if tp_plan is not None and parallelize_fn is not None:
             raise ConfigError("tp_plan: give it or parallelize_fn, not both (tp_plan is the default "
                               "parallelize's tensor-parallel step)")
+        self.run_name = self.config.run_name or default_run_name()
+        self.run_dir = join_url(self.config.storage, self.run_name)
+        vocab_size = self.config.model.vocab_size if model_fn is None else None
+        if is_ray_dataset(dataset):
+            dataset = ray_dataset_source(self.config, dataset, join_url(self.run_dir, "data", "train"), vocab_size)
+        if is_ray_dataset(eval_dataset):
+            eval_dataset = ray_dataset_source(self.config, eval_dataset, join_url(self.run_dir, "data", "validation"),
+                                              vocab_size)
         self.hooks = resolve_hooks(self.config, model_fn=model_fn, parallelize_fn=parallelize_fn, loss_fn=loss_fn,
                                    dataset=dataset, eval_dataset=eval_dataset, optimizer_fn=optimizer_fn,
                                    tp_plan=tp_plan, split_fn=split_fn, batch_loss_fn=batch_loss_fn,
@@ -138,8 +147,6 @@ class ElasticTrainer:
         self.eval_len = self._eval_len()
         self.data_identity = data_identity(self.hooks.dataset)
         self.source_identity = self._source_identity()
-        self.run_name = self.config.run_name or default_run_name()
-        self.run_dir = join_url(self.config.storage, self.run_name)
         # A run with no checkpoint of its own starts from the weights: their own error is refused
         # here, in one line, before Ray and its ranks start (a resume never reads them).
         self.weights_checked = bool(self.config.model.init_from) and not self._catalog().committed_steps()

@@ -302,3 +302,31 @@ def test_a_resume_with_another_mixture_is_refused_unless_accepted(tmp_path, toke
     assert resume_over_data(accepted, "r", checkpoint, now, events).manifest.cursor == {"epoch": 2, "position": 0}
     [event] = events.of_kind(EventKind.DATA_CHANGED)
     assert event["files"] == ["data.sources"]
+
+
+def test_a_ray_dataset_is_written_once_and_trains_as_that_parquet_would(ray_cluster, tmp_path, tokenizer):
+    """A ``ray.data.Dataset`` given to the API: written once as Parquet into the run's
+    storage, read from there by every leg (a resume writes nothing), with the losses of a run
+    given that Parquet as its data.path."""
+    import ray
+
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    rows = ray.data.from_items([{"text": text} for text in DOCUMENTS[:400]]).repartition(3)
+    settings = {"data__tokenizer": tokenizer, "model__vocab_size": VOCAB, "checkpoint__every": 2}
+    first = ElasticTrainer(tiny_config(tmp_path, steps=2, run_name="from-ray", **settings), dataset=rows).fit()
+    assert first.ok, first.exit
+    written = tmp_path / "runs" / "from-ray" / "data" / "train"
+    files = sorted(written.glob("*.parquet"))
+    assert len(files) == 3 and (written / "_COMPLETE").exists()
+    assert sorted(text for file in files for text in pq.read_table(file).column("text").to_pylist()) == \
+        sorted(DOCUMENTS[:400])
+    stamps = [file.stat().st_mtime_ns for file in files]
+    resumed = ElasticTrainer(tiny_config(tmp_path, steps=4, run_name="from-ray", **settings), dataset=rows).fit()
+    assert resumed.ok, resumed.exit
+    assert [file.stat().st_mtime_ns for file in sorted(written.glob("*.parquet"))] == stamps
+
+    direct = ElasticTrainer(tiny_config(tmp_path, steps=4, run_name="from-parquet", data__path=str(written / "*.parquet"),
+                                        **settings)).fit()
+    assert direct.losses == first.losses + resumed.losses

@@ -110,7 +110,7 @@ def test_format_auto_reads_bin_as_tokens_and_the_rest_as_text(tmp_path):
     assert isinstance(explicit, TokenFile) and torch.equal(explicit[1], torch.arange(8, 17))
     assert isinstance(train_dataset(path=str(tmp_path / "train.bin"), format="text"), TextFiles)
     with pytest.raises(ConfigError, match="data.format"):
-        build_config({"data": {"format": "parquet"}})
+        build_config({"data": {"format": "csv"}})
 
 
 # --- prepare ---------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ class Mixture:
 
     def at_epoch(self, epoch: int) -> Mixture:
         view = Mixture(self.sources, self.weights, self.names, self.seed, epoch)
-        view.__dict__.update({key: self.__dict__[key] for key in ("sizes", "counts", "_bounds") if key in self.__dict__})
+        # the sources' orders too: a rank takes a view a micro-batch, and an order is a permutation of a whole source
+        view.__dict__.update({key: getattr(self, key) for key in ("sizes", "counts", "_bounds", "_orders")})
         return view
 
     def locate(self, index: int) -> Drawn:

@@ -34,7 +34,7 @@ def start_local_ray(**options) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    ray.init(
+    settings = dict(
         address="local",  # a new instance, even when another one runs on this machine
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
@@ -42,3 +42,12 @@ def start_local_ray(**options) -> None:
         runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
         **{"log_to_driver": True, **options},
     )
+    try:
+        ray.init(**settings)
+    except Exception as error:  # Ray raises a bare Exception when its raylet registers late
+        if "timed out during startup" not in str(error):
+            raise
+        # Ray waits a fixed 30 s for its raylet: a machine busy with other work can take longer once.
+        log.warning("the local Ray instance was slow to start (%s); starting it again", error)
+        ray.shutdown()
+        ray.init(**settings)

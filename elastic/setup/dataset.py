@@ -33,6 +33,7 @@ from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile,
 from elastic.data.megatron import DTYPES, pair_urls, read_index
 from elastic.data.mixture import Mixture
 from elastic.data.packing import PackedDocuments
+from elastic.data.ray_dataset import materialize
 from elastic.data.tokenizing import tokenizer_for
 from elastic.data.windows import TokenWindows
 from elastic.setup.errors import ConfigError
@@ -367,6 +368,14 @@ def training_dataset(config: TrainConfig) -> TokenWindows | Mixture:
         return file_dataset(config, config.data.path)
     datasets = [file_dataset(config, source.path, source.format) for source in sources]
     return Mixture(datasets, [source.weight for source in sources], [source.path for source in sources], config.seed)
+
+
+def ray_dataset_source(config: TrainConfig, dataset, directory: str, vocab_size: int | None) -> TokenWindows:
+    """A ``ray.data.Dataset`` as a Parquet source of the run: written once under ``directory``
+    (``elastic.data.ray_dataset``), then packed as ``data.text_column``, ``data.tokenizer`` say."""
+    storage_options = config.checkpoint.storage_options().for_url(directory)
+    path = materialize(dataset, directory, storage_options)
+    return bounded(file_dataset(config, path, "parquet"), vocab_size, "dataset")
 
 
 def check_readable(config: TrainConfig) -> None:
