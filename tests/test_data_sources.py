@@ -330,3 +330,134 @@ def test_a_ray_dataset_is_written_once_and_trains_as_that_parquet_would(ray_clus
     direct = ElasticTrainer(tiny_config(tmp_path, steps=4, run_name="from-parquet", data__path=str(written / "*.parquet"),
                                         **settings)).fit()
     assert direct.losses == first.losses + resumed.losses
+
+
+def pieces_alone_loss(logits_of, sample: dict) -> tuple[float, int]:
+    """The summed loss of a packed window's targets, each from the logits of its document's
+    piece of the window run alone (no other document before it), and how many targets."""
+    import torch
+
+    ids, positions = sample["input_ids"], sample["positions"]
+    targets = ids[1:]
+    starts = [*torch.nonzero(positions[:-1] == 0).flatten().tolist(), len(targets)]
+    total = 0.0
+    for begin, end in zip(starts, starts[1:]):
+        with torch.no_grad():
+            logits = logits_of(ids[begin:end][None])[0]
+        total += torch.nn.functional.cross_entropy(logits.float(), targets[begin:end], reduction="sum").item()
+    return total, len(targets)
+
+
+def test_packed_documents_with_masking_train_as_each_document_alone(tmp_path, tokenizer):
+    import torch
+
+    from workers.model import ModelArgs, Transformer
+    from workers.train_step import collate
+
+    lengths = [3, 40, 1, 7, 90, 12, 5, 33, 2, 60]  # sentences a document: shorter and longer than a window
+    texts, at = [], 0
+    for n in lengths * 3:
+        texts.append(". ".join(DOCUMENTS[at : at + n]))
+        at += n
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": text} for text in texts])
+    masked = train_set({"path": path, "tokenizer": tokenizer, "document_masking": True, "seq_len": 64})
+    plain = train_set({"path": path, "tokenizer": tokenizer, "seq_len": 64})
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                  max_seq_len=64)).eval()
+    indices = list(range(min(len(masked), 12)))
+    assert any((masked[i]["positions"][1:] == 0).any() for i in indices)  # windows that hold several documents
+    batch = collate(masked, indices, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(batch.inputs, positions=batch.positions)
+    packed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="sum").item()
+    alone = sum(pieces_alone_loss(model, masked[i])[0] for i in indices)
+    assert abs(packed - alone) <= 1e-5 * alone
+    unmasked = collate(plain, indices, torch.device("cpu"))
+    assert torch.equal(unmasked.inputs, batch.inputs) and unmasked.positions is None
+    with torch.no_grad():
+        seen = torch.nn.functional.cross_entropy(model(unmasked.inputs).flatten(0, 1), unmasked.targets.flatten(),
+                                                 reduction="sum").item()
+    assert abs(seen - alone) > 10 * 1e-5 * alone  # without the mask, documents see each other: ten times the tolerance
+
+
+def test_document_masking_is_refused_where_it_cannot_hold(tmp_path, tokenizer):
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": text} for text in DOCUMENTS[:200]])
+    with pytest.raises(ConfigError, match=r"scaling.pp > 1 with data.document_masking: .*set scaling.pp = 1"):
+        tiny_config(tmp_path, scaling__pp=2, micro_batch=1, model__n_layers=2, data__path=path, data__tokenizer=tokenizer,
+                    data__document_masking=True)
+    (tmp_path / "t.txt").write_text("text " * 500)
+    with pytest.raises(ConfigError, match=r"data.document_masking needs documents .* is text"):
+        tiny_config(tmp_path, data__path=str(tmp_path / "t.txt"), data__document_masking=True)
+    config = tiny_config(tmp_path, data__path=path, data__tokenizer=tokenizer, data__document_masking=True,
+                         model__vocab_size=VOCAB)
+    with pytest.raises(ConfigError, match=r"data.document_masking: only the reference model"):
+        ElasticTrainer(config, model_fn=lambda: torch_linear())
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(2, 2)
+
+
+def test_a_masked_run_at_shard_two_by_tp_two_starts_at_transformers_loss_of_each_document_alone(
+        ray_cluster, tmp_path, tokenizer):
+    """The reference model from a tiny HuggingFace Llama, packed documents with masking, at
+    shard 2 x tp 2 with sequence parallelism: the first step's loss is the sum, over the
+    batch's targets, of transformers' own losses of each document's piece run alone."""
+    import torch
+    import transformers
+
+    from elastic.core.data_plan import epoch_order
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(13)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    llama.save_pretrained(tmp_path / "llama")
+    texts = [". ".join(DOCUMENTS[i : i + 1 + i % 9]) for i in range(0, 1200, 5)]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": text} for text in texts])
+    config = tiny_config(tmp_path, shard=2, tp=2, steps=1, model__init_from=str(tmp_path / "llama"),
+                         data__path=path, data__tokenizer=tokenizer, data__document_masking=True,
+                         scaling__sequence_parallel=True)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+
+    dataset = default_datasets(config, VOCAB)[0]
+    total, count = 0.0, 0
+    for index in epoch_order(len(dataset), config.seed, 0)[: config.global_batch]:
+        loss, targets = pieces_alone_loss(lambda ids: llama(ids).logits, dataset[int(index)])
+        total, count = total + loss, count + targets
+    assert abs(result.losses[0] - total / count) <= 1e-4 * total / count
+
+
+def test_a_named_runs_data_index_is_kept_with_the_run_and_read_back_by_its_next_leg(tmp_path, tokenizer, monkeypatch):
+    from elastic.data import packing
+    from elastic.data.documents import JsonlFile, ParquetFile
+
+    pq.write_table(pa.table({"text": DOCUMENTS[:300]}), tmp_path / "a.parquet", row_group_size=50)
+    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[300:600]])
+    values = {"sources": [{"path": str(tmp_path / "a.parquet")}, {"path": jsonl}], "tokenizer": tokenizer}
+    settings = {"storage": str(tmp_path / "runs"), "run_name": "kept"}
+    first = train_set(values, **settings)
+    [kept, kept_too] = sorted((tmp_path / "runs" / "kept" / "data" / "index").glob("*.npz"))
+    packing._BUILT.clear()  # a new leg is a new process
+
+    def no_scan(self):
+        raise AssertionError("the data was scanned again")
+
+    monkeypatch.setattr(JsonlFile, "scan", no_scan)
+    monkeypatch.setattr(ParquetFile, "scan", no_scan)
+    again = pickle.loads(pickle.dumps(train_set(values, **settings)))
+    assert len(again) == len(first) and all(np.array_equal(again[i].numpy(), first[i].numpy())
+                                            for i in range(0, len(first), 9))
+    packing._BUILT.clear()
+    (tmp_path / "b.jsonl").write_text((tmp_path / "b.jsonl").read_text() + json.dumps({"text": "more"}) + "\n")
+    with pytest.raises(AssertionError, match="scanned again"):  # other data: another index, built anew
+        train_set(values, **settings)

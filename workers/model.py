@@ -103,10 +103,14 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Te
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) pairs by the position's angle."""
+    """Rotate (batch, seq, heads, head_dim) pairs by the position's angle: ``freqs`` is the
+    table by position, or each token's own angles (batch, seq, ...) where positions restart
+    with each document."""
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     real, imag = pairs.unbind(-1)
-    cos, sin = freqs[: x.shape[1]].view(1, x.shape[1], 1, -1, 2).unbind(-1)
+    per_token = freqs.dim() == 4
+    cos, sin = (freqs if per_token else freqs[: x.shape[1]]).view(
+        x.shape[0] if per_token else 1, x.shape[1], 1, -1, 2).unbind(-1)
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -134,7 +138,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: where packed documents may not attend to each other, the mask of
+        (batch, 1, seq, seq) that lets a token see only the earlier tokens of its document."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -146,7 +152,7 @@ class Attention(nn.Module):
         k = k.repeat_interleave(self.kv_repeats, dim=2)
         v = v.repeat_interleave(self.kv_repeats, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=documents, is_causal=documents is None
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -453,8 +459,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoE(args, layer) if args.has_experts(layer) else FeedForward(args.dim, args.ffn_hidden)
         self.dropout = dropout(args.dropout)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), freqs))
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), freqs, documents))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -492,10 +498,21 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens``. A pipeline stage without the embedding takes the previous
-        stage's hidden states instead, and one without the output head returns its own."""
+        stage's hidden states instead, and one without the output head returns its own.
+
+        ``positions`` (batch, seq): each token's position in its document, 0 where one begins,
+        for packed documents that must not see each other: each token then attends only to
+        the earlier tokens of its document, rotated by its own position, as if its document
+        ran alone."""
         h = self.dropout(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
+        freqs, documents = self.freqs, None
+        if positions is not None:
+            freqs = self.freqs[positions]
+            document = torch.cumsum(positions == 0, dim=1)
+            causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
+            documents = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
         for layer in self.layers.values():
-            h = layer(h, self.freqs)
+            h = layer(h, freqs, documents)
         return self.output(self.norm(h)) if self.output is not None else h

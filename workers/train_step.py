@@ -49,9 +49,16 @@ def sample_ids(sample) -> tuple[torch.Tensor, torch.Tensor]:
     return sample, sample
 
 
+def sample_positions(sample) -> torch.Tensor | None:
+    """A packed sample's ``positions`` (each token's place in its document, 0 where one
+    begins) where its documents must not see each other; None for any other sample."""
+    return torch.as_tensor(sample["positions"]) if isinstance(sample, Mapping) and "positions" in sample else None
+
+
 class Batch(NamedTuple):
     """A micro-batch: inputs and next-token targets of shape (batch, seq), each target's weight
-    (0 for padding rows and ignored labels), and how many targets count. For a
+    (0 for padding rows and ignored labels), and how many targets count; ``positions`` where
+    packed documents must not see each other (the reference model takes them). For a
     ``batch_loss_fn``: ``inputs`` is what ``collate_fn`` made of the real samples, ``weights``
     one weight for them all (0 for a micro-batch of padding only), no targets."""
 
@@ -59,6 +66,7 @@ class Batch(NamedTuple):
     targets: torch.Tensor
     weights: torch.Tensor
     counted_tokens: int
+    positions: torch.Tensor | None = None
 
     def row_shares(self, global_count: float) -> torch.Tensor:
         """Each row's share of the step's loss: its weighted targets over ``global_count``,
@@ -68,7 +76,8 @@ class Batch(NamedTuple):
 
     def to(self, device: torch.device) -> Batch:
         inputs = tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.inputs)
-        return Batch(inputs, self.targets.to(device), self.weights.to(device), self.counted_tokens)
+        positions = None if self.positions is None else self.positions.to(device)
+        return Batch(inputs, self.targets.to(device), self.weights.to(device), self.counted_tokens, positions)
 
 
 def collate(dataset, indices: Sequence[int], device: torch.device, collate_fn: Callable | None = None) -> Batch:
@@ -79,8 +88,10 @@ def collate(dataset, indices: Sequence[int], device: torch.device, collate_fn: C
     if collate_fn is not None:
         inputs = collate_fn([dataset[i] for i in (real or [0])])
         return Batch(inputs, torch.empty(0), torch.tensor(1.0 if real else 0.0), 0).to(device)
-    template = sample_ids(dataset[real[0]] if real else dataset[0])
-    rows = [sample_ids(dataset[i]) if i != PADDING_INDEX else tuple(map(torch.zeros_like, template)) for i in indices]
+    first = dataset[real[0]] if real else dataset[0]
+    template = sample_ids(first)
+    samples = [dataset[i] if i != PADDING_INDEX else None for i in indices]
+    rows = [sample_ids(sample) if sample is not None else tuple(map(torch.zeros_like, template)) for sample in samples]
     ids = torch.stack([row[0] for row in rows])
     targets = torch.stack([row[1] for row in rows])[:, 1:]
     ignored = targets == IGNORE_INDEX
@@ -88,7 +99,11 @@ def collate(dataset, indices: Sequence[int], device: torch.device, collate_fn: C
     weights = (~(ignored | padding[:, None])).float()
     # A loss_fn need not know IGNORE_INDEX: an ignored target is a valid id weighted 0.
     targets = targets.masked_fill(ignored, 0)
-    return Batch(ids[:, :-1], targets, weights, int(weights.sum().item())).to(device)
+    positions = None
+    if sample_positions(first) is not None:  # a padding row is one document
+        positions = torch.stack([sample_positions(sample) if sample is not None else
+                                 torch.arange(len(template[0])) for sample in samples])[:, :-1]
+    return Batch(ids[:, :-1], targets, weights, int(weights.sum().item()), positions).to(device)
 
 
 def per_target_losses(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,7 +131,8 @@ class TokenLoss:
     loss_fn: LossFn
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, float]:
-        losses = per_target_losses(self.loss_fn, model(batch.inputs), batch.targets)
+        logits = model(batch.inputs) if batch.positions is None else model(batch.inputs, positions=batch.positions)
+        losses = per_target_losses(self.loss_fn, logits, batch.targets)
         return (losses * batch.weights).sum(), batch.counted_tokens
 
 

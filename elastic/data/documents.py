@@ -59,6 +59,8 @@ class DocumentFile:
     conversations instead. Attributes in ``_transient`` are caches, left out of a pickle."""
 
     _transient: tuple[str, ...] = ("_fs", "_blocks")
+    # What ``scan`` records for ``read``, kept with the run's data index (arrays, or None)
+    indexed: tuple[str, ...] = ()
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
         self.url, self.column, self.chat = url, column, chat
@@ -132,6 +134,7 @@ class JsonlFile(DocumentFile):
     whole on the rank that first reads it."""
 
     _transient = (*DocumentFile._transient, "_lines")
+    indexed = ("spans",)
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
         super().__init__(url, column, chat, storage_options)
@@ -214,6 +217,8 @@ class JsonlFile(DocumentFile):
 
 class ColumnarFile(DocumentFile):
     """A table read through pyarrow; a subclass gives its blocks (row groups, record batches)."""
+
+    indexed = ("block_rows",)
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
         super().__init__(url, column, chat, storage_options)

@@ -13,12 +13,15 @@ Conversations carry labels: a sample is then ``{"input_ids", "labels"}``, the la
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import time
 from collections.abc import Sequence
 from functools import cached_property
 
 import numpy as np
+from fsspec.core import url_to_fs
 
 from checkpointing.storage import fingerprint
 from elastic.data.documents import DataError, DocumentFile
@@ -38,18 +41,25 @@ class PackedDocuments(TokenWindows):
 
     _transient = ("_starts",)
 
-    def __init__(self, files: Sequence[DocumentFile], tokenizer: ByteTokens | HuggingFaceTokens, seq_len: int):
+    def __init__(self, files: Sequence[DocumentFile], tokenizer: ByteTokens | HuggingFaceTokens, seq_len: int,
+                 document_masking: bool = False):
         super().__init__(seq_len)
-        self.files, self.tokenizer = list(files), tokenizer
+        self.files, self.tokenizer, self.document_masking = list(files), tokenizer, document_masking
         self.lengths: list[np.ndarray] | None = None  # per file, each document's tokens: the index
 
-    def build_index(self) -> None:
-        """Count every document's tokens (the driver's one pass over the data)."""
+    def build_index(self, kept_in: str | None = None, storage_options: dict | None = None) -> None:
+        """Count every document's tokens: the driver's one pass over the data, or the index an
+        earlier leg of the run kept in the directory ``kept_in`` (named by a digest of what it
+        indexes: the files as they are, the tokenizer, the columns), where it is kept in turn."""
         if self.lengths is not None:
             return
         key = (tuple(sorted(self.identity().items())), tuple((file.url, file.column, file.chat) for file in self.files))
         if key in _BUILT:
             self.files, self.lengths = _BUILT[key]
+            return
+        kept = None if kept_in is None else f"{kept_in.rstrip('/')}/{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.npz"
+        if kept is not None and self._restore(kept, storage_options or {}):
+            _BUILT[key] = (self.files, self.lengths)
             return
         began, lengths = time.perf_counter(), []
         for file in self.files:
@@ -58,11 +68,44 @@ class PackedDocuments(TokenWindows):
                 raise DataError(f"{file.url} holds no documents; remove it from the data or fill it")
             lengths.append(np.array(counts, dtype=np.int32))
         self.lengths = lengths
+        if kept is not None:
+            try:
+                self._keep(kept, storage_options or {})
+            except OSError as error:  # the run itself may still write there, or fail there on its own terms
+                log.warning("the data index could not be kept at %s (%s): a resume will index the data again",
+                            kept, error)
         _BUILT[key] = (self.files, lengths)
         while len(_BUILT) > _KEPT_INDEXES:
             _BUILT.pop(next(iter(_BUILT)))
         log.info("indexed %d documents, %d tokens, in %d files in %.1f s", sum(map(len, lengths)),
                  int(sum(int(c.sum()) for c in lengths)), len(self.files), time.perf_counter() - began)
+
+    def _keep(self, url: str, storage_options: dict) -> None:
+        """Write the index beside the run's checkpoints, whole or not at all (written aside, then moved)."""
+        arrays = {}
+        for i, (file, lengths) in enumerate(zip(self.files, self.lengths)):
+            arrays[f"{i}.lengths"] = lengths
+            arrays.update({f"{i}.{name}": getattr(file, name) for name in file.indexed
+                           if getattr(file, name) is not None})
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        fs, path = url_to_fs(url, **storage_options)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe(path + ".writing", buffer.getvalue())
+        fs.mv(path + ".writing", path)
+
+    def _restore(self, url: str, storage_options: dict) -> bool:
+        """Whether an earlier leg's index was there, read (arrays only: nothing in it is unpickled)."""
+        fs, path = url_to_fs(url, **storage_options)
+        if not fs.exists(path):
+            return False
+        with np.load(io.BytesIO(fs.cat_file(path)), allow_pickle=False) as kept:
+            self.lengths = [kept[f"{i}.lengths"] for i in range(len(self.files))]
+            for i, file in enumerate(self.files):
+                for name in file.indexed:
+                    setattr(file, name, kept[f"{i}.{name}"] if f"{i}.{name}" in kept.files else None)
+        log.info("the data index of %d files was read from %s", len(self.files), url)
+        return True
 
     @cached_property
     def _starts(self) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +128,15 @@ class PackedDocuments(TokenWindows):
 
     def n_tokens(self) -> int:
         return int(self._starts[0][-1])
+
+    def positions(self, start: int, count: int) -> np.ndarray:
+        """Each of the stream's tokens ``[start, start + count)``'s place in its document,
+        counted from the window's start for the document the window begins inside."""
+        starts = self._starts[0]
+        inside = starts[(starts > start) & (starts < start + count)] - start
+        begun = np.zeros(count, dtype=np.int64)
+        begun[inside] = inside
+        return np.arange(count, dtype=np.int64) - np.maximum.accumulate(begun)
 
     def _stream(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Tokens ``[start, start + count)`` of the packed stream, and their labels if it has any."""
@@ -115,10 +167,16 @@ class PackedDocuments(TokenWindows):
         return self._stream(start, count)[0]
 
     def __getitem__(self, index: int):
-        if not self.labelled:
+        if not (self.labelled or self.document_masking):
             return super().__getitem__(index)
         self.check_index(index)
-        tokens, labels = self._stream(index * self.seq_len, self.seq_len + 1)
+        start = index * self.seq_len
+        tokens, labels = self._stream(start, self.seq_len + 1)
         import torch  # here, not at the top: a config refused for its data never loads torch
 
-        return {"input_ids": torch.from_numpy(self.checked(index, tokens)), "labels": torch.from_numpy(labels)}
+        sample = {"input_ids": torch.from_numpy(self.checked(index, tokens))}
+        if labels is not None:
+            sample["labels"] = torch.from_numpy(labels)
+        if self.document_masking:
+            sample["positions"] = torch.from_numpy(self.positions(start, self.seq_len + 1))
+        return sample

@@ -297,6 +297,10 @@ class DataConfig(Section):
     tokenizer: str | None = None
     # the column (Parquet, Arrow) or field (JSONL) that holds each document: text, or token ids
     text_column: str = Field("text", min_length=1)
+    # Packed documents do not attend to each other, and positions restart with each one (and
+    # at each window's start), as if each document ran alone: parquet, jsonl, arrow and chat,
+    # the reference model, scaling.pp = 1.
+    document_masking: bool = False
     # Held out for evaluation, never trained on: data of its own, or the training data's last
     # fraction. None and 0: the generated default corpus still has one, file data has none.
     validation_path: str | None = None
@@ -576,6 +580,9 @@ class TrainConfig(Section):
         if model.tie_embeddings:
             raise ValueError("scaling.pp > 1 with model.tie_embeddings: the embedding and the output head live on "
                              "different stages; set model.tie_embeddings = false or scaling.pp = 1")
+        if self.data.document_masking:
+            raise ValueError("scaling.pp > 1 with data.document_masking: the stages do not carry the documents' "
+                             "positions to each other; set scaling.pp = 1 or data.document_masking = false")
         # The fewest micro-batches a rank gets with groups of equal weight: the most groups, the
         # smallest group's share. (A straggler's reweighing may give fewer: the ranks pad them.)
         rows = -(-(self.global_batch // scaling.max_groups) // scaling.shard)

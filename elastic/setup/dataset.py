@@ -28,7 +28,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpointing.storage import fingerprint
+from checkpointing.storage import fingerprint, join_url
 from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files
 from elastic.data.megatron import DTYPES, pair_urls, read_index
 from elastic.data.mixture import Mixture
@@ -335,6 +335,9 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
     data = config.data
     storage_options = config.checkpoint.storage_options().for_url(path)
     chosen = source_format(config, path, declared)
+    if chosen in ("text", "tokens", "megatron") and data.document_masking:
+        raise ValueError(f"data.document_masking needs documents (parquet, jsonl, arrow or chat), and {path} is "
+                         f"{chosen}; unset data.document_masking or give documents")
     if chosen in ("text", "tokens", "megatron") and data.tokenizer:
         raise ValueError(f"data.tokenizer applies to parquet, jsonl, arrow and chat documents, not to {path} "
                          f"({chosen}); tokenize text files with `elastic prepare --tokenizer`, or unset data.tokenizer")
@@ -356,9 +359,14 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
         reader = ParquetFile if columnar else JsonlFile
         files = [reader(fs.unstrip_protocol(file), data.text_column, chat=chosen == "chat",
                         storage_options=storage_options) for file in found]
-    packed = PackedDocuments(files, tokenizer_for(data.tokenizer), data.seq_len)
-    packed.build_index()
+    packed = PackedDocuments(files, tokenizer_for(data.tokenizer), data.seq_len, data.document_masking)
+    packed.build_index(data_index_directory(config), config.checkpoint.storage_options().for_url(config.storage))
     return packed
+
+
+def data_index_directory(config: TrainConfig) -> str | None:
+    """Where a named run keeps its data index, for its later legs; an unnamed run is never resumed."""
+    return join_url(config.storage, config.run_name, "data", "index") if config.run_name else None
 
 
 def training_dataset(config: TrainConfig) -> TokenWindows | Mixture:

@@ -236,8 +236,13 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     """What the ranks would fail on, found on the driver before any actor starts: a first
     sample that is not ``seq_len + 1`` integer token ids (or a dict of them), ids outside the
     reference model's vocabulary, ``scaling.tp > 1`` for a custom model with no
-    tensor-parallel plan (its model is built on the meta device to tell), and
-    ``model.init_from`` with a custom model, ``compute.float8`` without torchao."""
+    tensor-parallel plan (its model is built on the meta device to tell),
+    ``model.init_from`` with a custom model, ``compute.float8`` without torchao, and
+    ``data.document_masking`` with any model but the reference one."""
+    if config.data.document_masking and (hooks.batch_loss_fn is not None or not isinstance(hooks.model_fn,
+                                                                                           ReferenceModel)):
+        raise ConfigError("data.document_masking: only the reference model takes the documents' positions; unset it "
+                          "for a custom model_fn or batch_loss_fn")
     if hooks.batch_loss_fn is not None:
         check_batch_loss(config, hooks)
     else:
