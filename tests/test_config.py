@@ -329,3 +329,18 @@ def test_a_yaml_alias_bomb_and_a_huge_value_are_refused_in_one_short_line(tmp_pa
     with pytest.raises(ConfigError, match=r"^invalid config: steps: Input should be a valid integer, got \[\[") as refused:
         parse_config({"steps": huge})
     assert len(str(refused.value)) < 200
+
+
+def test_cpu_offload_is_refused_where_fsdp2_does_not_hold_the_state_or_the_gradients_cannot_be_summed():
+    with pytest.raises(ConfigError, match=r"compute.offload needs FSDP2, which a group of one rank"):
+        parse_config({"scaling": {"shard": 1, "tp": 1}, "compute": {"offload": True}})
+    with pytest.raises(ConfigError, match=r"compute.offload with scaling.ep=2: the split experts"):
+        parse_config({"scaling": {"shard": 2, "tp": 1, "ep": 2}, "compute": {"offload": True},
+                      "model": {"experts": 4}})
+    config = parse_config({"scaling": {"shard": 2, "tp": 1, "max_groups": 2, "device": "cuda"},
+                           "compute": {"offload": True}})
+    with pytest.raises(ConfigError, match=r"compute.offload with scaling.max_groups=2 on GPUs"):
+        check_capacity(config, {"CPU": 64, "GPU": 8})
+    one_group = parse_config({"scaling": {"shard": 2, "tp": 1, "max_groups": 1, "device": "cuda"},
+                              "compute": {"offload": True}})
+    check_capacity(one_group, {"CPU": 64, "GPU": 8})

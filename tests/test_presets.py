@@ -124,6 +124,19 @@ def test_activation_estimate_counts_what_autograd_saves(dtype, qwen3):
     assert sum(saved.values()) == estimate
 
 
+def test_zero_2_holds_every_blocks_gathered_weights_and_offload_holds_no_state_on_the_device():
+    model = ModelConfig(preset="llama3-8b")
+    layout = dict(shard=8, tp=1, seq_len=4096, micro_batch=1)
+    zero_3 = memory_per_rank(model, **layout)
+    zero_2 = memory_per_rank(model, **layout, reshard_after_forward=False)
+    gathered_block = 2 * 218_112_000 / 2**30  # a Llama 3 8B block's weights in bf16
+    assert zero_2["unsharded"] - zero_3["unsharded"] == pytest.approx((model.n_layers - 2) * gathered_block, rel=1e-3)
+    offloaded = memory_per_rank(model, **layout, offload=True)
+    assert offloaded["parameters"] == offloaded["gradients"] == offloaded["optimizer"] == 0
+    assert offloaded["total"] == pytest.approx(zero_3["total"] - zero_3["parameters"] - zero_3["gradients"]
+                                               - zero_3["optimizer"])
+
+
 def test_shards_split_the_states_and_logits_stay_whole():
     model = ModelConfig(preset="llama3-8b")
     whole = memory_per_rank(model, shard=1, tp=1, seq_len=4096, micro_batch=1)

@@ -127,3 +127,19 @@ def test_hooks_the_ranks_cannot_import_stop_the_run_in_seconds_saying_so(ray_clu
                     r"import the code that defines the hooks; ship it with the job", result.exit), result.exit
     kinds = [event["kind"] for event in result.summary["events"]]
     assert kinds.count("group-start-failed") <= 3 and "group-built" not in kinds
+
+
+@pytest.mark.parametrize("settings", [{"scaling__reshard_after_forward": "never"}, {"compute__offload": True}],
+                         ids=["zero-2", "cpu-offload"])
+def test_zero_2_and_cpu_offload_train_as_one_process_through_a_kill_and_its_heal(ray_cluster, tmp_path, settings):
+    """FSDP2 holding the gathered blocks until backward (ZeRO-2), or the state in host memory
+    with the optimizer step there (CPUOffloadPolicy), at 2 groups of shard 2: the losses of
+    one process, through a rank killed and its group healed from its peer."""
+    steps = 10
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=steps,
+                         fault_tolerance__inject="kill:rank=1,step=4", **settings)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert [e["rank"] for e in result.summary["events"] if e["kind"] == "rank-failed"] == [1]
+    reference, _ = reference_run(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -206,13 +206,17 @@ def split_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionP
 def fully_shard_model(
     model: nn.Module, shard_mesh: DeviceMesh, blocks: list[nn.Module],
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), ignored: set[nn.Parameter] = frozenset(),
+    reshard_after_forward: bool = True, offload: CPUOffloadPolicy | None = None,
 ) -> None:
     """FSDP2 per block, then at the root, with gradients summed across the shard dimension;
-    ``ignored`` parameters (split experts) are not FSDP2's."""
+    ``ignored`` parameters (split experts) are not FSDP2's. ``reshard_after_forward``: ZeRO-3
+    or ZeRO-2 for the blocks; ``offload``: the state in host memory."""
     ignored_params = set(ignored) or None
+    options = dict(mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params,
+                   **({"offload_policy": offload} if offload is not None else {}))
     for block in blocks:
-        fully_shard(block, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **options)
     for module in [*blocks, model]:
         summed_not_averaged(module)
 
@@ -301,6 +305,8 @@ class Parallelize:
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
     expert_parallel: bool = False  # the experts split over the ep ranks, dispatched to by all-to-all
+    reshard_after_forward: bool = True  # ZeRO-3 (True) or ZeRO-2 (False): scaling.reshard_after_forward
+    offload: bool = False  # FSDP2's CPUOffloadPolicy: compute.offload
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
@@ -324,7 +330,9 @@ class Parallelize:
             return model
         policy = mixed_precision_policy(dtype)
         experts = split_experts(model, mesh, policy) if self.expert_parallel else set()
-        fully_shard_model(model, mesh["shard"], blocks, policy, ignored=experts)
+        fully_shard_model(model, mesh["shard"], blocks, policy, ignored=experts,
+                          reshard_after_forward=self.reshard_after_forward,
+                          offload=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if self.offload else None)
         return model
 
 

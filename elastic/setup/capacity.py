@@ -54,6 +54,10 @@ def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> 
         raise ConfigError("compute.float8: the ranks train on CPU (scaling.device resolved to cpu); float8 "
                           "training needs GPUs of compute capability 8.9 or later (H100, L40S, ...); set "
                           "compute.float8 = false or run on such GPUs")
+    if config.compute.offload and scaling.device == "cuda" and scaling.max_groups > 1:
+        raise ConfigError(f"compute.offload with scaling.max_groups={scaling.max_groups} on GPUs: the groups sum "
+                          "their gradients over NCCL on the device, and offloaded gradients live on the host; train "
+                          "one group (scaling.max_groups = 1) or without offload")
     needed_ranks = scaling.min_groups * scaling.ranks_per_group
     for resource, per_rank in scaling.per_rank_resources():
         available = cluster_resources.get(resource, 0.0)

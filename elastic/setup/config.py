@@ -87,6 +87,12 @@ class ScalingConfig(Section):
     # shards each rank's experts over the shard / ep blocks (none where ep = shard: each
     # rank holds its own whole). 1: FSDP2 shards the experts like any parameter.
     ep: PositiveInt = Field(1, le=4096)
+    # When FSDP2 frees a block's gathered parameters: after its forward (always: ZeRO-3, the
+    # least memory, gathered again for backward), or only after its backward (never: ZeRO-2,
+    # one all-gather a block a step, the whole parameters held through the forward). default:
+    # always, but never in a pipeline stage, whose micro-batches would gather each block
+    # again and again (TorchTitan's policy). The math is the same either way.
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> ScalingConfig:
@@ -382,6 +388,12 @@ class ComputeConfig(Section):
     # capability 8.9+: H100, H200, L40S, ...), applied before TP and FSDP2 as TorchTitan does;
     # fastest with compile, which fuses the scaling and casts.
     float8: bool = False
+    # FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer state kept in host
+    # memory (pinned on a GPU), each block's parameters copied to the device for its forward
+    # and backward, the optimizer step on the host. For models larger than the devices, at
+    # the cost of the copies and a host-speed optimizer. Needs FSDP2: a group of more than
+    # one rank.
+    offload: bool = False
 
 
 class CheckpointConfig(Section):
@@ -553,6 +565,8 @@ class TrainConfig(Section):
             )
         if self.scaling.pp > 1:
             self._check_pipeline()
+        if self.compute.offload:
+            self._check_offload()
         return self
 
     def _check_expert_parallel(self) -> None:
@@ -569,6 +583,15 @@ class TrainConfig(Section):
         problem = next((text for broken, text in problems if broken), None)
         if problem:
             raise ValueError(f"scaling.ep={ep} with {problem}")
+
+    def _check_offload(self) -> None:
+        scaling = self.scaling
+        if scaling.shard * scaling.tp == 1:
+            raise ValueError("compute.offload needs FSDP2, which a group of one rank (shard = tp = 1) does not use; "
+                             "raise scaling.shard or unset compute.offload")
+        if scaling.ep > 1:
+            raise ValueError(f"compute.offload with scaling.ep={scaling.ep}: the split experts are not FSDP2's to "
+                             "offload; set scaling.ep = 1 or unset compute.offload")
 
     def _check_pipeline(self) -> None:
         scaling, model = self.scaling, self.model

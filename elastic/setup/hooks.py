@@ -120,6 +120,9 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
         tp_plan=tp_plan,
         float8=compute.float8,
         expert_parallel=config.scaling.ep > 1,
+        reshard_after_forward=config.scaling.reshard_after_forward != "never" and (
+            config.scaling.reshard_after_forward == "always" or config.scaling.pp == 1),
+        offload=compute.offload,
     )
 
 

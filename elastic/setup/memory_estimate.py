@@ -147,8 +147,13 @@ def memory_per_rank(
     sequence_parallel: bool = False,
     pp: int = 1,
     ep: int = 1,
+    reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
+    ``reshard_after_forward`` False (ZeRO-2) holds every block's gathered parameters from its
+    forward to its backward; ``offload`` keeps the parameters, gradients and optimizer state
+    in host memory (``host_memory_per_rank`` does not count them), none on the device.
     With expert parallelism (``ep`` > 1) a rank holds as many bytes of experts as FSDP2's
     shards of them, and FSDP2 gathers only its own experts (none where ``ep`` = ``shard``).
 
@@ -169,15 +174,18 @@ def memory_per_rank(
     routed_weights = _routed_expert_parameters(model) - model.dim * model.experts
     gathered_block = block - routed_weights * (1 - gathered_experts)
     output_projection = model.vocab_size * model.dim // tp
+    on_device = 0 if offload else 1
     held_bytes = {
-        "parameters": FP32_BYTES * shard_parameters,
-        "gradients": FP32_BYTES * shard_parameters,
-        "optimizer": 2 * FP32_BYTES * shard_parameters,
+        "parameters": on_device * FP32_BYTES * shard_parameters,
+        "gradients": on_device * FP32_BYTES * shard_parameters,
+        "optimizer": on_device * 2 * FP32_BYTES * shard_parameters,
         # FSDP2 keeps the root's parameters gathered from forward through backward and
-        # gathers two blocks at a time (the running one and the prefetched next). In backward
-        # the output projection's gradient waits for the root's reduce-scatter, and a block's
+        # gathers two blocks at a time (the running one and the prefetched next), or, not
+        # resharding after forward, holds every block's until its backward. In backward the
+        # output projection's gradient waits for the root's reduce-scatter, and a block's
         # gradient is copied into an fp32 buffer to be reduce-scattered.
-        "unsharded": (compute * (root + 2 * gathered_block + output_projection)
+        "unsharded": (compute * (root + (2 if reshard_after_forward else layers) * gathered_block
+                                 + output_projection)
                       + (compute + FP32_BYTES) * gathered_block),
         "activations": pp * activation_bytes(
             model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing,
