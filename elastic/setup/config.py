@@ -94,6 +94,11 @@ class ScalingConfig(Section):
     # again and again (TorchTitan's policy). The math is the same either way.
     reshard_after_forward: Literal["default", "always", "never"] = "default"
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """ZeRO-3 (True) or ZeRO-2 (False), ``default`` resolved by the pipeline."""
+        return self.reshard_after_forward == "always" or (self.reshard_after_forward == "default" and self.pp == 1)
+
     @model_validator(mode="after")
     def _min_not_above_max(self) -> ScalingConfig:
         if self.min_groups > self.max_groups:

@@ -120,8 +120,7 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
         tp_plan=tp_plan,
         float8=compute.float8,
         expert_parallel=config.scaling.ep > 1,
-        reshard_after_forward=config.scaling.reshard_after_forward != "never" and (
-            config.scaling.reshard_after_forward == "always" or config.scaling.pp == 1),
+        reshard_after_forward=config.scaling.reshards_after_forward,
         offload=compute.offload,
     )
 

@@ -110,6 +110,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
             sequence_parallel=config.sequence_parallel, pp=config.scaling.pp, ep=config.scaling.ep,
+            reshard_after_forward=config.scaling.reshards_after_forward,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
