@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--global-batch", type=int, help="samples per step, across all groups")
     train.add_argument("--micro-batch", type=int, help="samples per forward/backward on one rank")
     train.add_argument("--seed", type=int)
-    train.add_argument("--data", help="training data, text or token ids (.bin: see elastic prepare): a path, "
-                                      "glob or fsspec URL (default: a generated corpus)")
+    train.add_argument("--data", help="training data: text, token ids (.bin: see elastic prepare), Parquet, JSONL, "
+                                      "a save_to_disk directory or a Megatron pair (data.format, data.tokenizer); "
+                                      "a path, glob or fsspec URL (default: a generated corpus)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="auto: GPUs when the cluster has them; cuda: one GPU per rank unless gpus_per_rank says otherwise")
     train.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA, fp32 on CPU")
