@@ -217,7 +217,7 @@ class CheckpointCatalog:
     def commit(self, step: int, cursor: dict, topology: dict, config_hash: str,
                files: dict[str, tuple[int, str]], timings: dict, config: dict | None = None,
                rng: dict[str, dict[str, str]] | None = None, data: dict[str, str] | None = None,
-               source: dict[str, str] | None = None) -> Manifest:
+               source: dict[str, str] | None = None, loss_scale: dict[str, float] | None = None) -> Manifest:
         manifest = Manifest(
             step=step,
             sequence=self._next_sequence(),
@@ -227,6 +227,7 @@ class CheckpointCatalog:
             config=config or {},
             data=data or {},
             source=source or {},
+            loss_scale=loss_scale or {},
             lease_generation=self.generation,
             files=tuple(FileRecord(name=name, size=size, sha256=sha) for name, (size, sha) in sorted(files.items())),
             timings=timings,

@@ -79,6 +79,8 @@ class Manifest(_Strict):
     timings: dict[str, float] = Field(default_factory=dict)
     # the generator states of each shard position's stream, base64, by shard index (see workers.rng)
     rng: dict[str, dict[str, str]] = Field(default_factory=dict)
+    # fp16's loss scale at this step (elastic.core.loss_scale: value, good_steps); empty without one
+    loss_scale: dict[str, float] = Field(default_factory=dict)
     signature: str | None = None  # HMAC-SHA256 of the rest, when the run has a signing key
 
     @property

@@ -165,7 +165,7 @@ def test_compute_settings():
     config = build_config({"compute": {"precision": "bf16", "compile": True, "activation_checkpointing": "full",
                                        "replicate_precision": "bf16"}})
     assert config.compute.precision == "bf16" and config.compute.compile
-    fails({"compute": {"precision": "fp16"}}, "compute.precision")
+    fails({"compute": {"precision": "fp8"}}, "compute.precision")
     fails({"compute": {"activation_checkpointing": "partial"}}, "compute.activation_checkpointing")
     selective = build_config({"compute": {"activation_checkpointing": "selective", "selective_checkpointing": 2}})
     assert selective.compute.selective_checkpointing == 2

@@ -282,3 +282,17 @@ def test_first_ranks_that_gathered_different_steps_are_refused():
     rows = [[record_row(record) for record in records], [record_row(step_record(step, 1)) for step in (6, 7)]]
     with pytest.raises(ValueError, match="different steps"):
         RunRecords.from_rows(records, rows)
+
+
+def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_its_interval_of_commits():
+    from elastic.core.loss_scale import MIN_SCALE, LossScale, restored_loss_scale, saved_loss_scale
+
+    scale = LossScale(8.0, growth_interval=3)
+    assert scale.after_overflow() == LossScale(4.0, 0, 3)
+    grown = scale.after_commit().after_commit()
+    assert grown == LossScale(8.0, 2, 3) and grown.after_commit() == LossScale(16.0, 0, 3)
+    assert grown.after_overflow().good_steps == 0
+    floor = LossScale(2.0).after_overflow().after_overflow()
+    assert floor.value == MIN_SCALE and floor.exhausted
+    assert restored_loss_scale(saved_loss_scale(grown), LossScale(1024.0, growth_interval=3)) == grown
+    assert restored_loss_scale({}, scale) is scale and restored_loss_scale(saved_loss_scale(grown), None) is None

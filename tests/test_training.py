@@ -143,3 +143,28 @@ def test_zero_2_and_cpu_offload_train_as_one_process_through_a_kill_and_its_heal
     assert [e["rank"] for e in result.summary["events"] if e["kind"] == "rank-failed"] == [1]
     reference, _ = reference_run(config, steps)
     assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_fp16_overflows_are_discarded_everywhere_halving_the_scale_without_a_fault_and_a_checkpoint_keeps_it(
+        ray_cluster, tmp_path, reference):
+    """fp16 from a loss scale far too large (2^30) at 2 groups of shard 2: each step whose
+    gradients overflow is discarded by every group and the scale halves, no rank fails, nothing
+    counts toward divergence (3 in a row would end it); the run then trains within fp16's
+    distance of the fp32 losses, and its checkpoint records the scale it reached."""
+    import json
+
+    steps = 8
+    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=steps, compute__precision="fp16",
+                         compute__initial_loss_scale=2.0**30, checkpoint__every=4)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    overflows = [e for e in events if e["kind"] == "nonfinite-step"]
+    assert len(overflows) >= 3 and all(e["overflow"] for e in overflows)
+    scales = [e["loss_scale"] for e in overflows]
+    assert scales == [2.0 ** (29 - i) for i in range(len(scales))]  # halved once per overflow, in every group
+    assert not [e for e in events if e["kind"] == "rank-failed"]
+    assert result.summary["steps_committed"] == steps and len(result.losses) == steps
+    assert 1e-5 < max_relative_difference(result.losses, reference[:steps]) < 0.05
+    manifest = json.loads(next((tmp_path / "runs" / "test" / "checkpoints").glob("step-*8/manifest.json")).read_text())
+    assert manifest["loss_scale"] == {"value": scales[-1], "good_steps": steps}

@@ -55,7 +55,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from workers.model import GroupedExperts, MoE, Transformer
 
-Precision = Literal["auto", "fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
 # "op", or checkpoint every Nth block
 SelectivePolicy = Literal["op"] | int
@@ -150,7 +150,7 @@ def compute_dtype(precision: Precision, mesh: DeviceMesh) -> torch.dtype:
     """``auto`` is bf16 on CUDA and fp32 on CPU, where the parity tests stay exact."""
     if precision == "auto":
         return torch.bfloat16 if mesh.device_type == "cuda" else torch.float32
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def mixed_precision_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:

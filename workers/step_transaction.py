@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
+from elastic.core.loss_scale import LossScale
 from elastic.core.protocol import NonFinite, Phase, RankActivity, RankTimes, RunSpec, StepRecord
 from elastic.core.topology import counts_loss
 from workers import rng
@@ -303,6 +304,9 @@ class StepTransaction:
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         # generator states before the step in progress drew; None between steps
         self._rng_before_step: rng.RngState | None = None
+        # fp16's, at the step in progress: the run's spec gives it at its first step, and each
+        # commit moves it on by the rule the driver follows (elastic.core.loss_scale)
+        self.loss_scale: LossScale | None = None
 
     def step(self, spec: RunSpec, share: RankShare, batches: Future, report_due: bool,
              faults: FaultPlan = NO_FAULTS) -> Committed | Discarded:
@@ -321,6 +325,8 @@ class StepTransaction:
         started = time.perf_counter()
         deadline = started + spec.deadline_s
         step = share.step
+        if step == spec.first_step:
+            self.loss_scale = spec.loss_scale
         replicate_group = self.world.replicate_group
         check = (start_check(step, self.rank.group, self.model, self.optimizer, replicate_group, self.device)
                  if replicate_group is not None and check_due(step, spec.integrity_every) else None)
@@ -378,7 +384,7 @@ class StepTransaction:
             self.gradient_sum.before_micro_batch(index, len(batches), self.world.replicate_group)
 
         loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch,
-                                                 self.experts)
+                                                 self.experts, self.scale)
         return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
 
     def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: float, report_due: bool,
@@ -403,14 +409,19 @@ class StepTransaction:
         at its learning rate and clipping factor, or discard it when replicas disagreed or
         its loss or norm is not finite (the same sums everywhere)."""
         rescale = token_rescale(share.global_tokens, vote.counted_tokens)
-        loss, norm = vote.loss * rescale, vote.grad_norm * rescale
+        loss, norm = vote.loss * rescale, vote.grad_norm * rescale / self.scale
         if vote.integrity_mismatch or not (math.isfinite(loss) and math.isfinite(norm)):
             self.discard_uncommitted()
             if vote.integrity_mismatch:
                 return Discarded(integrity=mismatch)
-            return Discarded(nonfinite=NonFinite(share.step, loss, norm))
+            overflow = self.loss_scale is not None and math.isfinite(loss) and not self.loss_scale.exhausted
+            if overflow:  # every rank of every group saw the same sums: each halves its scale alike
+                self.loss_scale = self.loss_scale.after_overflow()
+            return Discarded(nonfinite=NonFinite(share.step, loss, norm, overflow))
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
-        self._apply(spec.schedule.factor(share.step), clip_scale * rescale)
+        self._apply(spec.schedule.factor(share.step), clip_scale * rescale / self.scale)
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.after_commit()
         balance_experts(self.experts, self.routed_layout, vote.routed_tokens)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
@@ -495,6 +506,11 @@ class StepTransaction:
             times=tuple(ballot.times for ballot in ballots),
             routed_tokens=tuple(map(sum, zip(*(ballot.routed_tokens for ballot in ballots)))),
         )
+
+    @property
+    def scale(self) -> float:
+        """What the step's backward multiplied the loss by: fp16's loss scale, else 1."""
+        return self.loss_scale.value if self.loss_scale is not None else 1.0
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:
         scale_gradients(self.model, grad_scale)

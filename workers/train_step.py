@@ -155,11 +155,12 @@ MicroBatchLoss = TokenLoss | SampleLoss
 
 def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
                 on_micro_batch: Callable[[int], None], backward: bool,
-                experts: Sequence[MoE] = ()) -> tuple[float, float]:
+                experts: Sequence[MoE] = (), loss_scale: float = 1.0) -> tuple[float, float]:
     """The micro-batches' summed loss shares over ``global_tokens`` and their summed counts,
     the shares summed on the device and read once, so the host never waits for the device
     between micro-batches. ``experts``: the expert layers that count the tokens the step routes
-    to each expert (its load, and the bias's step) and weigh each row's balance loss."""
+    to each expert (its load, and the bias's step) and weigh each row's balance loss.
+    ``loss_scale``: what backward multiplies the loss by (fp16's), not the shares returned."""
     loss_share = torch.zeros((), device=batches[0].weights.device)
     counted = 0.0
     try:
@@ -170,7 +171,7 @@ def _loss_share(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch]
             loss_sum, count = loss(model, batch)
             share = loss_sum / global_tokens
             if backward:
-                share.backward()
+                (share * loss_scale if loss_scale != 1.0 else share).backward()
             add_micro_batch(experts, first=index == 0)
             loss_share += share.detach()
             counted = counted + count
@@ -185,13 +186,14 @@ def counted_tokens(batches: Sequence[Batch]) -> int:
 
 def accumulate_counted(model: nn.Module, loss: MicroBatchLoss, batches: Sequence[Batch], global_tokens: int,
                        on_micro_batch: Callable[[int], None] = lambda index: None,
-                       experts: Sequence[MoE] | None = None) -> tuple[float, float]:
+                       experts: Sequence[MoE] | None = None, loss_scale: float = 1.0) -> tuple[float, float]:
     """Forward and backward over each micro-batch; returns this rank's share of the loss over
     ``global_tokens``, and what it counted (``token_rescale`` makes the step the mean over
     every rank's count). ``experts``: the model's expert layers, where the caller holds them
     (a step on a hot path), else found in the model."""
     experts = expert_layers(model) if experts is None else experts
-    return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=True, experts=experts)
+    return _loss_share(model, loss, batches, global_tokens, on_micro_batch, backward=True, experts=experts,
+                       loss_scale=loss_scale)
 
 
 def accumulate_gradients(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], global_tokens: int,

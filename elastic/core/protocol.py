@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import IntegrityMismatch
+from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 
 ERROR_CHARS = 2000
@@ -55,6 +56,7 @@ class RunSpec:
     report_interval_s: float = 1.0  # the run's records are sent about this often
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
     memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)
+    loss_scale: LossScale | None = None  # fp16's, at first_step; None: no loss scaling
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -247,11 +249,13 @@ class RunRecords:
 
 @dataclass(frozen=True)
 class NonFinite:
-    """A step every rank discarded because its loss or gradient norm was not finite."""
+    """A step every rank discarded because its loss or gradient norm was not finite: with fp16's
+    loss scale, a norm that overflowed while the loss was finite is the scale's, not the run's."""
 
     step: int
     loss: float
     grad_norm: float
+    overflow: bool = False  # fp16's gradients overflowed at this loss scale (the loss was finite)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from checkpointing.lease import RunLease
 from elastic.core.data_plan import DataCursor
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
+from elastic.core.loss_scale import LossScale, saved_loss_scale
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed, FleetApi, FleetError, Pending
 from elastic.core.protocol import describe_error
@@ -46,6 +47,7 @@ class SaveInFlight:
     uploads: Pending
     stall_s: float
     started_at: float
+    loss_scale: LossScale | None = None
 
 
 class CheckpointCoordinator:
@@ -144,8 +146,10 @@ class CheckpointCoordinator:
             return False
         return True
 
-    def start(self, step: int, cursor: DataCursor, group: int, ranks: list[int]) -> bool:
-        """Stage the committed state of ``group`` and start its upload (the only stall)."""
+    def start(self, step: int, cursor: DataCursor, group: int, ranks: list[int],
+              loss_scale: LossScale | None = None) -> bool:
+        """Stage the committed state of ``group`` and start its upload (the only stall); the
+        manifest will record ``cursor`` and ``loss_scale`` (fp16's) as they stand at ``step``."""
         self._ensure_held()  # a driver that lost the run writes nothing more, not even files
         self.due = False
         self.deferred_counted = False
@@ -163,7 +167,7 @@ class CheckpointCoordinator:
             return False
         stall_s = self.clock() - started
         uploads = self.fleet.finish_saves(ranks)
-        self.in_flight = SaveInFlight(step, cursor, group, list(ranks), uploads, stall_s, self.clock())
+        self.in_flight = SaveInFlight(step, cursor, group, list(ranks), uploads, stall_s, self.clock(), loss_scale)
         self.events.emit(EventKind.CHECKPOINT_STARTED, step=step, group=group, stall_s=round(stall_s, 4))
         return True
 
@@ -201,6 +205,7 @@ class CheckpointCoordinator:
                 config=self.config_record,
                 data=self.data_identity,
                 source=self.source_identity,
+                loss_scale=saved_loss_scale(save.loss_scale),
                 rng={
                     self.topology.stream_of(result.global_rank): {
                         name: base64.b64encode(state).decode() for name, state in result.rng.items()
@@ -268,13 +273,14 @@ class CheckpointCoordinator:
             self.in_flight = None
             self._failed(step, f"saving group {sorted(lost_groups)} lost a rank during the upload")
 
-    def finish(self, step: int, cursor: DataCursor, group: int, ranks: list[int], deadline: float) -> bool:
+    def finish(self, step: int, cursor: DataCursor, group: int, ranks: list[int], deadline: float,
+               loss_scale: LossScale | None = None) -> bool:
         """Final or preemption checkpoint: wait out the upload in flight, save ``step`` and
         commit it, all before ``deadline`` (clock time). Returns whether ``step`` is committed."""
         self._wait_in_flight(deadline)
         if self.last_committed_step == step:
             return True
-        if self.clock() >= deadline or not self.start(step, cursor, group, ranks):
+        if self.clock() >= deadline or not self.start(step, cursor, group, ranks, loss_scale):
             return False
         self._wait_in_flight(deadline)
         return self.last_committed_step == step

@@ -157,7 +157,7 @@ class Controller:
         self.watch = RunWatch(collector)
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
-        self.history = RunHistory(integrity_every=config.integrity.every)
+        self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale)
         self.timing = RecoveryTiming(events, clock)
         run = RunContext(config, fleet, self.membership, self.history, self.timing, events, clock)
         self.state_sources = StateSources(run, checkpoints)
@@ -258,8 +258,12 @@ class Controller:
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
             step = outcome.nonfinite
             self.history.steps_discarded += 1
-            self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm))
-            diverged = self.divergence.diverged(step)
+            if step.overflow:  # fp16's gradients overflowed: every rank halved its scale, as the driver does
+                self.history.loss_scale = self.history.loss_scale.after_overflow()
+            self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm),
+                             overflow=step.overflow,
+                             **({"loss_scale": self.history.loss_scale.value} if step.overflow else {}))
+            diverged = None if step.overflow else self.divergence.diverged(step)
             return Stopping(diverged) if diverged else AtBoundary()
         self.maybe_checkpoint()
         return AtBoundary()
@@ -272,7 +276,7 @@ class Controller:
             seed=self.config.seed, micro_batch=self.config.micro_batch, seq_len=self.config.data.seq_len,
             group_weights=group_weights(self.membership.live_groups(), self.stragglers.weights),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
-            deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S,
+            deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S, loss_scale=self.history.loss_scale,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
         )
 
@@ -395,7 +399,8 @@ class Controller:
         if self.straggler_actions_ready():
             return  # the boundary replaces the slow rank first; the save, still due, follows at the next
         if self.checkpoints is not None and self.checkpoints.wants_save(self.history.step):
-            self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group())
+            self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group(),
+                                   loss_scale=self.history.loss_scale)
 
     def finish(self, reason: Exit) -> Exit:
         self.stragglers.close()
@@ -413,7 +418,7 @@ class Controller:
         if self.membership.live_groups():
             with self.ledger.timing("checkpoint_stall"):
                 committed = self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
-                                                    self.clock() + grace_s)
+                                                    self.clock() + grace_s, loss_scale=self.history.loss_scale)
         if not committed:
             self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=str(reason),
                              grace_s=grace_s)

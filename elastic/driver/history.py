@@ -12,6 +12,7 @@ import numpy as np
 
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import check_due
+from elastic.core.loss_scale import LossScale
 from elastic.core.protocol import RankTimes, RunRecords, StepRecord
 from elastic.core.topology import Topology
 from elastic.driver.records import EvalResult, StepResult
@@ -85,6 +86,7 @@ class RunHistory:
     # The newest state the replicas' check found identical (or that every group loaded): a
     # corruption the check finds later arose after it.
     verified_step: int = 0
+    loss_scale: LossScale | None = None  # fp16's at ``step``: moved on by each commit and overflow
 
     def commit(self, committed: CommittedStep, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
@@ -110,6 +112,8 @@ class RunHistory:
         if check_due(self.step, self.integrity_every) and len(first.group_samples) > 1:
             self.verified_step = self.step
         self.step += 1
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.after_commit()
         return result
 
     def rewind(self, step: int, cursor: DataCursor) -> None:

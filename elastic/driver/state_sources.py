@@ -24,6 +24,7 @@ from checkpointing.catalog import Restorable
 from elastic.core.data_plan import DataCursor
 from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind
+from elastic.core.loss_scale import restored_loss_scale
 from elastic.core.memory_tier import plan_memory_restore
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.driver.run_context import RunContext
@@ -73,6 +74,7 @@ class StateSources:
         returns the committed steps rolled back."""
         if checkpoint is None:
             return self._rewind_to(0, DataCursor())
+        self.history.loss_scale = restored_loss_scale(checkpoint.manifest.loss_scale, self.history.loss_scale)
         return self._rewind_to(checkpoint.step, DataCursor(**checkpoint.manifest.cursor))
 
     def _heal_from_peers(self, groups: list[int], source_group: int) -> None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from checkpointing.storage import StorageOptions, absolute_url, refuse_credentials
 from elastic.core.faults import check_targets, parse_faults
+from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
@@ -379,8 +380,14 @@ class ComputeConfig(Section):
     """Speed settings, applied from outside the model (TorchTitan-style)."""
 
     # bf16: FSDP2 all-gathers and computes in bf16, keeps fp32 master weights and reduces
-    # gradients in fp32. auto: bf16 on CUDA, fp32 on CPU.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # gradients in fp32. fp16: the same in fp16, for GPUs without bf16, with a dynamic loss
+    # scale (elastic.core.loss_scale): a step whose gradients overflow is discarded by every
+    # group and the scale halved, without counting as a fault or toward divergence. auto:
+    # bf16 on CUDA, fp32 on CPU.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # fp16's loss scale at the run's start, and the committed steps in a row after which it doubles
+    initial_loss_scale: PositiveFloat = Field(2.0**16, ge=1, le=2.0**64)
+    loss_scale_growth_interval: PositiveInt = Field(2000, le=10**6)
     # dtype of the cross-group gradient all-reduce
     replicate_precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
@@ -399,6 +406,13 @@ class ComputeConfig(Section):
     # the cost of the copies and a host-speed optimizer. Needs FSDP2: a group of more than
     # one rank.
     offload: bool = False
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """fp16's scale at a run's start; None for every other precision."""
+        if self.precision != "fp16":
+            return None
+        return LossScale(self.initial_loss_scale, growth_interval=self.loss_scale_growth_interval)
 
 
 class CheckpointConfig(Section):
@@ -608,6 +622,9 @@ class TrainConfig(Section):
         if model.tie_embeddings:
             raise ValueError("scaling.pp > 1 with model.tie_embeddings: the embedding and the output head live on "
                              "different stages; set model.tie_embeddings = false or scaling.pp = 1")
+        if self.compute.precision == "fp16":
+            raise ValueError("scaling.pp > 1 with compute.precision = 'fp16': the pipeline's schedule runs the "
+                             "backward, which does not scale the loss yet; use bf16 or scaling.pp = 1")
         if self.data.document_masking:
             raise ValueError("scaling.pp > 1 with data.document_masking: the stages do not carry the documents' "
                              "positions to each other; set scaling.pp = 1 or data.document_masking = false")
