@@ -226,6 +226,7 @@ def test_faults_and_recoveries_read_as_one_line_each():
         {"kind": "recovered", "cause": "death", "step": 7, "total_s": 2.104},
         {"kind": "group-joined", "group": 1, "generation": 4},
         {"kind": "nonfinite-step", "step": 9, "loss": "nan", "grad_norm": "inf"},
+        {"kind": "nonfinite-step", "step": 10, "loss": "5.2", "grad_norm": "inf", "overflow": True, "loss_scale": 32768.0},
         {"kind": "run-started", "run": "r"},
         {"kind": "run-started", "run": "r", "resume_from": 40, "steps": 60},
         {"kind": "run-started", "run": "r", "resume_from": 30, "steps": 30},  # the same command again
@@ -240,6 +241,7 @@ def test_faults_and_recoveries_read_as_one_line_each():
         "recovered from death at step 7 in 2.1s",
         "group 1 joined (generation 4)",
         "step 9 discarded: loss nan, grad norm inf (not finite); run again",
+        "step 10 discarded: fp16 gradients overflowed; loss scale lowered to 32768",
         None,
         "resuming from the checkpoint of step 40",
         "the run is complete: its checkpoint of step 30 ends its 30 steps, nothing is left to train; raise steps "

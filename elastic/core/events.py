@@ -137,6 +137,8 @@ def console_line(event: Event) -> str | None:
     if kind == EventKind.GROUP_JOINED:
         return f"group {event['group']} joined (generation {event['generation']})"
     if kind == EventKind.NONFINITE_STEP:
+        if event.get("overflow"):  # fp16's scale was too large for this step: expected now and then
+            return f"step {step} discarded: fp16 gradients overflowed; loss scale lowered to {event['loss_scale']:g}"
         return f"step {step} discarded: loss {event['loss']}, grad norm {event['grad_norm']} (not finite); run again"
     if kind == EventKind.CHECKPOINT_FAILED:
         return f"checkpoint of step {step} failed: {event['error']}"
