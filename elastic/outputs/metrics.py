@@ -63,6 +63,10 @@ class Metrics:
         self.nonfinite_steps = Counter(
             "elastic_nonfinite_steps", "Steps discarded for a loss or gradient norm that is not finite", **labels
         )
+        self.loss_scale_overflows = Counter(
+            "elastic_loss_scale_overflows", "fp16 steps discarded because their gradients overflowed at the loss "
+            "scale (each halves it; not counted as non-finite steps)", **labels
+        )
         self.integrity_mismatches = Counter(
             "elastic_integrity_mismatches", "Positions whose replicas disagreed about their committed state",
             **labels,
@@ -134,7 +138,7 @@ class Metrics:
             self.steps_discarded.inc()
         elif kind == EventKind.NONFINITE_STEP:
             self.steps_discarded.inc()
-            self.nonfinite_steps.inc()
+            (self.loss_scale_overflows if event.get("overflow") else self.nonfinite_steps).inc()
         elif kind == EventKind.INTEGRITY_MISMATCH:
             self.integrity_mismatches.inc()
         elif kind == EventKind.EVALUATED:
