@@ -145,17 +145,21 @@ def test_zero_2_and_cpu_offload_train_as_one_process_through_a_kill_and_its_heal
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
 
+@pytest.mark.parametrize("layout", [{"groups": 2, "min_groups": 2, "shard": 2},
+                                    {"groups": 1, "shard": 1, "scaling__pp": 2, "micro_batch": 1}],
+                         ids=["2-groups-of-shard-2", "pp-2"])
 def test_fp16_overflows_are_discarded_everywhere_halving_the_scale_without_a_fault_and_a_checkpoint_keeps_it(
-        ray_cluster, tmp_path, reference):
-    """fp16 from a loss scale far too large (2^30) at 2 groups of shard 2: each step whose
-    gradients overflow is discarded by every group and the scale halves, no rank fails, nothing
-    counts toward divergence (3 in a row would end it); the run then trains within fp16's
-    distance of the fp32 losses, and its checkpoint records the scale it reached."""
+        ray_cluster, tmp_path, reference, layout):
+    """fp16 from a loss scale far too large (2^30), at 2 groups of shard 2 and in 2 pipeline
+    stages (whose schedule runs the scaled backward): each step whose gradients overflow is
+    discarded by every rank and the scale halves, no rank fails, nothing counts toward
+    divergence (3 in a row would end it); the run then trains within fp16's distance of the
+    fp32 losses, and its checkpoint records the scale it reached."""
     import json
 
     steps = 8
-    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=steps, compute__precision="fp16",
-                         compute__initial_loss_scale=2.0**30, checkpoint__every=4)
+    config = tiny_config(tmp_path, steps=steps, compute__precision="fp16", compute__initial_loss_scale=2.0**30,
+                         checkpoint__every=4, **layout)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     events = result.summary["events"]

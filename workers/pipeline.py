@@ -231,12 +231,13 @@ class Pipeline:
         self.holds_last_stage = any(stage.is_last for stage in self.stages)
         self.loss_fn = loss_fn
         self._global_tokens = 1
+        self._loss_scale = 1.0  # fp16's, for the step's backward: the schedule runs it
         # One at a time: a schedule sizes its stages' buffers for its micro-batch count.
         self._schedule, self._schedule_size = None, 0
 
     def _loss(self, logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         targets, weights = packed.unbind(-1)
-        return weighted_loss(self.loss_fn, logits, targets, weights.float(), self._global_tokens)
+        return weighted_loss(self.loss_fn, logits, targets, weights.float(), self._global_tokens) * self._loss_scale
 
     def _schedule_for(self, micro_batches: int):
         if self._schedule_size != micro_batches:
@@ -246,10 +247,15 @@ class Pipeline:
             self._schedule_size = micro_batches
         return self._schedule
 
-    def loss_share(self, batches: Sequence[Batch], global_tokens: int) -> float:
+    def loss_share(self, batches: Sequence[Batch], global_tokens: int, loss_scale: float = 1.0) -> float:
         """Forward and backward of ``batches`` through the pipeline; this rank's share of the
-        loss: the micro-batches' summed shares on the last stage, 0 elsewhere."""
-        return self._run(batches, global_tokens, backward=True)
+        loss: the micro-batches' summed shares on the last stage, 0 elsewhere. ``loss_scale``
+        multiplies the loss the schedule's backward starts from (fp16's), not the share."""
+        self._loss_scale = loss_scale
+        try:
+            return self._run(batches, global_tokens, backward=True) / loss_scale
+        finally:
+            self._loss_scale = 1.0
 
     def held_out_loss_share(self, batches: Sequence[Batch], global_tokens: int) -> float:
         """This rank's share of the held-out loss, forward only, with every stage in eval mode

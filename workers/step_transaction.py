@@ -374,7 +374,7 @@ class StepTransaction:
             # The schedule runs every micro-batch in one call: the group cannot stop inside it
             # (the driver's abort takes effect at the cross-group sum), and the buckets of that
             # sum go out once it has ended.
-            loss_share = self.pipeline.loss_share(batches, global_tokens)
+            loss_share = self.pipeline.loss_share(batches, global_tokens, self.scale)
             if self.world.replicate_group is not None:
                 self.gradient_sum.start(self.world.replicate_group)
             return loss_share, counted_tokens(batches), faults.after_compute(self.compute_timer.seconds())

@@ -622,9 +622,6 @@ class TrainConfig(Section):
         if model.tie_embeddings:
             raise ValueError("scaling.pp > 1 with model.tie_embeddings: the embedding and the output head live on "
                              "different stages; set model.tie_embeddings = false or scaling.pp = 1")
-        if self.compute.precision == "fp16":
-            raise ValueError("scaling.pp > 1 with compute.precision = 'fp16': the pipeline's schedule runs the "
-                             "backward, which does not scale the loss yet; use bf16 or scaling.pp = 1")
         if self.data.document_masking:
             raise ValueError("scaling.pp > 1 with data.document_masking: the stages do not carry the documents' "
                              "positions to each other; set scaling.pp = 1 or data.document_masking = false")
