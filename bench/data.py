@@ -21,7 +21,6 @@ import argparse
 import gzip
 import json
 import pickle
-import struct
 import sys
 import tempfile
 import time
@@ -35,9 +34,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from elastic.core.data_plan import epoch_order  # noqa: E402
-from elastic.data.megatron import MAGIC  # noqa: E402
 from elastic.setup.dataset import default_datasets, generate_corpus  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
+from elastic.testing.megatron import write_megatron_pair  # noqa: E402
 from elastic.testing.s3 import MotoServer, set_test_credentials  # noqa: E402
 from elastic.testing.tokenizer import make_tokenizer  # noqa: E402
 
@@ -66,11 +65,7 @@ def write_formats(directory: Path, texts: list[str], tokenizer: str) -> dict[str
     hf = AutoTokenizer.from_pretrained(tokenizer)
     ids = [np.array([*row, hf.eos_token_id], dtype="<u2") for row in hf(texts, add_special_tokens=False)["input_ids"]]
     np.concatenate(ids).tofile(directory / "d.bin")
-    lengths = np.array([len(row) for row in ids], dtype="<i4")
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * 2]).astype("<i8")
-    (directory / "m.bin").write_bytes((directory / "d.bin").read_bytes())
-    (directory / "m.idx").write_bytes(MAGIC + struct.pack("<QBQQ", 1, 8, len(ids), len(ids) + 1) + lengths.tobytes()
-                                      + pointers.tobytes() + np.arange(len(ids) + 1, dtype="<i8").tobytes())
+    write_megatron_pair(directory / "m", ids)
     return {"parquet": "d.parquet", "jsonl": "d.jsonl", "jsonl.gz": "d.jsonl.gz", "jsonl.zst": "d.jsonl.zst",
             "arrow": "saved", "megatron": "m.idx", "tokens": "d.bin"}
 

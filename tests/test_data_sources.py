@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
-import struct
 
 import numpy as np
 import pytest
@@ -14,12 +13,12 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from elastic.data.megatron import MAGIC  # noqa: E402
 from elastic.data.mixture import at_epoch  # noqa: E402
 from elastic.data.tokenizing import IGNORE_INDEX  # noqa: E402
 from elastic.setup.dataset import default_datasets, generate_corpus  # noqa: E402
 from elastic.setup.errors import ConfigError  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
+from elastic.testing.megatron import write_megatron_pair  # noqa: E402
 from elastic.testing.tokenizer import make_tokenizer  # noqa: E402
 
 SEQ_LEN = 16
@@ -102,21 +101,10 @@ def test_a_column_of_token_ids_is_read_as_it_is(tmp_path):
     np.testing.assert_array_equal(dataset[3].numpy(), stream[3 * SEQ_LEN : 4 * SEQ_LEN + 1])
 
 
-def write_megatron(prefix, sequences: list[list[int]], code: int = 8, dtype: str = "<u2") -> None:
-    """A pair as Megatron-LM's indexed dataset builder writes it (version 1)."""
-    (prefix.parent / f"{prefix.name}.bin").write_bytes(np.concatenate(sequences).astype(dtype).tobytes())
-    lengths = np.array([len(s) for s in sequences], dtype="<i4")
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * np.dtype(dtype).itemsize]).astype("<i8")
-    header = MAGIC + struct.pack("<QBQQ", 1, code, len(sequences), len(sequences) + 1)
-    documents = np.arange(len(sequences) + 1, dtype="<i8")
-    (prefix.parent / f"{prefix.name}.idx").write_bytes(header + lengths.tobytes() + pointers.tobytes()
-                                                        + documents.tobytes())
-
-
-@pytest.mark.parametrize("code, dtype", [(8, "<u2"), (4, "<i4")])
-def test_a_megatron_pair_is_its_token_stream(tmp_path, code, dtype):
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_a_megatron_pair_is_its_token_stream(tmp_path, dtype):
     sequences = [list(range(5 * i, 5 * i + 9)) for i in range(30)]
-    write_megatron(tmp_path / "corpus_text_document", sequences, code, dtype)
+    write_megatron_pair(tmp_path / "corpus_text_document", sequences, dtype)
     stream = np.concatenate(sequences)
     for named in ("corpus_text_document", "corpus_text_document.bin", "corpus_text_document.idx"):
         dataset = train_set({"path": str(tmp_path / named)})

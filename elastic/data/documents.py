@@ -28,6 +28,8 @@ import numpy as np
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic.data.recipe import Recipe
+
 # Row groups, decompressed files and Arrow tables a reader keeps, least recently used dropped first.
 _CACHED_BLOCKS = 4
 
@@ -54,20 +56,17 @@ class Chat:
 Document = str | np.ndarray | Chat
 
 
-class DocumentFile:
+class DocumentFile(Recipe):
     """One file's documents. ``column`` names the text (or token-id) column; ``chat`` reads
-    conversations instead. Attributes in ``_transient`` are caches, left out of a pickle."""
+    conversations instead."""
 
-    _transient: tuple[str, ...] = ("_fs", "_blocks")
+    _transient = ("_fs", "_blocks")
     # What ``scan`` records for ``read``, kept with the run's data index (arrays, or None)
     indexed: tuple[str, ...] = ()
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
         self.url, self.column, self.chat = url, column, chat
         self.storage_options = storage_options or {}
-
-    def __getstate__(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key not in self._transient}
 
     @cached_property
     def _fs(self) -> fsspec.AbstractFileSystem:
@@ -233,12 +232,15 @@ class ColumnarFile(DocumentFile):
     def _columns(self) -> list[str] | None:
         return None if self.chat else [self.column]
 
+    def _check_column(self, names: list[str]) -> None:
+        if not self.chat and self.column not in names:
+            raise DataError(f"{self.url}: no column {self.column!r} (it has {names}); set data.text_column to the "
+                            "column that holds the documents")
+
     def _values(self, table, first_row: int) -> list[Document]:
         if self.chat:
             return [self._document(row, first_row + i) for i, row in enumerate(table.to_pylist())]
-        if self.column not in table.column_names:
-            raise DataError(f"{self.url}: no column {self.column!r} (it has {table.column_names}); set "
-                            "data.text_column to the column that holds the documents")
+        self._check_column(table.column_names)
         return [self._document(value, first_row + i) for i, value in enumerate(table.column(self.column).to_pylist())]
 
     def scan(self) -> Iterator[list[Document]]:
@@ -280,10 +282,7 @@ class ParquetFile(ColumnarFile):
 
     def _block_count_rows(self) -> list[int]:
         metadata = self._parquet.metadata
-        names = self._parquet.schema_arrow.names
-        if not self.chat and self.column not in names:
-            raise DataError(f"{self.url}: no column {self.column!r} (it has {names}); set data.text_column to the "
-                            "column that holds the documents")
+        self._check_column(self._parquet.schema_arrow.names)  # from the footer, before any row group is read
         return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
     def _load_block(self, block: int):

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from elastic.core.data_plan import apportion_array
+from elastic.data.recipe import Recipe
 
 
 class Drawn(NamedTuple):
@@ -36,15 +37,12 @@ def at_epoch(dataset, epoch: int):
     return dataset if view is None else view(epoch)
 
 
-class Mixture:
+class Mixture(Recipe):
     _transient = ("_orders",)
 
     def __init__(self, sources: Sequence, weights: Sequence[float], names: Sequence[str], seed: int, epoch: int = 0):
         self.sources, self.weights, self.names = list(sources), [float(w) for w in weights], list(names)
         self.seed, self.epoch = seed, epoch
-
-    def __getstate__(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key not in self._transient}
 
     @property
     def seq_len(self) -> int:

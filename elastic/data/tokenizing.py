@@ -15,6 +15,7 @@ from functools import cached_property
 import numpy as np
 
 from elastic.data.documents import Chat, DataError, Document
+from elastic.data.recipe import Recipe
 
 # A label that takes no part in the loss (a prompt's tokens, a user's turn), as HuggingFace marks it.
 IGNORE_INDEX = -100
@@ -43,15 +44,14 @@ class ByteTokens:
         return encoded
 
 
-class HuggingFaceTokens:
+class HuggingFaceTokens(Recipe):
     """A HuggingFace tokenizer, loaded lazily on the process that encodes (it does not pickle
     small): by name from the Hub or from a directory, with ``trust_remote_code`` off."""
 
+    _transient = ("tokenizer", "_identity")
+
     def __init__(self, name: str):
         self.name = name
-
-    def __getstate__(self) -> dict:
-        return {"name": self.name}
 
     @cached_property
     def tokenizer(self):
@@ -80,6 +80,10 @@ class HuggingFaceTokens:
 
     def identity(self) -> str:
         """The tokenizer by what it does, not its name: the same name may tokenize otherwise later."""
+        return self._identity
+
+    @cached_property
+    def _identity(self) -> str:  # a hash of its whole vocabulary: asked for at every index and resume check
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         described = backend.to_str() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items()))
         template = self.tokenizer.chat_template or ""

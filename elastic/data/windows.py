@@ -8,22 +8,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from elastic.data.documents import DataError
+from elastic.data.recipe import Recipe
 
 if TYPE_CHECKING:
     import torch
 
 
-class TokenWindows:
+class TokenWindows(Recipe):
     """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
 
     A subclass gives the stream's length (``n_tokens``) and reads a range of it (``read``,
     an integer array of any width); sample ``i`` is the tokens ``[i * seq_len, i * seq_len +
-    seq_len + 1)``, widened to int64 one window at a time. Attributes named in ``_transient``
-    are caches, left out of a pickle. With ``vocab_size`` set (the model's), every window is
+    seq_len + 1)``, widened to int64 one window at a time. With ``vocab_size`` set (the model's), every window is
     checked to hold only ids below it: one ``max`` a window.
     """
 
-    _transient: tuple[str, ...] = ()
     vocab_size: int | None = None
 
     def __init__(self, seq_len: int):
@@ -73,6 +72,3 @@ class TokenWindows:
         n = len(self)
         for index in sorted({i * (n - 1) // max(1, windows - 1) for i in range(windows)}):
             self[index]
-
-    def __getstate__(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key not in self._transient}

@@ -335,10 +335,11 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
     data = config.data
     storage_options = config.checkpoint.storage_options().for_url(path)
     chosen = source_format(config, path, declared)
-    if chosen in ("text", "tokens", "megatron") and data.document_masking:
+    streams = chosen in ("text", "tokens", "megatron")  # tokens as they lie, no documents to tokenize or mask
+    if streams and data.document_masking:
         raise ValueError(f"data.document_masking needs documents (parquet, jsonl, arrow or chat), and {path} is "
                          f"{chosen}; unset data.document_masking or give documents")
-    if chosen in ("text", "tokens", "megatron") and data.tokenizer:
+    if streams and data.tokenizer:
         raise ValueError(f"data.tokenizer applies to parquet, jsonl, arrow and chat documents, not to {path} "
                          f"({chosen}); tokenize text files with `elastic prepare --tokenizer`, or unset data.tokenizer")
     if chosen == "tokens":
@@ -395,10 +396,10 @@ def check_readable(config: TrainConfig) -> None:
         if path is None:
             continue
         try:
-            dataset = file_dataset(config, path, declared)
+            chosen = source_format(config, path, declared)  # once: auto probes the storage
+            dataset = file_dataset(config, path, chosen)
             len(dataset)  # sizes: enough data for one sample
             dataset[0]  # and it reads as the ranks will, by range
-            chosen = source_format(config, path, declared)
             if chosen == "tokens":
                 if dataset.looks_like_text():
                     raise ValueError(f"{path} looks like text, not {config.data.token_dtype} token ids; train on "
