@@ -221,7 +221,7 @@ class ElasticTrainer:
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
             events.listeners += [metrics.on_event, *self.on_event]
             scaling = self.config.scaling
-            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp, scaling.ep)
+            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp, scaling.ep, scaling.cp)
             injects = bool(self.faults) or self.config.stragglers.noise > 0
             # A Ray this driver started is this machine's alone: its ranks reach the store on
             # loopback (Ray's own node address is the routable one even then).
@@ -337,7 +337,7 @@ class ElasticTrainer:
             "run": self.run_name,
             "config": {**self.config.model_dump(mode="json"), "run_name": self.run_name},  # a generated name too
             "init_from": self.source_identity,  # what the weights started from, file by file
-            "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "tp": scaling.tp,
+            "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "cp": scaling.cp, "tp": scaling.tp,
                          "ranks": groups * scaling.ranks_per_group},
             "resumed_from_step": resumed,
             "first_step": controller.history.first_step if controller else 0,

@@ -25,7 +25,7 @@ from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import RunSpec
 from elastic.core.topology import Topology
 
-def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_tp():
+def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_cp_then_tp():
     topology = Topology(shard=2, tp=3, max_groups=4)
     assert topology.ranks_per_group == 6 and topology.max_ranks == 24
     assert list(topology.global_ranks(2)) == list(range(12, 18))
@@ -33,19 +33,28 @@ def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_tp():
     rank = 2 * 6 + 1 * 3 + 2  # group 2, shard index 1, tp index 2
     assert topology.group_of(rank) == 2
     assert topology.group_rank(rank) == 5
-    assert topology.position_of(rank) == (0, 1, 2) and topology.shard_index(rank) == 1
+    assert topology.position_of(rank) == (0, 1, 2, 0) and topology.shard_index(rank) == 1
     assert [topology.counts_loss(r) for r in topology.global_ranks(0)] == [True, False, False, True, False, False]
     assert [topology.stream_of(r) for r in topology.global_ranks(0)] == ["0", "0", "0", "1", "1", "1"]
-    assert topology.record() == {"pp": 1, "shard": 2, "tp": 3, "max_groups": 4}
+    assert topology.record() == {"pp": 1, "shard": 2, "cp": 1, "tp": 3, "max_groups": 4}
 
     staged = Topology(shard=2, tp=2, max_groups=2, pp=3)
     assert staged.ranks_per_group == 12
     rank = 12 + 2 * 4 + 1 * 2 + 1  # group 1, stage 2, shard index 1, tp index 1
-    assert staged.position_of(rank) == (2, 1, 1) and staged.group_rank(rank) == 11
+    assert staged.position_of(rank) == (2, 1, 1, 0) and staged.group_rank(rank) == 11
     # the loss is the last stage's, once per shard position
     assert [r for r in staged.global_ranks(0) if staged.counts_loss(r)] == [8, 10]
     assert [staged.stream_of(r) for r in staged.global_ranks(0)][::2] == ["0", "1", "0.stage1", "1.stage1",
                                                                         "0.stage2", "1.stage2"]
+
+    # cp ranks between shard and tp: each its own tokens' loss, the stream its shard position's
+    split = Topology(shard=2, tp=2, max_groups=2, cp=2)
+    assert split.ranks_per_group == 8
+    rank = 8 + 1 * 4 + 1 * 2 + 0  # group 1, shard index 1, cp index 1, tp index 0
+    assert split.position_of(rank) == (0, 1, 0, 1) and split.group_rank(rank) == 6
+    assert [r for r in split.global_ranks(0) if split.counts_loss(r)] == [0, 2, 4, 6]
+    assert [r for r in split.global_ranks(0) if split.saves_stream(r)] == [0, 4]
+    assert [split.stream_of(r) for r in split.global_ranks(0)] == ["0"] * 4 + ["1"] * 4
 
 
 def live_membership(groups: int, shard: int = 2) -> Membership:

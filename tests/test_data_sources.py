@@ -394,11 +394,13 @@ def torch_linear():
     return torch.nn.Linear(2, 2)
 
 
-def test_a_masked_run_at_tp_two_starts_at_transformers_loss_of_each_document_alone(ray_cluster, tmp_path, tokenizer):
+def test_a_masked_run_at_cp_two_by_tp_two_starts_at_transformers_loss_of_each_document_alone(
+        ray_cluster, tmp_path, tokenizer):
     """The reference model from a tiny HuggingFace Llama, packed documents with masking, at
-    tp 2 with sequence parallelism (the mask crosses the TP plan's input layouts): the first
-    step's loss is the sum, over the batch's targets, of transformers' own losses of each
-    document's piece run alone."""
+    cp 2 x tp 2 with sequence parallelism (each cp rank's chunks of the documents, the mask
+    built from the positions gathered from both, crossing the TP plan's input layouts): the
+    first step's loss is the sum, over the batch's targets, of transformers' own losses of
+    each document's piece run alone."""
     import torch
     import transformers
 
@@ -413,7 +415,7 @@ def test_a_masked_run_at_tp_two_starts_at_transformers_loss_of_each_document_alo
     llama.save_pretrained(tmp_path / "llama")
     texts = [". ".join(DOCUMENTS[i : i + 1 + i % 9]) for i in range(0, 1200, 5)]
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": text} for text in texts])
-    config = tiny_config(tmp_path, tp=2, steps=1, model__init_from=str(tmp_path / "llama"),
+    config = tiny_config(tmp_path, tp=2, scaling__cp=2, steps=1, model__init_from=str(tmp_path / "llama"),
                          data__path=path, data__tokenizer=tokenizer, data__document_masking=True,
                          scaling__sequence_parallel=True)
     result = ElasticTrainer(config).fit()

@@ -21,6 +21,7 @@ from elastic.setup.config import ModelConfig
 from elastic.setup.memory_estimate import activation_bytes
 from workers.model import ModelArgs, Transformer
 from elastic.testing.gloo_ranks import gloo_ranks
+from elastic.testing.memory import SavedBytes, held_storages
 from workers.parallelize import Parallelize, tensor_parallelize_transformer, wrap_blocks
 
 ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8)
@@ -29,49 +30,6 @@ TP = 2
 
 def batch() -> torch.Tensor:
     return torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len + 1), generator=torch.Generator().manual_seed(5))
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """Where a tensor's (local) data lives and its bytes: a storage once however many ops save it."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    try:
-        storage = local.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except RuntimeError:  # a wrapper with no storage of its own (a collective's pending output)
-        return id(local), local.numel() * local.element_size()
-
-
-class SavedBytes:
-    """Bytes autograd saves for backward while inside (what a forward holds until backward),
-    each storage counted once, those in ``held`` (the parameters') not at all."""
-
-    def __init__(self, held: frozenset[int] = frozenset()):
-        self.held = held
-        self._storages: dict[int, int] = {}
-        # What each key was read from, alive until the count is done: a key taken from an
-        # object's id (a collective's pending output) is reused once that object is freed,
-        # and a later tensor would then not be counted.
-        self._keyed: list[torch.Tensor] = []
-
-    @property
-    def total(self) -> int:
-        return sum(self._storages.values())
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        self._keyed.append(local)
-        key, size = storage_key(local)
-        if key not in self.held:
-            self._storages[key] = size
-        return tensor
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 class MatmulsRun(TorchDispatchMode):
@@ -114,8 +72,7 @@ def tensor_parallel_activation_bytes(tp_mesh, sequence_parallel: bool) -> int:
     torch.manual_seed(0)
     model = Transformer(ARGS)
     tensor_parallelize_transformer(model, tp_mesh, sequence_parallel)
-    held = frozenset(storage_key(tensor)[0] for tensor in [*model.parameters(), *model.buffers()])
-    with SavedBytes(held) as saved:
+    with SavedBytes(held_storages(model)) as saved:
         model(batch()[:, :-1])
     return saved.total
 

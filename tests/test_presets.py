@@ -16,6 +16,7 @@ from elastic.setup.preset_tables import host_memory_table, memory_table, shapes_
 from elastic.setup.memory_estimate import activation_bytes, memory_per_rank, parameter_count
 from elastic.setup.preflight import build_config, load_config
 from elastic.setup.presets import PRESETS
+from elastic.testing.memory import SavedBytes, held_storages
 from workers.model import Transformer
 
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
@@ -106,22 +107,13 @@ def test_activation_estimate_counts_what_autograd_saves(dtype, qwen3):
         "data": {"seq_len": 16},
     })
     model = Transformer(model_args(config)).to(dtype)
-    held = {tensor.untyped_storage().data_ptr() for tensor in [*model.parameters(), *model.buffers()]}
-    saved = {}
-
-    def record(tensor):
-        storage = tensor.untyped_storage()
-        if tensor.is_floating_point() and storage.data_ptr() not in held:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     batch, seq = 3, 16
-    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+    with SavedBytes(held_storages(model), floating_only=True) as saved:
         model(torch.randint(0, 96, (batch, seq)))
     estimate = activation_bytes(
         config.model, tp=1, tokens=batch * seq, compute=dtype.itemsize, activation_checkpointing=False
     )
-    assert sum(saved.values()) == estimate
+    assert saved.total == estimate
 
 
 def test_zero_2_holds_every_blocks_gathered_weights_and_offload_holds_no_state_on_the_device():

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from workers.context_parallel import ContextShare, context_attention
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -104,15 +106,26 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Te
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate (batch, seq, heads, head_dim) pairs by the position's angle: ``freqs`` is the
-    table by position, or each token's own angles (batch, seq, ...) where positions restart
-    with each document."""
+    table by position, or each token's own angles (batch or 1, seq, ...) where positions
+    restart with each document or a rank holds chunks of the sequence."""
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     real, imag = pairs.unbind(-1)
     per_token = freqs.dim() == 4
     cos, sin = (freqs if per_token else freqs[: x.shape[1]]).view(
-        x.shape[0] if per_token else 1, x.shape[1], 1, -1, 2).unbind(-1)
+        freqs.shape[0] if per_token else 1, x.shape[1], 1, -1, 2).unbind(-1)
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_mask(positions: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, queries, seq): whether each of the tokens at ``queries`` (indices into the
+    sequence) may see each token of the sequence: an earlier one of its own document.
+    ``positions`` (batch, seq): each token's place in its document, so a token's index less
+    its position is where its document starts (negative for one begun before the row)."""
+    keys = torch.arange(positions.shape[1], device=positions.device)
+    starts = keys - positions
+    same_document = starts[:, queries, None] == starts[:, None, :]
+    return (same_document & (keys[None, None, :] <= queries[None, :, None]))[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -137,10 +150,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.context: ContextShare | None = None  # set by context parallelism: this rank's chunks
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``documents``: where packed documents may not attend to each other, the mask of
-        (batch, 1, seq, seq) that lets a token see only the earlier tokens of its document."""
+        (batch, 1, seq, keys) that lets a token see only the earlier tokens of its document."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -149,11 +163,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        if self.context is not None:  # the whole sequence's keys and values, from every rank's chunks
+            k, v = self.context.gather(k), self.context.gather(v)
         k = k.repeat_interleave(self.kv_repeats, dim=2)
         v = v.repeat_interleave(self.kv_repeats, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=documents, is_causal=documents is None
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.context is not None:
+            out = context_attention(q, k, v, self.context, documents)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents, is_causal=documents is None)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -478,6 +496,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs", self.rope(), persistent=False)
+        self.context: ContextShare | None = None  # set by context parallelism: this rank's chunks
         self.reset_parameters()
 
     def rope(self) -> torch.Tensor:
@@ -505,14 +524,24 @@ class Transformer(nn.Module):
         ``positions`` (batch, seq): each token's position in its document, 0 where one begins,
         for packed documents that must not see each other: each token then attends only to
         the earlier tokens of its document, rotated by its own position, as if its document
-        ran alone."""
+        ran alone.
+
+        Under context parallelism (``context``) the tokens, hidden states and positions are
+        this rank's chunks of each sequence (``workers.context_parallel``), rotated by where
+        they sit in it."""
         h = self.dropout(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
-        freqs, documents = self.freqs, None
+        context, freqs, documents = self.context, self.freqs, None
+        if context is not None and self.tok_embeddings is not None and tokens.shape[1] != context.seq_len // context.size:
+            raise ValueError(f"context parallelism gives each of {context.size} ranks {context.seq_len // context.size} "
+                             f"of a sequence's data.seq_len={context.seq_len} tokens; this rank got {tokens.shape[1]}")
+        queries = context.indices(self.freqs.device) if context is not None else None
         if positions is not None:
             freqs = self.freqs[positions]
-            document = torch.cumsum(positions == 0, dim=1)
-            causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
-            documents = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+            whole = context.gather_constant(positions) if context is not None else positions
+            documents = document_mask(whole, queries if context is not None else torch.arange(whole.shape[1],
+                                                                                               device=whole.device))
+        elif context is not None:
+            freqs = self.freqs[queries][None]
         for layer in self.layers.values():
             h = layer(h, freqs, documents)
         return self.output(self.norm(h)) if self.output is not None else h

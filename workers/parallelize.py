@@ -2,8 +2,10 @@
 that order (TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
 group's mesh.
 
-The mesh has dimensions ``("pp", "shard", "tp")``; a stage is parallelized over the last
-two. Tensor parallelism follows Megatron: q/k/v and the SwiGLU gate/up projections are split
+The mesh has dimensions ``("pp", "shard", "tp")``, or ``("pp", "shard", "cp", "tp")`` with
+context parallelism (each rank computing its chunks of every sequence: ``split_sequences``,
+first, so that it holds before anything wraps the blocks); a stage is parallelized over all
+but ``pp``. Tensor parallelism follows Megatron: q/k/v and the SwiGLU gate/up projections are split
 column-wise, the attention output and down projections row-wise. The embedding is split by
 vocabulary rows and the output projection by vocabulary columns with replicated logits, so
 every TP rank computes the same loss.
@@ -13,7 +15,7 @@ all-gathers its input and reduce-scatters its output, the same bytes as one all-
 and no TP rank holds the whole sequence's activations outside attention and the MLP.
 Without it, each block needs one all-reduce forward and one backward, and the residual
 stream is replicated. FSDP2 then shards each block and the root over the ``shard``
-dimension.
+dimension (``shard_cp``, flattened from ``shard`` and ``cp``, with context parallelism).
 
 Activation checkpointing is ``full`` (every block recomputed in backward) or ``selective``:
 per op (TorchTitan's policy: the outputs of attention and of every other matmul are saved,
@@ -53,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from workers.context_parallel import ContextShare
 from workers.model import GroupedExperts, MoE, Transformer
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -146,6 +149,20 @@ def expert_block_plan(moe: MoE, block_plan: dict, sequence_parallel: bool) -> di
     return plan
 
 
+def split_sequences(model: nn.Module, cp_mesh: DeviceMesh, causal_bias: bool = True) -> None:
+    """Context parallelism: the model computes this rank's chunks of each sequence, its
+    attention over every cp rank's keys and values (``workers.context_parallel``, which says
+    what ``causal_bias`` chooses)."""
+    if not isinstance(model, Transformer):
+        raise ValueError("scaling.cp > 1 needs the reference model, whose attention gathers the sequence's keys "
+                         f"and values; {type(model).__name__} does not: set scaling.cp = 1")
+    share = ContextShare(cp_mesh.size(), cp_mesh.get_local_rank(), model.args.max_seq_len, cp_mesh.get_group(),
+                         causal_bias)
+    model.context = share
+    for block in model.layers.values():
+        block.attention.context = share
+
+
 def compute_dtype(precision: Precision, mesh: DeviceMesh) -> torch.dtype:
     """``auto`` is bf16 on CUDA and fp32 on CPU, where the parity tests stay exact."""
     if precision == "auto":
@@ -231,7 +248,8 @@ def summed_not_averaged(module: FSDPModule) -> None:
 
 # Ops whose outputs the per-op policy saves: the matmuls (every other one, so that half of
 # them are recomputed), attention (costly to recompute, small to keep) and the collectives
-# TP and FSDP2 issue inside a block (recomputing one would repeat its communication).
+# TP, FSDP2 and context parallelism issue inside a block (recomputing one would repeat its
+# communication).
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -239,6 +257,7 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,  # context parallelism's keys and values
 }
 
 
@@ -311,6 +330,10 @@ class Parallelize:
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
             convert_to_float8(model, mesh.device_type)
+        names = mesh.mesh_dim_names
+        if "cp" in names:
+            per_op = self.activation_checkpointing == "selective" and self.selective == "op"
+            split_sequences(model, mesh["cp"], causal_bias=not (self.compile or per_op))
         if mesh["tp"].size() > 1:
             if self.tp_plan is not None:
                 self.tp_plan(model, mesh["tp"])
@@ -323,14 +346,15 @@ class Parallelize:
         if isinstance(model, Transformer):
             blocks = wrap_blocks(model, self.activation_checkpointing, self.compile, self.selective)
         dtype = compute_dtype(self.precision, mesh)
-        if mesh["shard"].size() * mesh["tp"].size() == 1:
+        shard_mesh = mesh["shard_cp"] if "cp" in names else mesh["shard"]
+        if shard_mesh.size() * mesh["tp"].size() == 1:
             # FSDP2 over one rank would only add copies, hooks and per-op DTensor dispatch.
             if dtype != torch.float32:
                 autocast_forward(model, mesh.device_type, dtype)
             return model
         policy = mixed_precision_policy(dtype)
         experts = split_experts(model, mesh, policy) if self.expert_parallel else set()
-        fully_shard_model(model, mesh["shard"], blocks, policy, ignored=experts,
+        fully_shard_model(model, shard_mesh, blocks, policy, ignored=experts,
                           reshard_after_forward=self.reshard_after_forward,
                           offload=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if self.offload else None)
         return model

@@ -37,10 +37,12 @@ class RankSpec:
     pp_index: int = 0  # its place along the group's pipeline
     pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
     ep: int = 1  # the shard ranks a mixture's experts are split over (elastic.core.topology)
+    cp: int = 1  # the ranks each sequence is split over (workers.context_parallel)
+    cp_index: int = 0
 
     @property
     def ranks_per_group(self) -> int:
-        return self.pipeline.pp * self.shard * self.tp
+        return self.pipeline.pp * self.shard * self.cp * self.tp
 
     @property
     def nccl(self) -> bool:
@@ -48,4 +50,4 @@ class RankSpec:
 
     @property
     def position(self) -> Position:
-        return Position(self.pp_index, self.shard_index, self.tp_index)
+        return Position(self.pp_index, self.shard_index, self.tp_index, self.cp_index)

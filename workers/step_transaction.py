@@ -56,7 +56,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
-from workers.model import ModelArgs, RoutedLayout, balance_experts, expert_layers, expert_load
+from workers.model import Attention, ModelArgs, RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (
@@ -118,10 +118,12 @@ class ActivityTracker:
         self.module_entries += 1
 
     def count_entries_of(self, model: torch.nn.Module) -> None:
-        """Count each entry into a module FSDP2 wraps. Prepended: counted before FSDP's
-        all-gather, so a rank blocked in compute lags the peers blocked in the next module's."""
+        """Count each entry into a module FSDP2 wraps, and into an attention that gathers the
+        sequence's keys and values from its cp peers. Prepended: counted before FSDP's
+        all-gather, so a rank blocked in compute lags the peers blocked in the next module's
+        gather, or in its attention's."""
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            if isinstance(module, FSDPModule) or (isinstance(module, Attention) and module.context is not None):
                 module.register_forward_pre_hook(self.count_module_entry, prepend=True)
 
     def chunk_started(self) -> None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.data.tokenizing import IGNORE_INDEX  # a label that takes no part in the loss, as HuggingFace marks it
+from workers.context_parallel import ContextShare
 from workers.model import MoE, add_micro_batch, expert_layers, set_row_shares
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -73,6 +74,13 @@ class Batch(NamedTuple):
         ``(batch,)``; for a ``batch_loss_fn``'s batch one share for every row."""
         weights = self.weights.reshape(self.weights.shape[0], -1).sum(-1) if self.weights.dim() else self.weights
         return weights / global_count
+
+    def context_share(self, share: ContextShare) -> Batch:
+        """This batch cut to a context-parallel rank's chunks of its sequences: its inputs,
+        targets, weights and positions; its count, the targets it holds."""
+        weights = share.split(self.weights)
+        positions = None if self.positions is None else share.split(self.positions)
+        return Batch(share.split(self.inputs), share.split(self.targets), weights, int(weights.sum().item()), positions)
 
     def to(self, device: torch.device) -> Batch:
         inputs = tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.inputs)
@@ -232,7 +240,7 @@ def evaluate_loss(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], g
 
 # A mesh dimension flattened from others (``workers.world.group_mesh``): a tensor sharded
 # along it is sharded along them, and one sharded along all of them is along it.
-FLATTENED = {"shard": ("expert_shard", "ep")}
+FLATTENED = {"shard": ("expert_shard", "ep"), "shard_cp": ("shard", "cp")}
 
 
 def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:

@@ -54,9 +54,11 @@ from workers.failures import describe_failure, failure_report, raised_in_collect
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire
 from workers.keyed_store import KeyedStore
+from workers.context_parallel import ContextShare
 from workers.pipeline import pipeline_micro_batches, stage_model
 from workers.rank_spec import RankSpec
 from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, StepTransaction
+from workers.train_step import Batch
 from workers.world import World
 
 CPU = torch.device("cpu")
@@ -230,8 +232,16 @@ class RankWorker:
 
     def _prefetch(self, share: RankShare) -> Future:
         """Read the step's samples on the loader thread while the current step computes."""
-        return self.loader.submit(lambda: [self.hooks.micro_batch(mb, CPU, epoch=share.epoch)
+        return self.loader.submit(lambda: [self._own_part(self.hooks.micro_batch(mb, CPU, epoch=share.epoch))
                                            for mb in share.micro_batches])
+
+    def _own_part(self, batch: Batch) -> Batch:
+        """What this rank computes of ``batch``: under context parallelism, its chunks of the
+        sequences (the cp ranks of a shard position read the same rows)."""
+        spec = self.spec
+        if spec.cp == 1:
+            return batch
+        return batch.context_share(ContextShare(spec.cp, spec.cp_index, batch.targets.shape[1]))
 
     def _held_records(self, loop: RankRunLoop) -> Iterator[GroupRecords]:
         held = loop.held()
@@ -261,7 +271,7 @@ class RankWorker:
         self.signals.begin(request.attempt)
         try:
             self.activity.set(request.step, Phase.DATA)
-            batches = [self.hooks.micro_batch(mb, self.device, held_out=True)
+            batches = [self._own_part(self.hooks.micro_batch(mb, self.device, held_out=True))
                        for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
             data_s = time.perf_counter() - started
             share, counted, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)

@@ -1,7 +1,7 @@
 """A rank's process groups: its replica group's world, and the replicate group across groups.
 
 Each replica group is its own torch.distributed world (the default process group, with the
-group's 3-D ``(pp, shard, tp)`` mesh on it), rendezvousing on the driver's store under the
+group's ``(pp, shard, tp)`` mesh on it: ``group_mesh``), rendezvousing on the driver's store under the
 prefix of its build number (one per build of any group's world), with two CPU groups beside it: one for the checkpoint upload thread, one
 for the step's control traffic (the abort agreement and the vote), so neither interleaves
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
@@ -101,11 +101,19 @@ class World:
 
 
 def group_mesh(device_type: str, rank: RankSpec) -> DeviceMesh:
-    """The group's mesh: ``(pp, shard, tp)``; with experts split over fewer ranks than the
+    """The group's mesh: ``(pp, shard, tp)``; with context parallelism, ``(pp, shard, cp, tp)``
+    with ``shard_cp`` flattened from the middle two, over which FSDP2 shards (TorchTitan's
+    ``dp_shard_cp``: the cp ranks hold different tokens, so their gradients add up like the
+    shard ranks'); with experts split over fewer ranks than the
     shard dimension (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard``
     flattened from the middle two: the experts split over ``ep`` and sharded by FSDP2 over
     ``expert_shard``, the rest of the model over ``shard``: a shard rank's block is
     ``shard_index // ep``, its place in it ``shard_index % ep`` (``elastic.core.topology``)."""
+    if rank.cp > 1:
+        mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.cp, rank.tp),
+                                mesh_dim_names=("pp", "shard", "cp", "tp"))
+        mesh["shard", "cp"]._flatten("shard_cp")
+        return mesh
     if not 1 < rank.ep < rank.shard:
         return init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
                                 mesh_dim_names=("pp", "shard", "tp"))

@@ -1,9 +1,12 @@
-"""The layout of a run: replica groups of ``pp x shard x tp`` ranks, numbered globally.
+"""The layout of a run: replica groups of ``pp x shard x cp x tp`` ranks, numbered globally.
 
-The one owner of the rank <-> (group, pipeline index, shard index, tp index) formulas: a
-group's ranks are consecutive, and inside a group the tp index varies fastest, then the shard
-index, then the pipeline stage, so a group rank doubles as the rank's bundle index in its
-group's placement group (TP neighbours packed together) and as its rank in the group's world.
+The one owner of the rank <-> (group, pipeline index, shard index, cp index, tp index)
+formulas: a group's ranks are consecutive, and inside a group the tp index varies fastest,
+then the cp index, then the shard index, then the pipeline stage, so a group rank doubles as
+the rank's bundle index in its group's placement group (TP neighbours packed together, then
+context-parallel ones) and as its rank in the group's world. The ``cp`` ranks of a shard
+position take the same rows, each its own chunks of every sequence
+(``workers.context_parallel``).
 With expert parallelism the shard ranks are ``shard / ep`` blocks of ``ep`` consecutive ones:
 a block splits the experts among its ranks, and the blocks shard each rank's experts
 (``workers.world.group_mesh`` lays the group's mesh out so).
@@ -28,11 +31,13 @@ class Position(NamedTuple):
     pp: int
     shard: int
     tp: int
+    cp: int = 0
 
 
 def counts_loss(position: Position, pp: int) -> bool:
     """Whether the loss share of the rank at ``position`` (of ``pp`` stages) counts: the last
-    stage computes the loss, and its tp ranks share one, counted by the first."""
+    stage computes the loss, and its tp ranks share one, counted by the first (its cp ranks
+    each compute their own tokens' part)."""
     return position.pp == pp - 1 and position.tp == 0
 
 
@@ -43,10 +48,11 @@ class Topology:
     max_groups: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def ranks_per_group(self) -> int:
-        return self.pp * self.shard * self.tp
+        return self.pp * self.shard * self.cp * self.tp
 
     @property
     def max_ranks(self) -> int:
@@ -66,8 +72,9 @@ class Topology:
         return global_rank % self.ranks_per_group
 
     def position_of(self, global_rank: int) -> Position:
-        stage_and_shard, tp_index = divmod(self.group_rank(global_rank), self.tp)
-        return Position(*divmod(stage_and_shard, self.shard), tp_index)
+        stage_shard_cp, tp_index = divmod(self.group_rank(global_rank), self.tp)
+        stage_and_shard, cp_index = divmod(stage_shard_cp, self.cp)
+        return Position(*divmod(stage_and_shard, self.shard), tp_index, cp_index)
 
     def shard_index(self, global_rank: int) -> int:
         return self.position_of(global_rank).shard
@@ -77,11 +84,16 @@ class Topology:
 
     def stream_of(self, global_rank: int) -> str:
         """The name of the random stream the rank draws from, as a checkpoint keeps it: one per
-        shard position and stage, shared by its tp ranks (the first saves it). The first
+        shard position and stage, shared by its tp and cp ranks (the first saves it). The first
         stage's is named by the shard index alone, as before there were stages."""
         position = self.position_of(global_rank)
         return str(position.shard) if position.pp == 0 else f"{position.shard}.stage{position.pp}"
 
+    def saves_stream(self, global_rank: int) -> bool:
+        """Whether the rank saves its random stream (``stream_of``) in a checkpoint."""
+        position = self.position_of(global_rank)
+        return position.tp == 0 and position.cp == 0
+
     def record(self) -> dict[str, int]:
         """What a checkpoint manifest says of the layout that wrote it."""
-        return {"pp": self.pp, "shard": self.shard, "tp": self.tp, "max_groups": self.max_groups}
+        return {"pp": self.pp, "shard": self.shard, "cp": self.cp, "tp": self.tp, "max_groups": self.max_groups}

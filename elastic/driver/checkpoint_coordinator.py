@@ -210,7 +210,7 @@ class CheckpointCoordinator:
                     self.topology.stream_of(result.global_rank): {
                         name: base64.b64encode(state).decode() for name, state in result.rng.items()
                     }
-                    for result in results if result.rng and self.topology.position_of(result.global_rank).tp == 0
+                    for result in results if result.rng and self.topology.saves_stream(result.global_rank)
                 },
             )
         except Exception as error:  # storage unreachable: not committed, the next save retries

@@ -194,7 +194,7 @@ class GroupKeeper:
                 raise TrainingStopped(
                     f"below the minimum of {self.scaling.min_groups} live replica group(s) "
                     f"({live} live) for {waited:.0f}s; groups waiting: {self.membership.waiting_groups()} "
-                    "('placing' means the cluster cannot place a group's pp x shard x tp ranks); "
+                    "('placing' means the cluster cannot place a group's pp x shard x cp x tp ranks); "
                     "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
             self.sleep(JOIN_POLL_S)

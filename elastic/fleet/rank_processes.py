@@ -44,6 +44,8 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         shard=topology.shard,
         tp=topology.tp,
         ep=topology.ep,
+        cp=topology.cp,
+        cp_index=position.cp,
         seed=config.seed,
         use_gpu=config.scaling.uses_gpu,
         gpu_collectives=config.scaling.gpu_collectives,

@@ -8,6 +8,11 @@ from elastic.setup.config import TrainConfig
 from elastic.setup.errors import ConfigError
 
 
+def spelled_product(factors: dict[str, int]) -> str:
+    """``pp x shard x tp = 2 x 2 x 2``: named factors, then their values."""
+    return f"{' x '.join(factors)} = {' x '.join(map(str, factors.values()))}"
+
+
 def on_cluster(config: TrainConfig, cluster_resources: dict[str, float]) -> TrainConfig:
     """The config with its device resolved against the cluster it runs on."""
     scaling = config.scaling.on_cluster(cluster_resources.get("GPU", 0.0))
@@ -22,8 +27,9 @@ def groups_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, flo
         available = cluster_resources.get(resource, 0.0)
         fit = int(available / (per_rank * scaling.ranks_per_group) + 1e-9)
         if fit < scaling.max_groups:
-            return (f"scaling.max_groups = {scaling.max_groups} groups of pp x shard x tp = {scaling.pp} x "
-                    f"{scaling.shard} x {scaling.tp} = {scaling.ranks_per_group} ranks, but the cluster has room for "
+            group = spelled_product(scaling.group_dimensions())
+            return (f"scaling.max_groups = {scaling.max_groups} groups of {group} = {scaling.ranks_per_group} ranks, "
+                    f"but the cluster has room for "
                     f"{fit} ({available:g} {resource} at {resource.lower()}s_per_rank={per_rank:g}): "
                     f"the other {scaling.max_groups - fit} wait for capacity, started only if the cluster grows; "
                     f"--groups {max(fit, scaling.min_groups)} trains on what is here")
@@ -64,8 +70,8 @@ def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> 
         needed = needed_ranks * per_rank
         if needed > available + 1e-9:
             raise ConfigError(
-                f"scaling: min_groups x pp x shard x tp = {scaling.min_groups} x {scaling.pp} x {scaling.shard} x "
-                f"{scaling.tp} = {needed_ranks} ranks need {needed:g} {resource} at "
+                f"scaling: {spelled_product({'min_groups': scaling.min_groups, **scaling.group_dimensions()})} "
+                f"= {needed_ranks} ranks need {needed:g} {resource} at "
                 f"{resource.lower()}s_per_rank={per_rank:g}, but the cluster has {available:g}; "
                 f"lower the layout or {resource.lower()}s_per_rank, or add nodes"
             )

@@ -73,7 +73,7 @@ class ScalingConfig(Section):
     # What carries the collectives on GPU tensors. NCCL refuses two ranks on one GPU; gloo
     # lets several ranks share one (gpus_per_rank < 1), slowly: for checks on a one-GPU machine.
     gpu_collectives: Literal["nccl", "gloo"] = "nccl"
-    # Pipeline stages: a group is pp x shard x tp ranks, each holding pp_stages_per_rank
+    # Pipeline stages: a group is pp x shard x cp x tp ranks, each holding pp_stages_per_rank
     # stages of the model (1 for GPipe and 1F1B, None: 2 for the interleaved schedules).
     pp: PositiveInt = Field(1, le=1024)
     pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"
@@ -94,6 +94,11 @@ class ScalingConfig(Section):
     # always, but never in a pipeline stage, whose micro-batches would gather each block
     # again and again (TorchTitan's policy). The math is the same either way.
     reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # Context parallelism: each sequence split over this many ranks of the group, each holding
+    # two chunks of it (one early, one late: the same attention work on every rank), attention
+    # over the keys and values gathered from all of them; FSDP2 shards over shard x cp. For
+    # sequences whose activations do not fit one rank (workers.context_parallel).
+    cp: PositiveInt = Field(1, le=1024)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -152,7 +157,16 @@ class ScalingConfig(Section):
 
     @property
     def ranks_per_group(self) -> int:
-        return self.pp * self.shard * self.tp
+        return self.pp * self.shard * self.cp * self.tp
+
+    def group_dimensions(self) -> dict[str, int]:
+        """A group's dimensions by name, whose product is its ranks (cp where it splits sequences)."""
+        return {"pp": self.pp, "shard": self.shard, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards a group's parameters over (1: none, the model unwrapped)."""
+        return self.shard * self.cp * self.tp
 
 
 class RopeScaling(Section):
@@ -586,7 +600,24 @@ class TrainConfig(Section):
             self._check_pipeline()
         if self.compute.offload:
             self._check_offload()
+        if self.scaling.cp > 1:
+            self._check_context_parallel()
         return self
+
+    def _check_context_parallel(self) -> None:
+        scaling, model, seq_len = self.scaling, self.model, self.data.seq_len
+        cp = scaling.cp
+        problems = [  # in order: the first that holds is refused
+            (seq_len % (2 * cp), f"data.seq_len={seq_len}: each rank holds two equal chunks of a sequence; give a "
+                                 f"seq_len divisible by 2 x cp = {2 * cp}"),
+            (model.dropout, f"model.dropout={model.dropout:g}: the cp ranks of a position share a random stream, "
+                            "so their chunks would draw the same masks; set model.dropout = 0"),
+            (model.experts, f"model.experts={model.experts}: a mixture's balance counts each sequence's tokens "
+                            "whole, which no cp rank holds; set scaling.cp = 1 or model.experts = 0"),
+        ]
+        problem = next((text for broken, text in problems if broken), None)
+        if problem:
+            raise ValueError(f"scaling.cp={cp} with {problem}")
 
     def _check_expert_parallel(self) -> None:
         scaling, model = self.scaling, self.model
@@ -605,7 +636,7 @@ class TrainConfig(Section):
 
     def _check_offload(self) -> None:
         scaling = self.scaling
-        if scaling.shard * scaling.tp == 1:
+        if scaling.fsdp_ranks == 1:
             raise ValueError("compute.offload needs FSDP2, which a group of one rank (shard = tp = 1) does not use; "
                              "raise scaling.shard or unset compute.offload")
         if scaling.ep > 1:
@@ -645,7 +676,7 @@ class TrainConfig(Section):
     def _sequence_parallel_obstacles(self) -> list[str]:
         """Why sequence parallelism would not compute what one process does, each as the
         refusal of an explicit ``scaling.sequence_parallel = true``."""
-        tp, dropout, seq_len = self.scaling.tp, self.model.dropout, self.data.seq_len
+        tp, cp, dropout, seq_len = self.scaling.tp, self.scaling.cp, self.model.dropout, self.data.seq_len
         obstacles = []
         if dropout:
             obstacles.append(
@@ -653,10 +684,12 @@ class TrainConfig(Section):
                 "dropout masks for its own share of the sequence; set model.dropout = 0 or "
                 "scaling.sequence_parallel = false"
             )
-        if seq_len % tp:
+        if seq_len // cp % tp:
+            # under context parallelism, a rank's share of each sequence is what TP splits
+            share = f"data.seq_len={seq_len}" if cp == 1 else f"a cp rank's share of data.seq_len={seq_len} ({seq_len // cp})"
             obstacles.append(
-                f"scaling.sequence_parallel needs data.seq_len={seq_len} divisible by scaling.tp={tp}; "
-                f"change seq_len to a multiple of {tp} or set scaling.sequence_parallel = false"
+                f"scaling.sequence_parallel needs {share} divisible by scaling.tp={tp}; "
+                f"change seq_len to a multiple of {tp * cp} or set scaling.sequence_parallel = false"
             )
         return obstacles
 

@@ -167,6 +167,9 @@ def check_batch_loss(config: TrainConfig, hooks: TrainHooks) -> None:
     if config.scaling.pp > 1:
         raise ConfigError(f"scaling.pp = {config.scaling.pp}: a batch_loss_fn trains without pipeline stages (their "
                           "schedule computes the next-token form); set scaling.pp = 1")
+    if config.scaling.cp > 1:
+        raise ConfigError(f"scaling.cp = {config.scaling.cp}: a batch_loss_fn's batches are its own, which context "
+                          "parallelism cannot cut into chunks of sequences; set scaling.cp = 1")
     batch = hooks.micro_batch([0], torch.device("meta"))
     with torch.device("meta"):
         model = hooks.model_fn()

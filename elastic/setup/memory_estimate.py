@@ -115,15 +115,22 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_
 
 def activation_bytes(
     model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool,
-    sequence_parallel: bool = False, layers: int | None = None,
+    sequence_parallel: bool = False, layers: int | None = None, gathered_tokens: int = 0,
 ) -> float:
     """What one micro-batch's forward saves for backward, logits and loss aside, over
     ``layers`` blocks (all of the model's by default). ``sequence_parallel``: the residual
-    stream between TP regions is split over the TP ranks (``scaling.sequence_parallel``)."""
+    stream between TP regions is split over the TP ranks (``scaling.sequence_parallel``).
+    ``gathered_tokens``: under context parallelism, the other cp ranks' tokens whose keys and
+    values each block gathers and keeps for attention's backward (repeated to every head);
+    the attention's output is then kept twice, by SDPA chunk by chunk and by the output
+    projection whole (the chunks concatenated)."""
     layers = model.n_layers if layers is None else layers
     stream = tp if sequence_parallel else 1  # the residual stream's split
     outside_blocks = _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
     layer = _layer_activation_bytes(model, tp, compute, sequence_parallel)
+    if gathered_tokens:
+        heads_width = model.n_heads * _head_dim(model) / tp
+        layer += (gathered_tokens / tokens * 2 + 1) * compute * heads_width
     if model.dropout:
         # A one-byte mask per element (CUDA's fused dropout): the embedding's, and each
         # block's two residual branches'.
@@ -149,8 +156,12 @@ def memory_per_rank(
     ep: int = 1,
     reshard_after_forward: bool = True,
     offload: bool = False,
+    cp: int = 1,
 ) -> dict[str, float]:
     """GiB one rank holds at the peak of a training step, by what holds it, and the total.
+    With context parallelism (``cp`` > 1) a rank computes ``1 / cp`` of each sequence's tokens
+    and holds the keys and values of the rest in every block, and FSDP2 shards over
+    ``shard x cp``.
     ``reshard_after_forward`` False (ZeRO-2) holds every block's gathered parameters from its
     forward to its backward; ``offload`` keeps the parameters, gradients and optimizer state
     in host memory (``host_memory_per_rank`` does not count them), none on the device.
@@ -164,10 +175,10 @@ def memory_per_rank(
     last the logits, counted here as if one rank held both (high again).
     """
     compute = COMPUTE_BYTES[precision]
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp
     layers = _stage_layers(model, pp)
     block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
-    shard_parameters = (root + layers * block) / shard
+    shard_parameters = (root + layers * block) / (shard * cp)
     # FSDP2 gathers a layer's experts that a rank computes: every expert at ep 1, the rank's
     # own 1 / ep of them below ep = shard, none at ep = shard (each rank holds its own whole)
     gathered_experts = 0.0 if ep == shard > 1 else 1 / ep
@@ -189,7 +200,7 @@ def memory_per_rank(
                       + (compute + FP32_BYTES) * gathered_block),
         "activations": pp * activation_bytes(
             model, tp=tp, tokens=tokens, compute=compute, activation_checkpointing=activation_checkpointing,
-            sequence_parallel=sequence_parallel, layers=layers,
+            sequence_parallel=sequence_parallel, layers=layers, gathered_tokens=micro_batch * seq_len - tokens,
         ),
         # Logits are replicated across TP ranks. Cross-entropy saves them as fp32
         # log-probabilities (the compute-dtype logits are freed once the loss is computed),
@@ -201,16 +212,16 @@ def memory_per_rank(
     return memory
 
 
-def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int, pp: int = 1) -> dict[str, float]:
+def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int, pp: int = 1, cp: int = 1) -> dict[str, float]:
     """GiB of host memory one rank holds for its committed state's copies, by what holds it.
 
     The committed state is the fp32 parameters and AdamW's two fp32 moments of the rank's
-    shard (the generators add bytes). The memory tier keeps two copies of it (the newest two
+    shard, of ``shard x cp`` (the generators add bytes). The memory tier keeps two copies of it (the newest two
     snapshots) and two of the state of the rank it is buddy to (the same size at every
     position of a layout); a checkpoint's staging arena holds one more.
     """
     parameters = _root_parameters(model, tp, pp) + _stage_layers(model, pp) * _block_parameters(model, tp)
-    state = 3 * FP32_BYTES * parameters / shard
+    state = 3 * FP32_BYTES * parameters / (shard * cp)
     memory = {"state": state / GIB, "memory_tier": 4 * state / GIB, "staging": state / GIB}
     memory["total"] = memory["memory_tier"] + memory["staging"]
     return memory

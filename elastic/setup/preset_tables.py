@@ -23,11 +23,12 @@ class Layout:
     sequence_parallel: bool | None = None  # None: the config's default (on where tp > 1 allows it)
     pp: int = 1
     ep: int = 1  # the experts split over blocks of this many shard ranks
+    cp: int = 1  # each sequence split over this many ranks
 
     @property
     def dimensions(self) -> str:
         shard = f"{self.shard} (ep {self.ep})" if self.ep > 1 else f"{self.shard}"
-        return f"{self.pp} × {shard} × {self.tp}"
+        return f"{self.pp} × {shard} × {self.cp} × {self.tp}"
 
 
 DOC_LAYOUTS = [
@@ -44,6 +45,12 @@ DOC_LAYOUTS = [
     Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1),
     Layout("llama3-70b", shard=16, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
     Layout("llama3-70b", shard=4, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=4),
+    # long contexts: Llama 3's 128 k tokens, each sequence split over cp ranks
+    Layout("llama3-8b", shard=1, tp=1, seq_len=131072, micro_batch=1, cp=8),
+    Layout("llama3-8b", shard=1, tp=1, seq_len=131072, micro_batch=1, activation_checkpointing="full", cp=8),
+    Layout("llama3-8b", shard=1, tp=2, seq_len=131072, micro_batch=1, activation_checkpointing="full", cp=16),
+    Layout("llama3-70b", shard=1, tp=8, seq_len=131072, micro_batch=1, activation_checkpointing="full", cp=8),
+    Layout("llama3-70b", shard=1, tp=8, seq_len=131072, micro_batch=1, activation_checkpointing="full", cp=16),
     Layout("llama3-405b", shard=32, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
     Layout("llama3-405b", shard=64, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full"),
     Layout("llama3-405b", shard=8, tp=8, seq_len=8192, micro_batch=1, activation_checkpointing="full", pp=8),
@@ -89,7 +96,7 @@ def shapes_table() -> str:
 def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
     """One row per layout, each first validated as a full config (so tp divides the shapes)."""
     lines = [
-        "| preset | pp × shard (ep) × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
+        "| preset | pp × shard (ep) × cp × tp | seq_len × micro_batch | activation checkpointing | sequence parallel "
         "| params + grads + AdamW | FSDP2 unsharded | activations | logits | total | fits an H100 80 GB |",
         "|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
@@ -99,7 +106,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             # as many micro-batches per rank as stages: the fewest a pipeline takes
             "global_batch": layout.micro_batch * layout.shard * layout.pp,
             "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp, "pp": layout.pp,
-                        "ep": layout.ep,
+                        "ep": layout.ep, "cp": layout.cp,
                         **({} if layout.sequence_parallel is None else {"sequence_parallel": layout.sequence_parallel})},
             "model": {"preset": layout.preset},
             "data": {"seq_len": layout.seq_len},
@@ -110,7 +117,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
             sequence_parallel=config.sequence_parallel, pp=config.scaling.pp, ep=config.scaling.ep,
-            reshard_after_forward=config.scaling.reshards_after_forward,
+            reshard_after_forward=config.scaling.reshards_after_forward, cp=config.scaling.cp,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
@@ -125,20 +132,21 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
 
 
 def host_memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
-    """Host memory per rank for each distinct (preset, pp, shard, tp) of the layouts."""
+    """Host memory per rank for each distinct (preset, pp, shard, cp, tp) of the layouts."""
     lines = [
-        "| preset | pp × shard × tp | committed state | memory tier (4 copies) | checkpoint staging | total host |",
+        "| preset | pp × shard × cp × tp | committed state | memory tier (4 copies) | checkpoint staging | total host |",
         "|---|--:|--:|--:|--:|--:|",
     ]
     seen = set()
     for layout in layouts:
-        if (layout.preset, layout.pp, layout.shard, layout.tp) in seen:
+        key = (layout.preset, layout.pp, layout.shard, layout.cp, layout.tp)
+        if key in seen:
             continue
-        seen.add((layout.preset, layout.pp, layout.shard, layout.tp))
+        seen.add(key)
         memory = host_memory_per_rank(ModelConfig(preset=layout.preset), shard=layout.shard, tp=layout.tp,
-                                      pp=layout.pp)
+                                      pp=layout.pp, cp=layout.cp)
         lines.append(
-            f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.tp} | {memory['state']:.2f} "
+            f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.cp} × {layout.tp} | {memory['state']:.2f} "
             f"| {memory['memory_tier']:.2f} "
             f"| {memory['staging']:.2f} | {memory['total']:.2f} |"
         )
