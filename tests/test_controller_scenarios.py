@@ -378,11 +378,11 @@ def test_both_copies_of_a_shard_lost_with_the_memory_tier_off_rerun_from_step_0_
 
 def test_a_flipped_bit_is_found_at_the_next_check_and_the_odd_group_heals_from_the_majority(tmp_path):
     scenario = Scenario(tmp_path, groups=3, shard=2, steps=15, config={"integrity__every": 5})
-    scenario.fleet.faults = {7: [Flip(rank=3)]}  # group 1, position (0, 1, 0)
+    scenario.fleet.faults = {7: [Flip(rank=3)]}  # group 1, position (0, 1, 0, 0)
     assert scenario.run() == "completed"
 
     [found] = scenario.kinds(EventKind.INTEGRITY_MISMATCH)
-    assert (found["step"], found["position"], found["suspects"], found["majority"]) == (10, [0, 1, 0], [1], [0, 2])
+    assert (found["step"], found["position"], found["suspects"], found["majority"]) == (10, [0, 1, 0, 0], [1], [0, 2])
     [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
     assert (discarded["step"], discarded["cause"], discarded["broken_groups"]) == (10, "integrity-mismatch", [1])
     # every rank is healthy: none is evicted or restarted; group 1 rebuilds and heals from group 0

@@ -59,7 +59,7 @@ def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     assert summary["steps_discarded"] == len([e for e in summary["events"] if e["kind"] == EventKind.STEP_DISCARDED])
     assert [e for e in summary["events"] if e["kind"] == EventKind.GROUP_HEALED]
     shards = result.final_state
-    final_params = [torch.cat([shards[(0, 0, 0)][i], shards[(0, 1, 0)][i]]) for i in range(len(reference_params))]
+    final_params = [torch.cat([shards[(0, 0, 0, 0)][i], shards[(0, 1, 0, 0)][i]]) for i in range(len(reference_params))]
     # Summing the same gradients in another order (as groups do) moves fp32 parameters by a
     # few ulps a step, and AdamW carries that through 60 steps. The bound is that measured
     # drift between two fault-free orders (~9e-7 here), with room for faults reordering sums;
