@@ -227,7 +227,7 @@ def test_faults_in_either_stage_commit_the_single_process_losses_and_read_nothin
     failed = sorted((event["step"], event["rank"], event["cause"]) for event in events_of(summary, "rank-failed"))
     assert failed == [(3, 0, "death"), (6, 3, "hang"), (12, 1, "death"), (12, 3, "death")]
     [found] = events_of(summary, "integrity-mismatch")
-    assert (found["step"], found["position"], found["suspects"]) == (8, [1, 0, 0], [0, 1])
+    assert (found["step"], found["position"], found["suspects"]) == (8, [1, 0, 0, 0], [0, 1])
     # the double kill left no live copy of stage 1: the memory tier's newest (its snapshot
     # of step 12 may still be on its way to the buddy, then step 10's) restores it
     killed_at = max(event["t"] for event in events_of(summary, "rank-failed"))

@@ -20,6 +20,7 @@ decides.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -64,14 +65,18 @@ def choose_buddies(topology: Topology, groups: Iterable[int], node_of: Mapping[i
         others = groups[index + 1:] + groups[:index]
         for rank in topology.global_ranks(group):
             offset = topology.group_rank(rank)
-            candidates = [other * per_group + (offset + shift) % per_group
-                          for other in others for shift in (*range(1, per_group), 0)]
-            candidates += [group * per_group + (offset + shift) % per_group for shift in range(1, per_group)]
-            if not candidates:
+            # Walked lazily, up to the first on another node: listing every candidate for
+            # every rank took time in the square of the ranks (minutes at 16 k ranks).
+            candidates = itertools.chain(
+                (other * per_group + (offset + shift) % per_group for other in others
+                 for shift in (*range(1, per_group), 0)),
+                (group * per_group + (offset + shift) % per_group for shift in range(1, per_group)))
+            first = next(candidates, None)
+            if first is None:
                 continue
-            apart = [candidate for candidate in candidates
-                     if node_of.get(candidate) is not None and node_of.get(candidate) != node_of.get(rank)]
-            buddies[rank] = (apart or candidates)[0]
+            home = node_of.get(rank)
+            buddies[rank] = next((candidate for candidate in itertools.chain((first,), candidates)
+                                  if node_of.get(candidate) is not None and node_of.get(candidate) != home), first)
     return buddies
 
 
