@@ -517,6 +517,20 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
+    def _rotations_and_mask(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The RoPE angles of the tokens (the table, or each token's own) and, for packed
+        documents, the mask of what each token may see."""
+        context = self.context
+        if context is None:
+            if positions is None:
+                return self.freqs, None
+            return self.freqs[positions], document_mask(positions, torch.arange(positions.shape[1],
+                                                                                device=positions.device))
+        queries = context.indices(self.freqs.device)  # where this rank's tokens sit in the sequence
+        if positions is None:
+            return self.freqs[queries][None], None
+        return self.freqs[positions], document_mask(context.gather_constant(positions), queries)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens``. A pipeline stage without the embedding takes the previous
         stage's hidden states instead, and one without the output head returns its own.
@@ -530,18 +544,11 @@ class Transformer(nn.Module):
         this rank's chunks of each sequence (``workers.context_parallel``), rotated by where
         they sit in it."""
         h = self.dropout(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
-        context, freqs, documents = self.context, self.freqs, None
-        if context is not None and self.tok_embeddings is not None and tokens.shape[1] != context.seq_len // context.size:
-            raise ValueError(f"context parallelism gives each of {context.size} ranks {context.seq_len // context.size} "
-                             f"of a sequence's data.seq_len={context.seq_len} tokens; this rank got {tokens.shape[1]}")
-        queries = context.indices(self.freqs.device) if context is not None else None
-        if positions is not None:
-            freqs = self.freqs[positions]
-            whole = context.gather_constant(positions) if context is not None else positions
-            documents = document_mask(whole, queries if context is not None else torch.arange(whole.shape[1],
-                                                                                               device=whole.device))
-        elif context is not None:
-            freqs = self.freqs[queries][None]
+        context = self.context
+        if context is not None and self.tok_embeddings is not None and tokens.shape[1] != context.chunk_len * 2:
+            raise ValueError(f"context parallelism gives each of {context.size} ranks {context.chunk_len * 2} of a "
+                             f"sequence's data.seq_len={context.seq_len} tokens; this rank got {tokens.shape[1]}")
+        freqs, documents = self._rotations_and_mask(positions)
         for layer in self.layers.values():
             h = layer(h, freqs, documents)
         return self.output(self.norm(h)) if self.output is not None else h
