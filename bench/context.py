@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from elastic.setup.config import ModelConfig  # noqa: E402
 from elastic.setup.memory_estimate import activation_bytes  # noqa: E402
@@ -40,15 +39,12 @@ from elastic.testing.memory import SavedBytes, held_storages  # noqa: E402
 from workers.context_parallel import ContextShare  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
 from workers.parallelize import Parallelize, split_sequences  # noqa: E402
+from workers.world import group_mesh  # noqa: E402
 
 
 def rank(rank_index: int, args: argparse.Namespace, cp: int) -> tuple[float, int, int]:
     """(median step seconds, activation bytes saved by one forward, of which CPU biases)."""
-    if cp == 1:
-        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "shard", "tp"))
-    else:
-        mesh = init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=("pp", "shard", "cp", "tp"))
-        mesh["shard", "cp"]._flatten("shard_cp")
+    mesh = group_mesh("cpu", pp=1, shard=1, tp=1, cp=cp)
     shape = ModelArgs(vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=8,
                       ffn_hidden=4 * args.dim, max_seq_len=args.seq)
     tokens = torch.randint(0, 4096, (1, args.seq + 1), generator=torch.Generator().manual_seed(1))

@@ -65,7 +65,7 @@ class World:
             timeout=self.timeout,
         )
         device_type = "cuda" if rank.use_gpu else "cpu"
-        self.mesh = group_mesh(device_type, rank)
+        self.mesh = group_mesh(device_type, rank.pipeline.pp, rank.shard, rank.tp, rank.ep, rank.cp)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.ranks_per_group > 1 else None
         return self.mesh
@@ -100,7 +100,7 @@ class World:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
 
 
-def group_mesh(device_type: str, rank: RankSpec) -> DeviceMesh:
+def group_mesh(device_type: str, pp: int, shard: int, tp: int, ep: int = 1, cp: int = 1) -> DeviceMesh:
     """The group's mesh: ``(pp, shard, tp)``; with context parallelism, ``(pp, shard, cp, tp)``
     with ``shard_cp`` flattened from the middle two, over which FSDP2 shards (TorchTitan's
     ``dp_shard_cp``: the cp ranks hold different tokens, so their gradients add up like the
@@ -109,15 +109,12 @@ def group_mesh(device_type: str, rank: RankSpec) -> DeviceMesh:
     flattened from the middle two: the experts split over ``ep`` and sharded by FSDP2 over
     ``expert_shard``, the rest of the model over ``shard``: a shard rank's block is
     ``shard_index // ep``, its place in it ``shard_index % ep`` (``elastic.core.topology``)."""
-    if rank.cp > 1:
-        mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.cp, rank.tp),
-                                mesh_dim_names=("pp", "shard", "cp", "tp"))
+    if cp > 1:
+        mesh = init_device_mesh(device_type, (pp, shard, cp, tp), mesh_dim_names=("pp", "shard", "cp", "tp"))
         mesh["shard", "cp"]._flatten("shard_cp")
         return mesh
-    if not 1 < rank.ep < rank.shard:
-        return init_device_mesh(device_type, (rank.pipeline.pp, rank.shard, rank.tp),
-                                mesh_dim_names=("pp", "shard", "tp"))
-    mesh = init_device_mesh(device_type, (rank.pipeline.pp, rank.shard // rank.ep, rank.ep, rank.tp),
-                            mesh_dim_names=("pp", "expert_shard", "ep", "tp"))
+    if not 1 < ep < shard:
+        return init_device_mesh(device_type, (pp, shard, tp), mesh_dim_names=("pp", "shard", "tp"))
+    mesh = init_device_mesh(device_type, (pp, shard // ep, ep, tp), mesh_dim_names=("pp", "expert_shard", "ep", "tp"))
     mesh["expert_shard", "ep"]._flatten("shard")
     return mesh

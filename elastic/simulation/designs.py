@@ -177,6 +177,8 @@ class _Outage:
 class _Timeline:
     outages: list[_Outage] = field(default_factory=list)
     lost_s: float = 0.0
+    spares_short: int = 0
+    decisions: int = 0
 
     def out(self, start_s: float, duration_s: float, share: float) -> float:
         self.outages.append(_Outage(start_s, start_s + duration_s, share))
@@ -193,7 +195,7 @@ class _Timeline:
             up, down = up + (at - since) * (1 - out), down + (at - since) * out
             share, since = share + change, at
         lost = min(self.lost_s, up)  # work trained and thrown away was trained while up
-        return Ledger(wall_s, up - lost, lost, down)
+        return Ledger(wall_s, up - lost, lost, down, spares_short=self.spares_short, decisions=self.decisions)
 
 
 class _Spares:
@@ -237,15 +239,15 @@ def replay(job: Job, failures: Iterable[Failure], design: Design, wall_s: float,
     rng = random.Random(seed)  # where in its step each failure strikes
     run = {Design.OURS: _ours, Design.RESTART_THE_WORLD: _restart_the_world,
            Design.GROUP_RESTART: _group_restart}[design]
-    timeline, counts = _Timeline(), {"failures": 0, "spares_short": 0, "decisions": 0}
-    run(job, [failure for failure in failures if failure.at_s < wall_s], timeline, counts, wall_s, spare_gpus,
-        costs, rng)
+    within = [failure for failure in failures if failure.at_s < wall_s]
+    timeline = _Timeline()
+    run(job, within, timeline, spare_gpus, costs, rng)
     ledger = timeline.ledger(wall_s)
-    ledger.failures, ledger.spares_short, ledger.decisions = counts["failures"], counts["spares_short"], counts["decisions"]
+    ledger.failures = len(within)
     return ledger
 
 
-def _ours(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> None:
+def _ours(job, failures, timeline, spare_gpus, costs, rng) -> None:
     topology, step_s = job.topology, job.step_s
     spares = _Spares(spare_gpus)
     deadline = StepDeadline(costs.deadline_factor, costs.min_deadline_s, costs.min_deadline_s)
@@ -254,7 +256,6 @@ def _ours(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> No
     heal_s = job.heal_bytes_per_gpu / costs.heal_bandwidth
     world_s = costs.world_init_s_per_rank * job.model.group_gpus
     for failure in failures:
-        counts["failures"] += 1
         ranks = _struck_ranks(failure)
         at = failure.at_s
         if failure.kind == FailureKind.SLOW_GPU:
@@ -273,7 +274,7 @@ def _ours(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> No
                 at = timeline.out(at, deadline.seconds(), 1.0)
             # the survivors rebuild their cross-group process groups, one rank per group each
             at = timeline.out(at, costs.regroup_s + costs.world_init_s_per_rank * job.groups, 1.0)
-        counts["decisions"] += 1
+        timeline.decisions += 1
         group_of = {rank: topology.group_of(rank) for rank in ranks}
         diagnosis = diagnose(dead=ranks, reports={}, hung=[], group_of=group_of)
         plan = plan_recovery(diagnosis, topology, range(job.groups))
@@ -283,7 +284,7 @@ def _ours(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> No
         if len(chosen) == len(evicted):
             back_s = costs.spare_takeover_s
         elif _needs_hardware(failure.kind):
-            counts["spares_short"] += 1
+            timeline.spares_short += 1
             back_s = costs.node_replacement_s + costs.process_start_s
         else:
             back_s = costs.process_start_s  # a fresh process where the old one ran
@@ -293,14 +294,13 @@ def _ours(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> No
         timeline.out(at, back_s, group_share * len(plan.rebuilding))
 
 
-def _restart_the_world(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> None:
+def _restart_the_world(job, failures, timeline, spare_gpus, costs, rng) -> None:
     spares = _Spares(spare_gpus)
     nodes = job.gpus / GPUS_PER_NODE
     load_s = STATE_BYTES_PER_PARAMETER * job.model.parameters / (nodes * costs.checkpoint_read_per_node)
     restart_s = costs.world_restart_s + costs.world_init_s_per_rank * job.gpus + load_s
     resumed_at = 0.0  # the last restart's end: checkpoints are taken from there on
     for failure in failures:
-        counts["failures"] += 1
         at = max(failure.at_s, resumed_at)
         if failure.kind == FailureKind.SILENT_CORRUPTION:
             continue  # not found: no time lost, a corrupt model trained on
@@ -314,12 +314,12 @@ def _restart_the_world(job, failures, timeline, counts, wall_s, spare_gpus, cost
         if _needs_hardware(failure.kind):
             ranks = _struck_ranks(failure)
             if len(spares.take(ranks, {}, at, costs.node_replacement_s)) < len(ranks):
-                counts["spares_short"] += 1
+                timeline.spares_short += 1
                 wait_s = costs.node_replacement_s
         resumed_at = timeline.out(at, detect_s + wait_s + restart_s, 1.0)
 
 
-def _group_restart(job, failures, timeline, counts, wall_s, spare_gpus, costs, rng) -> None:
+def _group_restart(job, failures, timeline, spare_gpus, costs, rng) -> None:
     topology = job.topology
     spares = _Spares(spare_gpus)
     group_share = 1 / job.groups
@@ -327,7 +327,6 @@ def _group_restart(job, failures, timeline, counts, wall_s, spare_gpus, costs, r
     restart_s = (costs.group_restart_s + costs.process_start_s + costs.world_init_s_per_rank * job.model.group_gpus
                  + heal_s)
     for failure in failures:
-        counts["failures"] += 1
         at = failure.at_s
         if failure.kind == FailureKind.SILENT_CORRUPTION:
             continue
@@ -342,7 +341,7 @@ def _group_restart(job, failures, timeline, counts, wall_s, spare_gpus, costs, r
         ranks = _struck_ranks(failure)
         wait_s = 0.0
         if _needs_hardware(failure.kind) and len(spares.take(ranks, {}, at, costs.node_replacement_s)) < len(ranks):
-            counts["spares_short"] += 1
+            timeline.spares_short += 1
             wait_s = costs.node_replacement_s
         groups = {topology.group_of(rank) for rank in ranks}
         timeline.out(at + detect_s, wait_s + restart_s, group_share * len(groups))
