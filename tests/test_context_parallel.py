@@ -93,6 +93,11 @@ def test_two_ranks_of_chunks_give_one_process_loss_and_gradients(tmp_path, maske
 
 
 def test_layouts_context_parallelism_cannot_hold_are_refused_in_one_line(tmp_path):
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
+
+    with pytest.raises(ConfigError, match=r"^scaling.cp = 2 needs the reference model, .*Sequential has none"):
+        ElasticTrainer(tiny_config(tmp_path, scaling__cp=2), model_fn=model_fn)
     with pytest.raises(ConfigError, match=r"scaling.cp=3 with data.seq_len=32: .* divisible by 2 x cp = 6"):
         tiny_config(tmp_path, scaling__cp=3)
     with pytest.raises(ConfigError, match=r"scaling.cp=2 with model.dropout=0.1: .* set model.dropout = 0"):

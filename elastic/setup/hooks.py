@@ -241,7 +241,8 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
     """What the ranks would fail on, found on the driver before any actor starts: a first
     sample that is not ``seq_len + 1`` integer token ids (or a dict of them), ids outside the
     reference model's vocabulary, ``scaling.tp > 1`` for a custom model with no
-    tensor-parallel plan (its model is built on the meta device to tell),
+    tensor-parallel plan and ``scaling.cp > 1`` for one without the reference attention (its
+    model is built on the meta device to tell),
     ``model.init_from`` with a custom model, ``compute.float8`` without torchao, and
     ``data.document_masking`` with any model but the reference one."""
     if config.data.document_masking and (hooks.batch_loss_fn is not None or not isinstance(hooks.model_fn,
@@ -255,14 +256,19 @@ def check_hooks(config: TrainConfig, hooks: TrainHooks) -> None:
                      hooks.model_fn.args.vocab_size if isinstance(hooks.model_fn, ReferenceModel) else None)
     check_optimizer(hooks)
     parallelize = hooks.parallelize_fn
-    planless = isinstance(parallelize, Parallelize) and parallelize.tp_plan is None  # the default, no tp_plan
-    if config.scaling.tp > 1 and planless and not isinstance(hooks.model_fn, ReferenceModel):
+    default = isinstance(parallelize, Parallelize)
+    needs_plan = config.scaling.tp > 1 and default and parallelize.tp_plan is None  # the default, no tp_plan
+    splits_sequences = config.scaling.cp > 1 and default
+    if (needs_plan or splits_sequences) and not isinstance(hooks.model_fn, ReferenceModel):
         with torch.device("meta"):
             model = hooks.model_fn()
         if not isinstance(model, Transformer):
-            raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
-                              f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
-                              "scaling.tp = 1")
+            if needs_plan:
+                raise ConfigError(f"scaling.tp = {config.scaling.tp} needs a tensor-parallel plan for "
+                                  f"{type(model).__name__}: pass tp_plan(model, tp_mesh) (or parallelize_fn), or set "
+                                  "scaling.tp = 1")
+            raise ConfigError(f"scaling.cp = {config.scaling.cp} needs the reference model, whose attention gathers "
+                              f"the sequence's keys and values; {type(model).__name__} has none: set scaling.cp = 1")
     if config.compute.float8 and importlib.util.find_spec("torchao") is None:
         raise ConfigError("compute.float8 trains through torchao, which is not installed: pip install "
                           "'elastic-trainer[float8]', or set compute.float8 = false")
