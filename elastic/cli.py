@@ -198,17 +198,17 @@ def run_train(args: argparse.Namespace) -> int:
     # (Ray's exit hook still runs), nor change the exit code. Lingering takes Ctrl-C again.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    summary = result.summary
+    summary = result.record
+    total = summary.run_total
     print(redact_credentials(
-        f"run {result.run}: {summary['exit']}; {summary['steps_committed']} steps committed, "
-        f"{summary['steps_discarded']} discarded; final loss "
-        f"{'none' if summary['final_loss'] is None else format(summary['final_loss'], '.4f')}; "
-        f"goodput {summary['goodput']:.1%}"
-        + (f" (the whole run, {summary['run_total']['legs']} legs: {summary['run_total']['goodput']:.1%})"
-           if summary.get("leg", 1) > 1 else "")
-        + f"; last checkpoint {summary['last_checkpoint']}; summary at {result.summary_path}"
+        f"run {result.run}: {summary.exit}; {summary.steps_committed} steps committed, "
+        f"{summary.steps_discarded} discarded; final loss "
+        f"{'none' if summary.final_loss is None else format(summary.final_loss, '.4f')}; "
+        f"goodput {summary.goodput:.1%}"
+        + (f" (the whole run, {total.legs} legs: {total.goodput:.1%})" if total and total.legs > 1 else "")
+        + f"; last checkpoint {summary.last_checkpoint}; summary at {result.summary_path}"
     ))
-    linger_for_scrapes(summary["events"], config.metrics.linger_s)
+    linger_for_scrapes(summary.events, config.metrics.linger_s)
     return result.ended.code
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +28,7 @@ from elastic.setup.resume_checks import (
     check_resumable, check_same_source, config_hash, config_record, resume_over_data,
 )
 from elastic.driver.controller import Controller, TrainingStopped
+from elastic.driver.history import RunHistory
 from elastic.driver.records import StepResult
 from elastic.fleet.ray_messages import worker_deaths_to_log_file
 from elastic.core.exits import Ending, Exit
@@ -45,7 +45,8 @@ from elastic.fleet.rendezvous import Rendezvous
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.outputs.metrics import Metrics
 from elastic.outputs.progress import ProgressBar
-from elastic.outputs.run_record import SUMMARY_NAME, earlier_legs, with_history, write_summary
+from elastic.outputs.run_record import earlier_legs, with_history, write_summary
+from elastic.outputs.summary import SUMMARY_NAME, RunSummary, StepEntry, TopologyEntry
 from elastic.core.protocol import describe_error
 
 log = logging.getLogger("elastic")
@@ -60,17 +61,22 @@ class RunResult:
     run: str
     run_dir: str
     summary_path: str | None  # None: the summary could not be written (see its exit)
-    summary: dict[str, Any]
+    record: RunSummary  # the summary, typed
     final_state: dict | None = field(default=None, repr=False)
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        """The summary as ``summary.json`` holds it."""
+        return self.record.written()
 
     @property
     def losses(self) -> list[float]:
-        return self.summary["losses"]
+        return self.record.losses
 
     @property
     def exit(self) -> str:
         """How the run ended, as its summary's line says it."""
-        return self.summary["exit"]
+        return self.record.exit
 
     @property
     def ended(self) -> Exit:
@@ -83,25 +89,13 @@ class RunResult:
 
     @property
     def last_checkpoint(self) -> str | None:
-        return self.summary["last_checkpoint"]
-
-
-def strict_json(value):
-    """``value`` with every float that is not finite written as its name ("nan", "inf"):
-    strict JSON parsers reject the bare ``NaN`` that Python writes."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
+        return self.record.last_checkpoint
 
 
 class ElasticTrainer:
     """Train a run. ``on_step`` callables get each committed step's ``StepResult`` (step,
-    loss, lr, grad_norm, tokens_per_s, each rank's times, ...; ``summary.json`` keeps its
-    ``to_json()`` under ``steps``) as it is committed; ``on_event`` callables get every event
+    loss, lr, grad_norm, tokens_per_s, each rank's times, ...; ``summary.json`` keeps it as a
+    ``StepEntry`` under ``steps``) as it is committed; ``on_event`` callables get every event
     (evaluations are ``evaluated`` events, with their loss), on the driver. An exception a
     callable raises stops the run."""
 
@@ -281,11 +275,11 @@ class ElasticTrainer:
             try:
                 events.emit(EventKind.RUN_FINISHED, exit=str(exit_reason))
                 summary = with_history(self._summary(controller, events, ledger, exit_reason), earlier)
-                metrics.time_spent(summary["goodput"], summary["time_breakdown"])
+                metrics.time_spent(summary.goodput, summary.time_breakdown)
                 if lease.lost:  # the summary is the new holder's to write now
                     log.error("the run's summary is not written: %s", lease.lost)
                 else:
-                    summary_path = self._save_summary(summary)
+                    summary_path, summary = self._save_summary(summary)
             finally:
                 if fleet is not None:
                     fleet.shutdown()
@@ -323,54 +317,52 @@ class ElasticTrainer:
             log.warning("the run lease could not be released (it expires in %.0f s): %s",
                         lease.ttl_s, describe_error(error))
 
-    def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger, exit_reason: Exit) -> dict:
+    def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger,
+                 exit_reason: Exit) -> RunSummary:
         scaling = self.config.scaling
         wall = ledger.wall()
-        tokens = controller.history.tokens_committed if controller else 0
-        losses = controller.history.losses if controller else []
-        evals = controller.history.eval_results if controller else []
-        steps = controller.history.step_results if controller else []
+        history = controller.history if controller else RunHistory()
         groups = len(controller.membership.live_groups()) if controller else 0
-        resumed = controller.resume.step if controller and controller.resume else None
-        last_checkpoint = controller.checkpoints.last_committed_url if controller and controller.checkpoints else None
-        summary = {
-            "run": self.run_name,
-            "config": {**self.config.model_dump(mode="json"), "run_name": self.run_name},  # a generated name too
-            "init_from": self.source_identity,  # what the weights started from, file by file
-            "topology": {"groups": groups, "pp": scaling.pp, "shard": scaling.shard, "cp": scaling.cp, "tp": scaling.tp,
-                         "ranks": groups * scaling.ranks_per_group},
-            "resumed_from_step": resumed,
-            "first_step": controller.history.first_step if controller else 0,
-            "steps_committed": len(losses),
-            "steps_discarded": controller.history.steps_discarded if controller else 0,
-            "steps_rolled_back": controller.history.steps_rolled_back if controller else 0,
-            "losses": losses,
-            "final_loss": losses[-1] if losses else None,
-            "final_lr": steps[-1].lr if steps else None,
-            "eval": [result.to_json() for result in evals],
-            "final_eval_loss": evals[-1].loss if evals else None,
-            "last_checkpoint": last_checkpoint,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "goodput": ledger.goodput(),
-            "time_breakdown": ledger.breakdown(),
-            "steps": [result.to_json() for result in steps],
-            "events": events.events,
-            "exit": str(exit_reason),
-        }
-        return json.loads(redact_credentials(json.dumps(strict_json(summary), default=str, allow_nan=False)))
+        losses, evals, steps = history.losses, history.eval_results, history.step_results
+        summary = RunSummary(
+            run=self.run_name,
+            config={**self.config.model_dump(mode="json"), "run_name": self.run_name},  # a generated name too
+            init_from=self.source_identity,
+            topology=TopologyEntry(groups=groups, pp=scaling.pp, shard=scaling.shard, cp=scaling.cp, tp=scaling.tp,
+                                   ranks=groups * scaling.ranks_per_group),
+            resumed_from_step=controller.resume.step if controller and controller.resume else None,
+            first_step=history.first_step,
+            steps_committed=len(losses),
+            steps_discarded=history.steps_discarded,
+            steps_rolled_back=history.steps_rolled_back,
+            losses=losses,
+            final_loss=losses[-1] if losses else None,
+            final_lr=steps[-1].lr if steps else None,
+            eval=evals,
+            final_eval_loss=evals[-1].loss if evals else None,
+            last_checkpoint=controller.checkpoints.last_committed_url if controller and controller.checkpoints else None,
+            wall_s=wall,
+            tokens_per_s=history.tokens_committed / wall if wall > 0 else 0.0,
+            goodput=ledger.goodput(),
+            time_breakdown=ledger.breakdown(),
+            steps=[StepEntry.of(result) for result in steps],
+            events=events.events,
+            exit=str(exit_reason),
+        )
+        return RunSummary.model_validate(summary.written())  # what the file will hold: redacted
 
-    def _save_summary(self, summary: dict) -> str | None:
-        """Write the summary; a failed write fails the run, and never hides why it ended."""
+    def _save_summary(self, summary: RunSummary) -> tuple[str | None, RunSummary]:
+        """Write the summary, and return where with what it says; a failed write fails the
+        run, and never hides why it ended."""
         try:
-            return self._write_summary(summary)
+            return self._write_summary(summary), summary
         except Exception as error:
             log.error("the run summary could not be written to %s: %s", self.run_dir, describe_error(error))
-            summary["exit"] = str(Exit(Ending.FAILED, f"summary not written ({describe_error(error, 300)}); the run "
-                                                      f"ended: {summary['exit']}"))
-            return None
+            failed = Exit(Ending.FAILED, f"summary not written ({describe_error(error, 300)}); the run "
+                                         f"ended: {summary.exit}")
+            return None, summary.model_copy(update={"exit": str(failed)})
 
-    def _write_summary(self, summary: dict) -> str:
+    def _write_summary(self, summary: RunSummary) -> str:
         fs, path = self.config.checkpoint.storage_options().filesystem(self.run_dir)
         write_summary(fs, path, summary)
         return join_url(self.run_dir, SUMMARY_NAME)

@@ -90,7 +90,8 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     assert continues_reference(fourth, config, 20)
 
     # One run, one history: every leg's record is kept, and the report draws them all.
-    from elastic.outputs.report import whole_run
+    from elastic.outputs.summary import RunSummary
+    from elastic.outputs.timeline import whole_run
 
     summary = json.loads(Path(fourth.run_dir, "summary.json").read_text())
     assert summary["leg"] == 4 and [leg["resumed_from_step"] for leg in summary["earlier_legs"]] == [None, 10, 15]
@@ -99,8 +100,8 @@ def test_stop_and_resume_continues_the_same_losses_and_skips_a_corrupt_checkpoin
     total = summary["run_total"]
     assert total["legs"] == 4 and total["steps_committed"] == 40 and total["exits"] == ["completed"] * 4
     assert total["wall_s"] == pytest.approx(sum(leg["time_breakdown"]["wall_s"] for leg in [*summary["earlier_legs"], summary]))
-    drawn = whole_run(summary)
-    assert len(drawn["steps"]) == 40 and [r["t"] for r in drawn["steps"]] == sorted(r["t"] for r in drawn["steps"])
+    drawn = whole_run(RunSummary.model_validate(summary))
+    assert len(drawn.steps) == 40 and [step.t for step in drawn.steps] == sorted(step.t for step in drawn.steps)
 
 
 def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_server):

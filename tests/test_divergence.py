@@ -12,7 +12,7 @@ from elastic.core.events import EventKind
 from elastic.core.gradient_clipping import clip_coefficient
 from elastic.core.policies import DivergencePolicy
 from elastic.core.protocol import NonFinite
-from elastic.trainer import strict_json
+from elastic.outputs.summary import RunSummary, StepEntry
 from tests.test_controller_scenarios import Scenario, fake_time_only  # noqa: F401 (autouse fixture)
 
 
@@ -50,10 +50,14 @@ def test_committed_steps_between_nonfinite_ones_reset_the_count():
 
 
 def test_the_summary_is_strict_json_whatever_floats_it_holds():
-    summary = {"final_loss": math.nan, "steps": [{"grad_norm": math.inf, "loss": 1.5}], "exit": "diverged: ..."}
-    text = json.dumps(strict_json(summary), allow_nan=False)
-    assert json.loads(text) == {"final_loss": "nan", "steps": [{"grad_norm": "inf", "loss": 1.5}],
-                                "exit": "diverged: ..."}
+    summary = RunSummary(final_loss=math.nan, steps=[StepEntry(t=1.0, grad_norm=math.inf, loss=1.5)],
+                         exit="diverged: ...")
+    text = json.dumps(summary.written(), allow_nan=False)
+    written = json.loads(text)
+    assert (written["final_loss"], written["steps"][0]["grad_norm"], written["steps"][0]["loss"], written["exit"]) == (
+        "nan", "inf", 1.5, "diverged: ...")
+    read = RunSummary.read(text)  # and the schema reads the names back as the floats they were
+    assert math.isnan(read.final_loss) and read.steps[0].grad_norm == math.inf
 
 
 def test_clipping_does_not_pass_a_nan_norm_off_as_fine():

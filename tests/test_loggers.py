@@ -11,6 +11,7 @@ from elastic import ElasticTrainer
 from elastic.core.protocol import RankTimes
 from elastic.driver.records import StepResult
 from elastic.outputs.loggers import eval_scalars, step_scalars
+from elastic.outputs.summary import StepEntry
 from tests.tiny import tiny_config
 
 RECORD = StepResult(step=7, t=1.5, loss=2.5, lr=3e-3, grad_norm=math.nan, grad_clip_scale=1.0, step_s=0.2,
@@ -25,6 +26,12 @@ def test_a_step_record_gives_its_finite_numbers_under_their_chart_names():
                                     "elastic/live_groups": 2.0, "elastic/live_ranks": 4.0}
     assert eval_scalars({"kind": "evaluated", "step": 8, "loss": 1.5}) == {"eval/loss": 1.5}
     assert eval_scalars({"kind": "rank-failed", "step": 8}) == {}
+
+
+def test_the_summary_keeps_every_field_of_a_step_record():
+    entry = StepEntry.of(RECORD)
+    assert entry.model_fields_set == set(StepEntry.model_fields)  # none left to its default
+    assert (entry.rank_data_s, entry.rank_step_s, entry.group_samples) == ({0: 0.01}, {0: 0.2}, {0: 4, 1: 4})
 
 
 def test_the_custom_model_example_trains_under_its_tp_plan_and_callbacks_see_every_step_and_event(
@@ -51,7 +58,7 @@ def test_the_custom_model_example_trains_under_its_tp_plan_and_callbacks_see_eve
     assert result.ok, result.exit
     assert result.losses[-1] < result.losses[0] - 0.5
     assert [record.step for record in steps] == list(range(12))
-    assert [record.to_json() for record in steps] == result.summary["steps"]
+    assert [StepEntry.of(record) for record in steps] == result.record.steps
     assert [record.lr for record in steps] == [1e-2] * 12 and result.summary["final_lr"] == 1e-2
     assert [event["step"] for event in events if event["kind"] == "evaluated"] == [6, 12]
     assert events[-1]["kind"] == "run-finished"

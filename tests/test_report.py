@@ -9,14 +9,10 @@ import random
 
 import pytest
 
-from elastic.outputs.report import (
-    CATEGORIES,
-    format_breakdown,
-    goodput_breakdown,
-    load_summary,
-    main,
-    report,
-)
+from elastic.core.goodput import CATEGORIES
+from elastic.outputs.report import format_breakdown, load_summary, main, report
+from elastic.outputs.summary import RunSummary, StepEntry
+from elastic.outputs.timeline import Timeline, TimelineStep, goodput_breakdown, whole_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -146,7 +142,7 @@ def test_report_accepts_summary_path_and_explicit_output(tmp_path):
     assert png == str(out)
     assert_valid_png(out)
     # file:// URLs go through fsspec as well
-    assert load_summary(f"file://{run_dir}")["run"] == "demo-run"
+    assert load_summary(f"file://{run_dir}").run == "demo-run"
 
 
 def test_heatmap_with_many_ranks(tmp_path):
@@ -181,12 +177,12 @@ def test_missing_run_gives_clear_error(tmp_path, capsys):
 def test_breakdown_idle_remainder_and_mismatch():
     summary = make_summary()
     del summary["time_breakdown"]["idle"]
-    breakdown = goodput_breakdown(summary)
+    breakdown = goodput_breakdown(RunSummary.model_validate(summary))
     assert breakdown["idle"] == pytest.approx(0.75)
 
     summary["time_breakdown"]["idle"] = 5.0  # parts no longer add up
     with pytest.raises(ValueError, match="does not add up"):
-        goodput_breakdown(summary)
+        goodput_breakdown(RunSummary.model_validate(summary))
 
 
 def test_format_breakdown_table():
@@ -257,7 +253,7 @@ def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
 
 
 def test_event_labels_close_in_time_read_as_one():
-    from elastic.outputs.report import merged_labels
+    from elastic.outputs.timeline_figure import merged_labels
 
     labels = [(75.1, "rank 3 death", "red"), (75.2, "rank 3 death evicted", "red"), (75.2, "rank 3 death", "red"),
               (75.4, "rank 0 stuck-in-collective evicted", "red"), (90.0, "ckpt failed", "red")]
@@ -272,25 +268,25 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
     unreadable record is moved aside, never overwritten, and the report is the whole run's."""
     import fsspec
 
-    from elastic.outputs.report import whole_run
     from elastic.outputs.run_record import earlier_legs, with_history, write_summary
 
     fs = fsspec.filesystem("file")
     directory = str(tmp_path / "run")
     assert earlier_legs(fs, directory, "demo-run") == []
     first = make_summary()
-    write_summary(fs, directory, with_history(first, earlier_legs(fs, directory, "demo-run")))
+    write_summary(fs, directory, with_history(RunSummary.model_validate(first), earlier_legs(fs, directory, "demo-run")))
     second = {**make_summary(), "resumed_from_step": 20, "exit": "preempted"}
-    write_summary(fs, directory, with_history(second, earlier_legs(fs, directory, "demo-run")))
+    write_summary(fs, directory, with_history(RunSummary.model_validate(second), earlier_legs(fs, directory, "demo-run")))
     recorded = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert recorded["leg"] == 2 and recorded["earlier_legs"] == [{**first, "leg": 1}]
+    assert recorded["leg"] == 2
+    assert RunSummary.model_validate(recorded).earlier_legs == [RunSummary.model_validate({**first, "leg": 1})]
     total = recorded["run_total"]
     assert total["exits"] == ["completed", "preempted"] and total["steps_committed"] == 2 * first["steps_committed"]
     assert total["wall_s"] == pytest.approx(2 * first["wall_s"]) and total["goodput"] == pytest.approx(first["goodput"])
 
-    drawn = whole_run(recorded)  # each leg's start-up is drawn where that leg began
-    assert drawn["leg_starts"] == [0.0, pytest.approx(first["time_breakdown"]["wall_s"])]
-    assert drawn["leg_startup_s"] == [first["time_breakdown"]["startup"]] * 2
+    drawn = whole_run(RunSummary.model_validate(recorded))  # each leg's start-up is drawn where that leg began
+    assert [start for start, _ in drawn.legs] == [0.0, pytest.approx(first["time_breakdown"]["wall_s"])]
+    assert [end - start for start, end in drawn.startups] == [pytest.approx(first["time_breakdown"]["startup"])] * 2
     png, breakdown = report(directory)
     assert_valid_png(png)
     assert breakdown["wall_s"] == pytest.approx(2 * first["wall_s"])
@@ -304,12 +300,12 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
 # ------------------------------------------------------------------- what the timeline draws
 
 
-def timeline_panels(summary: dict) -> dict:
+def timeline_panels(summary: dict | Timeline) -> dict:
     """The timeline's panels by name: rank (per-rank step times), live (ranks), expert (load,
     None for a dense model), all of its axes, and its events legend (None without events to show)."""
-    from elastic.outputs.report import timeline_figure
+    from elastic.outputs.timeline_figure import timeline_figure
 
-    fig = timeline_figure(summary)
+    fig = timeline_figure(summary if isinstance(summary, Timeline) else whole_run(RunSummary.model_validate(summary)))
     titled = {ax.get_title(loc="left"): ax for ax in fig.axes}
     return {
         "rank": next(ax for title, ax in titled.items() if title.startswith("per-rank step time")),
@@ -330,7 +326,7 @@ def drawn_at(line, t: float) -> float:
     return line.get_ydata()[bisect.bisect_right(xs, t) - 1]
 
 
-def live_ranks_line(summary: dict):
+def live_ranks_line(summary: dict | Timeline):
     return next(line for line in timeline_panels(summary)["live"].get_lines() if line.get_label() == "live ranks")
 
 
@@ -356,20 +352,19 @@ def one_leg(run: str, startup_s: float, n_steps: int, exit: str, stop_signal: st
             "time_breakdown": {"wall_s": wall, "startup": startup_s, "committed": 0.5 * n_steps, "idle": 1.0}}
 
 
-def resumed_run() -> dict:
+def resumed_run() -> Timeline:
     """A run of two legs, both preempted: the first by SIGTERM, the second, whose ranks take
     60 s to start, by Ctrl-C; as ``elastic report`` draws it."""
-    from elastic.outputs.report import whole_run
     from elastic.outputs.run_record import with_history
 
     first = one_leg("resumed", startup_s=2.0, n_steps=10, exit="preempted", stop_signal="SIGTERM")
     second = one_leg("resumed", startup_s=60.0, n_steps=10, exit="preempted", stop_signal="SIGINT")
-    return whole_run(with_history(second, [first]))
+    return whole_run(with_history(RunSummary.model_validate(second), [RunSummary.model_validate(first)]))
 
 
 def test_a_resume_has_no_live_ranks_until_its_groups_join():
     summary = resumed_run()
-    [_, second_leg] = summary["leg_starts"]
+    [_, second_leg] = [start for start, _ in summary.legs]
     live = live_ranks_line(summary)
 
     assert drawn_at(live, 1.0) == 0  # the first leg's start-up: nothing joined yet
@@ -419,7 +414,7 @@ def rollback_run(ranks: int) -> dict:
 
 
 def test_live_ranks_follow_the_membership_through_a_rollback():
-    from elastic.outputs.report import live_membership
+    from elastic.outputs.timeline import live_membership
 
     live = live_ranks_line(rollback_run(ranks=8))
     assert drawn_at(live, 10.0) == 0  # start-up
@@ -446,7 +441,7 @@ def test_live_ranks_follow_the_membership_through_a_rollback():
 def test_a_failure_is_marked_on_the_lost_ranks_rows_while_they_were_down(ranks):
     from matplotlib.colors import to_hex
 
-    from elastic.outputs.report import FAILURE_COLOUR
+    from elastic.outputs.timeline_figure import FAILURE_COLOUR
 
     summary = rollback_run(ranks)
     lost = {}  # rank -> when it was lost
@@ -492,19 +487,19 @@ def test_checkpoints_have_a_colour_and_a_legend_entry_of_their_own():
 
 
 def test_each_leg_is_labelled_with_how_it_ended():
-    from elastic.outputs.report import leg_ending
+    from elastic.outputs.timeline import leg_ending
 
     labels = {text.get_text() for text in timeline_panels(resumed_run())["live"].texts}
     assert {"leg 1: preempted (SIGTERM)", "leg 2: preempted (SIGINT)"} <= labels
 
     sigint = [{"t": 5.0, "kind": "stop-requested", "signal": "SIGINT"}]
-    assert leg_ending({"exit": "preempted: a second SIGINT stopped the run at once, before the step boundary",
-                       "events": sigint}) == "preempted (SIGINT)"
-    assert leg_ending({"exit": "preempted, final checkpoint missed (step 12): see the checkpoint-failed events",
-                       "events": sigint}) == "preempted (SIGINT), final checkpoint missed (step 12)"
-    assert leg_ending({"exit": "failed: RuntimeError: boom", "events": sigint}) == "failed"
-    assert leg_ending({"exit": "completed", "events": []}) == "completed"
-    assert leg_ending({"events": []}) is None
+    assert leg_ending(RunSummary(exit="preempted: a second SIGINT stopped the run at once, before the step boundary",
+                                  events=sigint)) == "preempted (SIGINT)"
+    assert leg_ending(RunSummary(exit="preempted, final checkpoint missed (step 12): see the checkpoint-failed events",
+                                  events=sigint)) == "preempted (SIGINT), final checkpoint missed (step 12)"
+    assert leg_ending(RunSummary(exit="failed: RuntimeError: boom", events=sigint)) == "failed"
+    assert leg_ending(RunSummary(exit="completed", events=[])) == "completed"
+    assert leg_ending(RunSummary(events=[])) is None
 
 
 def moe_summary() -> dict:
@@ -517,11 +512,17 @@ def moe_summary() -> dict:
     return summary
 
 
+def timeline_step(record: dict) -> TimelineStep:
+    """A step's record in ``summary.json``, with the leg it is of (1 unless given), as the timeline reads it."""
+    entry = {key: value for key, value in record.items() if key != "leg"}
+    return TimelineStep.of_entry(StepEntry.model_validate(entry), record.get("leg", 1))
+
+
 def test_expert_load_series_is_each_layers_load_by_step():
-    from elastic.outputs.report import TimelineStep, expert_load_series
+    from elastic.outputs.timeline import expert_load_series
 
     def series(records: list[dict]) -> dict:
-        return expert_load_series([TimelineStep.of_record(record) for record in records])
+        return expert_load_series([timeline_step(record) for record in records])
 
     summary = moe_summary()
     steps = [record["step"] for record in summary["steps"]]
@@ -543,13 +544,13 @@ def test_expert_load_series_is_each_layers_load_by_step():
 
 
 def test_the_timeline_draws_each_expert_layers_load_for_a_mixture_of_experts_alone():
-    from elastic.outputs.report import TimelineStep, expert_load_series
+    from elastic.outputs.timeline import expert_load_series
 
     summary = moe_summary()
     panels = timeline_panels(summary)
     panel = panels["expert"]
     assert panel is not None
-    expected = expert_load_series(TimelineStep.of_record(record) for record in summary["steps"])
+    expected = expert_load_series(timeline_step(record) for record in summary["steps"])
     layer_lines = {line.get_label(): line for line in panel.get_lines() if line.get_label().startswith("layer ")}
     assert list(layer_lines) == ["layer 1", "layer 3", "layer 10"]  # one line per layer
     for layer, (steps, loads) in expected.items():
