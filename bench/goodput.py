@@ -81,6 +81,29 @@ def ratio(steps: int, healthy_s: float, wall_s: float) -> float:
     return steps * healthy_s / wall_s
 
 
+def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[str, float]:
+    """Where the time from a kill to its group whole again went, in seconds: until the rank's
+    failure was seen and the others drained (``detect_s``), the replacement started or a spare
+    assumed the rank (``start_s``), the group's world and model built (``build_s``), the wait
+    for the survivors' next boundary (``boundary_s``), the state copied from a peer
+    (``heal_s``), and the rest until the group joined (``join_s``)."""
+    def first(kind: str, **match) -> dict | None:
+        return next((e for e in events if e["kind"] == kind and e["t"] >= fault["t"]
+                     and all(e.get(key) == value for key, value in match.items())), None)
+
+    failed, built = first(EventKind.RANK_FAILED), first(EventKind.GROUP_BUILT, group=group)
+    healed, joined = first(EventKind.GROUP_HEALED, group=group), first(EventKind.GROUP_JOINED, group=group)
+    if not (failed and built and joined):
+        return {}
+    heal_s = healed["seconds"] if healed else 0.0
+    heal_started = (healed["t"] - heal_s) if healed else joined["t"]
+    return {"detect_s": failed["t"] - fault["t"], "start_s": built.get("start_s", 0.0),
+            "build_s": built.get("build_s", 0.0),
+            "boundary_s": max(0.0, heal_started - built["t"]), "heal_s": heal_s,
+            "join_s": joined["t"] - (healed["t"] if healed else heal_started),
+            "evicted_to_built_s": built["t"] - failed["t"]}
+
+
 def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares: int, memory_every: int,
                 checkpoint_every: int, scaling: dict | None = None, steps: int | None = None) -> dict:
     from elastic import ElasticTrainer
@@ -100,13 +123,14 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
     groups, shard = config.scaling.max_groups, config.scaling.shard
     healthy = statistics.median(r["step_s"] for r in records if r["live_groups"] == groups)
     started, ended = records[0]["t"] - records[0]["step_s"], records[-1]["t"]
-    whole = []
+    whole, phases = [], []
     for fault in faults:
         [rank] = fault["ranks"]
         group = rank // shard
         joined = [e["t"] for e in events if e["kind"] == EventKind.GROUP_JOINED and e["group"] == group
                   and e["t"] >= fault["t"]]
         whole.append((min(joined) - fault["t"]) / healthy if joined else math.inf)
+        phases.append(kill_to_whole_phases(events, fault, group))
     next_commit = [min(r["t"] for r in records if r["t"] > fault["t"]) - fault["t"] for fault in faults]
     return {
         "goodput": ratio(steps, healthy, ended - started),
@@ -114,6 +138,7 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
         "wall_s": ended - started,
         "steps": steps,
         "whole_steps": whole,
+        "whole_phases": phases,
         "next_commit_s": next_commit,
         "spares_taken": sum(e["kind"] == EventKind.SPARE_TAKEN for e in events),
         "losses": summary["losses"],
@@ -217,6 +242,10 @@ def times(seconds: list[float], healthy_s: float) -> str:
     return ", ".join(f"{s:.2f} ({s / healthy_s:.1f})" for s in seconds)
 
 
+def phase_line(phases: dict[str, float]) -> str:
+    return " ".join(f"{name.removesuffix('_s')} {seconds:.2f}" for name, seconds in phases.items()) or "-"
+
+
 def print_row(row: Row) -> None:
     a, b, c, d = row.a, row.b, row.c, row.d
     goodputs = {"A": a and a["goodput"], "B": b and b["goodput"], "C": c and c["goodput"], "D": d and d.run.goodput()}
@@ -231,6 +260,8 @@ def print_row(row: Row) -> None:
     next_commit += [f"D {times([d.run.next_commit_s(kill) for kill in d.run.kills], d.run.healthy_s())}"] if d else []
     if next_commit:
         print(f"{'':>11}kill -> next commit, s (step times): {'; '.join(next_commit)}")
+    if a:
+        print(f"{'':>11}A: kill -> whole group, s, by phase: {'; '.join(map(phase_line, a['whole_phases']))}")
     if d:
         print_torchft(d)
 

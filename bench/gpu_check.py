@@ -266,7 +266,8 @@ def shared_gpu(args: argparse.Namespace) -> list[Row]:
                         verdict(same)))
         whole = max(run["whole_steps"])
         rows.append(Row("kill to the whole group again, warm spare (CUDA context made ahead)", "<= 2 step times",
-                        f"{whole:.2f} step times (step {run['healthy_s']:.2f} s; spares taken {run['spares_taken']})",
+                        f"{whole:.2f} step times (step {run['healthy_s']:.2f} s; spares taken {run['spares_taken']}; "
+                        f"by phase, s: {'; '.join(map(goodput.phase_line, run['whole_phases']))})",
                         verdict(whole <= 2)))
         break
     return rows

@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
+from elastic.driver.recovery_timing import RECOVERY_PARTS  # noqa: E402
 from bench.goodput import chosen_systems  # noqa: E402
 from bench.torchft_job import TorchftResult  # noqa: E402
 from elastic.testing.losses import max_relative_difference  # noqa: E402
@@ -127,7 +128,7 @@ def run_elastic(job: Job, storage: str) -> dict:
         "rerun": summary["steps_discarded"],
         "lost": 0,
         "losses": summary["losses"],
-        "parts": {k: recovered[k] for k in ("detect_s", "drain_s", "rebuild_s", "total_s")},
+        "parts": {k: recovered[k] for k in (*RECOVERY_PARTS, "total_s")},
     }
 
 

@@ -19,6 +19,7 @@ from checkpointing.storage import StorageOptions
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
+from elastic.driver.recovery_timing import RECOVERY_PARTS
 from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
@@ -144,6 +145,9 @@ def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
     [recovered] = scenario.kinds(EventKind.RECOVERED)
     assert recovered["cause"] == "death" and recovered["step"] == 4
     assert recovered["detect_s"] == pytest.approx(0.5)
+    # the parts add up to the whole: here the kill's 0.5 s, the drain, and the step run again
+    assert sum(recovered[part] for part in RECOVERY_PARTS) == pytest.approx(recovered["total_s"])
+    assert recovered["first_step_s"] == pytest.approx(1.0) and recovered["other_s"] == pytest.approx(0.0)
     assert scenario.committed_steps() == list(range(12))  # step 3 reran once
     # the replacement started at once, so group 0 was healed before step 3 ran again
     assert scenario.live_groups_by_step() == [2] * 12

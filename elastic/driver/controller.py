@@ -246,6 +246,7 @@ class Controller:
         spec = self.run_spec()
         started = self.clock()
         specs = dict.fromkeys(self.topology.ranks_of(spec.groups), spec)
+        self.timing.stepping()
         stream = self.fleet.start_run(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
         self.pause_requested = False
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))

@@ -51,6 +51,8 @@ class GroupKeeper:
         self.world_build = 0  # numbers each build of a group's world: its process groups' store prefix
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
+        self.stage_since: dict[int, float] = {}  # when a group's start or build call went out
+        self.start_s: dict[int, float] = {}  # how long a building group's processes took to start
         self._failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
         self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
@@ -110,20 +112,27 @@ class GroupKeeper:
             if to_start and len(taken) == len(to_start):
                 self.on_spares.add(group)
             self.joining_calls[group] = self.fleet.start(to_start, taken)
+            self.stage_since[group] = self.clock()
         if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
             started = self.fleet.results(self.joining_calls[group])
+            self.start_s[group] = self.clock() - self.stage_since[group]
+            self.timing.longest("start_s", self.start_s[group])
             if self.stragglers is not None:
                 for rank in started:
                     self.stragglers.forget(rank)  # a fresh process: its speed is not the old one's
             self.membership.apply(group, Started())
             self.world_build += 1
             self.joining_calls[group] = self.fleet.build(self.topology.global_ranks(group), self.world_build)
+            self.stage_since[group] = self.clock()
         if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
             built = self.fleet.results(self.joining_calls.pop(group))
             self.node_of.update({rank: report.node_ip for rank, report in built.items() if report is not None})
             self.membership.apply(group, Built())
+            build_s = self.clock() - self.stage_since.pop(group)
+            self.timing.longest("build_s", build_s)
             seconds = self.clock() - self.joining_since[group]
-            self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3))
+            self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3),
+                             start_s=round(self.start_s.pop(group, 0.0), 3), build_s=round(build_s, 3))
 
     def join_ready_groups(self) -> bool:
         ready = list(self.membership.groups_in(GroupStage.READY))
