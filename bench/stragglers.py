@@ -145,6 +145,27 @@ def joined_again(summary: dict, action: dict) -> int | None:
                  if r["step"] > action["step"] and r["generation"] != decided and r["live_ranks"] == ranks), None)
 
 
+def detection_alone(root: str, args: argparse.Namespace, slow: str) -> int:
+    """The slowed run alone: the steps from the onset to the slow rank's detection, what was
+    flagged on the way, and each rank's compute seconds before and after the onset (a peer
+    that waits for the slow rank inside the group's collectives times that wait as compute)."""
+    slowed = real_run(root, "slowed", args.steps, args.spares, fault_tolerance__inject=slow)
+    print_timeline(slowed)
+    onset = of_kind(slowed, "fault-injected")[0]["step"]
+    flags = [(e["step"] - onset, e["rank"]) for e in of_kind(slowed, "straggler-detected")]
+    print(f"  onset at step {onset}; flags (steps after the onset, rank): {flags or 'none'}")
+    for label, steps in (("before", slowed["steps"][max(0, onset - 10):onset]), ("after", slowed["steps"][onset:onset + 10])):
+        ranks = sorted(steps[0]["rank_compute_s"], key=int) if steps else []
+        medians = {rank: float(np.median([step["rank_compute_s"][rank] for step in steps if rank in step["rank_compute_s"]]))
+                   for rank in ranks}
+        print(f"  median compute s per rank, 10 steps {label} the onset: "
+              + ", ".join(f"{rank}: {seconds:.3f}" for rank, seconds in medians.items()))
+    to_detect = next((steps for steps, rank in flags if rank == args.slow_rank), None)
+    print(f"  onset -> detection of rank {args.slow_rank}: {to_detect if to_detect is not None else 'never'} steps "
+          f"(target <= 10): {'PASS' if to_detect is not None and to_detect <= 10 else 'FAIL'}")
+    return 0 if to_detect is not None and to_detect <= 10 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sim-steps", type=int, default=1000)
@@ -156,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onset-s", type=float, default=8.0, help="seconds into training the slowdown starts")
     parser.add_argument("--factor", type=float, default=1.5)
     parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--slow-kind", choices=("slow", "slow-device"), default="slow",
+                        help="slow: work after the rank's compute; slow-device: inside its blocks' forward, so its "
+                             "FSDP2 partner waits for it inside the collectives (as for a slow GPU)")
+    parser.add_argument("--only-slowed", action="store_true", help="skip (a) and the healthy and unmitigated runs: "
+                        "the slowed run's detection alone")
     parser.add_argument("--settle", type=int, default=3, help="warm-up steps skipped after a replacement joins")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spares", type=int, default=1, help="warm spares in every run of (b)")
@@ -164,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     start_local_ray(num_cpus=8, log_to_driver=False)
     verdicts = []
 
+    if args.only_slowed:
+        print(f"(b) rank {args.slow_rank} slowed {args.factor}x ({args.slow_kind}) from {args.onset_s:g} s into training")
+        return detection_alone(root, args, f"{args.slow_kind}:rank={args.slow_rank},factor={args.factor},at={args.onset_s}")
     print(f"(a) noise +/-{args.noise:.0%} on every rank")
     flags, mitigations = simulated_noise(
         args.sim_steps, args.noise, args.sim_groups, args.sim_ranks_per_group, args.seed
@@ -175,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  real: {args.noise_steps} steps x 4 ranks: {real_flags} flags, {real_mitigations} mitigations")
     verdicts.append(mitigations == 0 and real_mitigations == 0)
 
-    print(f"(b) rank {args.slow_rank} slowed {args.factor}x from {args.onset_s:g} s into training")
-    slow = f"slow:rank={args.slow_rank},factor={args.factor},at={args.onset_s}"
+    print(f"(b) rank {args.slow_rank} slowed {args.factor}x ({args.slow_kind}) from {args.onset_s:g} s into training")
+    slow = f"{args.slow_kind}:rank={args.slow_rank},factor={args.factor},at={args.onset_s}"
     healthy = real_run(root, "healthy", args.steps, args.spares)
     mitigated = real_run(root, "mitigated", args.steps, args.spares, fault_tolerance__inject=slow)
     unmitigated = real_run(root, "unmitigated", args.steps, args.spares, fault_tolerance__inject=slow,

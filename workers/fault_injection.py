@@ -35,6 +35,29 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
+# A block's backward takes about twice its forward: work added in the forward alone, this
+# many times the forward's own, slows the whole step by about the factor.
+STEP_OVER_FORWARD = 3.0
+
+
+def slow_blocks(model: nn.Module, factor: float) -> None:
+    """Slow every block FSDP2 wraps (else the model) by ``factor``, inside its forward: the
+    group's peers then wait for this rank in the next block's all-gather, as they would for
+    a slow device, and time that wait as their own compute."""
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model] or [model]
+    started: dict[int, float] = {}
+
+    def before(module, _inputs) -> None:
+        started[id(module)] = time.thread_time()
+
+    def after(module, _inputs, _output) -> None:
+        burn_cpu((factor - 1.0) * STEP_OVER_FORWARD * (time.thread_time() - started.pop(id(module))))
+
+    for block in blocks:
+        block.register_forward_pre_hook(before)
+        block.register_forward_hook(after)
+
+
 class InjectedFaults:
     """One rank's injected faults. A slowdown lasts for the rest of the process's life, and
     the noise draws from one stream per rank, across its runs."""
@@ -68,6 +91,8 @@ class InjectedFaults:
                 os._exit(1)
         if fault.kind == "slow":
             self.slow_factor = fault.factor
+        if fault.kind == "slow-device":
+            slow_blocks(model, fault.factor)
         if fault.kind == "hang":
             # Inside the first module FSDP2 wraps, else the first module holding parameters
             # (the model, or a rank's pipeline stages, may run no forward of its own).

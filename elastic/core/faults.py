@@ -8,10 +8,12 @@ into ``InjectedRunSpec``s, and ``workers.fault_injection`` fires them as the run
 step starts. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
-``kill-group``, ``hang``, ``slow``, ``fail-collective`` and ``flip`` (one bit of one
+``kill-group``, ``hang``, ``slow`` (work added after the rank's compute), ``slow-device``
+(work added inside each of its blocks' forward, as a slow device would: its group's peers
+wait for it inside their collectives), ``fail-collective`` and ``flip`` (one bit of one
 parameter, silently: the integrity check's to find); keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
-or ``at`` (seconds since training started), ``factor`` (for ``slow``) and ``after``
+or ``at`` (seconds since training started), ``factor`` (for the slowdowns) and ``after``
 (for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
 its peers compute; a step shorter than that waits for the death before its sum, so the
 death lands in the step named). A fault fires once, on the first step at or after its trigger, in the
@@ -29,9 +31,9 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
 from elastic.core.protocol import RunSpec
 
-KINDS = ("kill", "kill-group", "hang", "slow", "fail-collective", "flip")
-_TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "fail-collective": "rank",
-           "flip": "rank"}
+KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip")
+_TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "slow-device": "rank",
+           "fail-collective": "rank", "flip": "rank"}
 
 
 class FaultSpecError(ValueError):
@@ -97,7 +99,7 @@ def _parse_one(text: str) -> Fault:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs {target}=N")
     if ("step" in fields) == ("at" in fields):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs exactly one of step=N or at=SECONDS")
-    if kind == "slow" and fields.get("factor", 1.0) <= 1.0:
+    if kind in ("slow", "slow-device") and fields.get("factor", 1.0) <= 1.0:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs factor > 1")
     if "after" in fields and (kind not in ("kill", "kill-group") or not 0 < fields["after"] < 3600):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r}: after=SECONDS (0 to 3600) applies to kill and kill-group")
