@@ -32,3 +32,33 @@ def test_a_delayed_kill_dies_in_the_step_it_was_fired_in_however_short():
     rank.start()
     rank.join(timeout=60)
     assert rank.exitcode == 1 and done.value == 0, (rank.exitcode, done.value)
+
+
+def test_a_slow_device_adds_its_work_inside_the_forward():
+    """``slow-device`` burns inside the forward (where FSDP2's peers would wait for it in the
+    next all-gather), ``factor - 1`` times the step's work, which is about
+    ``STEP_OVER_FORWARD`` forwards. Timed in this thread's CPU seconds, as the burn is."""
+    import time
+
+    import torch
+
+    from workers.fault_injection import STEP_OVER_FORWARD, slow_blocks
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    inputs = torch.randn(256, 256)
+
+    def forward_s() -> float:
+        started = time.thread_time()
+        with torch.no_grad():
+            model(inputs)
+        return time.thread_time() - started
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the forward's work in this thread, where the burn is timed
+    try:
+        plain = min(forward_s() for _ in range(5))
+        slow_blocks(model, factor=1.5)
+        slowed = min(forward_s() for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+    assert slowed >= (1 + 0.5 * STEP_OVER_FORWARD) * plain * 0.9
