@@ -2,7 +2,6 @@
 `elastic train` stops with a message naming the minimum and exits non-zero."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
