@@ -16,6 +16,7 @@ from elastic.core.exits import Exit
 from elastic.setup.config import ConfigError
 from elastic.core.events import EventLog
 from elastic.setup.resume_checks import check_resumable, config_hash, config_record
+from elastic.outputs.summary import RunSummary
 from elastic.trainer import ElasticTrainer
 from tests.tiny import tiny_config
 
@@ -65,11 +66,11 @@ def test_a_summary_that_cannot_be_written_fails_the_run_and_keeps_why_it_ended(t
         raise PermissionError("read-only bucket")
 
     monkeypatch.setattr(trainer, "_write_summary", unwritable)
-    summary = {"exit": "completed"}
-    assert trainer._save_summary(summary) is None
-    assert summary["exit"].startswith("failed: summary not written (PermissionError: read-only bucket)")
-    assert summary["exit"].endswith("the run ended: completed")
-    assert Exit.parse(summary["exit"]).code == 1
+    path, summary = trainer._save_summary(RunSummary(exit="completed"))
+    assert path is None
+    assert summary.exit.startswith("failed: summary not written (PermissionError: read-only bucket)")
+    assert summary.exit.endswith("the run ended: completed")
+    assert Exit.parse(summary.exit).code == 1
 
 
 def test_the_rendezvous_store_refuses_an_outsider_on_this_machines_own_address():
