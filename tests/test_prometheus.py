@@ -157,3 +157,23 @@ def test_the_step_gauge_and_the_committed_counter_agree(tmp_path):
     scenario.controller.step_listeners.append(lambda record: metrics.on_step(record, scenario.ledger))
     assert scenario.run() == "completed"
     assert registry.get_sample_value("elastic_step") == registry.get_sample_value("elastic_steps_committed_total") == 3
+
+
+def test_every_failure_cause_has_its_series_from_the_start_and_counts_its_diagnoses():
+    """One series per cause a failure can be diagnosed with, at 0 before any failure: those
+    the run recovers from and those that stop it (own-data, own-code)."""
+    from prometheus_client import CollectorRegistry
+
+    from elastic.core.diagnosis import Cause
+    from elastic.core.events import EventKind
+    from elastic.outputs.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics("t", registry)
+    causes = {Cause.DEATH, Cause.HANG, Cause.OWN_ERROR, Cause.OWN_DATA, Cause.OWN_CODE, Cause.COLLECTIVE_ERROR,
+              Cause.CONTROL_ERROR, Cause.INTEGRITY_MISMATCH}
+    for cause in causes:
+        assert registry.get_sample_value("elastic_failures_total", {"cause": cause}) == 0, cause
+    metrics.on_event({"t": 1.0, "kind": EventKind.FAILURE_DIAGNOSED, "cause": Cause.OWN_DATA, "work": "step",
+                      "step": 4, "culprits": {3: Cause.OWN_DATA}})
+    assert registry.get_sample_value("elastic_failures_total", {"cause": "own-data"}) == 1

@@ -493,6 +493,8 @@ def test_a_rank_that_reads_an_id_beyond_the_vocab_stops_the_run_with_it_and_evic
     assert "own-data" in result.exit and f"DataError: sample {unsampled} holds token id 300" in result.exit
     kinds = [event["kind"] for event in result.summary["events"]]
     assert "rank-evicted" not in kinds and "rank-failed" not in kinds and "group-joined" in kinds
+    [diagnosed] = [event for event in result.summary["events"] if event["kind"] == "failure-diagnosed"]
+    assert diagnosed["cause"] == "own-data"  # counted in elastic_failures_total, though nothing recovered
     assert kinds.count("group-built") == 2  # the two groups of the start: no process was replaced
 
 

@@ -66,6 +66,7 @@ class EventKind(StrEnum):
     # failures and recovery
     FAULT_INJECTED = "fault-injected"
     STEP_DEADLINE = "step-deadline"
+    FAILURE_DIAGNOSED = "failure-diagnosed"  # every failure, with the cause named, before any recovery or stop
     RANK_FAILED = "rank-failed"
     RANK_EVICTED = "rank-evicted"
     STEP_DISCARDED = "step-discarded"

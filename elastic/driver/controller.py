@@ -361,6 +361,8 @@ class Controller:
     def recover(self, failure: Recovering) -> None:
         diagnosis, step = failure.diagnosis, self.history.step
         drained = self.clock()
+        self.events.emit(EventKind.FAILURE_DIAGNOSED, cause=diagnosis.cause, work=failure.failed.value, step=step,
+                         culprits=diagnosis.culprits)
         refusal = self.failures.refusal(step, diagnosis)
         if refusal is not None:
             raise TrainingStopped(f"{failure.describe(step)}: {refusal}")

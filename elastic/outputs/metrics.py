@@ -20,6 +20,8 @@ from elastic.driver.records import StepResult
 # series misses the first failure, and panels would show "no data" instead of 0.
 RANK_FAILURES = (Cause.DEATH, Cause.HANG, Cause.OWN_ERROR, Cause.COLLECTIVE_ERROR, Cause.CONTROL_ERROR)
 RECOVERY_CAUSES = (*RANK_FAILURES, Cause.INTEGRITY_MISMATCH)  # a mismatch evicts no rank
+# Every cause a failure can be diagnosed with: those the run recovers from, and those that stop it
+FAILURE_CAUSES = (*RECOVERY_CAUSES, Cause.OWN_DATA, Cause.OWN_CODE)
 EVICTION_CAUSES = (*RANK_FAILURES, Cause.STUCK_IN_COLLECTIVE, Cause.STRAGGLER)
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -74,6 +76,10 @@ class Metrics:
         self.steps_rolled_back = Counter(
             "elastic_steps_rolled_back", "Committed steps rerun after a restore (no live peer): from memory, a checkpoint or the initial state", **labels
         )
+        self.failures = Counter(
+            "elastic_failures", "Failures (of a step, an evaluation, a control call or a group's start) by the cause "
+            "diagnosed, those that stop the run included", ["cause"], **labels,
+        )
         self.recoveries = Counter("elastic_recoveries", "Recoveries by cause", ["cause"], **labels)
         self.recovery_seconds = Histogram(
             "elastic_recovery_seconds", "Failure detection to next committed step", ["cause"],
@@ -118,6 +124,8 @@ class Metrics:
                                    **labels)
         self.info = Gauge("elastic_run_info", "Run identity", ["run"], **labels)
         self.info.labels(run=run).set(1)
+        for cause in FAILURE_CAUSES:
+            self.failures.labels(cause=cause)
         for cause in RECOVERY_CAUSES:
             self.recoveries.labels(cause=cause)
             self.recovery_seconds.labels(cause=cause)
@@ -132,7 +140,9 @@ class Metrics:
 
     def on_event(self, event: Event) -> None:
         kind = event["kind"]
-        if kind == EventKind.RANK_EVICTED:
+        if kind == EventKind.FAILURE_DIAGNOSED:
+            self.failures.labels(cause=event["cause"]).inc()
+        elif kind == EventKind.RANK_EVICTED:
             self.evictions.labels(cause=event["cause"]).inc()
         elif kind == EventKind.STEP_DISCARDED:
             self.steps_discarded.inc()
