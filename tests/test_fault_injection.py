@@ -44,8 +44,8 @@ def test_a_slow_device_adds_its_work_inside_the_forward():
 
     from workers.fault_injection import STEP_OVER_FORWARD, slow_blocks
 
-    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
-    inputs = torch.randn(256, 256)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+    inputs = torch.randn(1024, 512)  # tens of milliseconds: a timer's noise is small beside it
 
     def forward_s() -> float:
         started = time.thread_time()
@@ -56,9 +56,10 @@ def test_a_slow_device_adds_its_work_inside_the_forward():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the forward's work in this thread, where the burn is timed
     try:
-        plain = min(forward_s() for _ in range(5))
+        plain = min(forward_s() for _ in range(3))
         slow_blocks(model, factor=1.5)
-        slowed = min(forward_s() for _ in range(5))
+        slowed = min(forward_s() for _ in range(3))
     finally:
         torch.set_num_threads(threads)
-    assert slowed >= (1 + 0.5 * STEP_OVER_FORWARD) * plain * 0.9
+    # 2.5 forwards' work; 2 even where one forward's timing ran a quarter long
+    assert slowed >= 0.8 * (1 + 0.5 * STEP_OVER_FORWARD) * plain
