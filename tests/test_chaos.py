@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
+
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from elastic.testing.losses import max_relative_difference
@@ -44,6 +46,7 @@ def shifted(schedule: str, steps: int) -> str:
     return re.sub(r"step=(\d+)", lambda match: f"step={int(match[1]) + steps}", schedule)
 
 
+@pytest.mark.waits  # each schedule's hang waits out its deadline, each kill its group's rebuild
 def test_chaos_schedules_one_after_another_complete_with_the_fault_free_losses(ray_cluster, tmp_path):
     # The first schedule keeps its place before the first checkpoint.
     found = schedules(5, SEED)

@@ -16,6 +16,7 @@ def failed(summary):
     return [(e["rank"], e["cause"]) for e in summary["events"] if e["kind"] == EventKind.RANK_FAILED]
 
 
+@pytest.mark.waits  # the hang waits out its deadline; both groups wait for each heal
 def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path):
     """A death, an error on the rank's own side of a collective and a hang, one after another
     in one run: each names its rank and cause, and no other rank. Both groups are required, so
@@ -38,6 +39,7 @@ def test_each_detection_path_names_the_culprit(ray_cluster, tmp_path):
         assert event["total_s"] > 0 and {"detect_s", "rebuild_s", "heal_s"} <= set(event), event
 
 
+@pytest.mark.waits  # the hang waits out its deadline; the killed groups rebuild
 def test_faults_do_not_change_what_is_committed(ray_cluster, tmp_path):
     steps = 60
     # The hang is on group 2, which the kills spare: a fault fires at its step only on a live
