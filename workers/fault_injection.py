@@ -40,11 +40,23 @@ def burn_cpu(seconds: float) -> None:
 STEP_OVER_FORWARD = 3.0
 
 
+def work_sites(model: nn.Module) -> list[nn.Module]:
+    """Where a fault acts inside the forward: the outermost modules FSDP2 wraps (the model
+    itself aside), else the outermost modules holding parameters of their own. Both run a
+    forward in every layout, where the model, or a rank's pipeline stages, may run none of
+    their own; outermost alone, so no work is counted twice through nested modules."""
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+    named = named or [(name, m) for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    outermost: list[tuple[str, nn.Module]] = []
+    for name, module in named:  # named_modules lists a module before the modules inside it
+        if not any(outer == "" or name.startswith(outer + ".") for outer, _ in outermost):
+            outermost.append((name, module))
+    return [module for _, module in outermost]
+
+
 def slow_blocks(model: nn.Module, factor: float) -> None:
-    """Slow every block FSDP2 wraps (else the model) by ``factor``, inside its forward: the
-    group's peers then wait for this rank in the next block's all-gather, as they would for
-    a slow device, and time that wait as their own compute."""
-    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model] or [model]
+    """Slow the rank by ``factor`` inside its forward, as a slow device would, not after its
+    compute: its group's peers meet it in the collectives of a later block."""
     started: dict[int, float] = {}
 
     def before(module, _inputs) -> None:
@@ -53,7 +65,7 @@ def slow_blocks(model: nn.Module, factor: float) -> None:
     def after(module, _inputs, _output) -> None:
         burn_cpu((factor - 1.0) * STEP_OVER_FORWARD * (time.thread_time() - started.pop(id(module))))
 
-    for block in blocks:
+    for block in work_sites(model):
         block.register_forward_pre_hook(before)
         block.register_forward_hook(after)
 
@@ -94,11 +106,7 @@ class InjectedFaults:
         if fault.kind == "slow-device":
             slow_blocks(model, fault.factor)
         if fault.kind == "hang":
-            # Inside the first module FSDP2 wraps, else the first module holding parameters
-            # (the model, or a rank's pipeline stages, may run no forward of its own).
-            hang_in = next((m for m in model.modules() if isinstance(m, FSDPModule) and m is not model), None)
-            hang_in = hang_in or next(m for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
-            hang_in.register_forward_pre_hook(lambda *_: threading.Event().wait())
+            work_sites(model)[0].register_forward_pre_hook(lambda *_: threading.Event().wait())
         if fault.kind == "fail-collective":
             self.fail_next_collective = True
         if fault.kind == "flip":
