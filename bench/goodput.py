@@ -86,7 +86,9 @@ def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[st
     failure was seen and the others drained (``detect_s``), the replacement started or a spare
     assumed the rank (``start_s``), the group's world and model built (``build_s``), the wait
     for the survivors' next boundary (``boundary_s``), the state copied from a peer
-    (``heal_s``), and the rest until the group joined (``join_s``)."""
+    (``heal_s``), and the rest until the group joined (``join_s``); and from the failure seen to
+    the group built (``evicted_to_built_s``: its start and build, with the wait for a placement
+    and the driver's polls)."""
     def first(kind: str, **match) -> dict | None:
         return next((e for e in events if e["kind"] == kind and e["t"] >= fault["t"]
                      and all(e.get(key) == value for key, value in match.items())), None)

@@ -189,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="bench-stragglers-")
     start_local_ray(num_cpus=8, log_to_driver=False)
     verdicts = []
+    slowed = f"(b) rank {args.slow_rank} slowed {args.factor}x ({args.slow_kind}) from {args.onset_s:g} s into training"
+    slow = f"{args.slow_kind}:rank={args.slow_rank},factor={args.factor},at={args.onset_s}"
 
     if args.only_slowed:
-        print(f"(b) rank {args.slow_rank} slowed {args.factor}x ({args.slow_kind}) from {args.onset_s:g} s into training")
-        return detection_alone(root, args, f"{args.slow_kind}:rank={args.slow_rank},factor={args.factor},at={args.onset_s}")
+        print(slowed)
+        return detection_alone(root, args, slow)
     print(f"(a) noise +/-{args.noise:.0%} on every rank")
     flags, mitigations = simulated_noise(
         args.sim_steps, args.noise, args.sim_groups, args.sim_ranks_per_group, args.seed
@@ -204,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  real: {args.noise_steps} steps x 4 ranks: {real_flags} flags, {real_mitigations} mitigations")
     verdicts.append(mitigations == 0 and real_mitigations == 0)
 
-    print(f"(b) rank {args.slow_rank} slowed {args.factor}x ({args.slow_kind}) from {args.onset_s:g} s into training")
-    slow = f"{args.slow_kind}:rank={args.slow_rank},factor={args.factor},at={args.onset_s}"
+    print(slowed)
     healthy = real_run(root, "healthy", args.steps, args.spares)
     mitigated = real_run(root, "mitigated", args.steps, args.spares, fault_tolerance__inject=slow)
     unmitigated = real_run(root, "unmitigated", args.steps, args.spares, fault_tolerance__inject=slow,

@@ -5,7 +5,8 @@ assumed the ranks), ``build_s`` (the group's world and model built on every rank
 (the cross-group process groups), ``heal_s`` (the state copied from a peer, or restored), and
 ``first_step_s`` (from the run's restart to its first commit); ``other_s`` is the rest (the
 driver's polls between them). Groups start and build side by side, so those two parts are the
-longest group's. One recovery is open at a time; a failure during it extends it."""
+longest group's. The parts add up to ``total_s`` unless they overlapped (a group that builds
+while the survivors step); ``other_s`` is then 0. One recovery is open at a time; a failure during it extends it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from elastic.core.events import EventKind, EventLog
 
-# The ``recovered`` event's parts, in the order they happen; they add up to its ``total_s``.
+# The ``recovered`` event's parts, in the order they happen.
 MEASURED_PARTS = ("detect_s", "drain_s", "start_s", "build_s", "rebuild_s", "heal_s")
 RECOVERY_PARTS = (*MEASURED_PARTS, "first_step_s", "other_s")
 

@@ -94,7 +94,7 @@ def over_every_leg(summary: RunSummary) -> RunSummary:
     """The summary with the whole run's time breakdown, wall time and goodput: its own for a
     run of one leg."""
     total = summary.run_total
-    if total is None or total.legs == 1:
+    if total is None or not summary.earlier_legs:
         return summary
     return summary.model_copy(update={"time_breakdown": total.time_breakdown, "wall_s": total.wall_s,
                                       "goodput": total.goodput})
