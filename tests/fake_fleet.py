@@ -150,7 +150,7 @@ class FakeFleet:
         self.aborted_at: float | None = None
         # what the driver did
         self.starts: list[int] = []
-        self.kills: list[int] = []
+        self.kills: list[int] = []  # every kill call, of a live process or not
         self.copies: list[tuple[int, int]] = []
         self.restores: list[tuple[tuple[int, ...], str]] = []
         self.runs: list[dict[int, RunSpec]] = []
@@ -240,8 +240,7 @@ class FakeFleet:
             raise CallFailed([rank for rank, _ in faults], f"RuntimeError during {call}", call)
 
     def kill(self, rank: int) -> None:
-        if rank in self.alive_ranks:
-            self.kills.append(rank)
+        self.kills.append(rank)
         self.alive_ranks.discard(rank)
 
     def kill_group(self, group: int) -> None:

@@ -162,6 +162,7 @@ def test_a_hang_is_blamed_on_the_least_progressed_rank_and_its_blocked_peer_repl
     assert deadline["hung"] == [2] and deadline["step"] == 5
     evicted = [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)]
     assert evicted == [(2, "hang"), (3, "stuck-in-collective")]
+    assert scenario.fleet.kills == [2, 3]  # the hung rank before the drain, its blocked peer at eviction: once each
     assert scenario.kinds(EventKind.STEP_DISCARDED)[0]["broken_groups"] == [1]
     assert scenario.fleet.copies == [(0, 2), (1, 3)]  # group 0 kept its state and healed group 1
     assert scenario.kinds(EventKind.RECOVERED)[0]["cause"] == "hang"

@@ -217,7 +217,8 @@ class GroupKeeper:
 
     def evict(self, rank: int, cause: Cause) -> int:
         """Kill the rank's process; its group leaves the quorum to replace it. Returns the group."""
-        self.fleet.kill(rank)
+        if cause is not Cause.HANG:  # a hung rank was killed when its failure was seen, before the drain
+            self.fleet.kill(rank)
         group = self.topology.group_of(rank)
         self.joining_calls.pop(group, None)
         self._failed_starts.pop(group, None)
