@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
@@ -271,19 +272,22 @@ def step_record(step: int, group: int, ranks_per_group: int = 2):
 
 def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_would():
     from elastic.core.protocol import RunRecords
-    from elastic.driver.history import CommittedStep
+    from elastic.driver.records import RankArrays
 
     own = {group: [step_record(step, group) for step in (5, 6, 7)] for group in (2, 0)}
     message = RunRecords.of_groups(own)
     assert message.groups == (0, 2) and [record.step for record in message.records] == [5, 6, 7]
-    from_run = CommittedStep.of_run(message, Topology(2, 1, 3))
+    topology = Topology(2, 1, 3)
     for index, step in enumerate((5, 6, 7)):
-        expected = CommittedStep.of_groups({group: records[index] for group, records in own.items()})
-        got = from_run[index]
-        assert got.record == expected.record and got.step_s == expected.step_s
+        one_step = RunRecords.of_groups({group: [records[index]] for group, records in own.items()})
+        expected, got = RankArrays.of_run(one_step, 0, topology), RankArrays.of_run(message, index, topology)
+        assert message.records[index] == one_step.records[0]
+        assert message.step_s[index].tolist() == [own[0][index].step_s, own[2][index].step_s]
+        assert got.ranks.tolist() == [0, 1, 4, 5]
         for name in ("ranks", "samples"):
-            assert getattr(got.ranks, name).tolist() == getattr(expected.ranks, name).tolist()
-        assert [times.tolist() for times in got.ranks.times] == [times.tolist() for times in expected.ranks.times]
+            assert getattr(got, name).tolist() == getattr(expected, name).tolist()
+        assert [times.tolist() for times in got.times] == [times.tolist() for times in expected.times]
+        assert got.times.wall_s.tolist() == [time.wall_s for group in (0, 2) for time in own[group][index].times]
 
 
 def test_first_ranks_that_gathered_different_steps_are_refused():
@@ -292,7 +296,7 @@ def test_first_ranks_that_gathered_different_steps_are_refused():
     records = tuple(step_record(step, 0) for step in (5, 6))
     rows = [[record_row(record) for record in records], [record_row(step_record(step, 1)) for step in (6, 7)]]
     with pytest.raises(ValueError, match="different steps"):
-        RunRecords.from_rows(records, rows)
+        RunRecords.from_rows(records, np.array(rows))
 
 
 def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_its_interval_of_commits():

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from elastic import ElasticTrainer
 from elastic.core.protocol import RankTimes
-from elastic.driver.records import StepResult
+from elastic.driver.records import RankArrays, StepResult
 from elastic.outputs.loggers import eval_scalars, step_scalars
 from elastic.outputs.summary import StepEntry
 from tests.tiny import tiny_config
 
 RECORD = StepResult(step=7, t=1.5, loss=2.5, lr=3e-3, grad_norm=math.nan, grad_clip_scale=1.0, step_s=0.2,
                     live_groups=2, live_ranks=4, generation=1, tokens_per_s=9e4,
-                    rank_times={0: RankTimes(data_s=0.01, compute_s=0.15, comm_s=0.03, wall_s=0.2)},
+                    rank_arrays=RankArrays(ranks=np.array([0]), samples=np.array([4.0]), times=RankTimes(
+                        *np.array([[0.01, 0.15, 0.03, 0.2, 0.0, 0.0]]).T)),
                     group_samples={0: 4, 1: 4})
 
 

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -547,8 +548,8 @@ class StepTransaction:
         self.activity.set(step, Phase.DONE)
         return loss_share, counted, compute_s
 
-    def gather_across_groups(self, rows: list[list[float]], deadline: float) -> list[list[list[float]]] | None:
-        """The ``rows`` of this position's rank in every group, by replica rank; None when
+    def gather_across_groups(self, rows: list[list[float]], deadline: float) -> np.ndarray | None:
+        """The ``rows`` of this position's rank in every group, ``[replica rank, row, value]``; None when
         the gather fails: a peer group is gone, and the next cross-group sum fails and ends
         the run as any failed sum does."""
         replicate_group = self.world.replicate_group
@@ -558,7 +559,7 @@ class StepTransaction:
             self.wait_replicate(replicate_group.allgather([gathered], [own]), deadline)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed):
             return None
-        return [member.cpu().tolist() for member in gathered]
+        return torch.stack(gathered).cpu().numpy()
 
 
 def routed_layout(model: torch.nn.Module, stages: Sequence[torch.nn.Module], held: Sequence) -> RoutedLayout:

@@ -105,8 +105,12 @@ class EventLog:
         self.events: list[Event] = []
         self.listeners: list[Callable[[Event], None]] = []
 
+    def elapsed(self) -> float:
+        """Seconds into the run, as events and step results are stamped."""
+        return round(self.clock() - self.started_at, 4)
+
     def emit(self, kind: EventKind, **fields: Any) -> Event:
-        event = {"t": round(self.clock() - self.started_at, 4), "kind": EventKind(kind).value, **fields}
+        event = {"t": self.elapsed(), "kind": EventKind(kind).value, **fields}
         self.events.append(event)
         log.info("%s", redact_credentials(json.dumps(event, default=str)))
         for listener in self.listeners:

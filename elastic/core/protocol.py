@@ -19,6 +19,8 @@ from enum import StrEnum
 from itertools import chain
 from typing import NamedTuple
 
+import numpy as np
+
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.loss_scale import LossScale
@@ -218,33 +220,32 @@ def record_row(record: StepRecord) -> list[float]:
 class RunRecords:
     """Every group's committed steps since the run's last message. The decided values (loss,
     norm, rate, shares, cursor) are every group's, so the sender's own records carry them;
-    each group adds its ranks' times and its loop period."""
+    each group adds its ranks' times and its loop period, kept as the gather's arrays."""
 
     records: tuple[StepRecord, ...]  # the sender's, one per step
     groups: tuple[int, ...]
-    times: tuple[tuple[float, ...], ...]  # per step: the RankTimes of each group's ranks in turn, flat
-    step_s: tuple[tuple[float, ...], ...]  # per step: each group's loop period, in ``groups`` order
+    times: np.ndarray  # [step, rank, time]: the RankTimes of each group's ranks in turn
+    step_s: np.ndarray  # [step, group]: each group's loop period, in ``groups`` order
 
     @classmethod
-    def from_rows(cls, records: tuple[StepRecord, ...], rows: list[list[list[float]]]) -> RunRecords:
-        """From the gathered rows: one list per group's first rank, one row per step."""
-        rows = sorted(rows, key=lambda member: member[0][ROW_GROUP])
-        groups = tuple(int(member[0][ROW_GROUP]) for member in rows)
-        steps = [[int(row[ROW_STEP]) for row in member] for member in rows]
-        if any(member_steps != [record.step for record in records] for member_steps in steps):
-            raise ValueError(f"the groups' first ranks gathered different steps: {steps}")
+    def from_rows(cls, records: tuple[StepRecord, ...], rows: np.ndarray) -> RunRecords:
+        """From the gathered rows, ``[group's first rank, step, row]``."""
+        rows = rows[np.argsort(rows[:, 0, ROW_GROUP], kind="stable")]
+        steps = rows[:, :, ROW_STEP].astype(np.int64)
+        if (steps != [record.step for record in records]).any():
+            raise ValueError(f"the groups' first ranks gathered different steps: {steps.tolist()}")
         return cls(
-            records=records, groups=groups,
-            times=tuple(tuple(chain.from_iterable(member[index][ROW_HEAD:] for member in rows))
-                        for index in range(len(records))),
-            step_s=tuple(tuple(member[index][ROW_LOOP_S] for member in rows) for index in range(len(records))),
+            records=records, groups=tuple(rows[:, 0, ROW_GROUP].astype(np.int64).tolist()),
+            times=rows[:, :, ROW_HEAD:].transpose(1, 0, 2).reshape(len(records), -1, len(RankTimes._fields)),
+            step_s=rows[:, :, ROW_LOOP_S].T,
         )
 
     @classmethod
     def of_groups(cls, records: dict[int, list[StepRecord]]) -> RunRecords:
         """From each group's own records of the same steps (what the gather assembles)."""
         ordered = [records[group] for group in sorted(records)]
-        return cls.from_rows(tuple(ordered[0]), [[record_row(record) for record in member] for member in ordered])
+        return cls.from_rows(tuple(ordered[0]),
+                             np.array([[record_row(record) for record in member] for member in ordered], np.float64))
 
 
 @dataclass(frozen=True)

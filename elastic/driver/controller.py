@@ -42,13 +42,13 @@ from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
 from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
-from elastic.core.protocol import RunSpec, describe_error
+from elastic.core.protocol import RunRecords, RunSpec, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.driver.evaluation import Evaluation
 from elastic.fleet.api import FleetApi, FleetError, RunStream
 from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper
-from elastic.driver.history import CommittedStep, RunHistory
-from elastic.driver.records import StepResult
+from elastic.driver.history import RunHistory
+from elastic.driver.records import RankArrays, StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
 from elastic.driver.report_collector import FailureSeen, ReportCollector
 from elastic.driver.run_context import RunContext
@@ -258,9 +258,7 @@ class Controller:
                               outcome.failure.seen_at)
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
             step = outcome.nonfinite
-            self.history.steps_discarded += 1
-            if step.overflow:  # fp16's gradients overflowed: every rank halved its scale, as the driver does
-                self.history.loss_scale = self.history.loss_scale.after_overflow()
+            self.history.discard_nonfinite(step)
             self.events.emit(EventKind.NONFINITE_STEP, step=step.step, loss=str(step.loss), grad_norm=str(step.grad_norm),
                              overflow=step.overflow,
                              **({"loss_scale": self.history.loss_scale.value} if step.overflow else {}))
@@ -312,12 +310,12 @@ class Controller:
         uploading = self.checkpoints.in_flight if self.checkpoints is not None else None
         return self.stragglers.ready(None if uploading is None else frozenset(uploading.ranks))
 
-    def commit(self, committed: CommittedStep) -> None:
-        """A step every group of the run committed: feed the straggler detector, record it,
-        feed the deadline, close an open recovery, tell the listeners."""
-        scores = self.stragglers.on_commit(self.history.step, committed, self.fleet.has_spare_slot)
-        result = self.history.commit(committed, generation=self.membership.generation,
-                                     t=round(self.clock() - self.events.started_at, 4), straggler_scores=scores)
+    def commit(self, message: RunRecords, index: int) -> None:
+        """A step every group committed, the message's ``index``-th: detector, history, deadline, recovery, listeners."""
+        arrays = RankArrays.of_run(message, index, self.topology)
+        scores = self.stragglers.on_commit(self.history.step, arrays, self.fleet.has_spare_slot)
+        result = self.history.commit(message, index, arrays, generation=self.membership.generation,
+                                     t=self.events.elapsed(), straggler_scores=scores)
         self.deadline.record(result.step_s)
         self.divergence.committed()
         self.timing.close(self.history.step)

@@ -8,7 +8,31 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from elastic.core.protocol import RankTimes
+import numpy as np
+
+from elastic.core.protocol import RankTimes, RunRecords
+from elastic.core.topology import Topology
+
+
+@dataclass(frozen=True)
+class RankArrays:
+    """A committed step's per-rank figures, one row per rank (ascending): arrays, as the run's
+    message carried them, so the driver's work per step (the straggler detector's included)
+    stays a few array operations however many ranks there are."""
+
+    ranks: np.ndarray
+    times: RankTimes  # each an array over the ranks
+    samples: np.ndarray  # each rank's group's share of the batch
+
+    @classmethod
+    def of_run(cls, message: RunRecords, index: int, topology: Topology) -> RankArrays:
+        """The ranks' figures of the message's ``index``-th step."""
+        record = message.records[index]
+        samples = np.fromiter((record.group_samples[group] for group in message.groups), np.float64,
+                              len(message.groups))
+        return cls(ranks=np.asarray(topology.ranks_of(message.groups), np.int64),
+                   times=RankTimes(*message.times[index].T),
+                   samples=np.repeat(samples, topology.ranks_per_group))
 
 
 @dataclass(frozen=True)
@@ -26,10 +50,16 @@ class StepResult:
     live_ranks: int
     generation: int  # the membership's: it changes whenever a group joins or leaves
     tokens_per_s: float
-    rank_times: dict[int, RankTimes]  # by global rank, each time rounded to 10 µs
+    rank_arrays: RankArrays = field(compare=False, repr=False)  # each rank's times, as arrays: ``rank_times``
     group_samples: dict[int, int]  # each live group's share of the batch
     straggler_scores: dict[int, float] | None = None  # by rank; None where straggler mitigation is off
     expert_load: dict[int, float] = field(default_factory=dict)  # by expert layer: max over mean tokens
+
+    @property
+    def rank_times(self) -> dict[int, RankTimes]:
+        """By global rank, each time rounded to 10 µs."""
+        rounded = np.round(np.column_stack(self.rank_arrays.times), 5).tolist()
+        return dict(zip(self.rank_arrays.ranks.tolist(), map(RankTimes._make, rounded)))
 
 
 @dataclass(frozen=True)

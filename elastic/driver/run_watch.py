@@ -29,9 +29,7 @@ from elastic.core.diagnosis import diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import GroupRecords, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
-from elastic.core.topology import Topology
 from elastic.fleet.api import FleetApi, RunStream
-from elastic.driver.history import CommittedStep
 from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
@@ -41,6 +39,9 @@ TICK_S = 1e-6
 # A wait can return a moment before its timeout: a poll due within this is due now, rather
 # than waited for in slivers.
 POLL_SLACK_S = 0.01
+
+# Hands on a step every group of the run committed: the message that carried it, and its place there.
+StepCommitted = Callable[[RunRecords, int], None]
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,12 @@ class RunInbox:
     step, handed on once every group of the run has it (``commit_complete``); every rank's
     final report, the ranks gone, each rank's next step, the discarded step's findings."""
 
-    def __init__(self, spec: RunSpec, topology: Topology, on_step: Callable[[CommittedStep], None],
-                 clock: Callable[[], float]):
-        self.topology, self.on_step, self.clock = topology, on_step, clock
+    def __init__(self, spec: RunSpec, on_step: StepCommitted, clock: Callable[[], float]):
+        self.on_step, self.clock = on_step, clock
         self.groups = spec.groups
         started = clock()
         self.records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
-        self.complete: dict[int, CommittedStep] = {}  # by step, from a RunRecords: every group's
+        self.complete: dict[int, tuple[RunRecords, int]] = {}  # by step, its message and place in it
         self.ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
         self.next_steps: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -81,9 +81,8 @@ class RunInbox:
             # run ended before it heard that the gather went through.
             if isinstance(message, RunRecords):
                 self.heard_at.update(dict.fromkeys(message.groups, self.clock()))
-                self.complete.update((committed.record.step, committed)
-                                     for committed in CommittedStep.of_run(message, self.topology)
-                                     if committed.record.step >= self.next)
+                self.complete.update((record.step, (message, index)) for index, record in enumerate(message.records)
+                                     if record.step >= self.next)
                 continue
             if isinstance(message, GroupRecords):
                 self.heard_at[message.group] = self.clock()
@@ -107,7 +106,8 @@ class RunInbox:
 
     def commit_next(self) -> None:
         own = self.records.pop(self.next, None)
-        self.on_step(self.complete.pop(self.next, None) or CommittedStep.of_groups(own))
+        self.on_step(*self.complete.pop(self.next, None) or (RunRecords.of_groups(
+            {group: [record] for group, record in own.items()}), 0))
         self.next += 1
         self.committed_until = self.clock()
 
@@ -127,11 +127,11 @@ class RunWatch:
         self.topology = collector.topology
         self.clock = collector.clock
 
-    def watch(self, stream: RunStream, spec: RunSpec, on_step: Callable[[CommittedStep], None],
+    def watch(self, stream: RunStream, spec: RunSpec, on_step: StepCommitted,
               between: Callable[[], None]) -> RunOutcome:
         """Hand on each step every group committed, call ``between`` while waiting, and
         return how the run ended."""
-        inbox = RunInbox(spec, self.topology, on_step, self.clock)
+        inbox = RunInbox(spec, on_step, self.clock)
         started = self.clock()
         group_of = {rank: self.topology.group_of(rank) for rank in stream.ranks}
         # Between polls of every rank, the wait is on the groups' first ranks only (they carry

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from elastic.core.events import EventLog
 from elastic.core.straggler_mitigation import NO_ACTIONS, StragglerActions, StragglerMitigation
 from elastic.core.topology import Topology
-from elastic.driver.history import CommittedStep
+from elastic.driver.records import RankArrays
 from elastic.setup.config import TrainConfig
 
 
@@ -32,12 +32,12 @@ class StragglerWatch:
         """The groups' data weights the rebalance chose (none: equal)."""
         return self.mitigation.weights if self.mitigation is not None else {}
 
-    def on_commit(self, step: int, committed: CommittedStep, has_spare_slot: bool) -> dict | None:
+    def on_commit(self, step: int, ranks: RankArrays, has_spare_slot: bool) -> dict | None:
         """Feed a committed step's per-rank times; the ranks' straggler scores, or None when off.
         Actions it decides wait for the boundary: the run goes on until the pause."""
         if self.mitigation is None:
             return None
-        ranks, times = committed.ranks, committed.ranks.times
+        times = ranks.times
         actions = self.mitigation.on_step_arrays(
             step, ranks.ranks, ranks.ranks // self.topology.ranks_per_group, samples=ranks.samples,
             compute_s=times.compute_s, fixed_s=times.data_s, step_s=float(times.wall_s.max()),
