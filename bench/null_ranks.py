@@ -3,8 +3,8 @@ of today (runs: ranks step on their own and stream their groups' records) agains
 pattern it replaced (one actor call per rank per step, collected one at a time), side by
 side at each scale.
 
-Null ranks speak the real protocol (``RunSpec`` in, ``RunRecords`` / ``GroupRecords`` /
-``RunEnd`` out, planned with the real ``data_plan``) under the real ``Fleet`` and
+Null ranks speak the real protocol (``SegmentSpec`` in, ``SegmentRecords`` / ``GroupRecords`` /
+``SegmentEnd`` out, planned with the real ``data_plan``) under the real ``Fleet`` and
 ``Controller``, but do no math and import no torch: a step is a sleep of ``--step-ms``, and
 the run's first rank writes every group's records itself where real ranks gather them over
 their cross-group process group (at the same steps: about once per report interval). Real
@@ -40,7 +40,7 @@ import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
 from elastic.core.protocol import (  # noqa: E402
-    BuildReport, GroupRecords, RankActivity, RankTimes, RunEnd, RunRecords, StepRecord,
+    BuildReport, GroupRecords, RankActivity, RankTimes, SegmentEnd, SegmentRecords, StepRecord,
 )
 from elastic.core.topology import Topology  # noqa: E402
 from elastic.fleet.ray_connection import start_local_ray  # noqa: E402
@@ -84,12 +84,12 @@ class NullRank:
         me = self.spec
         topology = Topology(me.shard, me.tp)
         # the steps at which real ranks' first ranks agree to gather, about once per interval
-        every = max(1, round(spec.report_interval_s / self.step_s))
+        every = max(1, round(spec.records_interval_s / self.step_s))
         leads_group = me.group_rank == 0
         held_groups = spec.groups if leads_group and self.replica_rank == 0 else (me.group,) if leads_group else ()
         held = {group: [] for group in held_groups}
         cursor = spec.cursor
-        run_starts = self.run_start(spec.run)
+        run_starts = self.run_start(spec.attempt)
         for step in range(spec.first_step, spec.stop_step):
             started = time.perf_counter()
             share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
@@ -102,15 +102,15 @@ class NullRank:
                                           (RankTimes(data_s=0.0, compute_s=self.step_s, comm_s=0.0, wall_s=wall),) * len(ranks),
                                           step_s=wall, counted=share.global_samples * spec.seq_len))
             cursor = share.next_cursor
-            last = step + 1 == spec.stop_step or self.pause_run == spec.run
+            last = step + 1 == spec.stop_step or self.pause_run == spec.attempt
             if leads_group and (last or (step - spec.first_step) % every == 0):
                 if last or len(spec.groups) == 1:  # each group's first rank sends what it holds
                     yield GroupRecords(me.group, tuple(held[me.group]))
                 elif len(held) > 1:
-                    yield RunRecords.of_groups(held)
+                    yield SegmentRecords.of_groups(held)
                 held = {group: [] for group in held}
             if last:
-                yield RunEnd(me.global_rank, step + 1)
+                yield SegmentEnd(me.global_rank, step + 1)
                 return
 
 

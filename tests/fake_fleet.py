@@ -8,7 +8,7 @@ and the ranks of all groups then meet in the cross-group all-reduce and their gr
 so a step ends when its slowest rank finishes, and the next one starts at once. A run is
 simulated step by step as the fake clock reaches it: a pause requested before a step's vote
 ends the run after that step, as the ranks' votes would decide, and the groups' first ranks
-send their records as the ranks' own run loop decides (``elastic.core.run_loop``).
+send their records as the ranks' own run loop decides (``elastic.core.segment_loop``).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from elastic.core.protocol import (
     Phase,
     RECORD_MESSAGES,
     RankActivity,
+    RankOutcome,
     RankTimes,
-    RunEnd,
-    RunRecords,
-    RunSpec,
+    SegmentEnd,
+    SegmentRecords,
+    SegmentSpec,
     StepRecord,
-    StepReport,
 )
-from elastic.core.run_loop import RankRunLoop, memory_snapshot_due
+from elastic.core.segment_loop import RankSegmentLoop, memory_snapshot_due
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
-from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
+from elastic.fleet.api import CallFailed, Pending, RanksLost, SegmentStream
 
 NEVER = float("inf")
 NOTICE_S = 0.05  # a peer notices a dead rank's closed connection
@@ -153,7 +153,7 @@ class FakeFleet:
         self.kills: list[int] = []  # every kill call, of a live process or not
         self.copies: list[tuple[int, int]] = []
         self.restores: list[tuple[tuple[int, ...], str]] = []
-        self.runs: list[dict[int, RunSpec]] = []
+        self.segments: list[dict[int, SegmentSpec]] = []
         self.evaluations: list[dict[int, EvalRequest]] = []
         self.pauses: list[tuple[int, float]] = []  # (run, fake time) of each pause request
         self.saves: list[str] = []
@@ -264,37 +264,37 @@ class FakeFleet:
             raise RanksLost(lost, f"ranks {lost} are gone", "results")
         return {rank: call.result for rank, call in pending.refs.items()}
 
-    # runs
+    # segments
 
-    def start_run(self, specs: dict[int, RunSpec]) -> RunStream:
-        self.runs.append(specs)
+    def start_segment(self, specs: dict[int, SegmentSpec]) -> SegmentStream:
+        self.segments.append(specs)
         self.aborted_at = None
         spec = next(iter(specs.values()))
-        self.run = FakeRun(self, spec, sorted(specs))
-        return RunStream(spec.run, dict.fromkeys(specs))
+        self.segment = FakeSegment(self, spec, sorted(specs))
+        return SegmentStream(spec.attempt, dict.fromkeys(specs))
 
-    def next_messages(self, stream: RunStream, timeout: float, ranks=None) -> list:
-        run = self.run
-        run.advance(self.clock())
+    def next_messages(self, stream: SegmentStream, timeout: float, ranks=None) -> list:
+        segment = self.segment
+        segment.advance(self.clock())
         watched = set(stream.generators) if ranks is None else set(ranks) & set(stream.generators)
-        earliest = run.next_event_at(watched)
+        earliest = segment.next_event_at(watched)
         if earliest > self.clock() + timeout:
             self.clock.sleep(max(0.0, timeout))
-            run.advance(self.clock())
+            segment.advance(self.clock())
             return []
         self.clock.now = max(self.clock.now, earliest)
-        run.advance(self.clock())
-        arrived = run.deliver(self.clock(), watched)
+        segment.advance(self.clock())
+        arrived = segment.deliver(self.clock(), watched)
         self.delivered.extend(arrived)
         for rank, message in arrived:
             if not isinstance(message, RECORD_MESSAGES):
                 del stream.generators[rank]
         return arrived
 
-    def request_pause(self, ranks, run: int) -> None:
-        self.pauses.append((run, self.clock()))
-        if self.run.spec.run == run:
-            self.run.pause_at = self.clock()
+    def request_pause(self, ranks, attempt: int) -> None:
+        self.pauses.append((attempt, self.clock()))
+        if self.segment.spec.attempt == attempt:
+            self.segment.pause_at = self.clock()
 
     # evaluations
 
@@ -305,8 +305,8 @@ class FakeFleet:
         step = next(iter(requests.values())).step
         faults = self.faults.pop(step, [])
         finish = now + self.step_s
-        calls = {rank: Call(finish, StepReport(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
-                                               wall_s=self.step_s),
+        calls = {rank: Call(finish, RankOutcome(rank, step, loss_share=1.0 / len(requests), compute_s=self.step_s,
+                                                wall_s=self.step_s),
                             activity=RankActivity(rank, step, Phase.COMPUTE, 0, 9, 0.0))
                  for rank in requests}
         for fault in faults:
@@ -315,7 +315,7 @@ class FakeFleet:
             calls[fault.rank] = Call(now + fault.after_s, None)
             for rank in requests:
                 if rank != fault.rank:
-                    calls[rank] = Call(NEVER, StepReport(rank, step, error="CollectiveAborted", failure="released"),
+                    calls[rank] = Call(NEVER, RankOutcome(rank, step, error="CollectiveAborted", failure="released"),
                                        waits_for_abort=True)
         self.in_flight = dict(calls)
         return Pending(calls)
@@ -325,7 +325,7 @@ class FakeFleet:
             return self.aborted_at + RETURN_S
         return call.at
 
-    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]:
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
         earliest = min(self._ready_at(call) for call in pending.refs.values())
         if earliest > self.clock() + timeout:
             self.clock.sleep(max(0.0, timeout))
@@ -432,11 +432,11 @@ class FakeFleet:
 
 
 
-class FakeRun:
+class FakeSegment:
     """One run, simulated as the fake clock reaches its steps: each step's end (records,
     a pause, the run's end) or its fault, as timed messages for the driver to read."""
 
-    def __init__(self, fleet: FakeFleet, spec: RunSpec, ranks: list[int]):
+    def __init__(self, fleet: FakeFleet, spec: SegmentSpec, ranks: list[int]):
         self.fleet = fleet
         self.spec = spec
         self.ranks = ranks
@@ -444,7 +444,7 @@ class FakeRun:
         self.topology = fleet.topology
         self.queue: list[Call] = []  # messages not yet delivered, in the order they were sent
         # the groups' first ranks' loops: the records they hold, and when they send them
-        self.loops = {group: RankRunLoop(spec, leads_group=True, now=fleet.clock()) for group in self.groups}
+        self.loops = {group: RankSegmentLoop(spec, leads_group=True, now=fleet.clock()) for group in self.groups}
         self.pause_at: float | None = None
         self.step = spec.first_step
         self.cursor = spec.cursor
@@ -456,7 +456,7 @@ class FakeRun:
         fleet, step = self.fleet, self.step
         self.started = now
         # the groups' first ranks add up their asks in the step's cross-group sum
-        self.report = any([loop.step_starts(now) for loop in self.loops.values()])
+        self.records_due = any([loop.step_starts(now) for loop in self.loops.values()])
         self.compute = {rank: fleet.step_s * fleet.slow.get(rank, 1.0) for rank in self.ranks}
         self.ends_at = now + max(self.compute.values())
         fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, Phase.REPLICATE, 0, 9, 0.0))
@@ -493,7 +493,7 @@ class FakeRun:
                 fleet.alive_ranks.discard(fault.rank)
                 finals[fault.rank] = Call(now + fault.after_s, (fault.rank, None))
                 for peer in peers:
-                    finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, RunEnd(peer, step, StepReport(
+                    finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, SegmentEnd(peer, step, RankOutcome(
                         peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
             elif isinstance(fault, Hang):
                 fleet.in_flight[fault.rank] = Call(NEVER,
@@ -503,11 +503,11 @@ class FakeRun:
                     fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, Phase.COMPUTE, 0, 2, 0.0))
                     finals[peer] = Call(NEVER, (peer, None))
             elif isinstance(fault, CollectiveError):
-                finals[fault.rank] = Call(self.ends_at, (fault.rank, RunEnd(fault.rank, step, StepReport(
+                finals[fault.rank] = Call(self.ends_at, (fault.rank, SegmentEnd(fault.rank, step, RankOutcome(
                     fault.rank, step, error="RuntimeError: bad collective"))))
         for rank in self.ranks:  # in the cross-group all-reduce until the abort
             if rank not in finals and rank not in targets:
-                finals[rank] = Call(NEVER, (rank, RunEnd(rank, step, StepReport(
+                finals[rank] = Call(NEVER, (rank, SegmentEnd(rank, step, RankOutcome(
                     rank, step, error="CollectiveAborted: aborted by the driver", failure="released"))),
                     waits_for_abort=True)
         for group, loop in self.loops.items():  # a first rank that lives sends what it holds first
@@ -529,7 +529,7 @@ class FakeRun:
         plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
         pause = self.pause_at is not None and self.pause_at <= at
-        decided = {}  # each group's first rank's decision: every group's sees the same step, pause and report
+        decided = {}  # each group's first rank's decision: every group's sees the same step, pause and records due
         for group, loop in self.loops.items():
             ranks = tuple(self.topology.global_ranks(group))
             times = tuple(RankTimes(data_s=0.01, compute_s=self.compute[rank],
@@ -538,10 +538,10 @@ class FakeRun:
             decided[group] = loop.committed(StepRecord(
                 step, group, 1.0, norm, clip_coefficient(norm, spec.clip_grad_norm), spec.schedule.lr(step),
                 plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times,
-                counted=plan.global_samples * spec.seq_len), pause, self.report, at)
+                counted=plan.global_samples * spec.seq_len), pause, self.records_due, at)
         sent = {group: after.send for group, after in decided.items() if after.send is not None}
         if any(send.gathered for send in sent.values()):  # one message for the run, from its first group
-            self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], RunRecords.of_groups(
+            self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], SegmentRecords.of_groups(
                 {group: list(send.records) for group, send in sent.items()}))))
         else:
             self.queue.extend(Call(at, (self.topology.global_ranks(group)[0], GroupRecords(group, send.records)))
@@ -550,9 +550,9 @@ class FakeRun:
         self.step += 1
         if memory_snapshot_due(spec, self.step):
             fleet.snapshot([rank for rank in self.ranks if rank in fleet.alive_ranks], self.step, self.cursor)
-        if decided[self.groups[0]].run_ends:
+        if decided[self.groups[0]].segment_ends:
             self.over = True
-            self.queue.extend(Call(at, (rank, RunEnd(rank, self.step))) for rank in self.ranks)
+            self.queue.extend(Call(at, (rank, SegmentEnd(rank, self.step))) for rank in self.ranks)
             fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, Phase.DONE, 0, 9, 0.0))
                                for rank in self.ranks}
 
@@ -565,12 +565,12 @@ class FakeRun:
             if records:
                 self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupRecords(group, records))))
         if self.mismatches:
-            self.queue.extend(Call(at, (rank, RunEnd(rank, step, integrity=self.mismatches.get(rank))))
+            self.queue.extend(Call(at, (rank, SegmentEnd(rank, step, integrity=self.mismatches.get(rank))))
                               for rank in self.ranks)
             return
         self.fleet.nonfinite[step] -= 1
         nonfinite = NonFinite(step, math.nan, math.nan)
-        self.queue.extend(Call(at, (rank, RunEnd(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
+        self.queue.extend(Call(at, (rank, SegmentEnd(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
 
     def advance(self, now: float) -> None:
         while not self.over and self.ends_at <= now:

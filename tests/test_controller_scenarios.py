@@ -94,8 +94,8 @@ def test_fault_free_run_commits_every_step_once(tmp_path):
     assert scenario.live_groups_by_step() == [2] * 12
     assert scenario.fleet.kills == [] and scenario.kinds(EventKind.STEP_DISCARDED) == []
     # every rank of every live group ran every step: one run, handed to all four ranks
-    assert [sorted(specs) for specs in scenario.fleet.runs] == [[0, 1, 2, 3]]
-    assert [(spec.first_step, spec.stop_step) for spec in (runs[0] for runs in scenario.fleet.runs)] == [(0, 12)]
+    assert [sorted(specs) for specs in scenario.fleet.segments] == [[0, 1, 2, 3]]
+    assert [(spec.first_step, spec.stop_step) for spec in (runs[0] for runs in scenario.fleet.segments)] == [(0, 12)]
 
 
 def message_kinds(fleet) -> list[str]:
@@ -109,9 +109,9 @@ def test_the_groups_records_reach_the_driver_in_one_message_per_interval_for_the
     kinds = message_kinds(scenario.fleet)
     # after the first step, then about once a second (10 steps); each group's first rank sends
     # what it holds when the run ends, and every rank its end
-    assert kinds.count("RunRecords") == 4
-    assert kinds.count("GroupRecords") == 4 and kinds.count("RunEnd") == 8
-    assert {rank for rank, message in scenario.fleet.delivered if type(message).__name__ == "RunRecords"} == {0}
+    assert kinds.count("SegmentRecords") == 4
+    assert kinds.count("GroupRecords") == 4 and kinds.count("SegmentEnd") == 8
+    assert {rank for rank, message in scenario.fleet.delivered if type(message).__name__ == "SegmentRecords"} == {0}
     for record in scenario.records:  # every rank's times, every step
         assert sorted(record.rank_times) == list(range(8))
         assert record.group_samples == scenario.records[0].group_samples
@@ -125,7 +125,7 @@ def test_a_failure_between_two_run_messages_commits_each_step_once_from_the_grou
     [failed] = scenario.kinds(EventKind.RANK_FAILED)
     assert (failed["rank"], failed["step"]) == (5, 15)
     # steps 11-14 reached the driver in the groups' own messages, the first run's last
-    first_run = message_kinds(scenario.fleet)[:message_kinds(scenario.fleet).index("RunEnd")]
+    first_run = message_kinds(scenario.fleet)[:message_kinds(scenario.fleet).index("SegmentEnd")]
     assert "GroupRecords" in first_run
     assert [record.live_ranks for record in scenario.records] == [8] * 40
 
@@ -538,7 +538,7 @@ def test_each_commit_carries_its_steps_scheduled_lr_and_clipping_factor(tmp_path
         assert record.lr == schedule.lr(record.step)
         assert record.grad_norm == pytest.approx(norm) and record.grad_clip_scale == pytest.approx(scale)
     # the ranks compute each step's factor from the schedule and the clipping bound they were handed
-    for specs in scenario.fleet.runs:
+    for specs in scenario.fleet.segments:
         assert {spec.schedule for spec in specs.values()} == {schedule}
         assert {spec.clip_grad_norm for spec in specs.values()} == {0.5}
 
@@ -550,10 +550,10 @@ def test_a_discarded_step_is_committed_at_its_own_lr_when_it_reruns(tmp_path):
     schedule = scenario.config.lr_schedule
     # the failed run discarded step 3 (nothing of it committed); the next run starts at step 3,
     # and every rank takes step 3's factor from the same schedule
-    assert [specs[0].first_step for specs in scenario.fleet.runs] == [0, 3]
+    assert [specs[0].first_step for specs in scenario.fleet.segments] == [0, 3]
     assert scenario.committed_steps() == list(range(12))
     assert [record.lr for record in scenario.records] == [schedule.lr(step) for step in range(12)]
-    assert all(spec.schedule == schedule for spec in scenario.fleet.runs[1].values())
+    assert all(spec.schedule == schedule for spec in scenario.fleet.segments[1].values())
 
 
 def test_evaluation_runs_every_n_steps_and_after_the_last_split_across_live_groups(tmp_path):
@@ -609,7 +609,7 @@ class SampleLedger:
 
     def on_step(self, record: StepResult) -> None:
         step, controller = record.step, self.scenario.controller
-        spec = next(iter(self.scenario.fleet.runs[-1].values()))  # the run that committed it
+        spec = next(iter(self.scenario.fleet.segments[-1].values()))  # the run that committed it
         cursor = spec.cursor if step == spec.first_step else self.cursor_after[step - 1]
         shard = self.scenario.topology.shard
         samples = [index for group in spec.groups for shard_index in range(shard)

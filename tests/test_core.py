@@ -8,7 +8,7 @@ import pytest
 from elastic.core.data_plan import PADDING_INDEX, DataCursor, group_weights, plan_step
 from elastic.core.diagnosis import Cause, Diagnosis
 from elastic.core.events import EventKind, EventLog
-from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedRunSpec, parse_faults
+from elastic.core.faults import Fault, FaultSchedule, FaultSpecError, InjectedFault, InjectedSegmentSpec, parse_faults
 from elastic.core.membership import (
     Broken,
     Built,
@@ -23,7 +23,7 @@ from elastic.core.membership import (
 from elastic.core.policies import FailurePolicy, StepDeadline
 from elastic.core.recovery import plan_recovery
 from elastic.core.lr_schedule import LRSchedule
-from elastic.core.protocol import RunSpec
+from elastic.core.protocol import SegmentSpec
 from elastic.core.topology import Topology
 
 def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_cp_then_tp():
@@ -190,13 +190,13 @@ def test_fault_schedule_decorates_the_named_ranks_once():
     topology = Topology(2, 1, 2)
     schedule = FaultSchedule([Fault("kill", rank=1, step=2, after=0.5), Fault("kill-group", group=1, step=3)],
                              topology, events, clock)
-    spec = RunSpec(run=1, first_step=1, stop_step=2, cursor=DataCursor(), dataset_len=64, global_batch=8, seed=0,
-                   group_weights={0: 1.0, 1: 1.0}, micro_batch=2, seq_len=8, schedule=LRSchedule(1e-3),
-                   clip_grad_norm=None, deadline_s=10.0)
+    spec = SegmentSpec(attempt=1, first_step=1, stop_step=2, cursor=DataCursor(), dataset_len=64, global_batch=8, seed=0,
+                       group_weights={0: 1.0, 1: 1.0}, micro_batch=2, seq_len=8, schedule=LRSchedule(1e-3),
+                       clip_grad_norm=None, deadline_s=10.0)
     requests = dict.fromkeys(range(4), spec)
     assert schedule.next_step_after(1) == 2 and schedule.next_step_after(2) == 3  # runs pause before each
     decorated = schedule.decorate(1, requests)
-    assert all(isinstance(r, InjectedRunSpec) and r.faults == () for r in decorated.values())
+    assert all(isinstance(r, InjectedSegmentSpec) and r.faults == () for r in decorated.values())
     assert schedule.decorate(2, requests)[1].faults == (InjectedFault("kill", 1.0, 0.5),)
     assert schedule.decorate(2, requests)[1].faults == ()  # fired once
     group_faults = schedule.decorate(5, requests)
@@ -271,16 +271,16 @@ def step_record(step: int, group: int, ranks_per_group: int = 2):
 
 
 def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_would():
-    from elastic.core.protocol import RunRecords
+    from elastic.core.protocol import SegmentRecords
     from elastic.driver.records import RankArrays
 
     own = {group: [step_record(step, group) for step in (5, 6, 7)] for group in (2, 0)}
-    message = RunRecords.of_groups(own)
+    message = SegmentRecords.of_groups(own)
     assert message.groups == (0, 2) and [record.step for record in message.records] == [5, 6, 7]
     topology = Topology(2, 1, 3)
     for index, step in enumerate((5, 6, 7)):
-        one_step = RunRecords.of_groups({group: [records[index]] for group, records in own.items()})
-        expected, got = RankArrays.of_run(one_step, 0, topology), RankArrays.of_run(message, index, topology)
+        one_step = SegmentRecords.of_groups({group: [records[index]] for group, records in own.items()})
+        expected, got = RankArrays.of_records(one_step, 0, topology), RankArrays.of_records(message, index, topology)
         assert message.records[index] == one_step.records[0]
         assert message.step_s[index].tolist() == [own[0][index].step_s, own[2][index].step_s]
         assert got.ranks.tolist() == [0, 1, 4, 5]
@@ -291,12 +291,12 @@ def test_a_run_message_carries_every_groups_figures_as_the_groups_own_records_wo
 
 
 def test_first_ranks_that_gathered_different_steps_are_refused():
-    from elastic.core.protocol import RunRecords, record_row
+    from elastic.core.protocol import SegmentRecords, record_row
 
     records = tuple(step_record(step, 0) for step in (5, 6))
     rows = [[record_row(record) for record in records], [record_row(step_record(step, 1)) for step in (6, 7)]]
     with pytest.raises(ValueError, match="different steps"):
-        RunRecords.from_rows(records, np.array(rows))
+        SegmentRecords.from_rows(records, np.array(rows))
 
 
 def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_its_interval_of_commits():

@@ -1,7 +1,7 @@
 """Failure attribution over plain reports, without a cluster."""
 
 from elastic.core.diagnosis import Cause, diagnose, least_advanced
-from elastic.core.protocol import Phase, RankActivity, StepReport
+from elastic.core.protocol import Phase, RankActivity, RankOutcome
 
 
 def activity(rank: int, phase: str, micro_batch: int = 0, step: int = 5) -> RankActivity:
@@ -32,8 +32,8 @@ def test_a_rank_that_already_failed_its_step_is_not_the_hung_one():
 def test_a_hang_breaks_only_the_hung_rank_group():
     group_of = {0: 0, 1: 0, 2: 1, 3: 1}
     reports = {
-        2: StepReport(2, 5, error="CollectiveTimedOut: rank 2", failure="released"),
-        3: StepReport(3, 5, error="CollectiveAborted: rank 3", failure="released"),
+        2: RankOutcome(2, 5, error="CollectiveTimedOut: rank 2", failure="released"),
+        3: RankOutcome(3, 5, error="CollectiveAborted: rank 3", failure="released"),
     }
     diagnosis = diagnose(dead=[], reports=reports, hung=[1], stuck=[0], group_of=group_of)
     assert diagnosis.culprits == {1: Cause.HANG}
@@ -43,10 +43,10 @@ def test_a_hang_breaks_only_the_hung_rank_group():
 def test_a_ranks_own_failures_name_what_they_point_at():
     group_of = {0: 0, 1: 0, 2: 1, 3: 1}
     reports = {
-        0: StepReport(0, 5, error="ValueError: bad (at train.py:3 in f)", failure="own-code"),
-        1: StepReport(1, 5, error="DataError: token 300", failure="own-data"),
-        2: StepReport(2, 5, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED", failure="own-compute"),
-        3: StepReport(3, 5, error="CollectiveFailed: peer", failure="collective"),
+        0: RankOutcome(0, 5, error="ValueError: bad (at train.py:3 in f)", failure="own-code"),
+        1: RankOutcome(1, 5, error="DataError: token 300", failure="own-data"),
+        2: RankOutcome(2, 5, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED", failure="own-compute"),
+        3: RankOutcome(3, 5, error="CollectiveFailed: peer", failure="collective"),
     }
     diagnosis = diagnose(dead=[], reports=reports, hung=[], group_of=group_of)
     assert diagnosis.culprits == {0: Cause.OWN_CODE, 1: Cause.OWN_DATA, 2: Cause.OWN_ERROR}  # rank 3 blames a peer

@@ -25,7 +25,7 @@ def test_a_step_that_sums_to_nan_once_is_discarded_and_tried_again(tmp_path):
     [event] = scenario.kinds(EventKind.NONFINITE_STEP)
     assert (event["step"], event["loss"], event["grad_norm"]) == (3, "nan", "nan")
     assert scenario.controller.history.steps_discarded == 1
-    first_steps = [next(iter(specs.values())).first_step for specs in scenario.fleet.runs]
+    first_steps = [next(iter(specs.values())).first_step for specs in scenario.fleet.segments]
     assert first_steps == [0, 3]  # the run stopped on it, and the next one ran it again
 
 

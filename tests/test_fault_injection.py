@@ -3,10 +3,12 @@ kill with ``after=`` lands in the step it was fired in, however short that step 
 
 from __future__ import annotations
 
+import pytest
+import torch
 from torch import nn
 
 from elastic.core.data_plan import DataCursor
-from elastic.core.faults import InjectedFault, InjectedRunSpec
+from elastic.core.faults import InjectedFault, InjectedSegmentSpec
 from elastic.core.lr_schedule import LRSchedule
 from elastic.testing.gloo_ranks import rank_processes
 from workers.fault_injection import InjectedFaults
@@ -15,10 +17,10 @@ AFTER_S = 0.5
 
 
 def short_step_then_its_sum(done) -> None:
-    spec = InjectedRunSpec(run=1, first_step=12, stop_step=20, cursor=DataCursor(), dataset_len=64, global_batch=8,
-                           seed=0, group_weights={0: 1.0, 1: 1.0}, micro_batch=2, seq_len=8,
-                           schedule=LRSchedule(1e-3), clip_grad_norm=None, deadline_s=10.0,
-                           faults=(InjectedFault("kill", after_s=AFTER_S),))
+    spec = InjectedSegmentSpec(attempt=1, first_step=12, stop_step=20, cursor=DataCursor(), dataset_len=64, global_batch=8,
+                               seed=0, group_weights={0: 1.0, 1: 1.0}, micro_batch=2, seq_len=8,
+                               schedule=LRSchedule(1e-3), clip_grad_norm=None, deadline_s=10.0,
+                               faults=(InjectedFault("kill", after_s=AFTER_S),))
     plan = InjectedFaults(seed=0, global_rank=1, world=None).plan(spec, nn.Linear(2, 2))
     plan.after_compute(0.001)  # a step far shorter than the delay
     plan.before_cross_group_sum()
@@ -34,32 +36,31 @@ def test_a_delayed_kill_dies_in_the_step_it_was_fired_in_however_short():
     assert rank.exitcode == 1 and done.value == 0, (rank.exitcode, done.value)
 
 
-def test_a_slow_device_adds_its_work_inside_the_forward():
-    """``slow-device`` burns inside the forward (where FSDP2's peers would wait for it in the
-    next all-gather), ``factor - 1`` times the step's work, which is about
-    ``STEP_OVER_FORWARD`` forwards. Timed in this thread's CPU seconds, as the burn is."""
-    import time
+def test_a_slow_device_adds_its_work_inside_the_forward(monkeypatch):
+    """``slow-device`` burns inside the forward, right after each block's own (where FSDP2's
+    peers would wait for it in the next block's all-gather): ``factor - 1`` times the step's
+    work, which is about ``STEP_OVER_FORWARD`` forwards. On a fake CPU clock, so the figures are
+    exact whatever else the machine runs."""
+    from workers import fault_injection
 
-    import torch
+    now = [0.0]
+    happened: list[tuple[str, float]] = []
 
-    from workers.fault_injection import STEP_OVER_FORWARD, slow_blocks
+    class Block(nn.Linear):
+        def forward(self, inputs):
+            now[0] += 0.01  # this block's own work, in CPU seconds
+            happened.append(("forward", 0.01))
+            return super().forward(inputs)
 
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
-    inputs = torch.randn(1024, 512)  # tens of milliseconds: a timer's noise is small beside it
+    def burn(seconds: float) -> None:
+        now[0] += seconds
+        happened.append(("burn", seconds))
 
-    def forward_s() -> float:
-        started = time.thread_time()
-        with torch.no_grad():
-            model(inputs)
-        return time.thread_time() - started
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the forward's work in this thread, where the burn is timed
-    try:
-        plain = min(forward_s() for _ in range(3))
-        slow_blocks(model, factor=1.5)
-        slowed = min(forward_s() for _ in range(3))
-    finally:
-        torch.set_num_threads(threads)
-    # 2.5 forwards' work; 2 even where one forward's timing ran a quarter long
-    assert slowed >= 0.8 * (1 + 0.5 * STEP_OVER_FORWARD) * plain
+    monkeypatch.setattr(fault_injection.time, "thread_time", lambda: now[0])
+    monkeypatch.setattr(fault_injection, "burn_cpu", burn)
+    model = nn.Sequential(Block(4, 4), Block(4, 4))
+    fault_injection.slow_blocks(model, factor=1.5)
+    model(torch.randn(2, 4))
+    burn_s = 0.5 * fault_injection.STEP_OVER_FORWARD * 0.01
+    assert [kind for kind, _ in happened] == ["forward", "burn", "forward", "burn"]
+    assert [seconds for kind, seconds in happened if kind == "burn"] == pytest.approx([burn_s, burn_s])

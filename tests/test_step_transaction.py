@@ -23,17 +23,17 @@ from torch.distributed.tensor import DTensor
 from checkpointing.healing import export_local_state
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
-from elastic.core.protocol import RunSpec
+from elastic.core.protocol import SegmentSpec
 from elastic.testing.gloo_ranks import rank_processes
 from workers.failures import CollectiveFailed
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
 from workers.step_transaction import (
-    NO_FAULTS,
+    ActivityTracker,
     Committed,
     Discarded,
     DriverSignals,
-    ActivityTracker,
+    NO_FAULTS,
     StepTransaction,
 )
 from workers.train_step import Batch, TokenLoss, accumulate_gradients, collate, token_cross_entropy
@@ -67,10 +67,10 @@ def rank_batches(rank: int, step: int) -> list[Batch]:
     return [collate(dataset, [index], torch.device("cpu")) for index in range(SAMPLES_PER_RANK)]
 
 
-def run_spec() -> RunSpec:
-    return RunSpec(run=RUN, first_step=0, stop_step=10, cursor=DataCursor(), dataset_len=64,
-                   global_batch=2 * SAMPLES_PER_RANK, seed=0, group_weights={0: 1.0, 1: 1.0}, micro_batch=1,
-                   seq_len=SEQ, schedule=LRSchedule(LR), clip_grad_norm=None, deadline_s=TIMEOUT_S)
+def segment_spec() -> SegmentSpec:
+    return SegmentSpec(attempt=RUN, first_step=0, stop_step=10, cursor=DataCursor(), dataset_len=64,
+                       global_batch=2 * SAMPLES_PER_RANK, seed=0, group_weights={0: 1.0, 1: 1.0}, micro_batch=1,
+                       seq_len=SEQ, schedule=LRSchedule(LR), clip_grad_norm=None, deadline_s=TIMEOUT_S)
 
 
 def share(step: int) -> RankShare:
@@ -125,13 +125,13 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
 
 
-def take_step(transaction: StepTransaction, step: int, batches: list[Batch], report_due: bool = False,
+def take_step(transaction: StepTransaction, step: int, batches: list[Batch], records_due: bool = False,
               faults=NO_FAULTS) -> StepResult:
     parameters = [whole(param) for param in transaction.model.parameters()]
     generators = torch.get_rng_state()
     outcome, raised = None, None
     try:
-        outcome = transaction.step(run_spec(), share(step), loaded(batches), report_due, faults)
+        outcome = transaction.step(segment_spec(), share(step), loaded(batches), records_due, faults)
     except Exception as error:  # noqa: BLE001 - the test reads which
         raised = type(error).__name__
     after = [whole(param) for param in transaction.model.parameters()]
@@ -173,7 +173,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     world.join_group(world_build=0)
     world.join_replicas(generation=0, replica_rank=rank, replica_size=2)
     transaction, signals = new_transaction(spec, world)
-    yield "both apply", take_step(transaction, 0, rank_batches(rank, 0), report_due=rank == 0)
+    yield "both apply", take_step(transaction, 0, rank_batches(rank, 0), records_due=rank == 0)
     batches = rank_batches(rank, 1)
     if rank == 1:
         batches = [batch._replace(weights=batch.weights * math.nan) for batch in batches]
@@ -274,7 +274,7 @@ def test_every_rank_applies_a_step_that_succeeded_everywhere_as_one_process_woul
     # the same decided values in both groups; each group its own ranks and times
     assert replace(first.record, group=1, ranks=(1,), times=second.record.times) == second.record
     assert math.isfinite(first.record.loss) and first.record.lr == LR and first.record.clip_scale == 1.0
-    assert (first.report, second.report) == (True, True)  # group 0's first rank asked: the sum tells group 1
+    assert (first.records_due, second.records_due) == (True, True)  # group 0's first rank asked: the sum tells group 1
     assert (first.pause, second.pause) == (False, False)
     for rank in ranks:
         assert rank.gradients_zero and not rank.parameters_unchanged

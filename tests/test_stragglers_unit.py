@@ -18,7 +18,7 @@ from elastic.core.straggler_policy import (
     water_fill,
 )
 from elastic.outputs.metrics import Metrics
-from elastic.core.protocol import StepReport
+from elastic.core.protocol import RankOutcome
 from tests.fake_fleet import FakeClock
 
 
@@ -516,7 +516,7 @@ class SimulatedFleet:
             wall = self.fixed_s + max(compute.values())
             group_step.append(wall)
             for r in ranks:
-                reports[r] = StepReport(r, step, data_s=self.fixed_s, compute_s=compute[r], wall_s=wall)
+                reports[r] = RankOutcome(r, step, data_s=self.fixed_s, compute_s=compute[r], wall_s=wall)
         return reports, samples
 
     def run(self, mitigation, steps, spare_slot=False, min_groups=1, stop_at_action=False):

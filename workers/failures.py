@@ -33,7 +33,7 @@ import torch.distributed as dist
 import checkpointing
 import elastic
 import workers
-from elastic.core.protocol import Failure, Phase, StepReport, describe_error
+from elastic.core.protocol import Failure, Phase, RankOutcome, describe_error
 
 
 class CollectiveAborted(RuntimeError):
@@ -154,11 +154,11 @@ def classify(error: BaseException, phase: Phase) -> Failure:
     return Failure.OWN_CODE if raised_by_user_code(error) else Failure.OWN_COMPUTE
 
 
-def failure_report(global_rank: int, step: int, error: BaseException, phase: Phase) -> StepReport:
+def failure_report(global_rank: int, step: int, error: BaseException, phase: Phase) -> RankOutcome:
     """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
     world is broken when a rank failed in its own work outside an agreed stop (its peers may
     wait for it in a collective of the group), or in the vote."""
     group_broken = (phase in (Phase.DATA, Phase.COMPUTE, Phase.STAGE_WAIT) and not isinstance(error, StepInterrupted)
                     or isinstance(error, VoteFailed))
-    return StepReport(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
-                      group_broken=group_broken)
+    return RankOutcome(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
+                       group_broken=group_broken)

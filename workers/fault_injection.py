@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from elastic.core.faults import InjectedFault, InjectedRunSpec
-from elastic.core.protocol import RunSpec
+from elastic.core.faults import InjectedFault, InjectedSegmentSpec
+from elastic.core.protocol import SegmentSpec
 from workers.integrity import flip_bit
 from workers.step_transaction import NO_FAULTS, FaultPlan
 from workers.world import World
@@ -83,9 +83,9 @@ class InjectedFaults:
         self.fail_next_collective = False
         self.dying = False
 
-    def plan(self, spec: RunSpec, model: nn.Module) -> FaultPlan:
+    def plan(self, spec: SegmentSpec, model: nn.Module) -> FaultPlan:
         """The run's plan, its faults fired: ``NO_FAULTS`` for a run that injects none."""
-        if not isinstance(spec, InjectedRunSpec):
+        if not isinstance(spec, InjectedSegmentSpec):
             return NO_FAULTS
         self.noise = spec.noise
         for fault in spec.faults:

@@ -5,7 +5,7 @@ discards it.
 1. *Compute*: forward and backward over the rank's micro-batches. Between micro-batches
    the group agrees whether the driver asked to stop (``at_micro_batch``).
 2. *Cross-group sum*: the gradients, then a few scalars (loss share, counted tokens, pause
-   and report requests), summed with the ranks at the same position in every other group
+   and requests for the records), summed with the ranks at the same position in every other group
    over the replicate group (``workers.world``). The wait on it can be cut short by the
    driver's abort or the step's deadline (``wait_replicate``). Where the step begins an
    integrity check, the replicas' fingerprints are compared first (``workers.integrity``).
@@ -19,7 +19,7 @@ discards it.
 
 Beside the step, the same parts serve an evaluation's held-out loss (computed as a step's
 share is, committing nothing) and the gather of the run's records across the groups
-(``elastic.core.run_loop``). Faults a run injects (tests and benchmarks) come in as a
+(``elastic.core.segment_loop``). Faults a run injects (tests and benchmarks) come in as a
 ``FaultPlan`` the step calls at two points; production runs pass ``NO_FAULTS``. No Ray here: the rank actor
 (``workers.worker``) drives the transaction, and ``tests/test_step_transaction.py`` drives it
 on gloo process groups alone.
@@ -44,7 +44,7 @@ from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient, global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
 from elastic.core.loss_scale import LossScale
-from elastic.core.protocol import NonFinite, Phase, RankActivity, RankTimes, RunSpec, StepRecord
+from elastic.core.protocol import NonFinite, Phase, RankActivity, RankTimes, SegmentSpec, StepRecord
 from elastic.core.topology import counts_loss
 from workers import rng
 from workers.failures import (
@@ -152,7 +152,7 @@ class DriverSignals:
         self._abort = threading.Event()
         self._abort_attempt = -1
         self._attempt = -1  # the run or evaluation in progress
-        self._pause_run = -1
+        self._pause_attempt = -1
 
     def begin(self, attempt: int) -> None:
         self._attempt = attempt
@@ -161,16 +161,16 @@ class DriverSignals:
         self._abort_attempt = attempt
         self._abort.set()
 
-    def request_pause(self, run: int) -> None:
-        self._pause_run = run
+    def request_pause(self, attempt: int) -> None:
+        self._pause_attempt = attempt
 
     def abort_requested(self) -> bool:
         if self._abort.is_set() and self._abort_attempt != self._attempt:
             self._abort.clear()  # a late abort of an attempt already over
         return self._abort.is_set()
 
-    def pause_requested(self, run: int) -> bool:
-        return self._pause_run == run
+    def pause_requested(self, attempt: int) -> bool:
+        return self._pause_attempt == attempt
 
     def wait(self, seconds: float) -> None:
         """Sleep up to ``seconds``, waking early at an abort."""
@@ -207,7 +207,7 @@ class CrossGroupScalars:
     loss_share: float
     counted_tokens: float
     pause: float
-    report: float = 0.0  # the groups' first ranks: any whose report interval is over
+    records_due: float = 0.0  # the groups' first ranks: any whose records interval is over
     routed_tokens: tuple[float, ...] = ()  # per expert of the expert layers (``RoutedLayout.routed_tokens``)
 
 
@@ -259,7 +259,7 @@ class Committed:
 
     record: StepRecord
     pause: bool  # the ranks agreed to stop after it
-    report: bool  # the groups' first ranks send the run's records after it
+    records_due: bool  # the groups' first ranks send the segment's records after it
 
 
 @dataclass(frozen=True)
@@ -311,19 +311,19 @@ class StepTransaction:
         # commit moves it on by the rule the driver follows (elastic.core.loss_scale)
         self.loss_scale: LossScale | None = None
 
-    def step(self, spec: RunSpec, share: RankShare, batches: Future, report_due: bool,
+    def step(self, spec: SegmentSpec, share: RankShare, batches: Future, records_due: bool,
              faults: FaultPlan = NO_FAULTS) -> Committed | Discarded:
         """Step ``share.step`` of the run ``spec`` on ``batches`` (the loader's, collated on
-        the CPU). ``report_due``: this rank asks for the run's records to go out after it.
+        the CPU). ``records_due``: this rank asks for the run's records to go out after it.
         Raises when the step failed here or on a peer of the group; the step is discarded
         then too."""
         try:
-            return self._step(spec, share, batches, report_due, faults)
+            return self._step(spec, share, batches, records_due, faults)
         except Exception:
             self.discard_uncommitted()
             raise
 
-    def _step(self, spec: RunSpec, share: RankShare, batches: Future, report_due: bool,
+    def _step(self, spec: SegmentSpec, share: RankShare, batches: Future, records_due: bool,
               faults: FaultPlan) -> Committed | Discarded:
         started = time.perf_counter()
         deadline = started + spec.deadline_s
@@ -344,7 +344,7 @@ class StepTransaction:
             if check is not None:
                 self.wait_replicate(check.work, deadline)
                 mismatch = check.verdict(self.rank.position)
-            sum_times, crossed = self._sum_across_groups(spec, loss_share, counted, report_due,
+            sum_times, crossed = self._sum_across_groups(spec, loss_share, counted, records_due,
                                                          deadline, faults, comm_started)
         except (CollectiveAborted, CollectiveTimedOut, CollectiveFailed) as error:
             # a ballot of every rank's size: the routed tokens' places held with zeros
@@ -362,7 +362,7 @@ class StepTransaction:
             raise sum_error
         if not vote.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
-        outcome = self._apply_or_discard(spec, share, vote, mismatch, report=crossed.report > 0)
+        outcome = self._apply_or_discard(spec, share, vote, mismatch, records_due=crossed.records_due > 0)
         self.activity.set(step, Phase.DONE)
         return outcome
 
@@ -390,7 +390,7 @@ class StepTransaction:
                                                  self.experts, self.scale)
         return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
 
-    def _sum_across_groups(self, spec: RunSpec, loss_share: float, counted: float, report_due: bool,
+    def _sum_across_groups(self, spec: SegmentSpec, loss_share: float, counted: float, records_due: bool,
                            deadline: float, faults: FaultPlan, backward_ended: float
                            ) -> tuple[SumTimes, CrossGroupScalars]:
         """The gradients' sum (begun in backward) to its end, then the step's scalars, summed
@@ -399,15 +399,15 @@ class StepTransaction:
         sum_times = SumTimes(0.0, 0.0)
         if self.world.replicate_group is not None:
             sum_times = self.gradient_sum.finish(lambda work: self.wait_replicate(work, deadline), backward_ended)
-        crossed = self._cross_group_scalars(loss_share, counted, self.signals.pause_requested(spec.run), report_due,
+        crossed = self._cross_group_scalars(loss_share, counted, self.signals.pause_requested(spec.attempt), records_due,
                                             deadline)
         # An abort the driver sent (a step failed elsewhere) ends this group's run after
         # this step, which every contribution reached: a group that stops earlier than
         # another leaves the other's next cross-group sum to be aborted and discarded.
         return sum_times, replace(crossed, pause=crossed.pause + float(self.signals.abort_requested()))
 
-    def _apply_or_discard(self, spec: RunSpec, share: RankShare, vote: Vote, mismatch: IntegrityMismatch | None,
-                          report: bool) -> Committed | Discarded:
+    def _apply_or_discard(self, spec: SegmentSpec, share: RankShare, vote: Vote, mismatch: IntegrityMismatch | None,
+                          records_due: bool) -> Committed | Discarded:
         """What every rank of every group does with a step whose sums all succeeded: apply it
         at its learning rate and clipping factor, or discard it when replicas disagreed or
         its loss or norm is not finite (the same sums everywhere)."""
@@ -430,7 +430,7 @@ class StepTransaction:
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             vote.times, counted=vote.counted_tokens,
                             expert_load=expert_load(self.routed_layout, vote.routed_tokens))
-        return Committed(record, vote.pause, report)
+        return Committed(record, vote.pause, records_due)
 
     def at_micro_batch(self, step: int, index: int) -> None:
         """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
@@ -468,11 +468,11 @@ class StepTransaction:
         except RuntimeError as error:
             raise CollectiveFailed(f"rank {rank}: cross-group collective failed: {error}") from error
 
-    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool, report_due: bool,
+    def _cross_group_scalars(self, loss_share: float, counted: int, pause_seen: bool, records_due: bool,
                              deadline: float) -> CrossGroupScalars:
-        """The loss shares, counted tokens, pause requests and due reports of this position
+        """The loss shares, counted tokens, pause requests and records due of this position
         summed over the groups, in float64: identical at this position in every group."""
-        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(report_due),
+        scalars = torch.tensor([loss_share, float(counted), float(pause_seen), float(records_due),
                                 *self.routed_layout.routed_tokens(self.experts)], dtype=torch.float64)
         if self.world.replicate_group is not None:
             on_device = scalars.to(self.device)

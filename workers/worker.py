@@ -5,7 +5,7 @@ steps (``workers.step_transaction``), its copies in host memory (``workers.memor
 its checkpoints (``checkpointing.rank_io``). It answers the driver's calls, and during a
 *run* (``run``) steps on its own: it plans its share of every step from the run's spec with
 the driver's own pure code, reads the next step's samples while the current one computes,
-and follows the run protocol (``elastic.core.run_loop``). The driver is not on the step's
+and follows the run protocol (``elastic.core.segment_loop``). The driver is not on the step's
 path: it watches the groups' records and acts at failures and boundaries.
 
 Methods in the ``control`` concurrency group run on a second thread, so the driver can
@@ -42,14 +42,14 @@ from elastic.core.protocol import (
     HookFailed,
     Phase,
     RankActivity,
-    RunEnd,
-    RunMessage,
-    RunRecords,
-    RunSpec,
-    StepReport,
+    RankOutcome,
+    SegmentEnd,
+    SegmentMessage,
+    SegmentRecords,
+    SegmentSpec,
     record_row,
 )
-from elastic.core.run_loop import RankRunLoop, SendRecords, memory_snapshot_due
+from elastic.core.segment_loop import RankSegmentLoop, SendRecords, memory_snapshot_due
 from workers.failures import describe_failure, failure_report, raised_in_collective
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire
@@ -125,9 +125,9 @@ class RankWorker:
         self.signals.request_abort(attempt)
 
     @ray.method(concurrency_group="control")
-    def request_pause(self, run: int) -> None:
-        """Stop ``run`` at a step boundary: the ranks agree on which in their votes."""
-        self.signals.request_pause(run)
+    def request_pause(self, attempt: int) -> None:
+        """Stop the segment dispatched as ``attempt`` at a step boundary: the ranks agree on which in their votes."""
+        self.signals.request_pause(attempt)
 
     # membership
 
@@ -191,13 +191,13 @@ class RankWorker:
 
     # the run: steps the ranks take on their own
 
-    def run(self, spec: RunSpec) -> Iterator[RunMessage]:
+    def run(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves, and
-        send the run's records and its end as ``elastic.core.run_loop`` decides; every rank
-        yields its ``RunEnd`` last."""
+        send the run's records and its end as ``elastic.core.segment_loop`` decides; every rank
+        yields its ``SegmentEnd`` last."""
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
-        self.signals.begin(spec.run)
-        loop = RankRunLoop(spec, leads_group=self.spec.group_rank == 0, now=time.perf_counter())
+        self.signals.begin(spec.attempt)
+        loop = RankSegmentLoop(spec, leads_group=self.spec.group_rank == 0, now=time.perf_counter())
         share = self._share(spec, spec.first_step, spec.cursor)
         batches = self._prefetch(share)
         while True:
@@ -207,26 +207,27 @@ class RankWorker:
                 outcome = self.transaction.step(spec, share, batches, loop.step_starts(time.perf_counter()), faults)
             except Exception as error:  # the step is discarded; the driver decides who is evicted
                 yield from self._held_records(loop)
-                yield RunEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
+                yield SegmentEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
                 return
             if isinstance(outcome, Discarded):
                 yield from self._held_records(loop)
-                yield RunEnd(self.spec.global_rank, share.step, nonfinite=outcome.nonfinite, integrity=outcome.integrity)
+                yield SegmentEnd(self.spec.global_rank, share.step, nonfinite=outcome.nonfinite,
+                                 integrity=outcome.integrity)
                 return
             if memory_snapshot_due(spec, share.step + 1):
                 self.memory.snapshot(share.step + 1, share.next_cursor, self.model, self.optimizer,
                                      rng.capture(self.spec.use_gpu))
-            after = loop.committed(outcome.record, outcome.pause, outcome.report, time.perf_counter())
+            after = loop.committed(outcome.record, outcome.pause, outcome.records_due, time.perf_counter())
             if after.send is not None:
                 message = self._records_message(after.send, time.perf_counter() + spec.deadline_s)
                 if message is not None:
                     yield message
-            if after.run_ends:
-                yield RunEnd(self.spec.global_rank, share.step + 1)
+            if after.segment_ends:
+                yield SegmentEnd(self.spec.global_rank, share.step + 1)
                 return
             share, batches = upcoming, upcoming_batches
 
-    def _share(self, spec: RunSpec, step: int, cursor: DataCursor) -> RankShare:
+    def _share(self, spec: SegmentSpec, step: int, cursor: DataCursor) -> RankShare:
         share = rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.shard)
         return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, self.spec.pipeline))
 
@@ -243,12 +244,12 @@ class RankWorker:
             return batch
         return batch.context_share(ContextShare(spec.cp, spec.cp_index, batch.targets.shape[1]))
 
-    def _held_records(self, loop: RankRunLoop) -> Iterator[GroupRecords]:
+    def _held_records(self, loop: RankSegmentLoop) -> Iterator[GroupRecords]:
         held = loop.held()
         if held:
             yield GroupRecords(self.spec.group, held)
 
-    def _records_message(self, send: SendRecords, deadline: float) -> RunMessage | None:
+    def _records_message(self, send: SendRecords, deadline: float) -> SegmentMessage | None:
         """What the group's first rank sends of its records: gathered, every group's, from the
         run's first group (None from the others); else, or when the gather fails, its group's own."""
         own = GroupRecords(self.spec.group, send.records)
@@ -257,15 +258,15 @@ class RankWorker:
         rows = self.transaction.gather_across_groups([record_row(record) for record in send.records], deadline)
         if rows is None:  # a peer group is gone: the group's own steps still reach the driver
             return own
-        return RunRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
+        return SegmentRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
 
-    def _failed(self, step: int, error: Exception) -> StepReport:
+    def _failed(self, step: int, error: Exception) -> RankOutcome:
         report = failure_report(self.spec.global_rank, step, error, self.activity.phase)
         self.world.leave_replicas()
         self.activity.set(step, Phase.FAILED)
         return report
 
-    def evaluate(self, request: EvalRequest) -> StepReport:
+    def evaluate(self, request: EvalRequest) -> RankOutcome:
         """The held-out loss of the committed state over the request's samples."""
         started = time.perf_counter()
         self.signals.begin(request.attempt)
@@ -275,9 +276,9 @@ class RankWorker:
                        for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
             data_s = time.perf_counter() - started
             share, counted, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)
-            return StepReport(self.spec.global_rank, request.step, loss_share=share,
-                              counted_tokens=counted, data_s=data_s, compute_s=compute_s,
-                              wall_s=time.perf_counter() - started)
+            return RankOutcome(self.spec.global_rank, request.step, loss_share=share,
+                               counted_tokens=counted, data_s=data_s, compute_s=compute_s,
+                               wall_s=time.perf_counter() - started)
         except Exception as error:
             return self._failed(request.step, error)
 

@@ -175,7 +175,7 @@ def token_rescale(global_tokens: int, counted: int) -> float:
 
 
 class PlanInputs(Protocol):
-    """What the data plan reads of a run: ``elastic.core.protocol.RunSpec`` is one. Named here,
+    """What the data plan reads of a run: ``elastic.core.protocol.SegmentSpec`` is one. Named here,
     by the plan that reads it, so that the plan does not depend on the messages that carry it."""
 
     @property

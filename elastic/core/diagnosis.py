@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from elastic.core.integrity import IntegrityMismatch, suspect_groups
-from elastic.core.protocol import Failure, RankActivity, StepReport, describe_error
+from elastic.core.protocol import Failure, RankActivity, RankOutcome, describe_error
 
 class Cause(StrEnum):
     """Why a rank or a group failed, as the driver names it: one word per cause, the same in
@@ -71,7 +71,7 @@ def least_advanced(activities: Iterable[RankActivity]) -> list[int]:
 def diagnose(
     *,
     dead: Iterable[int],
-    reports: Mapping[int, StepReport],
+    reports: Mapping[int, RankOutcome],
     hung: Iterable[int],
     stuck: Iterable[int] = (),
     group_of: Mapping[int, int],

@@ -4,7 +4,7 @@ inside the workers.
 Injection decorates the production path and never branches inside it: a run pauses before
 the step of every step-triggered fault (and at the first boundary once a time-triggered one
 is due), the driver's ``FaultSchedule`` turns the run specs of the ranks a due fault names
-into ``InjectedRunSpec``s, and ``workers.fault_injection`` fires them as the run's first
+into ``InjectedSegmentSpec``s, and ``workers.fault_injection`` fires them as the run's first
 step starts. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
-from elastic.core.protocol import RunSpec
+from elastic.core.protocol import SegmentSpec
 
 KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip")
 _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "slow-device": "rank",
@@ -148,7 +148,7 @@ class InjectedFault:
 
 
 @dataclass(frozen=True)
-class InjectedRunSpec(RunSpec):
+class InjectedSegmentSpec(SegmentSpec):
     faults: tuple[InjectedFault, ...] = ()
     noise: float = 0.0  # straggler noise: a slowdown of up to 2 x noise of compute, at random
 
@@ -179,7 +179,7 @@ class FaultSchedule:
         """A time-triggered fault is due: the run in progress should pause so the next one fires it."""
         return any(fault.at is not None and fault.due(0, self._elapsed()) for fault in self.faults)
 
-    def decorate(self, step: int, requests: dict[int, RunSpec]) -> dict[int, RunSpec]:
+    def decorate(self, step: int, requests: dict[int, SegmentSpec]) -> dict[int, SegmentSpec]:
         elapsed = self._elapsed()
         firing: dict[int, list[InjectedFault]] = {}
         for fault in list(self.faults):
@@ -193,6 +193,6 @@ class FaultSchedule:
             for rank in targets:
                 firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
         return {
-            rank: InjectedRunSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
+            rank: InjectedSegmentSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
             for rank, request in requests.items()
         }

@@ -68,7 +68,7 @@ class IllegalTransition(ValueError):
 
 
 @dataclass(frozen=True)
-class GroupRecord:
+class GroupLifecycle:
     group: int
     stage: GroupStage
     to_start: frozenset[int] = frozenset()  # ranks whose process must (re)start
@@ -82,20 +82,20 @@ _FORWARD = {
 }
 
 
-def transition(record: GroupRecord, change: Change) -> GroupRecord:
-    """The group's next record; raises ``IllegalTransition`` for a move the lifecycle lacks."""
+def transition(lifecycle: GroupLifecycle, change: Change) -> GroupLifecycle:
+    """The group's lifecycle after ``change``; raises ``IllegalTransition`` for a move the lifecycle lacks."""
     if isinstance(change, RankLost):
-        return replace(record, stage=GroupStage.PLACING, to_start=record.to_start | {change.rank})
+        return replace(lifecycle, stage=GroupStage.PLACING, to_start=lifecycle.to_start | {change.rank})
     if isinstance(change, Broken):
-        return replace(record, stage=GroupStage.PLACING)
+        return replace(lifecycle, stage=GroupStage.PLACING)
     source, target = _FORWARD[type(change)]
-    if record.stage is not source:
+    if lifecycle.stage is not source:
         raise IllegalTransition(
-            f"group {record.group}: {type(change).__name__} needs stage {source.value}, not {record.stage.value}"
+            f"group {lifecycle.group}: {type(change).__name__} needs stage {source.value}, not {lifecycle.stage.value}"
         )
     if isinstance(change, Started):
-        return replace(record, stage=target, to_start=frozenset())
-    return replace(record, stage=target)
+        return replace(lifecycle, stage=target, to_start=frozenset())
+    return replace(lifecycle, stage=target)
 
 
 @dataclass(frozen=True)
@@ -111,21 +111,21 @@ class Membership:
     def __init__(self, topology: Topology):
         self.topology = topology
         self.generation = 0
-        self.groups: dict[int, GroupRecord] = {}
+        self.groups: dict[int, GroupLifecycle] = {}
         self._next_group = 0
 
     def add_group(self) -> int:
         group = self._next_group
         self._next_group += 1
-        self.groups[group] = GroupRecord(group, GroupStage.PLACING, frozenset(self.topology.global_ranks(group)))
+        self.groups[group] = GroupLifecycle(group, GroupStage.PLACING, frozenset(self.topology.global_ranks(group)))
         return group
 
-    def apply(self, group: int, change: Change) -> GroupRecord:
+    def apply(self, group: int, change: Change) -> GroupLifecycle:
         was_live = self.groups[group].stage is GroupStage.LIVE
-        record = self.groups[group] = transition(self.groups[group], change)
-        if was_live != (record.stage is GroupStage.LIVE):
+        lifecycle = self.groups[group] = transition(self.groups[group], change)
+        if was_live != (lifecycle.stage is GroupStage.LIVE):
             self.generation += 1
-        return record
+        return lifecycle
 
     def lose_rank(self, global_rank: int) -> int:
         """The rank's process is gone: its group leaves the quorum to replace it. Returns the group."""
@@ -148,7 +148,7 @@ class Membership:
         return self.groups[group].stage
 
     def groups_in(self, stage: GroupStage) -> tuple[int, ...]:
-        return tuple(sorted(g for g, record in self.groups.items() if record.stage is stage))
+        return tuple(sorted(g for g, lifecycle in self.groups.items() if lifecycle.stage is stage))
 
     def live_groups(self) -> tuple[int, ...]:
         return self.groups_in(GroupStage.LIVE)

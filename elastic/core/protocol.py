@@ -1,14 +1,14 @@
 """Plain data exchanged between the driver and the rank actors: no Ray, no torch.
 
-A *run* is how ranks train while the membership is stable. The driver hands every live rank
-the same ``RunSpec``; each rank plans its own share of every step from it with the pure
+A *segment* is how ranks train while the membership is stable. The driver hands every live rank
+the same ``SegmentSpec``; each rank plans its own share of every step from it with the pure
 core (``data_plan``, ``lr_schedule``, ``gradient_clipping``), steps, and the ranks decide
-each step among themselves. About once per ``report_interval_s``, at a step the groups agree
+each step among themselves. About once per ``records_interval_s``, at a step the groups agree
 on in their cross-group sum, the groups' first ranks gather their committed ``StepRecord``s
-and the run's first group sends them as one ``RunRecords``: one message for the whole run,
-however many groups. A run of one group, and a group whose run ends, sends its own
-(``GroupRecords``). Every rank ends its run with a ``RunEnd``: paused at a step boundary,
-or failed with the ``StepReport`` of the step it failed. The driver's calls per rank happen
+and the segment's first group sends them as one ``SegmentRecords``: one message for the whole segment,
+however many groups. A segment of one group, and a group whose segment ends, sends its own
+(``GroupRecords``). Every rank ends its segment with a ``SegmentEnd``: paused at a step boundary,
+or failed with the ``RankOutcome`` of the step it failed. The driver's calls per rank happen
 at boundaries and failures only.
 """
 
@@ -37,25 +37,25 @@ def describe_error(error: BaseException | str, limit: int = ERROR_CHARS) -> str:
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class SegmentSpec:
     """Steps ``first_step`` up to (not including) ``stop_step``, unless the ranks agree to
     pause earlier (the driver asked) or a step fails. Everything a rank needs to plan its
     share of each step is here: the data plan's inputs, the schedule and the clipping."""
 
-    run: int  # unique per run: aborts and pause requests name it
+    attempt: int  # unique per segment and evaluation: aborts and pause requests name it
     first_step: int
     stop_step: int
     cursor: DataCursor
     dataset_len: int
     global_batch: int
     seed: int
-    group_weights: dict[int, float]  # the live groups of the run and their data-plan weights
+    group_weights: dict[int, float]  # the live groups of the segment and their data-plan weights
     micro_batch: int
     seq_len: int
     schedule: LRSchedule
     clip_grad_norm: float | None
     deadline_s: float  # per step: no wait on peers outlasts it
-    report_interval_s: float = 1.0  # the run's records are sent about this often
+    records_interval_s: float = 1.0  # the segment's records are sent about this often
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
     memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)
     loss_scale: LossScale | None = None  # fp16's, at first_step; None: no loss scaling
@@ -92,7 +92,7 @@ class Failure(StrEnum):
 
 
 @dataclass(frozen=True)
-class StepReport:
+class RankOutcome:
     global_rank: int
     step: int
     loss_share: float = 0.0
@@ -163,7 +163,7 @@ class RankTimes(NamedTuple):
     of its compute to the end of the cross-group sums, and in all until its vote; and the
     gradients' cross-group sum, which starts inside backward: from its first bucket sent to
     its last summed, and the part of that after backward ended (what the step waits for).
-    A tuple, so a group's rows flatten into the run's gather cheaply (``record_row``)."""
+    A tuple, so a group's rows flatten into the segment's gather cheaply (``record_row``)."""
 
     data_s: float
     compute_s: float
@@ -190,7 +190,7 @@ class StepRecord:
     times: tuple[RankTimes, ...]  # per rank, in the order of ``ranks``
     step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
     # What the loss counted over the whole step: target tokens in the next-token form, the
-    # count batch_loss_fn returns otherwise. The run's throughput is this per second.
+    # count batch_loss_fn returns otherwise. The segment's throughput is this per second.
     counted: int = 0
     # Per expert layer, by its number: its most loaded expert's tokens over the mean (1.0: even),
     # from what every rank of every group routed
@@ -199,8 +199,8 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class GroupRecords:
-    """A group's committed steps that no ``RunRecords`` carried: a run of one group, or what a
-    group's first rank holds when its run ends."""
+    """A group's committed steps that no ``SegmentRecords`` carried: a segment of one group, or what a
+    group's first rank holds when its segment ends."""
 
     group: int
     records: tuple[StepRecord, ...]
@@ -217,8 +217,8 @@ def record_row(record: StepRecord) -> list[float]:
 
 
 @dataclass(frozen=True)
-class RunRecords:
-    """Every group's committed steps since the run's last message. The decided values (loss,
+class SegmentRecords:
+    """Every group's committed steps since the segment's last message. The decided values (loss,
     norm, rate, shares, cursor) are every group's, so the sender's own records carry them;
     each group adds its ranks' times and its loop period, kept as the gather's arrays."""
 
@@ -228,7 +228,7 @@ class RunRecords:
     step_s: np.ndarray  # [step, group]: each group's loop period, in ``groups`` order
 
     @classmethod
-    def from_rows(cls, records: tuple[StepRecord, ...], rows: np.ndarray) -> RunRecords:
+    def from_rows(cls, records: tuple[StepRecord, ...], rows: np.ndarray) -> SegmentRecords:
         """From the gathered rows, ``[group's first rank, step, row]``."""
         rows = rows[np.argsort(rows[:, 0, ROW_GROUP], kind="stable")]
         steps = rows[:, :, ROW_STEP].astype(np.int64)
@@ -241,7 +241,7 @@ class RunRecords:
         )
 
     @classmethod
-    def of_groups(cls, records: dict[int, list[StepRecord]]) -> RunRecords:
+    def of_groups(cls, records: dict[int, list[StepRecord]]) -> SegmentRecords:
         """From each group's own records of the same steps (what the gather assembles)."""
         ordered = [records[group] for group in sorted(records)]
         return cls.from_rows(tuple(ordered[0]),
@@ -251,7 +251,7 @@ class RunRecords:
 @dataclass(frozen=True)
 class NonFinite:
     """A step every rank discarded because its loss or gradient norm was not finite: with fp16's
-    loss scale, a norm that overflowed while the loss was finite is the scale's, not the run's."""
+    loss scale, a norm that overflowed while the loss was finite is the scale's, not the segment's."""
 
     step: int
     loss: float
@@ -260,22 +260,22 @@ class NonFinite:
 
 
 @dataclass(frozen=True)
-class RunEnd:
-    """How a rank's run ended: ``next_step`` is the first step it has not committed;
-    ``failure`` the report of the step that failed, ``None`` when the run paused;
-    ``nonfinite`` the step it discarded as not finite, where the run stopped on one;
-    ``integrity`` what its position's replicas disagreed about, where the run stopped on a
+class SegmentEnd:
+    """How a rank's segment ended: ``next_step`` is the first step it has not committed;
+    ``failure`` the report of the step that failed, ``None`` when the segment paused;
+    ``nonfinite`` the step it discarded as not finite, where the segment stopped on one;
+    ``integrity`` what its position's replicas disagreed about, where the segment stopped on a
     mismatch (ranks at positions that agreed end on the same step with ``None``)."""
 
     global_rank: int
     next_step: int
-    failure: StepReport | None = None
+    failure: RankOutcome | None = None
     nonfinite: NonFinite | None = None
     integrity: IntegrityMismatch | None = None
 
 
-RunMessage = GroupRecords | RunRecords | RunEnd
-RECORD_MESSAGES = (GroupRecords, RunRecords)  # a run's stream goes on after these
+SegmentMessage = GroupRecords | SegmentRecords | SegmentEnd
+RECORD_MESSAGES = (GroupRecords, SegmentRecords)  # a segment's stream goes on after these
 
 
 class HookFailed(RuntimeError):

@@ -101,7 +101,7 @@ class StragglerMitigation:
 
     def on_step(self, step: int, reports: Mapping, group_of: Mapping[int, int], group_samples: Mapping[int, int],
                 spare_slot: SpareSlot, min_groups: int) -> StragglerActions:
-        """One committed step: ``reports`` are the ranks' StepReports, ``group_samples`` the
+        """One committed step: ``reports`` are the ranks' RankOutcomes, ``group_samples`` the
         samples each live group was given."""
         ranks = sorted(reports)
         n = len(ranks)

@@ -8,9 +8,9 @@ fleet. ``advance(state)`` returns the next state::
 
 ``AtBoundary`` settles membership between runs (``group_keeper``): straggler actions,
 growing, placing, starting, building, healing and joining groups (``state_sources``: where a
-joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``RunSpec``) up
+joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``SegmentSpec``) up
 to the next planned boundary (the end, a checkpoint or an evaluation due) and watches it
-(``run_watch``): the ranks plan, step and commit on their own, deciding each step in their
+(``segment_watch``): the ranks plan, step and commit on their own, deciding each step in their
 groups' votes, and the driver records the steps they committed (``history``, as
 ``StepResult``s for the listeners), keeps its own duties going, and asks for a pause when
 something needs a boundary (a stop, a straggler action, a group ready to join, a deferred save).
@@ -42,17 +42,17 @@ from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
 from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
-from elastic.core.protocol import RunRecords, RunSpec, describe_error
+from elastic.core.protocol import SegmentRecords, SegmentSpec, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.driver.evaluation import Evaluation
-from elastic.fleet.api import FleetApi, FleetError, RunStream
+from elastic.fleet.api import FleetApi, FleetError, SegmentStream
 from elastic.driver.group_keeper import JOIN_POLL_S, GroupKeeper
 from elastic.driver.history import RunHistory
 from elastic.driver.records import RankArrays, StepResult
 from elastic.driver.recovery_timing import RecoveryTiming
-from elastic.driver.report_collector import FailureSeen, ReportCollector
+from elastic.driver.outcome_collector import FailureSeen, OutcomeCollector
 from elastic.driver.run_context import RunContext
-from elastic.driver.run_watch import RunWatch
+from elastic.driver.segment_watch import SegmentWatch
 from elastic.driver.state_sources import StateSources
 from elastic.driver.straggler_watch import StragglerWatch
 from elastic.driver.stopped import TrainingStopped
@@ -62,7 +62,7 @@ __all__ = ["Controller", "TrainingStopped"]
 # How often a group's first rank sends its committed records (and always with its first and
 # last step of a run): the driver's work per step shrinks with it, and a hang is noticed at
 # most this much later.
-REPORT_INTERVAL_S = 1.0
+RECORDS_INTERVAL_S = 1.0
 
 
 # run states
@@ -153,8 +153,8 @@ class Controller:
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
         self.divergence = DivergencePolicy(config.optimizer.max_nonfinite_steps)
-        collector = ReportCollector(fleet, self.topology, self.deadline, events, clock)
-        self.watch = RunWatch(collector)
+        collector = OutcomeCollector(fleet, self.topology, self.deadline, events, clock)
+        self.watch = SegmentWatch(collector)
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
         self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale)
@@ -243,11 +243,11 @@ class Controller:
     def run_steps(self) -> RunState:
         """Hand the live ranks a run up to the next planned boundary and watch it; the ranks
         commit each step among themselves, and the driver records what they committed."""
-        spec = self.run_spec()
+        spec = self.segment_spec()
         started = self.clock()
         specs = dict.fromkeys(self.topology.ranks_of(spec.groups), spec)
         self.timing.stepping()
-        stream = self.fleet.start_run(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
+        stream = self.fleet.start_segment(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
         self.pause_requested = False
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
         self.ledger.charge("committed", outcome.committed_until - started)
@@ -267,15 +267,15 @@ class Controller:
         self.maybe_checkpoint()
         return AtBoundary()
 
-    def run_spec(self) -> RunSpec:
+    def segment_spec(self) -> SegmentSpec:
         self.attempts += 1
-        return RunSpec(
-            run=self.attempts, first_step=self.history.step, stop_step=self.next_boundary(),
+        return SegmentSpec(
+            attempt=self.attempts, first_step=self.history.step, stop_step=self.next_boundary(),
             cursor=self.history.cursor, dataset_len=self.dataset_len, global_batch=self.config.global_batch,
             seed=self.config.seed, micro_batch=self.config.micro_batch, seq_len=self.config.data.seq_len,
             group_weights=group_weights(self.membership.live_groups(), self.stragglers.weights),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
-            deadline_s=self.deadline.seconds(), report_interval_s=REPORT_INTERVAL_S, loss_scale=self.history.loss_scale,
+            deadline_s=self.deadline.seconds(), records_interval_s=RECORDS_INTERVAL_S, loss_scale=self.history.loss_scale,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
         )
 
@@ -284,7 +284,7 @@ class Controller:
         fault_step = self.faults.next_step_after(self.history.step) if self.faults is not None else None
         return run_boundary(self.history.step, self.config.steps, every, fault_step)
 
-    def between_steps(self, stream: RunStream) -> None:
+    def between_steps(self, stream: SegmentStream) -> None:
         """The driver's own duties while a run goes on: commit a finished upload, move
         joining groups on, and ask the ranks to pause when something needs a boundary."""
         if self.checkpoints is not None:
@@ -294,7 +294,7 @@ class Controller:
             self.groups.advance_groups()
         if not self.pause_requested and self.boundary_needed():
             self.pause_requested = True
-            self.fleet.request_pause(stream.ranks, stream.run)
+            self.fleet.request_pause(stream.ranks, stream.attempt)
 
     def boundary_needed(self) -> bool:
         return bool(
@@ -310,9 +310,9 @@ class Controller:
         uploading = self.checkpoints.in_flight if self.checkpoints is not None else None
         return self.stragglers.ready(None if uploading is None else frozenset(uploading.ranks))
 
-    def commit(self, message: RunRecords, index: int) -> None:
+    def commit(self, message: SegmentRecords, index: int) -> None:
         """A step every group committed, the message's ``index``-th: detector, history, deadline, recovery, listeners."""
-        arrays = RankArrays.of_run(message, index, self.topology)
+        arrays = RankArrays.of_records(message, index, self.topology)
         scores = self.stragglers.on_commit(self.history.step, arrays, self.fleet.has_spare_slot)
         result = self.history.commit(message, index, arrays, generation=self.membership.generation,
                                      t=self.events.elapsed(), straggler_scores=scores)

@@ -12,11 +12,11 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.goodput import TimeLedger
 from elastic.core.protocol import EvalRequest
 from elastic.driver.records import EvalResult
-from elastic.driver.report_collector import FailureSeen, ReportCollector
+from elastic.driver.outcome_collector import FailureSeen, OutcomeCollector
 
 
 class Evaluation:
-    def __init__(self, config: TrainConfig, collector: ReportCollector, eval_len: int, events: EventLog,
+    def __init__(self, config: TrainConfig, collector: OutcomeCollector, eval_len: int, events: EventLog,
                  ledger: TimeLedger, clock: Callable[[], float]):
         self.config = config
         self.collector = collector

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from elastic.core.data_plan import DataCursor
 from elastic.core.integrity import check_due
 from elastic.core.loss_scale import LossScale
-from elastic.core.protocol import NonFinite, RunRecords
+from elastic.core.protocol import NonFinite, SegmentRecords
 from elastic.driver.records import EvalResult, RankArrays, StepResult
 
 
@@ -32,7 +32,7 @@ class RunHistory:
     verified_step: int = 0
     loss_scale: LossScale | None = None  # fp16's at ``step``: moved on by each commit and overflow
 
-    def commit(self, message: RunRecords, index: int, arrays: RankArrays, *, generation: int, t: float,
+    def commit(self, message: SegmentRecords, index: int, arrays: RankArrays, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
         """Record the message's ``index``-th step, which every group of the run committed (their
         votes agree on the loss, the norm and the clipping factor; ``arrays`` holds every rank's

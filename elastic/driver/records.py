@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from elastic.core.protocol import RankTimes, RunRecords
+from elastic.core.protocol import RankTimes, SegmentRecords
 from elastic.core.topology import Topology
 
 
@@ -25,7 +25,7 @@ class RankArrays:
     samples: np.ndarray  # each rank's group's share of the batch
 
     @classmethod
-    def of_run(cls, message: RunRecords, index: int, topology: Topology) -> RankArrays:
+    def of_records(cls, message: SegmentRecords, index: int, topology: Topology) -> RankArrays:
         """The ranks' figures of the message's ``index``-th step."""
         record = message.records[index]
         samples = np.fromiter((record.group_samples[group] for group in message.groups), np.float64,

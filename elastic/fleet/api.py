@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from elastic.core.memory_tier import Holdings, MemoryRestore
-from elastic.core.protocol import EvalRequest, RankActivity, RunMessage, RunSpec, StepReport
+from elastic.core.protocol import EvalRequest, RankActivity, RankOutcome, SegmentMessage, SegmentSpec
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
 
@@ -58,10 +58,10 @@ class Pending:
 
 
 @dataclass
-class RunStream:
-    """A run in flight: each rank's stream of messages, until its ``RunEnd``."""
+class SegmentStream:
+    """A run in flight: each rank's stream of messages, until its ``SegmentEnd``."""
 
-    run: int
+    attempt: int
     generators: dict[int, object]
 
     @property
@@ -92,12 +92,12 @@ class FleetApi(Protocol):
     def results(self, pending: Pending, timeout: float | None = None, call: str = "") -> dict[int, object]: ...
 
     # runs and evaluations
-    def start_run(self, specs: dict[int, RunSpec]) -> RunStream: ...
-    def next_messages(self, stream: RunStream, timeout: float,
-                      ranks: Iterable[int] | None = None) -> list[tuple[int, RunMessage | None]]: ...
-    def request_pause(self, ranks, run: int) -> None: ...
+    def start_segment(self, specs: dict[int, SegmentSpec]) -> SegmentStream: ...
+    def next_messages(self, stream: SegmentStream, timeout: float,
+                      ranks: Iterable[int] | None = None) -> list[tuple[int, SegmentMessage | None]]: ...
+    def request_pause(self, ranks, attempt: int) -> None: ...
     def evaluate(self, requests: dict[int, EvalRequest]) -> Pending: ...
-    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]: ...
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]: ...
     def abort_step(self, ranks, attempt: int) -> None: ...
     def probe(self, ranks, timeout: float) -> dict[int, RankActivity]: ...
 

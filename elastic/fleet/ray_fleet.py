@@ -20,18 +20,18 @@ from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from checkpointing.manifest import UnloadableCheckpoint
-from elastic.fleet.api import CallFailed, Pending, RanksLost, RunStream
+from elastic.fleet.api import CallFailed, Pending, RanksLost, SegmentStream
 from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
-    HookFailed,
     Failure,
+    HookFailed,
     RECORD_MESSAGES,
     RankActivity,
-    RunEnd,
-    RunMessage,
-    RunSpec,
-    StepReport,
+    RankOutcome,
+    SegmentEnd,
+    SegmentMessage,
+    SegmentSpec,
     describe_error,
 )
 from elastic.fleet.rank_processes import RankProcesses
@@ -109,21 +109,20 @@ class Fleet(RankProcesses):
 
     # runs
 
-    def start_run(self, specs: dict[int, RunSpec]) -> RunStream:
+    def start_segment(self, specs: dict[int, SegmentSpec]) -> SegmentStream:
         """Start a run on every rank; a spec shared by ranks is sent once."""
         shared: dict[int, ray.ObjectRef] = {}
         generators = {}
         for rank, spec in specs.items():
             ref = shared.setdefault(id(spec), ray.put(spec))
             generators[rank] = self.actors[rank].run.options(num_returns="streaming").remote(ref)
-        run = next(iter(specs.values())).run
-        return RunStream(run, generators)
+        return SegmentStream(next(iter(specs.values())).attempt, generators)
 
-    def next_messages(self, stream: RunStream, timeout: float,
-                      ranks: Iterable[int] | None = None) -> list[tuple[int, RunMessage | None]]:
+    def next_messages(self, stream: SegmentStream, timeout: float,
+                      ranks: Iterable[int] | None = None) -> list[tuple[int, SegmentMessage | None]]:
         """The messages that arrive within ``timeout`` (at least one unless it passes), one
         per rank at most, from ``ranks`` (default: every rank still in the stream); ``None``
-        for a rank whose process is gone. A rank leaves the stream with its ``RunEnd``."""
+        for a rank whose process is gone. A rank leaves the stream with its ``SegmentEnd``."""
         watched = stream.generators if ranks is None else {
             rank: stream.generators[rank] for rank in ranks if rank in stream.generators}
         generators = list(watched.values())
@@ -143,26 +142,26 @@ class Fleet(RankProcesses):
         return arrived
 
     @staticmethod
-    def _next_message(rank: int, generator: ObjectRefGenerator) -> RunMessage | None:
+    def _next_message(rank: int, generator: ObjectRefGenerator) -> SegmentMessage | None:
         try:
             return ray.get(next(generator))
         except (StopIteration, RayActorError):
             return None
         except RayError as error:  # the run itself raised: a defect, reported as the rank's failure
-            return RunEnd(rank, -1, StepReport(rank, -1, error=describe_error(error), failure=Failure.OWN_COMPUTE,
-                                               group_broken=True))
+            return SegmentEnd(rank, -1, RankOutcome(rank, -1, error=describe_error(error), failure=Failure.OWN_COMPUTE,
+                                                    group_broken=True))
 
-    def request_pause(self, ranks, run: int) -> None:
+    def request_pause(self, ranks, attempt: int) -> None:
         for rank in ranks:
             if rank in self.actors:
-                self.actors[rank].request_pause.remote(run)
+                self.actors[rank].request_pause.remote(attempt)
 
     # evaluations
 
     def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
         return Pending({rank: self.actors[rank].evaluate.remote(request) for rank, request in requests.items()})
 
-    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, StepReport | None]]:
+    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
         """Reports that arrive within ``timeout`` (at least one unless it passes), taken out
         of ``pending``; ``None`` for a rank whose process is gone."""
         rank_of = {ref: rank for rank, ref in pending.refs.items()}

@@ -1,10 +1,10 @@
 """Collecting the ranks' final reports of their work, and the drain after a failure.
 
-An evaluation's reports are collected here (``ReportCollector.collect``) within its
+An evaluation's reports are collected here (``OutcomeCollector.collect``) within its
 deadline. The first failure (a dead rank, an error report, the deadline) ends the wait: the
 hung ranks are found and killed, the others are told to abort, and the rest of the reports
-are drained before ``diagnose`` names the culprits (``ReportCollector.after_failure``, the
-one way failed work ends: a run's watch, ``run_watch``, ends its failures through it too,
+are drained before ``diagnose`` names the culprits (``OutcomeCollector.after_failure``, the
+one way failed work ends: a run's watch, ``segment_watch``, ends its failures through it too,
 so after any failure the other ranks get the same time to report). All waiting goes
 through the fleet, with deadlines from the injected clock.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from elastic.core.diagnosis import Diagnosis, diagnose, least_advanced
 from elastic.core.events import EventKind, EventLog
 from elastic.core.policies import StepDeadline
-from elastic.core.protocol import StepReport
+from elastic.core.protocol import RankOutcome
 from elastic.core.topology import Topology
 from elastic.fleet.api import FleetApi, Pending
 
@@ -30,7 +30,7 @@ ABORT_SETTLE_S = 0.25
 ABORT_GRACE_S = 2.0
 
 # (ranks still waited for, seconds) -> the final reports that arrived (None: process gone)
-Receive = Callable[[list[int], float], list[tuple[int, StepReport | None]]]
+Receive = Callable[[list[int], float], list[tuple[int, RankOutcome | None]]]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class FailureSeen:
     seen_at: float
 
 
-def receive_into(arrived: list[tuple[int, StepReport | None]], reports: dict, dead: set) -> bool:
+def receive_into(arrived: list[tuple[int, RankOutcome | None]], reports: dict, dead: set) -> bool:
     """File the reports that arrived; returns whether any says the work failed."""
     failed = False
     for rank, report in arrived:
@@ -83,7 +83,7 @@ def drain(receive: Receive, waiting: set[int], reports: dict, dead: set, hung: l
     return sorted(waiting)
 
 
-class ReportCollector:
+class OutcomeCollector:
     def __init__(self, fleet: FleetApi, topology: Topology, deadline: StepDeadline, events: EventLog,
                  clock: Callable[[], float]):
         self.fleet = fleet
@@ -93,10 +93,10 @@ class ReportCollector:
         self.clock = clock
 
     def collect(self, pending: Pending, step: int, attempt: int, started: float,
-                deadline_s: float) -> tuple[dict[int, StepReport], FailureSeen | None]:
+                deadline_s: float) -> tuple[dict[int, RankOutcome], FailureSeen | None]:
         """The reports, and the failure when the work failed."""
         dispatched = pending.ranks
-        reports: dict[int, StepReport] = {}
+        reports: dict[int, RankOutcome] = {}
         dead: set[int] = set()
         hung: list[int] = []
         failed = False
@@ -122,7 +122,7 @@ class ReportCollector:
         return reports, failure
 
     def after_failure(self, unfinished: list[int], hung: list[int], attempt: int, receive: Receive,
-                      reports: dict[int, StepReport], dead: set[int], group_of: dict[int, int],
+                      reports: dict[int, RankOutcome], dead: set[int], group_of: dict[int, int],
                       step_deadline: float) -> FailureSeen:
         """The one way failed work ends, a run's or an evaluation's: the hung ranks killed,
         the others aborted, the rest of the reports drained (``drain``), the culprits named."""

@@ -1,23 +1,23 @@
-"""Watching a run: the groups' committed steps as they stream in, the silence that means a
+"""Watching a segment: the groups' committed steps as they stream in, the silence that means a
 hang, and, when a step failed, the abort, the drain and the diagnosis.
 
-The driver is off the steps' path: it reads the run's messages (a ``RunRecords`` carries
-every group's committed steps since the last; a ``GroupRecords`` one group's, from a run of
-one group or a run's end) and hands each step on once every group of the run has reported
+The driver is off the steps' path: it reads the segment's messages (a ``SegmentRecords`` carries
+every group's committed steps since the last; a ``GroupRecords`` one group's, from a segment of
+one group or a segment's end) and hands each step on once every group of the segment has reported
 it. A group that stays silent longer than the step deadline plus the interval between its batches
 is probed like a step past its deadline; the same ``least_advanced`` names the hung
 rank; so does a failure that only blames peers (ranks that waited out the step's deadline
-in the cross-group sum). The first failure (a rank gone, a failed ``RunEnd``, the silence)
-ends the run as failed evaluations end (``ReportCollector.after_failure``): the hung killed,
+in the cross-group sum). The first failure (a rank gone, a failed ``SegmentEnd``, the silence)
+ends the segment as failed evaluations end (``OutcomeCollector.after_failure``): the hung killed,
 the others aborted and drained, and ``diagnose`` naming the culprits.
 
-A run every rank ended on a step the replicas' integrity check discarded is a failure
+A segment every rank ended on a step the replicas' integrity check discarded is a failure
 without culprits: the positions that disagreed name the suspect groups, which heal.
 
-After a failure, only the groups that stay healthy say what is committed: the run's next
+After a failure, only the groups that stay healthy say what is committed: the segment's next
 step is the furthest a healthy group reached. A healthy group behind it (its last cross-group
 sum failed where another group's completed) is sent to rebuild and heal like a broken one,
-so every live group holds the same state when the next run starts.
+so every live group holds the same state when the next segment starts.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from elastic.core.diagnosis import diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
-from elastic.core.protocol import GroupRecords, NonFinite, RunEnd, RunRecords, RunSpec, StepRecord, StepReport
-from elastic.fleet.api import FleetApi, RunStream
-from elastic.driver.report_collector import ABORT_SETTLE_S, FailureSeen, ReportCollector, receive_into
+from elastic.core.protocol import GroupRecords, NonFinite, RankOutcome, SegmentEnd, SegmentRecords, SegmentSpec, StepRecord
+from elastic.fleet.api import FleetApi, SegmentStream
+from elastic.driver.outcome_collector import ABORT_SETTLE_S, FailureSeen, OutcomeCollector, receive_into
 
 # How often the driver looks up from the stream for its own duties (uploads to commit,
 # groups joining, a pause to request) while nothing arrives, and reads every rank's stream.
@@ -40,30 +40,30 @@ TICK_S = 1e-6
 # than waited for in slivers.
 POLL_SLACK_S = 0.01
 
-# Hands on a step every group of the run committed: the message that carried it, and its place there.
-StepCommitted = Callable[[RunRecords, int], None]
+# Hands on a step every group of the segment committed: the message that carried it, and its place there.
+StepCommitted = Callable[[SegmentRecords, int], None]
 
 
 @dataclass(frozen=True)
-class RunOutcome:
+class SegmentOutcome:
     next_step: int  # the first step that no group left healthy committed
-    failure: FailureSeen | None  # None: the run paused at next_step as planned or asked
-    committed_until: float  # clock time of the last committed step (or of the run's start)
-    nonfinite: NonFinite | None = None  # the run stopped on a step whose loss or norm was not finite
+    failure: FailureSeen | None  # None: the segment paused at next_step as planned or asked
+    committed_until: float  # clock time of the last committed step (or of the segment's start)
+    nonfinite: NonFinite | None = None  # the segment stopped on a step whose loss or norm was not finite
 
 
-class RunInbox:
-    """What a run's streams have said so far: the steps each group committed, in order of
-    step, handed on once every group of the run has it (``commit_complete``); every rank's
+class SegmentInbox:
+    """What a segment's streams have said so far: the steps each group committed, in order of
+    step, handed on once every group of the segment has it (``commit_complete``); every rank's
     final report, the ranks gone, each rank's next step, the discarded step's findings."""
 
-    def __init__(self, spec: RunSpec, on_step: StepCommitted, clock: Callable[[], float]):
+    def __init__(self, spec: SegmentSpec, on_step: StepCommitted, clock: Callable[[], float]):
         self.on_step, self.clock = on_step, clock
         self.groups = spec.groups
         started = clock()
         self.records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
-        self.complete: dict[int, tuple[RunRecords, int]] = {}  # by step, its message and place in it
-        self.ends: dict[int, StepReport] = {}  # every rank's final report: its failure, or ok
+        self.complete: dict[int, tuple[SegmentRecords, int]] = {}  # by step, its message and place in it
+        self.ends: dict[int, RankOutcome] = {}  # every rank's final report: its failure, or ok
         self.next_steps: dict[int, int] = {}
         self.dead: set[int] = set()
         self.heard_at = dict.fromkeys(self.groups, started)
@@ -72,14 +72,14 @@ class RunInbox:
         self.nonfinite: NonFinite | None = None
         self.mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
 
-    def file(self, arrived) -> list[tuple[int, StepReport | None]]:
+    def file(self, arrived) -> list[tuple[int, RankOutcome | None]]:
         """File the records among the messages that arrived and hand on the steps now
         complete; returns the final reports among them (None: a rank gone)."""
         finals = []
         for rank, message in arrived:
-            # A step can come twice: from the run's message, and from a group's own when its
-            # run ended before it heard that the gather went through.
-            if isinstance(message, RunRecords):
+            # A step can come twice: from the segment's message, and from a group's own when its
+            # segment ended before it heard that the gather went through.
+            if isinstance(message, SegmentRecords):
                 self.heard_at.update(dict.fromkeys(message.groups, self.clock()))
                 self.complete.update((record.step, (message, index)) for index, record in enumerate(message.records)
                                      if record.step >= self.next)
@@ -90,12 +90,12 @@ class RunInbox:
                     if record.step >= self.next:
                         self.records.setdefault(record.step, {})[message.group] = record
                 continue
-            if isinstance(message, RunEnd):
+            if isinstance(message, SegmentEnd):
                 self.next_steps[rank] = message.next_step
                 self.nonfinite = self.nonfinite or message.nonfinite
                 if message.integrity is not None:
                     self.mismatches[message.integrity.position] = message.integrity
-                message = message.failure or StepReport(rank, message.next_step)
+                message = message.failure or RankOutcome(rank, message.next_step)
             finals.append((rank, message))
         self.commit_complete()
         return finals
@@ -106,7 +106,7 @@ class RunInbox:
 
     def commit_next(self) -> None:
         own = self.records.pop(self.next, None)
-        self.on_step(*self.complete.pop(self.next, None) or (RunRecords.of_groups(
+        self.on_step(*self.complete.pop(self.next, None) or (SegmentRecords.of_groups(
             {group: [record] for group, record in own.items()}), 0))
         self.next += 1
         self.committed_until = self.clock()
@@ -120,18 +120,18 @@ class RunInbox:
                                                  if not report.ok)
 
 
-class RunWatch:
-    def __init__(self, collector: ReportCollector):
+class SegmentWatch:
+    def __init__(self, collector: OutcomeCollector):
         self.collector = collector
         self.fleet: FleetApi = collector.fleet
         self.topology = collector.topology
         self.clock = collector.clock
 
-    def watch(self, stream: RunStream, spec: RunSpec, on_step: StepCommitted,
-              between: Callable[[], None]) -> RunOutcome:
+    def watch(self, stream: SegmentStream, spec: SegmentSpec, on_step: StepCommitted,
+              between: Callable[[], None]) -> SegmentOutcome:
         """Hand on each step every group committed, call ``between`` while waiting, and
-        return how the run ended."""
-        inbox = RunInbox(spec, on_step, self.clock)
+        return how the segment ended."""
+        inbox = SegmentInbox(spec, on_step, self.clock)
         started = self.clock()
         group_of = {rank: self.topology.group_of(rank) for rank in stream.ranks}
         # Between polls of every rank, the wait is on the groups' first ranks only (they carry
@@ -142,7 +142,7 @@ class RunWatch:
         hung: list[int] = []
         failed = False
         while stream.generators and not failed:
-            silence_s = spec.deadline_s + spec.report_interval_s
+            silence_s = spec.deadline_s + spec.records_interval_s
             now = self.clock()
             # what is left of each group's allowed silence, and of the time to the next poll (a
             # remainder under TICK_S counts as none: the clock may not move by less)
@@ -158,7 +158,7 @@ class RunWatch:
                 arrived = self.fleet.next_messages(stream, 0.0)
             else:
                 wait_s = min(to_poll, silent_for)
-                # once a first rank has ended its run, the others' ends follow: wait on all
+                # once a first rank has ended its segment, the others' ends follow: wait on all
                 arrived = self.fleet.next_messages(
                     stream, wait_s, leaders if all(rank in stream.generators for rank in leaders) else None)
             failed = inbox.receive(arrived)
@@ -167,7 +167,7 @@ class RunWatch:
         if not failed and inbox.mismatches:
             return self.integrity_failed(list(inbox.mismatches.values()), inbox.next, inbox.committed_until)
         if not failed:
-            return RunOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite)
+            return SegmentOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite)
         if inbox.only_victims_reported(hung):
             # Only victims have reported so far. A peer that died tells it through its own
             # stream, which the wait on first ranks skipped: read every stream for that long.
@@ -184,7 +184,7 @@ class RunWatch:
         def receive(ranks: list[int], timeout: float):
             return inbox.file(self.fleet.next_messages(stream, timeout, ranks))
 
-        failure = self.collector.after_failure(stream.ranks, hung, stream.run, receive, inbox.ends, inbox.dead,
+        failure = self.collector.after_failure(stream.ranks, hung, stream.attempt, receive, inbox.ends, inbox.dead,
                                                group_of, self.clock() + spec.deadline_s)
         diagnosis = failure.diagnosis
         healthy = {group: min(inbox.next_steps.get(rank, inbox.next) for rank in self.topology.global_ranks(group))
@@ -194,14 +194,14 @@ class RunWatch:
         while inbox.next < reached:  # steps a healthy group committed that a broken one never reported
             inbox.commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
-        return RunOutcome(inbox.next, replace(failure, diagnosis=diagnosis), inbox.committed_until)
+        return SegmentOutcome(inbox.next, replace(failure, diagnosis=diagnosis), inbox.committed_until)
 
     def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
-                         committed_until: float) -> RunOutcome:
+                         committed_until: float) -> SegmentOutcome:
         """Every rank discarded ``next_step``: replicas disagreed about the state it began from."""
         seen_at = self.clock()
         for mismatch in sorted(mismatches, key=lambda found: found.position):
             self.collector.events.emit(EventKind.INTEGRITY_MISMATCH, step=mismatch.step,
                                         position=list(mismatch.position), suspects=list(mismatch.suspects),
                                         majority=list(mismatch.majority), tensors=list(mismatch.tensors))
-        return RunOutcome(next_step, FailureSeen(diagnose_mismatch(mismatches), seen_at), committed_until)
+        return SegmentOutcome(next_step, FailureSeen(diagnose_mismatch(mismatches), seen_at), committed_until)
