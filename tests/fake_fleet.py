@@ -1,4 +1,4 @@
-"""A fleet without Ray, on a fake clock: ranks are entries in a table, a run's messages arrive
+"""A fleet without Ray, on a fake clock: ranks are entries in a table, a segment's messages arrive
 at the times its steps and a scripted fault would make them arrive, and every call is recorded.
 
 It speaks the fleet's interface (``elastic.fleet.api``), so the real controller and
@@ -7,7 +7,7 @@ of a step: every rank computes for ``step_s`` (times its slowness, read as the s
 and the ranks of all groups then meet in the cross-group all-reduce and their groups' votes,
 so a step ends when its slowest rank finishes, and the next one starts at once. A run is
 simulated step by step as the fake clock reaches it: a pause requested before a step's vote
-ends the run after that step, as the ranks' votes would decide, and the groups' first ranks
+ends the segment after that step, as the ranks' votes would decide, and the groups' first ranks
 send their records as the ranks' own run loop decides (``elastic.core.segment_loop``).
 """
 
@@ -142,7 +142,7 @@ class FakeFleet:
         self.spares_started = 0
         self.spares_taken: list[tuple[int, int]] = []  # (rank, spare)
         self.fail_uploads = False
-        self.delivered: list[tuple[int, object]] = []  # every run message the driver read, in order
+        self.delivered: list[tuple[int, object]] = []  # every segment message the driver read, in order
         self.fail_staging = False
         self.stuck_steps: set[int] = set()  # saves of these steps write their file, then never end
         self.reserved: list[int] = []
@@ -434,7 +434,7 @@ class FakeFleet:
 
 class FakeSegment:
     """One run, simulated as the fake clock reaches its steps: each step's end (records,
-    a pause, the run's end) or its fault, as timed messages for the driver to read."""
+    a pause, the segment's end) or its fault, as timed messages for the driver to read."""
 
     def __init__(self, fleet: FakeFleet, spec: SegmentSpec, ranks: list[int]):
         self.fleet = fleet
@@ -520,8 +520,8 @@ class FakeSegment:
         self.queue.extend(finals.values())
 
     def _finish_step(self) -> None:
-        """The step's votes: every group commits it; a pause asked before them, or the run's
-        last step, ends the run here."""
+        """The step's votes: every group commits it; a pause asked before them, or the segment's
+        last step, ends the segment here."""
         fleet, spec, step, at = self.fleet, self.spec, self.step, self.ends_at
         if fleet.nonfinite.get(step) or self.mismatches:
             self._discard(step, at)
@@ -540,7 +540,7 @@ class FakeSegment:
                 plan.global_samples, plan.group_samples, plan.next_cursor, ranks, times,
                 counted=plan.global_samples * spec.seq_len), pause, self.records_due, at)
         sent = {group: after.send for group, after in decided.items() if after.send is not None}
-        if any(send.gathered for send in sent.values()):  # one message for the run, from its first group
+        if any(send.gathered for send in sent.values()):  # one message for the segment, from its first group
             self.queue.append(Call(at, (self.topology.global_ranks(self.groups[0])[0], SegmentRecords.of_groups(
                 {group: list(send.records) for group, send in sent.items()}))))
         else:
@@ -558,7 +558,7 @@ class FakeSegment:
 
     def _discard(self, step: int, at: float) -> None:
         """Every rank's vote finds a mismatch, or else sums a NaN loss: the records held go
-        out, then every rank ends the run on the step."""
+        out, then every rank ends the segment on the step."""
         self.over = True
         for group, loop in self.loops.items():
             records = loop.held()

@@ -18,8 +18,8 @@ discards it.
    of every group when its loss or norm is not finite or replicas disagreed.
 
 Beside the step, the same parts serve an evaluation's held-out loss (computed as a step's
-share is, committing nothing) and the gather of the run's records across the groups
-(``elastic.core.segment_loop``). Faults a run injects (tests and benchmarks) come in as a
+share is, committing nothing) and the gather of the segment's records across the groups
+(``elastic.core.segment_loop``). Faults a segment injects (tests and benchmarks) come in as a
 ``FaultPlan`` the step calls at two points; production runs pass ``NO_FAULTS``. No Ray here: the rank actor
 (``workers.worker``) drives the transaction, and ``tests/test_step_transaction.py`` drives it
 on gloo process groups alone.
@@ -146,12 +146,12 @@ class ActivityTracker:
 
 class DriverSignals:
     """What the driver asks on the rank's control thread, for the training thread to act on:
-    give up the attempt in progress (abort), or stop a run at a step boundary (pause)."""
+    give up the attempt in progress (abort), or stop a segment at a step boundary (pause)."""
 
     def __init__(self):
         self._abort = threading.Event()
         self._abort_attempt = -1
-        self._attempt = -1  # the run or evaluation in progress
+        self._attempt = -1  # the segment or evaluation in progress
         self._pause_attempt = -1
 
     def begin(self, attempt: int) -> None:
@@ -178,7 +178,7 @@ class DriverSignals:
 
 
 class FaultPlan(Protocol):
-    """Faults injected into a run's steps (``workers.fault_injection``)."""
+    """Faults injected into a segment's steps (``workers.fault_injection``)."""
 
     def after_compute(self, compute_s: float) -> float:
         """Called once the rank's share is computed; returns its compute seconds, with any
@@ -307,14 +307,14 @@ class StepTransaction:
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         # generator states before the step in progress drew; None between steps
         self._rng_before_step: rng.RngState | None = None
-        # fp16's, at the step in progress: the run's spec gives it at its first step, and each
+        # fp16's, at the step in progress: the segment's spec gives it at its first step, and each
         # commit moves it on by the rule the driver follows (elastic.core.loss_scale)
         self.loss_scale: LossScale | None = None
 
     def step(self, spec: SegmentSpec, share: RankShare, batches: Future, records_due: bool,
              faults: FaultPlan = NO_FAULTS) -> Committed | Discarded:
-        """Step ``share.step`` of the run ``spec`` on ``batches`` (the loader's, collated on
-        the CPU). ``records_due``: this rank asks for the run's records to go out after it.
+        """Step ``share.step`` of the segment ``spec`` on ``batches`` (the loader's, collated on
+        the CPU). ``records_due``: this rank asks for the segment's records to go out after it.
         Raises when the step failed here or on a peer of the group; the step is discarded
         then too."""
         try:
@@ -551,7 +551,7 @@ class StepTransaction:
     def gather_across_groups(self, rows: list[list[float]], deadline: float) -> np.ndarray | None:
         """The ``rows`` of this position's rank in every group, ``[replica rank, row, value]``; None when
         the gather fails: a peer group is gone, and the next cross-group sum fails and ends
-        the run as any failed sum does."""
+        the segment as any failed sum does."""
         replicate_group = self.world.replicate_group
         own = torch.tensor(rows, dtype=torch.float64).to(self.device)
         gathered = [torch.empty_like(own) for _ in range(replicate_group.size())]

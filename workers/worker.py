@@ -3,9 +3,9 @@
 The actor is the shell around a rank's parts: its process groups (``workers.world``), its
 steps (``workers.step_transaction``), its copies in host memory (``workers.memory_tier``) and
 its checkpoints (``checkpointing.rank_io``). It answers the driver's calls, and during a
-*run* (``run``) steps on its own: it plans its share of every step from the run's spec with
+*segment* (``run``) steps on its own: it plans its share of every step from the segment's spec with
 the driver's own pure code, reads the next step's samples while the current one computes,
-and follows the run protocol (``elastic.core.segment_loop``). The driver is not on the step's
+and follows the segment protocol (``elastic.core.segment_loop``). The driver is not on the step's
 path: it watches the groups' records and acts at failures and boundaries.
 
 Methods in the ``control`` concurrency group run on a second thread, so the driver can
@@ -189,11 +189,11 @@ class RankWorker:
         self.world.join_replicas(generation, replica_rank, replica_size)
         return time.perf_counter() - started
 
-    # the run: steps the ranks take on their own
+    # the segment: steps the ranks take on their own
 
     def run(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves, and
-        send the run's records and its end as ``elastic.core.segment_loop`` decides; every rank
+        send the segment's records and its end as ``elastic.core.segment_loop`` decides; every rank
         yields its ``SegmentEnd`` last."""
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
         self.signals.begin(spec.attempt)
@@ -251,7 +251,7 @@ class RankWorker:
 
     def _records_message(self, send: SendRecords, deadline: float) -> SegmentMessage | None:
         """What the group's first rank sends of its records: gathered, every group's, from the
-        run's first group (None from the others); else, or when the gather fails, its group's own."""
+        segment's first group (None from the others); else, or when the gather fails, its group's own."""
         own = GroupRecords(self.spec.group, send.records)
         if not send.gathered:
             return own

@@ -1,10 +1,10 @@
 """Fault injection: parsed from ``--inject`` or config, scheduled by the driver, carried out
 inside the workers.
 
-Injection decorates the production path and never branches inside it: a run pauses before
+Injection decorates the production path and never branches inside it: a segment pauses before
 the step of every step-triggered fault (and at the first boundary once a time-triggered one
-is due), the driver's ``FaultSchedule`` turns the run specs of the ranks a due fault names
-into ``InjectedSegmentSpec``s, and ``workers.fault_injection`` fires them as the run's first
+is due), the driver's ``FaultSchedule`` turns the segment specs of the ranks a due fault names
+into ``InjectedSegmentSpec``s, and ``workers.fault_injection`` fires them as the segment's first
 step starts. Runs without ``--inject`` (or straggler noise) use neither.
 
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
@@ -140,7 +140,7 @@ def check_targets(faults: list[Fault], n_groups: int, ranks_per_group: int) -> N
 
 @dataclass(frozen=True)
 class InjectedFault:
-    """A fault one rank carries out as its run's first step starts."""
+    """A fault one rank carries out as its segment's first step starts."""
 
     kind: str
     factor: float = 1.0
@@ -155,7 +155,7 @@ class InjectedSegmentSpec(SegmentSpec):
 
 class FaultSchedule:
     """The driver's side: fires each fault once, on the first step at or after its trigger,
-    by decorating the run specs of the ranks it names; runs pause before a fault's step."""
+    by decorating the segment specs of the ranks it names; segments pause before a fault's step."""
 
     def __init__(self, faults: list[Fault], topology: Topology, events: EventLog, clock: Callable[[], float],
                  noise: float = 0.0):
@@ -172,11 +172,11 @@ class FaultSchedule:
         return self.clock() - self.training_started_at
 
     def next_step_after(self, step: int) -> int | None:
-        """The first step after ``step`` at which a step-triggered fault fires: a run stops before it."""
+        """The first step after ``step`` at which a step-triggered fault fires: a segment stops before it."""
         return min((fault.step for fault in self.faults if fault.step is not None and fault.step > step), default=None)
 
     def time_fault_due(self) -> bool:
-        """A time-triggered fault is due: the run in progress should pause so the next one fires it."""
+        """A time-triggered fault is due: the segment in progress should pause so the next one fires it."""
         return any(fault.at is not None and fault.due(0, self._elapsed()) for fault in self.faults)
 
     def decorate(self, step: int, requests: dict[int, SegmentSpec]) -> dict[int, SegmentSpec]:

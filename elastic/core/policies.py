@@ -11,8 +11,8 @@ from elastic.core.exits import Ending, Exit
 from elastic.core.protocol import NonFinite
 
 
-def run_boundary(step: int, steps: int, every: tuple[int, ...], fault_step: int | None) -> int:
-    """The step before which a run from ``step`` pauses: the end, the next checkpoint or
+def segment_boundary(step: int, steps: int, every: tuple[int, ...], fault_step: int | None) -> int:
+    """The step before which a segment from ``step`` pauses: the end, the next checkpoint or
     evaluation due (``every``, 0 for off), or an injected fault's step."""
     stops = [steps, *((step // interval + 1) * interval for interval in every if interval)]
     if fault_step is not None:

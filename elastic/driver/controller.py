@@ -41,7 +41,7 @@ from elastic.core.topology import Position
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
-from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, run_boundary
+from elastic.core.policies import DivergencePolicy, FailurePolicy, StepDeadline, segment_boundary
 from elastic.core.protocol import SegmentRecords, SegmentSpec, describe_error
 from elastic.core.recovery import plan_recovery
 from elastic.driver.evaluation import Evaluation
@@ -60,7 +60,7 @@ from elastic.driver.stopped import TrainingStopped
 __all__ = ["Controller", "TrainingStopped"]
 
 # How often a group's first rank sends its committed records (and always with its first and
-# last step of a run): the driver's work per step shrinks with it, and a hang is noticed at
+# last step of a segment): the driver's work per step shrinks with it, and a hang is noticed at
 # most this much later.
 RECORDS_INTERVAL_S = 1.0
 
@@ -148,7 +148,7 @@ class Controller:
         self.checkpoints = checkpoints
         self.resume = resume
         self.stop_requested = stop_requested or threading.Event()
-        self.faults = faults  # injected faults (tests and benchmarks): they decorate the runs' specs
+        self.faults = faults  # injected faults (tests and benchmarks): they decorate the segments' specs
         ft = config.fault_tolerance
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
@@ -163,7 +163,7 @@ class Controller:
         self.state_sources = StateSources(run, checkpoints)
         self.groups = GroupKeeper(run, self.state_sources, sleep, self.stragglers.mitigation)
         self.attempts = 0  # runs and evaluations started: each has its own number
-        self.pause_requested = False  # of the run in flight
+        self.pause_requested = False  # of the segment in flight
 
     # the state machine
 
@@ -241,7 +241,7 @@ class Controller:
     # runs: the steps the ranks take on their own
 
     def run_steps(self) -> RunState:
-        """Hand the live ranks a run up to the next planned boundary and watch it; the ranks
+        """Hand the live ranks a segment up to the next planned boundary and watch it; the ranks
         commit each step among themselves, and the driver records what they committed."""
         spec = self.segment_spec()
         started = self.clock()
@@ -282,10 +282,10 @@ class Controller:
     def next_boundary(self) -> int:
         every = (self.checkpoints.catalog.every if self.checkpoints else 0, self.config.eval.every)
         fault_step = self.faults.next_step_after(self.history.step) if self.faults is not None else None
-        return run_boundary(self.history.step, self.config.steps, every, fault_step)
+        return segment_boundary(self.history.step, self.config.steps, every, fault_step)
 
     def between_steps(self, stream: SegmentStream) -> None:
-        """The driver's own duties while a run goes on: commit a finished upload, move
+        """The driver's own duties while a segment goes on: commit a finished upload, move
         joining groups on, and ask the ranks to pause when something needs a boundary."""
         if self.checkpoints is not None:
             self.checkpoints.poll()

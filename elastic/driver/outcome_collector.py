@@ -4,7 +4,7 @@ An evaluation's reports are collected here (``OutcomeCollector.collect``) within
 deadline. The first failure (a dead rank, an error report, the deadline) ends the wait: the
 hung ranks are found and killed, the others are told to abort, and the rest of the reports
 are drained before ``diagnose`` names the culprits (``OutcomeCollector.after_failure``, the
-one way failed work ends: a run's watch, ``segment_watch``, ends its failures through it too,
+one way failed work ends: a segment's watch, ``segment_watch``, ends its failures through it too,
 so after any failure the other ranks get the same time to report). All waiting goes
 through the fleet, with deadlines from the injected clock.
 """
@@ -124,7 +124,7 @@ class OutcomeCollector:
     def after_failure(self, unfinished: list[int], hung: list[int], attempt: int, receive: Receive,
                       reports: dict[int, RankOutcome], dead: set[int], group_of: dict[int, int],
                       step_deadline: float) -> FailureSeen:
-        """The one way failed work ends, a run's or an evaluation's: the hung ranks killed,
+        """The one way failed work ends, a segment's or an evaluation's: the hung ranks killed,
         the others aborted, the rest of the reports drained (``drain``), the culprits named."""
         seen_at = self.clock()
         waiting = self.abort(unfinished, hung, attempt)

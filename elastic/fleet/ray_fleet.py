@@ -1,7 +1,7 @@
 """The Ray edge of the driver: the calls it makes to rank actors.
 
 Every Ray call of the driver lives here or in ``elastic.fleet.rank_processes`` (placement, starting
-and killing ranks and spares): starting a run and reading its stream, pausing, probing and
+and killing ranks and spares): starting a segment and reading its stream, pausing, probing and
 aborting, evaluations, copying state, the memory tier, checkpoint calls. A run is one call
 per rank at a boundary (a streaming generator); its steps make no call at all.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
@@ -110,7 +110,7 @@ class Fleet(RankProcesses):
     # runs
 
     def start_segment(self, specs: dict[int, SegmentSpec]) -> SegmentStream:
-        """Start a run on every rank; a spec shared by ranks is sent once."""
+        """Start a segment on every rank; a spec shared by ranks is sent once."""
         shared: dict[int, ray.ObjectRef] = {}
         generators = {}
         for rank, spec in specs.items():
@@ -147,7 +147,7 @@ class Fleet(RankProcesses):
             return ray.get(next(generator))
         except (StopIteration, RayActorError):
             return None
-        except RayError as error:  # the run itself raised: a defect, reported as the rank's failure
+        except RayError as error:  # the segment itself raised: a defect, reported as the rank's failure
             return SegmentEnd(rank, -1, RankOutcome(rank, -1, error=describe_error(error), failure=Failure.OWN_COMPUTE,
                                                     group_broken=True))
 
