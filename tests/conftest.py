@@ -33,6 +33,16 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group("waits" if item.get_closest_marker("waits") else "computes"))
 
 
+def end_detached_actors() -> None:
+    """Ray Data's detached actors (its stats, autoscaling coordinator and usage collector)
+    outlive the job that started them, and a head stopping with them alive waits 30 s for
+    them before it kills them: they are ended first."""
+    if not ray.is_initialized():
+        return
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """The one Ray instance of this lane's whole test run, on loopback (tests/ray_head.py). This
@@ -45,6 +55,7 @@ def ray_head():
         ray.init(address=head.gcs_address, log_to_driver=False, configure_logging=False)
         yield head
     finally:
+        end_detached_actors()
         ray.shutdown()
         leftovers = head.stop()
     assert not leftovers, f"processes of the test run's Ray head outlived it: {leftovers}"
