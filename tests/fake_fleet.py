@@ -325,7 +325,7 @@ class FakeFleet:
             return self.aborted_at + RETURN_S
         return call.at
 
-    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
+    def next_outcomes(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
         earliest = min(self._ready_at(call) for call in pending.refs.values())
         if earliest > self.clock() + timeout:
             self.clock.sleep(max(0.0, timeout))

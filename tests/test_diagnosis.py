@@ -35,7 +35,7 @@ def test_a_hang_breaks_only_the_hung_rank_group():
         2: RankOutcome(2, 5, error="CollectiveTimedOut: rank 2", failure="released"),
         3: RankOutcome(3, 5, error="CollectiveAborted: rank 3", failure="released"),
     }
-    diagnosis = diagnose(dead=[], reports=reports, hung=[1], stuck=[0], group_of=group_of)
+    diagnosis = diagnose(dead=[], outcomes=reports, hung=[1], stuck=[0], group_of=group_of)
     assert diagnosis.culprits == {1: Cause.HANG}
     assert diagnosis.broken_groups == frozenset({0})
 
@@ -48,6 +48,6 @@ def test_a_ranks_own_failures_name_what_they_point_at():
         2: RankOutcome(2, 5, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED", failure="own-compute"),
         3: RankOutcome(3, 5, error="CollectiveFailed: peer", failure="collective"),
     }
-    diagnosis = diagnose(dead=[], reports=reports, hung=[], group_of=group_of)
+    diagnosis = diagnose(dead=[], outcomes=reports, hung=[], group_of=group_of)
     assert diagnosis.culprits == {0: Cause.OWN_CODE, 1: Cause.OWN_DATA, 2: Cause.OWN_ERROR}  # rank 3 blames a peer
     assert diagnosis.cause == Cause.OWN_DATA

@@ -154,8 +154,8 @@ def classify(error: BaseException, phase: Phase) -> Failure:
     return Failure.OWN_CODE if raised_by_user_code(error) else Failure.OWN_COMPUTE
 
 
-def failure_report(global_rank: int, step: int, error: BaseException, phase: Phase) -> RankOutcome:
-    """The report of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
+def failure_outcome(global_rank: int, step: int, error: BaseException, phase: Phase) -> RankOutcome:
+    """The outcome of a step (or evaluation) that failed with ``error`` in ``phase``. The group's
     world is broken when a rank failed in its own work outside an agreed stop (its peers may
     wait for it in a collective of the group), or in the vote."""
     group_broken = (phase in (Phase.DATA, Phase.COMPUTE, Phase.STAGE_WAIT) and not isinstance(error, StepInterrupted)

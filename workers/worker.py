@@ -50,7 +50,7 @@ from elastic.core.protocol import (
     record_row,
 )
 from elastic.core.segment_loop import RankSegmentLoop, SendRecords, memory_snapshot_due
-from workers.failures import describe_failure, failure_report, raised_in_collective
+from workers.failures import describe_failure, failure_outcome, raised_in_collective
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire
 from workers.keyed_store import KeyedStore
@@ -261,10 +261,10 @@ class RankWorker:
         return SegmentRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
 
     def _failed(self, step: int, error: Exception) -> RankOutcome:
-        report = failure_report(self.spec.global_rank, step, error, self.activity.phase)
+        outcome = failure_outcome(self.spec.global_rank, step, error, self.activity.phase)
         self.world.leave_replicas()
         self.activity.set(step, Phase.FAILED)
-        return report
+        return outcome
 
     def evaluate(self, request: EvalRequest) -> RankOutcome:
         """The held-out loss of the committed state over the request's samples."""

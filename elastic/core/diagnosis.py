@@ -71,22 +71,22 @@ def least_advanced(activities: Iterable[RankActivity]) -> list[int]:
 def diagnose(
     *,
     dead: Iterable[int],
-    reports: Mapping[int, RankOutcome],
+    outcomes: Mapping[int, RankOutcome],
     hung: Iterable[int],
     stuck: Iterable[int] = (),
     group_of: Mapping[int, int],
 ) -> Diagnosis:
     culprits = {rank: Cause.DEATH for rank in dead}
     culprits.update({rank: Cause.HANG for rank in hung if rank not in culprits})
-    for rank, report in reports.items():
-        if not report.ok and not report.blames_peers and rank not in culprits:
-            culprits[rank] = {Failure.OWN_DATA: Cause.OWN_DATA, Failure.OWN_CODE: Cause.OWN_CODE}.get(report.failure,
+    for rank, outcome in outcomes.items():
+        if not outcome.ok and not outcome.blames_peers and rank not in culprits:
+            culprits[rank] = {Failure.OWN_DATA: Cause.OWN_DATA, Failure.OWN_CODE: Cause.OWN_CODE}.get(outcome.failure,
                                                                                           Cause.OWN_ERROR)
     broken = {group_of[rank] for rank in culprits}
-    broken |= {group_of[rank] for rank, report in reports.items() if report.group_broken}
+    broken |= {group_of[rank] for rank, outcome in outcomes.items() if outcome.group_broken}
     broken |= {group_of[rank] for rank in stuck}
     stuck = list(stuck)
-    errors = {rank: describe_error(report.error, 300) for rank, report in reports.items() if not report.ok}
+    errors = {rank: describe_error(outcome.error, 300) for rank, outcome in outcomes.items() if not outcome.ok}
     stuck = tuple(sorted(rank for rank in stuck if rank not in culprits))
     return Diagnosis(culprits, frozenset(broken), errors, stuck)
 

@@ -2,7 +2,7 @@
 decision bought. Pure (numpy, an injectable clock), no Ray: the controller applies the
 actions at the next step boundary.
 
-Once per committed step the controller hands over every rank's report. Each rank's compute
+Once per committed step the controller hands over every rank's outcome. Each rank's compute
 seconds *per sample of its group* go to the detector (so a group that was given fewer
 samples is not mistaken for a fast one); a group's speed is its slowest rank's window
 median (its ranks run in lockstep) and its fixed cost the slowest rank's data time (the
@@ -99,20 +99,20 @@ class StragglerMitigation:
         self.recent_step_s: deque[float] = deque(maxlen=config.window)
         self.followups: list[_Followup] = []
 
-    def on_step(self, step: int, reports: Mapping, group_of: Mapping[int, int], group_samples: Mapping[int, int],
+    def on_step(self, step: int, outcomes: Mapping, group_of: Mapping[int, int], group_samples: Mapping[int, int],
                 spare_slot: SpareSlot, min_groups: int) -> StragglerActions:
-        """One committed step: ``reports`` are the ranks' RankOutcomes, ``group_samples`` the
+        """One committed step: ``outcomes`` are the ranks' RankOutcomes, ``group_samples`` the
         samples each live group was given."""
-        ranks = sorted(reports)
+        ranks = sorted(outcomes)
         n = len(ranks)
         return self.on_step_arrays(
             step,
             np.array(ranks, dtype=np.int64),
             np.fromiter((group_of[r] for r in ranks), np.int64, n),
             samples=np.fromiter((group_samples[group_of[r]] for r in ranks), np.float64, n),
-            compute_s=np.fromiter((reports[r].compute_s for r in ranks), np.float64, n),
-            fixed_s=np.fromiter((reports[r].data_s for r in ranks), np.float64, n),
-            step_s=max((reports[r].wall_s for r in ranks), default=0.0),
+            compute_s=np.fromiter((outcomes[r].compute_s for r in ranks), np.float64, n),
+            fixed_s=np.fromiter((outcomes[r].data_s for r in ranks), np.float64, n),
+            step_s=max((outcomes[r].wall_s for r in ranks), default=0.0),
             spare_slot=spare_slot,
             min_groups=min_groups,
         )

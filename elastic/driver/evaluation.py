@@ -41,16 +41,16 @@ class Evaluation:
                               global_tokens, attempt, deadline_s)
             for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
         })
-        reports, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
+        outcomes, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
         elapsed = self.clock() - started
         self.ledger.charge("evaluation" if failure is None else "discarded", elapsed)
         if failure is not None:
             return failure
         # Each shard position's share once: the last stage's loss, whose TP ranks compute the
         # same replicated logits.
-        leading = [report for rank, report in reports.items() if self.topology.counts_loss(rank)]
-        loss = sum(report.loss_share for report in leading) * token_rescale(
-            global_tokens, sum(report.counted_tokens for report in leading))
+        leading = [outcome for rank, outcome in outcomes.items() if self.topology.counts_loss(rank)]
+        loss = sum(outcome.loss_share for outcome in leading) * token_rescale(
+            global_tokens, sum(outcome.counted_tokens for outcome in leading))
         result = EvalResult(step, loss, plan.global_samples, round(elapsed, 4))
         self.events.emit(EventKind.EVALUATED, **result.to_json())
         return result

@@ -34,7 +34,7 @@ class RunHistory:
 
     def commit(self, message: SegmentRecords, index: int, arrays: RankArrays, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
-        """Record the message's ``index``-th step, which every group of the run committed (their
+        """Record the message's ``index``-th step, which every group of the segment committed (their
         votes agree on the loss, the norm and the clipping factor; ``arrays`` holds every rank's
         times). Returns the step's result."""
         first, step_s = message.records[index], float(message.step_s[index].max())  # the slowest group's period

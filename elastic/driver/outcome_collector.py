@@ -1,8 +1,8 @@
-"""Collecting the ranks' final reports of their work, and the drain after a failure.
+"""Collecting the ranks' final outcomes of their work, and the drain after a failure.
 
-An evaluation's reports are collected here (``OutcomeCollector.collect``) within its
-deadline. The first failure (a dead rank, an error report, the deadline) ends the wait: the
-hung ranks are found and killed, the others are told to abort, and the rest of the reports
+An evaluation's outcomes are collected here (``OutcomeCollector.collect``) within its
+deadline. The first failure (a dead rank, an error outcome, the deadline) ends the wait: the
+hung ranks are found and killed, the others are told to abort, and the rest of the outcomes
 are drained before ``diagnose`` names the culprits (``OutcomeCollector.after_failure``, the
 one way failed work ends: a segment's watch, ``segment_watch``, ends its failures through it too,
 so after any failure the other ranks get the same time to report). All waiting goes
@@ -29,7 +29,7 @@ ABORT_SETTLE_S = 0.25
 # a stuck rank because the driver's call took a moment to reach it on a loaded node.
 ABORT_GRACE_S = 2.0
 
-# (ranks still waited for, seconds) -> the final reports that arrived (None: process gone)
+# (ranks still waited for, seconds) -> the final outcomes that arrived (None: process gone)
 Receive = Callable[[list[int], float], list[tuple[int, RankOutcome | None]]]
 
 
@@ -41,20 +41,20 @@ class FailureSeen:
     seen_at: float
 
 
-def receive_into(arrived: list[tuple[int, RankOutcome | None]], reports: dict, dead: set) -> bool:
-    """File the reports that arrived; returns whether any says the work failed."""
+def receive_into(arrived: list[tuple[int, RankOutcome | None]], outcomes: dict, dead: set) -> bool:
+    """File the outcomes that arrived; returns whether any says the work failed."""
     failed = False
-    for rank, report in arrived:
-        if report is None:
+    for rank, outcome in arrived:
+        if outcome is None:
             dead.add(rank)
             failed = True
         else:
-            reports[rank] = report
-            failed |= not report.ok
+            outcomes[rank] = outcome
+            failed |= not outcome.ok
     return failed
 
 
-def drain(receive: Receive, waiting: set[int], reports: dict, dead: set, hung: list[int],
+def drain(receive: Receive, waiting: set[int], outcomes: dict, dead: set, hung: list[int],
           group_of: dict[int, int], step_deadline: float, deadline: StepDeadline,
           clock: Callable[[], float]) -> list[int]:
     """Collect the rest of a failed step; returns the ranks blocked in their own group.
@@ -69,7 +69,7 @@ def drain(receive: Receive, waiting: set[int], reports: dict, dead: set, hung: l
     settle_until = clock() + ABORT_SETTLE_S
     finish_until = max(step_deadline, clock() + max(ABORT_GRACE_S, deadline.typical_s()))
     while waiting:
-        broken = diagnose(dead=dead, reports=reports, hung=hung, group_of=group_of).broken_groups
+        broken = diagnose(dead=dead, outcomes=outcomes, hung=hung, group_of=group_of).broken_groups
         now = clock()
         open_ranks = [rank for rank in sorted(waiting)
                       if now < (settle_until if group_of[rank] in broken else finish_until)]
@@ -79,7 +79,7 @@ def drain(receive: Receive, waiting: set[int], reports: dict, dead: set, hung: l
         arrived = receive(open_ranks, until - now)
         for rank, _ in arrived:
             waiting.discard(rank)
-        receive_into(arrived, reports, dead)
+        receive_into(arrived, outcomes, dead)
     return sorted(waiting)
 
 
@@ -94,9 +94,9 @@ class OutcomeCollector:
 
     def collect(self, pending: Pending, step: int, attempt: int, started: float,
                 deadline_s: float) -> tuple[dict[int, RankOutcome], FailureSeen | None]:
-        """The reports, and the failure when the work failed."""
+        """The outcomes, and the failure when the work failed."""
         dispatched = pending.ranks
-        reports: dict[int, RankOutcome] = {}
+        outcomes: dict[int, RankOutcome] = {}
         dead: set[int] = set()
         hung: list[int] = []
         failed = False
@@ -106,30 +106,30 @@ class OutcomeCollector:
                 hung = self.find_hung(pending.ranks, step, deadline_s)
                 failed = True
                 break
-            failed = receive_into(self.fleet.next_reports(pending, remaining), reports, dead)
+            failed = receive_into(self.fleet.next_outcomes(pending, remaining), outcomes, dead)
         if not failed:
-            return reports, None
+            return outcomes, None
 
         def receive(ranks: list[int], timeout: float):
-            arrived = self.fleet.next_reports(Pending({rank: pending.refs[rank] for rank in ranks}), timeout)
+            arrived = self.fleet.next_outcomes(Pending({rank: pending.refs[rank] for rank in ranks}), timeout)
             for rank, _ in arrived:
                 del pending.refs[rank]
             return arrived
 
         group_of = {rank: self.topology.group_of(rank) for rank in dispatched}
-        failure = self.after_failure(pending.ranks, hung, attempt, receive, reports, dead, group_of,
+        failure = self.after_failure(pending.ranks, hung, attempt, receive, outcomes, dead, group_of,
                                      started + deadline_s)
-        return reports, failure
+        return outcomes, failure
 
     def after_failure(self, unfinished: list[int], hung: list[int], attempt: int, receive: Receive,
-                      reports: dict[int, RankOutcome], dead: set[int], group_of: dict[int, int],
+                      outcomes: dict[int, RankOutcome], dead: set[int], group_of: dict[int, int],
                       step_deadline: float) -> FailureSeen:
         """The one way failed work ends, a segment's or an evaluation's: the hung ranks killed,
-        the others aborted, the rest of the reports drained (``drain``), the culprits named."""
+        the others aborted, the rest of the outcomes drained (``drain``), the culprits named."""
         seen_at = self.clock()
         waiting = self.abort(unfinished, hung, attempt)
-        stuck = drain(receive, waiting, reports, dead, hung, group_of, step_deadline, self.deadline, self.clock)
-        return FailureSeen(diagnose(dead=dead, reports=reports, hung=hung, stuck=stuck, group_of=group_of), seen_at)
+        stuck = drain(receive, waiting, outcomes, dead, hung, group_of, step_deadline, self.deadline, self.clock)
+        return FailureSeen(diagnose(dead=dead, outcomes=outcomes, hung=hung, stuck=stuck, group_of=group_of), seen_at)
 
     def find_hung(self, unfinished: list[int], step: int, deadline_s: float) -> list[int]:
         """Past the deadline: the unfinished ranks that made the least progress (or do not

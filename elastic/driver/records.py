@@ -16,7 +16,7 @@ from elastic.core.topology import Topology
 
 @dataclass(frozen=True)
 class RankArrays:
-    """A committed step's per-rank figures, one row per rank (ascending): arrays, as the run's
+    """A committed step's per-rank figures, one row per rank (ascending): arrays, as the segment's
     message carried them, so the driver's work per step (the straggler detector's included)
     stays a few array operations however many ranks there are."""
 

@@ -55,7 +55,7 @@ class SegmentOutcome:
 class SegmentInbox:
     """What a segment's streams have said so far: the steps each group committed, in order of
     step, handed on once every group of the segment has it (``commit_complete``); every rank's
-    final report, the ranks gone, each rank's next step, the discarded step's findings."""
+    final outcome, the ranks gone, each rank's next step, the discarded step's findings."""
 
     def __init__(self, spec: SegmentSpec, on_step: StepCommitted, clock: Callable[[], float]):
         self.on_step, self.clock = on_step, clock
@@ -63,7 +63,7 @@ class SegmentInbox:
         started = clock()
         self.records: dict[int, dict[int, StepRecord]] = {}  # by step, the groups that sent their own
         self.complete: dict[int, tuple[SegmentRecords, int]] = {}  # by step, its message and place in it
-        self.ends: dict[int, RankOutcome] = {}  # every rank's final report: its failure, or ok
+        self.ends: dict[int, RankOutcome] = {}  # every rank's final outcome: its failure, or ok
         self.next_steps: dict[int, int] = {}
         self.dead: set[int] = set()
         self.heard_at = dict.fromkeys(self.groups, started)
@@ -74,7 +74,7 @@ class SegmentInbox:
 
     def file(self, arrived) -> list[tuple[int, RankOutcome | None]]:
         """File the records among the messages that arrived and hand on the steps now
-        complete; returns the final reports among them (None: a rank gone)."""
+        complete; returns the final outcomes among them (None: a rank gone)."""
         finals = []
         for rank, message in arrived:
             # A step can come twice: from the segment's message, and from a group's own when its
@@ -101,7 +101,7 @@ class SegmentInbox:
         return finals
 
     def receive(self, arrived) -> bool:
-        """``file`` the messages, the final reports too; returns whether any rank's work failed."""
+        """``file`` the messages, the final outcomes too; returns whether any rank's work failed."""
         return receive_into(self.file(arrived), self.ends, self.dead)
 
     def commit_next(self) -> None:
@@ -116,8 +116,8 @@ class SegmentInbox:
             self.commit_next()
 
     def only_victims_reported(self, hung: list[int]) -> bool:
-        return not hung and not self.dead and all(report.blames_peers for report in self.ends.values()
-                                                 if not report.ok)
+        return not hung and not self.dead and all(outcome.blames_peers for outcome in self.ends.values()
+                                                 if not outcome.ok)
 
 
 class SegmentWatch:

@@ -161,7 +161,7 @@ class Fleet(RankProcesses):
     def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
         return Pending({rank: self.actors[rank].evaluate.remote(request) for rank, request in requests.items()})
 
-    def next_reports(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
+    def next_outcomes(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
         """Reports that arrive within ``timeout`` (at least one unless it passes), taken out
         of ``pending``; ``None`` for a rank whose process is gone."""
         rank_of = {ref: rank for rank, ref in pending.refs.items()}

@@ -276,7 +276,7 @@ def _ours(job, failures, timeline, spare_gpus, costs, rng) -> None:
             at = timeline.out(at, costs.regroup_s + costs.world_init_s_per_rank * job.groups, 1.0)
         timeline.decisions += 1
         group_of = {rank: topology.group_of(rank) for rank in ranks}
-        diagnosis = diagnose(dead=ranks, reports={}, hung=[], group_of=group_of)
+        diagnosis = diagnose(dead=ranks, outcomes={}, hung=[], group_of=group_of)
         plan = plan_recovery(diagnosis, topology, range(job.groups))
         evicted = [eviction.rank for eviction in plan.evictions]
         chosen = spares.take(evicted, {rank: f"node{rank // GPUS_PER_NODE}" for rank in evicted}, at,

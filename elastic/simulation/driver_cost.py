@@ -60,7 +60,7 @@ def driver_cost(job: Job, spare_gpus: int = 64, repeats: int = 3) -> DriverCost:
     node_of = {int(rank): f"node{rank // GPUS_PER_NODE}" for rank in ranks}
 
     def decide(lost: int = int(ranks[-1])):
-        diagnosis = diagnose(dead=[lost], reports={}, hung=[], group_of={lost: topology.group_of(lost)})
+        diagnosis = diagnose(dead=[lost], outcomes={}, hung=[], group_of={lost: topology.group_of(lost)})
         plan = plan_recovery(diagnosis, topology, membership.live_groups())
         choose_spares([eviction.rank for eviction in plan.evictions], spares, node_of)
         return plan
