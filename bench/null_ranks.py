@@ -40,7 +40,7 @@ import ray  # noqa: E402
 
 from elastic.core.data_plan import rank_share  # noqa: E402
 from elastic.core.protocol import (  # noqa: E402
-    BuildReport, GroupRecords, RankActivity, RankTimes, SegmentEnd, SegmentRecords, StepRecord,
+    BuildOutcome, GroupRecords, RankActivity, RankTimes, SegmentEnd, SegmentRecords, StepRecord,
 )
 from elastic.core.topology import Topology  # noqa: E402
 from elastic.fleet.ray_connection import start_local_ray  # noqa: E402
@@ -61,8 +61,8 @@ class NullRank:
     def node(self) -> dict:
         return {"pid": os.getpid(), "global_rank": self.spec.global_rank}
 
-    def build(self, world_build: int) -> BuildReport:
-        return BuildReport(self.spec.global_rank, 0.0)
+    def build(self, world_build: int) -> BuildOutcome:
+        return BuildOutcome(self.spec.global_rank, 0.0)
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
         self.replica_rank = replica_rank

@@ -36,7 +36,7 @@ from workers import rng
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
 from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import (
-    BuildReport,
+    BuildOutcome,
     EvalRequest,
     GroupRecords,
     HookFailed,
@@ -156,7 +156,7 @@ class RankWorker:
         self._take_place(spec)
         return self.node()
 
-    def build(self, world_build: int) -> BuildReport:
+    def build(self, world_build: int) -> BuildOutcome:
         """(Re)join the group's world as its build number ``world_build`` and build a fresh model on its mesh."""
         started = time.perf_counter()
         spec = self.spec
@@ -182,7 +182,7 @@ class RankWorker:
                                            self.device, self.activity, self.signals, stages)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index, stage=spec.pp_index))
         self.activity.count_entries_of(self.model)
-        return BuildReport(spec.global_rank, time.perf_counter() - started, ray_node_ip())
+        return BuildOutcome(spec.global_rank, time.perf_counter() - started, ray_node_ip())
 
     def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
         started = time.perf_counter()

@@ -285,7 +285,9 @@ class HookFailed(RuntimeError):
 
 
 @dataclass
-class BuildReport:
+class BuildOutcome:
+    """How a rank's build of its group's world and model went: its seconds, its node, what it built."""
+
     global_rank: int
     seconds: float
     node_ip: str = ""
