@@ -22,7 +22,7 @@ Printed per scale:
 
     python bench/control_plane.py --ray [--ranks 8,32,128] [--steps 150] [--step-ms 50]
 
-Exit status 0 when the run protocol meets --target-ms of driver CPU per step at every scale.
+Exit status 0 when the segment protocol meets --target-ms of driver CPU per step at every scale.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ WARMUP_STEPS = 20
 
 
 class NullRank:
-    """A rank that speaks the run protocol and sleeps instead of computing."""
+    """A rank that speaks the segment protocol and sleeps instead of computing."""
 
     def __init__(self, spec, pickled_pace: bytes):  # the fleet's pickled hooks: the step time, the schedule's folder
         self.spec = spec

@@ -8,7 +8,7 @@ and the ranks of all groups then meet in the cross-group all-reduce and their gr
 so a step ends when its slowest rank finishes, and the next one starts at once. A run is
 simulated step by step as the fake clock reaches it: a pause requested before a step's vote
 ends the segment after that step, as the ranks' votes would decide, and the groups' first ranks
-send their records as the ranks' own run loop decides (``elastic.core.segment_loop``).
+send their records as the ranks' own segment loop decides (``elastic.core.segment_loop``).
 """
 
 from __future__ import annotations

@@ -599,7 +599,7 @@ def test_a_restore_gives_each_rank_the_generators_saved_at_its_position(tmp_path
 
 class SampleLedger:
     """Which samples the ranks trained in each committed step, computed with the ranks' own
-    planning (``rank_share``) from the run specs the controller handed them."""
+    planning (``rank_share``) from the segment specs the controller handed them."""
 
     def __init__(self, scenario: Scenario):
         self.scenario = scenario

@@ -1,4 +1,4 @@
-"""The run protocol of one rank (``elastic.core.segment_loop``), decision by decision: pure, milliseconds."""
+"""The segment protocol of one rank (``elastic.core.segment_loop``), decision by decision: pure, milliseconds."""
 
 from __future__ import annotations
 

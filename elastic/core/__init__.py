@@ -1,6 +1,6 @@
 """The driver's pure core: membership and the group lifecycle, the topology, the data plan,
 failure diagnosis and recovery plans, policies, straggler handling, goodput, events and
-fault schedules; and the ranks' run protocol (``segment_loop``), which the rank actors follow.
+fault schedules; and the ranks' segment protocol (``segment_loop``), which the rank actors follow.
 
 Plain data in, decisions out, time from an injected clock. Nothing here imports Ray, torch,
 fsspec, pydantic or prometheus_client, nor the layers above (``workers``, ``checkpointing``);
