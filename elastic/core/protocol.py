@@ -190,7 +190,7 @@ class StepRecord:
     times: tuple[RankTimes, ...]  # per rank, in the order of ``ranks``
     step_s: float = 0.0  # the group's first rank's loop period: the step, its update and its report
     # What the loss counted over the whole step: target tokens in the next-token form, the
-    # count batch_loss_fn returns otherwise. The segment's throughput is this per second.
+    # count batch_loss_fn returns otherwise. The run's throughput is this per second.
     counted: int = 0
     # Per expert layer, by its number: its most loaded expert's tokens over the mean (1.0: even),
     # from what every rank of every group routed
@@ -251,7 +251,7 @@ class SegmentRecords:
 @dataclass(frozen=True)
 class NonFinite:
     """A step every rank discarded because its loss or gradient norm was not finite: with fp16's
-    loss scale, a norm that overflowed while the loss was finite is the scale's, not the segment's."""
+    loss scale, a norm that overflowed while the loss was finite is the scale's, not the run's."""
 
     step: int
     loss: float
@@ -262,7 +262,7 @@ class NonFinite:
 @dataclass(frozen=True)
 class SegmentEnd:
     """How a rank's segment ended: ``next_step`` is the first step it has not committed;
-    ``failure`` the report of the step that failed, ``None`` when the segment paused;
+    ``failure`` the outcome of the step that failed, ``None`` when the segment paused;
     ``nonfinite`` the step it discarded as not finite, where the segment stopped on one;
     ``integrity`` what its position's replicas disagreed about, where the segment stopped on a
     mismatch (ranks at positions that agreed end on the same step with ``None``)."""
