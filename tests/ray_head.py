@@ -29,6 +29,8 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 RAY_START_WITH_WORKER_PYTHON = [
     sys.executable, "-c",
     "import sys; from ray.scripts.scripts import main; sys.executable = sys.argv.pop(1); sys.argv[0] = 'ray'; main()"]
+# Tries at starting an added node (``RayHead.add_node``).
+NODE_STARTS = 3
 # The processes of a node, each on a port of its own (several nodes share this machine).
 NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
@@ -136,12 +138,32 @@ class RayHead:
     def log(self, name: str) -> str:
         return (Path(self.temp_dir) / name).read_text()
 
-    def add_node(self, num_cpus: int) -> subprocess.Popen:
-        """Starts a node that joins this head; it registers with the cluster a moment later."""
-        node = self._start_node(f"node-{len(self.nodes)}.log", "--address", self.gcs_address,
-                                "--num-cpus", str(num_cpus))
-        self.nodes.append(node)
-        return node
+    def add_node(self, num_cpus: int, timeout: float = 120.0) -> subprocess.Popen:
+        """Starts a node that joins this head, and returns once the cluster counts it alive. A
+        node whose ``ray start`` exits before that (one of the free ports it was handed, taken
+        meanwhile by another process of this busy machine, ends its raylet) is started again
+        on fresh ports, at most ``NODE_STARTS`` times; the error names each try's log."""
+        import ray
+
+        def alive() -> int:
+            return sum(node["Alive"] for node in ray.nodes())
+
+        before, ended = alive(), []
+        for attempt in range(NODE_STARTS):
+            log_name = f"node-{len(self.nodes)}-{attempt}.log"
+            node = self._start_node(log_name, "--address", self.gcs_address, "--num-cpus", str(num_cpus))
+            self.nodes.append(node)
+            deadline = time.monotonic() + timeout
+            while node.poll() is None and time.monotonic() < deadline:
+                if alive() > before:
+                    return node
+                time.sleep(0.25)
+            if node.poll() is None:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for the added node to register:\n"
+                                     f"{self.log(log_name)[-3000:]}")
+            self.nodes.remove(node)
+            ended.append(f"{log_name} (exit {node.returncode}):\n{self.log(log_name)[-3000:]}")
+        raise AssertionError("the added node's ray start exited every time:\n" + "\n".join(ended))
 
     def remove_node(self, node: subprocess.Popen) -> None:
         stop_block(node)

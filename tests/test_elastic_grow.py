@@ -13,7 +13,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from tests.events import on_events
-from elastic.testing.loopback import wait_for
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run
@@ -41,7 +40,6 @@ def test_second_group_joins_when_a_node_is_added(ray_head, tmp_path):
         # place, start and heal do not also pay for the node's start on a loaded machine.
         if not nodes:
             nodes.append(ray_head.add_node(num_cpus=1))
-            wait_for(lambda: sum(node["Alive"] for node in ray.nodes()) == 2, 120, "the added node to register")
 
     try:
         with on_events({EventKind.CHECKPOINT_COMMITTED: add_node}):
