@@ -84,7 +84,7 @@ class InjectedFaults:
         self.dying = False
 
     def plan(self, spec: SegmentSpec, model: nn.Module) -> FaultPlan:
-        """The run's plan, its faults fired: ``NO_FAULTS`` for a run that injects none."""
+        """The segment's plan, its faults fired: ``NO_FAULTS`` for a segment that injects none."""
         if not isinstance(spec, InjectedSegmentSpec):
             return NO_FAULTS
         self.noise = spec.noise

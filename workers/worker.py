@@ -285,7 +285,7 @@ class RankWorker:
     # healing
 
     def export_state(self) -> dict:
-        """Committed state: between runs nothing is pending."""
+        """Committed state: between segments nothing is pending."""
         return {**export_local_state(self.model, self.optimizer), "rng": rng.capture(self.spec.use_gpu)}
 
     def import_state(self, state: dict) -> None:

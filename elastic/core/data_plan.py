@@ -1,8 +1,8 @@
 """The data plan: which sample indices each rank consumes at a step. Pure and deterministic.
 
 The global order is a seeded permutation per epoch, consumed one global batch per step; the
-driver keeps the cursor between runs, and during a run each rank plans every step itself
-with ``rank_share`` from the run's spec. The batch is cut into contiguous shares across live groups in proportion
+driver keeps the cursor between segments, and during a segment each rank plans every step itself
+with ``rank_share`` from the segment's spec. The batch is cut into contiguous shares across live groups in proportion
 to their weights (equal unless the straggler policy rebalances), each share across the
 group's shard positions, and each position's part into micro-batches. Every shard position
 of a group gets the same number of micro-batches because FSDP collectives run in lockstep;

@@ -6,9 +6,9 @@ fleet. ``advance(state)`` returns the next state::
                     |            +-> Recovering -> AtBoundary
                     +-> Evaluating -> AtBoundary (or Recovering)
 
-``AtBoundary`` settles membership between runs (``group_keeper``): straggler actions,
+``AtBoundary`` settles membership between segments (``group_keeper``): straggler actions,
 growing, placing, starting, building, healing and joining groups (``state_sources``: where a
-joining group's state comes from). ``Stepping`` hands the live ranks a *run* (``SegmentSpec``) up
+joining group's state comes from). ``Stepping`` hands the live ranks a *segment* (``SegmentSpec``) up
 to the next planned boundary (the end, a checkpoint or an evaluation due) and watches it
 (``segment_watch``): the ranks plan, step and commit on their own, deciding each step in their
 groups' votes, and the driver records the steps they committed (``history``, as

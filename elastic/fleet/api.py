@@ -59,7 +59,7 @@ class Pending:
 
 @dataclass
 class SegmentStream:
-    """A run in flight: each rank's stream of messages, until its ``SegmentEnd``."""
+    """A segment in flight: each rank's stream of messages, until its ``SegmentEnd``."""
 
     attempt: int
     generators: dict[int, object]
