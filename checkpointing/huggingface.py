@@ -12,7 +12,8 @@ or ``Qwen3MoeForCausalLM`` (both), used by ``elastic export --format huggingface
   reference model's stacked expert weights are theirs stacked (``expert_names``).
 - Layout: the reference model rotates adjacent pairs of each head's dimensions, Llama the
   two halves, so the query and key projections' rows are permuted, as Meta's own Llama
-  conversion does.
+  conversion does, and so are the weights of Qwen3's query-key norms, which scale each of a
+  head's dimensions before the rotation (``rotary_heads``).
 - The config: ``config.json``'s fields as the ``model`` section's (``model_fields``), and back.
 
 ``PretrainedReader`` is a DCP storage reader over a HuggingFace directory that presents it in
@@ -115,18 +116,23 @@ def expert_names(layout: HuggingFaceLayout) -> dict[str, tuple[str, ...]]:
 
 
 def rotary_heads(name: str, layout: HuggingFaceLayout) -> int | None:
-    """The heads of a projection whose rows are in rotary order (query, key), else None."""
+    """The heads of a tensor whose rows are heads' dimensions in rotary order, else None: the
+    query and key projections', and the query-key norms' weights (one head's dimensions).
+    The families this table holds have no query or key biases (``attention_bias``)."""
     if name.endswith("attention.wq.weight"):
         return layout.n_heads
     if name.endswith("attention.wk.weight"):
         return layout.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
 def to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a query or key projection, from adjacent-pair rotary order to halves order."""
-    rows, columns = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+    """Rows of a query or key projection (or a norm's weight), from adjacent-pair rotary order
+    to halves order."""
+    rows, rest = weight.shape[0], weight.shape[1:]
+    return weight.view(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
 def halves_rows(rows: range, total_rows: int, heads: int) -> torch.Tensor:

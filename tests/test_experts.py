@@ -17,6 +17,9 @@ from elastic.setup.hooks import resolve_hooks
 from elastic.setup.errors import ConfigError
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run, reference_trace
+from tests.test_pretrained import (
+    as_trained, exports_back_bit_for_bit, first_batch_loss_of, tiny_qwen3_moe, write_checkpoint,
+)
 from tests.tiny import tiny_config
 from workers.model import MoE, ModelArgs, grouped_mm, looped_mm, set_row_shares
 from workers.train_step import token_cross_entropy
@@ -205,8 +208,6 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
         tiny_config(tmp_path, **{**EXPERTS, "model__experts_per_token": 6})
     with pytest.raises(ConfigError, match=r"dense_layers=2 leaves none of the 2 layers to the experts"):
         tiny_config(tmp_path, **{**EXPERTS, "model__dense_layers": 2})
-    from tests.test_pretrained import write_checkpoint
-
     write_checkpoint(tmp_path / "llama")
     with pytest.raises(ConfigError, match=r"model: experts 4 \(the source's 0\) differ from model.init_from's model"):
         tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), **EXPERTS)
@@ -262,29 +263,17 @@ def tiny_mixtral(transformers):
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
 
 
-def tiny_qwen3_moe(transformers):
-    """Qwen3-MoE's own shape: heads wider than hidden_size / heads, norms on each head's query
-    and key, a dense first layer, experts narrower than it, weights normalised over the chosen."""
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=64))
-
-
 @pytest.mark.parametrize("family", [tiny_mixtral, tiny_qwen3_moe], ids=["mixtral", "qwen3-moe"])
 def test_a_tiny_moe_saved_by_transformers_trains_from_its_loss_and_exports_back_bit_for_bit(
         ray_cluster, tmp_path, family):
     """A family's experts, one tensor each in its safetensors, read into the stacked weights at
-    shard 2 with the experts split over both ranks (each rank reads its own experts, whole):
-    the first step's loss is transformers' own on that batch, and after steps that change
-    nothing (SGD at learning rate 0) the export gives back every one of the source's tensors,
-    under the same family."""
+    shard 2 with the experts split over both ranks (each rank reads its own experts, whole),
+    every weight drawn as training leaves it (the norms' too): the first step's loss is
+    transformers' own on that batch, and after steps that change nothing (SGD at learning
+    rate 0) the export gives back every one of the source's tensors, under the same family."""
     transformers = pytest.importorskip("transformers")
-    from tests.test_pretrained import exports_back_bit_for_bit, first_batch_loss_of
-
     source = tmp_path / "hf-moe"
-    torch.manual_seed(5)
-    model = family(transformers)
+    model = as_trained(family(transformers))
     model.save_pretrained(source)
     config = tiny_config(tmp_path, shard=2, scaling__ep=2, steps=2, checkpoint__every=2, model__init_from=str(source))
     assert (config.model.experts, config.model.experts_per_token, config.model.router_scores) == (4, 2, "softmax")

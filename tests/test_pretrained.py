@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -25,12 +26,13 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing.huggingface import INDEX_NAME, HuggingFaceLayout
+from checkpointing.huggingface import INDEX_NAME, HuggingFaceLayout, layout_of
 from checkpointing.pretrained import PretrainedSource, load_pretrained
 from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
 from elastic.export import huggingface_model, model_state
 from elastic.setup.errors import ConfigError
+from elastic.setup.hooks import model_args
 from elastic.testing.gloo_ranks import gloo_ranks
 from tests.tiny import tiny_config
 from workers.model import ModelArgs, RopeScaling, Transformer
@@ -61,17 +63,17 @@ def write_checkpoint(directory, args: ModelArgs = ARGS, sharded: bool = False) -
     return state
 
 
-def loading_rank(rank: int, directory: str) -> tuple[dict[str, torch.Tensor], int]:
+def loading_rank(rank: int, directory: str, args: ModelArgs = ARGS) -> tuple[dict[str, torch.Tensor], int]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
-    layout = HuggingFaceLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
     read = []
     # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
-    model, _ = first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []),
+    model, _ = first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
                            torch.device("cpu"), lambda model: read.append(load_pretrained(
-                               model, PretrainedSource(directory, layout), StorageOptions(), dist.group.WORLD)))
+                               model, PretrainedSource(directory, layout_of(asdict(args))), StorageOptions(),
+                               dist.group.WORLD)))
     whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
              for name, tensor in model.state_dict().items()}
-    torch.testing.assert_close(model.freqs, Transformer(ARGS).freqs, rtol=0, atol=0)  # computed again
+    torch.testing.assert_close(model.freqs, Transformer(args).freqs, rtol=0, atol=0)  # computed again
     return whole, read[0]
 
 
@@ -84,6 +86,69 @@ def test_fsdp_and_tp_ranks_load_their_slices_of_a_sharded_huggingface_checkpoint
         # A quarter of the matrices (FSDP2 over TP), half of the norms (replicated over TP), and
         # the query and key rows of whole heads: the share a rank reads falls with the ranks.
         assert read <= 0.3 * sum(tensor.nbytes for tensor in expected.values()), read
+
+
+def tiny_qwen3(transformers):
+    """Qwen3's own heads: wider than hidden_size / heads, a norm on each head's query and key."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64))
+
+
+def tiny_qwen3_moe(transformers):
+    """Qwen3-MoE's own shape: Qwen3's heads, a dense first layer, experts narrower than it,
+    weights normalised over the chosen."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=64))
+
+
+def as_trained(model):
+    """``model`` with every parameter drawn at random, as training leaves it: transformers
+    starts each norm's weight at ones, where a weight read in the wrong order changes nothing."""
+    generator = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            drawn = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + 0.5 * drawn if parameter.dim() == 1 else 0.1 * drawn)  # the norms' around one
+    return model
+
+
+def assert_computes_the_same(theirs, ours: Transformer, tokens: torch.Tensor) -> None:
+    """A transformers model and the reference model: the same logits, so the same loss."""
+    with torch.no_grad():
+        expected, logits = theirs(tokens[:, :-1]).logits, ours(tokens[:, :-1])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    targets = tokens[:, 1:].flatten()
+    loss, expected_loss = (torch.nn.functional.cross_entropy(out.flatten(0, 1), targets) for out in (logits, expected))
+    assert abs(loss - expected_loss) <= 1e-6 * expected_loss
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process reads it: the point
+@pytest.mark.parametrize("family", [tiny_qwen3, tiny_qwen3_moe], ids=["qwen3", "qwen3-moe"])
+def test_a_trained_qwen3_loads_as_the_model_transformers_computes_and_exports_as_itself(tmp_path, family):
+    """Every weight drawn, the query-key norms' included: read into the reference model at one
+    rank it computes transformers' logits; read at shard 2 x tp 2 each rank holds that
+    model's slices; exported, transformers computes the reference model's logits."""
+    transformers = pytest.importorskip("transformers")
+    source = tmp_path / "source"
+    theirs = as_trained(family(transformers)).eval()
+    theirs.save_pretrained(source)
+    args = model_args(tiny_config(tmp_path, model__init_from=str(source)))
+    ours = Transformer(args)
+    load_pretrained(ours, PretrainedSource(str(source), layout_of(asdict(args))), StorageOptions(), None)
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len + 1), generator=torch.Generator().manual_seed(3))
+    assert_computes_the_same(theirs, ours, tokens)
+    for whole, _ in gloo_ranks(loading_rank, WORLD, str(tmp_path / "init"), str(source), args):
+        for name, tensor in ours.state_dict().items():
+            torch.testing.assert_close(whole[name], tensor, rtol=0, atol=0, msg=name)
+    weights, config = huggingface_model(ours.state_dict(), args)
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, exported / "model.safetensors")
+    (exported / "config.json").write_text(json.dumps(config))
+    assert_computes_the_same(transformers.AutoModelForCausalLM.from_pretrained(exported), ours, tokens)
 
 
 def unloadable_rank(rank: int, directory: str) -> str:
@@ -221,8 +286,6 @@ def first_batch_loss_of(logits_of, config) -> float:
 
 def first_batch_loss(state: dict[str, torch.Tensor], config) -> float:
     """The first step's loss of the model in ``state``, on the batch the run trains first."""
-    from elastic.setup.hooks import model_args
-
     model = Transformer(model_args(config))
     model.load_state_dict(state)
     return first_batch_loss_of(model, config)
