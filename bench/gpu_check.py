@@ -358,6 +358,233 @@ def float8(args: argparse.Namespace) -> list[Row]:
                 f"(last: {fp8['losses'][-1]:.4f} / {bf16['losses'][-1]:.4f})", "info")]
 
 
+# the new paths on CUDA: each against the same job on CPU ranks
+
+
+def product_job(args: argparse.Namespace, storage: str, name: str, device: str, ranks: int, scaling: dict,
+                model: dict, compute: dict | None = None, steps: int = 10, seq_len: int = 256):
+    """A small job of ``ranks`` ranks in one group on ``device``: on a GPU every rank shares it
+    over gloo, as ``shared_gpu``'s do. Compute alone (no mid-run checkpoint, no memory tier)."""
+    from elastic.setup.preflight import build_config
+
+    place = ({"device": "cuda", "gpus_per_rank": 1 / ranks, "gpu_collectives": "gloo"} if device == "cuda"
+             else {"device": "cpu"})
+    return build_config({
+        "run_name": name, "storage": storage, "steps": steps, "global_batch": 8, "micro_batch": 4, "seed": 0,
+        "scaling": {"min_groups": 1, "max_groups": 1, "shard": 1, "tp": 1} | place | scaling,
+        "model": {"vocab_size": 256, "n_heads": 8} | model,
+        "data": {"seq_len": seq_len, "corpus_tokens": 2_000_000},
+        "compute": compute or {},
+        "checkpoint": {"every": 0, "memory_every": 0},
+        "stragglers": {"enabled": False},
+        "fault_tolerance": {"first_step_deadline_s": 900},
+    })
+
+
+def run_product(config) -> dict:
+    """The run's committed losses, its median step (the first two left out: compile, allocator)
+    and the peak of the GPU's memory in use over the run (every rank's, the driver's context
+    included), where a GPU is the run's."""
+    import statistics
+    import threading
+
+    from elastic import ElasticTrainer
+
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:  # the ranks are other processes: the device's own count sees them all
+        while not done.wait(0.05):
+            free, total = torch.cuda.mem_get_info()
+            peak[0] = max(peak[0], total - free)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if config.scaling.device == "cuda":
+        watcher.start()
+    try:
+        result = ElasticTrainer(config).fit()
+    finally:
+        done.set()
+    if not result.ok:
+        raise RuntimeError(f"{config.run_name}: {result.exit}")
+    step_s = [record["step_s"] for record in result.summary["steps"]]
+    return {"losses": result.losses, "step_s": statistics.median(step_s[2:]), "peak_bytes": peak[0]}
+
+
+def largest_difference(losses: list[float], reference: list[float]) -> float:
+    if len(losses) != len(reference):
+        return math.inf
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def against_cpu(args: argparse.Namespace, figure: str, ranks: int, scaling: dict, model: dict,
+                compute: dict | None = None, seq_len: int = 256, tolerance: float = 1e-4) -> tuple[list[Row], dict]:
+    """The same fp32 job on the GPU's ranks and on CPU ranks: its losses side by side."""
+    import ray
+
+    if not ray.is_initialized():
+        start_ray(args)
+    runs = {}
+    for device in ("cpu", args.device) if args.device == "cuda" else ("cpu",):
+        with tempfile.TemporaryDirectory() as storage:
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{figure}-{device}")
+            runs[device] = run_product(product_job(args, storage, name, device, ranks, scaling, model,
+                                                   compute, steps=4 if args.quick else 10, seq_len=seq_len))
+    on = runs.get("cuda", runs["cpu"])
+    difference = largest_difference(on["losses"], runs["cpu"]["losses"])
+    return [Row(f"{figure}, fp32: committed losses on {args.device} ranks against CPU ranks", f"equal to {tolerance:g}",
+                f"{len(on['losses'])} steps, largest relative difference {difference:.1e}; median step "
+                f"{on['step_s'] * 1e3:.1f} ms ({runs['cpu']['step_s'] * 1e3:.1f} ms on CPU)",
+                verdict(difference <= tolerance))], on
+
+
+def experts(args: argparse.Namespace) -> list[Row]:
+    """The mixture of experts in one process on the device (bench/moe.py's figures), and the
+    product's ep 2 over two ranks of one GPU against the same on CPU ranks."""
+    device = torch.device(args.device)
+    shape = argparse.Namespace(dim=128 if args.quick else 1024, layers=2 if args.quick else 8, experts=8, top_k=2,
+                               seq_len=128 if args.quick else 1024, batch=4 if args.quick else 8,
+                               steps=8 if args.quick else 40, bias_rate=0.01)
+    try:
+        rows = experts_in_process(device, shape)
+    except Exception as error:  # noqa: BLE001 - the failure is the finding; the product's run below still runs
+        rows = [Row("MoE and its grouped GEMM in one process", "runs",
+                    f"failed: {type(error).__name__}: {str(error)[:300]}", "fail")]
+    ep_rows, _ = against_cpu(args, "1 group x shard 2 x ep 2, 8 experts (all-to-all over gloo)", 2,
+                             {"shard": 2, "ep": 2},
+                             {"dim": 128, "n_layers": 2, "ffn_hidden": 256, "experts": 8, "experts_per_token": 2,
+                              "expert_hidden": 256}, {"precision": "fp32"})
+    return rows + ep_rows
+
+
+def experts_in_process(device: torch.device, shape: argparse.Namespace) -> list[Row]:
+    import statistics
+
+    from bench import moe
+    from workers import model as model_code
+
+    hidden = shape.dim * 2
+    looped_calls = [0]
+    looped = model_code.looped_mm
+
+    def counting_looped(*arguments):
+        looped_calls[0] += 1
+        return looped(*arguments)
+
+    with tempfile.TemporaryDirectory() as storage:
+        mixture = moe.config(shape, storage, ffn_hidden=hidden, experts=shape.experts, experts_per_token=shape.top_k,
+                             expert_hidden=hidden)
+        dense = moe.config(shape, storage, ffn_hidden=hidden * shape.top_k)
+        timed = 6 if device.type == "cpu" else 20
+        model_code.looped_mm = counting_looped
+        try:
+            mixture_s = statistics.median(moe.train(mixture, timed, device=device)[3:])
+        finally:
+            model_code.looped_mm = looped
+        dense_s = statistics.median(moe.train(dense, timed, device=device)[3:])
+    grouped_s, looped_s = moe.expert_kernels(shape, device)
+    tokens = shape.batch * shape.seq_len
+    where = "bf16 autocast" if device.type == "cuda" else "fp32"
+    return [
+        Row(f"MoE tokens/s over the dense model of the same active parameters ({shape.layers} layers of width "
+            f"{shape.dim}, {shape.experts} experts of {hidden}, {shape.top_k} a token, {tokens} tokens a step, {where})",
+            "CPU: 0.77", f"{tokens / mixture_s:,.0f} / {tokens / dense_s:,.0f} = {dense_s / mixture_s:.2f} (the "
+            f"experts' products went a matmul per expert {looped_calls[0]} times over {timed} steps)", "info"),
+        Row("one grouped GEMM over a matmul per expert, the experts' three products forward and backward", "CPU: 0.99",
+            f"{grouped_s * 1e3:.2f} / {looped_s * 1e3:.2f} ms = {grouped_s / looped_s:.2f}", "info"),
+    ]
+
+
+def context(args: argparse.Namespace) -> list[Row]:
+    """Context parallelism at cp 2 on one GPU's two ranks (gloo carries the keys and values),
+    against the same job on CPU ranks and against cp 1 on the device."""
+    model = {"dim": 256, "n_layers": 2, "ffn_hidden": 768}
+    rows, on = against_cpu(args, "1 group x cp 2, seq 1024", 2, {"cp": 2}, model, {"precision": "fp32"}, 1024)
+    with tempfile.TemporaryDirectory() as storage:
+        alone = run_product(product_job(args, storage, "cp1", args.device, 1, {}, model, {"precision": "fp32"},
+                                        steps=4 if args.quick else 10, seq_len=1024))
+    difference = largest_difference(on["losses"], alone["losses"])
+    return rows + [Row("the same job at cp 2 against cp 1 (one rank) on the device: committed losses", "equal to 1e-4",
+                       f"largest relative difference {difference:.1e}; median step cp 2 {on['step_s'] * 1e3:.1f} ms, "
+                       f"cp 1 {alone['step_s'] * 1e3:.1f} ms", verdict(difference <= 1e-4))]
+
+
+def precision(args: argparse.Namespace) -> list[Row]:
+    """fp16 with its loss scale against bf16 on one rank (the throughput part's shape, with
+    compile); then CPU offload's cost at shard 2 on one GPU's two ranks: step and memory."""
+    from bench import gpu
+
+    shape = gpu_args(args, "tiny" if args.quick else args.preset)
+    shape.steps, shape.compile = 8 if args.quick else 30, False  # compile's minutes go to the other parts
+    runs = {}
+    start_ray(args)
+    for name in ("bf16", "fp16"):
+        shape.precision = name if args.device == "cuda" else "fp32"
+        with tempfile.TemporaryDirectory() as storage:
+            runs[name] = run_product(gpu.job(shape, storage, compute_only=True))
+    between = largest_difference(runs["fp16"]["losses"], runs["bf16"]["losses"])
+    rows = [Row(f"fp16 (dynamic loss scale) against bf16, one rank, {shape.preset}, no compile: tokens/s ratio and "
+                "committed losses", "losses within 5 % at every step",
+                f"step {runs['fp16']['step_s'] * 1e3:.1f} / {runs['bf16']['step_s'] * 1e3:.1f} ms = "
+                f"{runs['bf16']['step_s'] / runs['fp16']['step_s']:.2f}x the tokens/s; largest relative loss "
+                f"difference {between:.2%} over {len(runs['fp16']['losses'])} steps", verdict(between <= 0.05))]
+    model = {"dim": 256 if args.quick else 2048, "n_layers": 2 if args.quick else 4,
+             "ffn_hidden": 768 if args.quick else 5632, "n_heads": 16}
+    offload = {}
+    for setting in (False, True):
+        with tempfile.TemporaryDirectory() as storage:
+            offload[setting] = run_product(product_job(
+                args, storage, f"offload-{setting}", args.device, 2, {"shard": 2}, model,
+                {"precision": "bf16" if args.device == "cuda" else "fp32", "offload": setting},
+                steps=4 if args.quick else 8, seq_len=1024))
+    same = largest_difference(offload[True]["losses"], offload[False]["losses"])
+    memory = (f"; the GPU's peak in use {offload[True]['peak_bytes'] / 2**30:.2f} / "
+              f"{offload[False]['peak_bytes'] / 2**30:.2f} GiB" if args.device == "cuda" else "")
+    return rows + [Row(f"CPU offload at shard 2 over gloo ({model['dim']} wide, {model['n_layers']} layers): step with "
+                       "offload / without", "its cost, and the same losses (1e-3)",
+                       f"{offload[True]['step_s'] * 1e3:.0f} / {offload[False]['step_s'] * 1e3:.0f} ms = "
+                       f"{offload[True]['step_s'] / offload[False]['step_s']:.2f}x{memory}; largest loss difference "
+                       f"{same:.1e}", verdict(same <= 1e-3))]
+
+
+def heal_transport(args: argparse.Namespace) -> list[Row]:
+    """The heal's copy between two actors on one GPU: the object store (today's road) against
+    Ray Direct Transport's CUDA IPC (``bench/heal_transport.py``)."""
+    from bench import heal_transport as bench
+
+    start_ray(args)
+    dim, layers = (128, 2) if args.quick else (2048, 24)
+    result = bench.measure(dim, layers, args.device, 2 if args.quick else 3)
+    medians = {road: min(seconds) for road, seconds in result["seconds"].items()}
+    rates = "; ".join(f"{road} {seconds:.2f} s, {result['bytes'] / seconds / 1e9:.2f} GB/s"
+                      for road, seconds in medians.items())
+    rows = [Row(f"the heal's copy of a rank's state ({result['bytes'] / 1e9:.1f} GB: dim {dim}, {layers} layers, "
+                "AdamW) between two actors on one device, best of the copies", "device transport faster",
+                rates, verdict(result["whole"] and ("CUDA IPC" not in medians
+                                                    or medians["CUDA IPC"] < medians["object store"])))]
+    if "CUDA IPC" in medians:
+        rows.append(Row("CUDA IPC over the object store, the same state", "ratio",
+                        f"{medians['object store'] / medians['CUDA IPC']:.1f}x faster", "info"))
+    return rows
+
+
+def torchtitan(args: argparse.Namespace) -> list[Row]:
+    """TorchTitan's own trainer on the float8 part's 1.23 B shape, on this device (``bench/torchtitan_job.py``)."""
+    argv = [sys.executable, str(ROOT / "bench" / "torchtitan_job.py"), "--device", args.device]
+    if args.quick:
+        argv.append("--quick")
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    sys.stdout.write(done.stdout + done.stderr)
+    found = re.search(r"^TORCHTITAN_RESULT (.+)$", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or not found:
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+        return [Row("TorchTitan's trainer, 1.23 B shape", "runs", f"failed (exit {done.returncode}): {last[0][:300]}",
+                    "fail")]
+    result = json.loads(found.group(1))
+    return [Row(f"TorchTitan {result.get('version', '?')}'s trainer at the 1.23 B shape, bf16 + compile, one rank: "
+                "tokens/s and peak memory", "ours beside it (the float8 part's bf16 run)",
+                f"{result['tokens_per_s']:,.0f} tokens/s, peak {result['peak_gib']:.1f} GiB", "info")]
+
+
 def supports_float8(args: argparse.Namespace) -> str | None:
     if args.device == "cpu":
         return "float8 is refused on CPU ranks; tests/test_float8.py holds its conversion, TP and FSDP2 on CPU"
@@ -368,12 +595,23 @@ def supports_float8(args: argparse.Namespace) -> str | None:
     return None
 
 
+def needs_torchtitan(args: argparse.Namespace) -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("torchtitan") else "torchtitan is not installed (bundle.sh carries it)"
+
+
 def needs_cuda(args: argparse.Namespace) -> str | None:
     return None if args.device == "cpu" or torch.cuda.is_available() else "--device cuda, but torch sees no GPU"
 
 
 PARTS = [
     Part("throughput", throughput, 330, needs_cuda),
+    Part("experts", experts, 150),
+    Part("context", context, 120),
+    Part("precision", precision, 200),
+    Part("heal_transport", heal_transport, 120),
+    Part("torchtitan", torchtitan, 240, needs_torchtitan),
     Part("integrity", integrity, 90, needs_cuda),
     Part("gloo_ops", gloo_ops, 60, needs_cuda),
     Part("shared_gpu", shared_gpu, 180, needs_cuda),

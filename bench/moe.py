@@ -46,7 +46,7 @@ from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.testing.gloo_ranks import gloo_ranks  # noqa: E402
 from workers.model import (  # noqa: E402
-    RoutedLayout, balance_experts, expert_layers, expert_load, grouped_mm, looped_mm,
+    GROUP_ROWS_CUDA, RoutedLayout, balance_experts, expert_layers, expert_load, grouped_mm, looped_mm,
 )
 from workers.train_step import accumulate_gradients, collate  # noqa: E402
 
@@ -60,43 +60,59 @@ def config(args, storage: str, **model):
     })
 
 
-def train(job, steps: int, loads: list[dict[int, float]] | None = None) -> list[float]:
+def train(job, steps: int, loads: list[dict[int, float]] | None = None,
+          device: torch.device = torch.device("cpu")) -> list[float]:
     """Seconds of each of ``steps`` training steps of ``job``'s model on its data; ``loads``
-    gets each step's expert load, as the step records hold it."""
+    gets each step's expert load, as the step records hold it. On a GPU the step runs in
+    bf16 autocast, as a group of one bf16 rank runs it."""
     hooks = resolve_hooks(job)
     torch.manual_seed(job.seed)
-    model = hooks.model_fn()
+    with device:
+        model = hooks.model_fn()
     experts, layout = expert_layers(model), RoutedLayout.of(model.args)
     optimizer = hooks.optimizer_fn(model.parameters())
     cursor, seconds = DataCursor(), []
     for _ in range(steps):
         indices, cursor = take_global_batch(cursor, len(hooks.dataset), job.global_batch, job.seed)
-        batch = collate(hooks.dataset, indices.tolist(), torch.device("cpu"))
+        batch = collate(hooks.dataset, indices.tolist(), device)
         started = time.perf_counter()
-        accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            accumulate_gradients(model, hooks.loss_fn, [batch], batch.counted_tokens)
         optimizer.step()
         optimizer.zero_grad()
         routed = layout.routed_tokens(experts)
         balance_experts(experts, layout, routed)
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
         if loads is not None:
             loads.append(expert_load(layout, routed))
     return seconds
 
 
-def expert_kernels(args) -> tuple[float, float]:
-    """Median seconds of the expert layer's three products, forward and backward: grouped, looped."""
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def expert_kernels(args, device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+    """Median seconds of the expert layer's three products, forward and backward: grouped, looped.
+    On a GPU in bf16, the one dtype its grouped GEMM takes."""
     hidden, tokens = args.dim * 2, args.batch * args.seq_len * args.top_k
-    rows = torch.randn(tokens, args.dim, requires_grad=True)
-    weights = [torch.randn(args.experts, hidden, args.dim, requires_grad=True) for _ in range(3)]
-    counts = torch.bincount(torch.randint(args.experts, (tokens,)), minlength=args.experts)
-    upstream = torch.randn(tokens, hidden)  # a gradient of the products' shape, as the layer's are
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with device:
+        rows = torch.randn(tokens, args.dim, dtype=dtype, requires_grad=True)
+        weights = [torch.randn(args.experts, hidden, args.dim, dtype=dtype, requires_grad=True) for _ in range(3)]
+        counts = torch.bincount(torch.randint(args.experts, (tokens,)), minlength=args.experts)
+        upstream = torch.randn(tokens, hidden, dtype=dtype)  # a gradient of the products' shape, as the layer's are
+    align = GROUP_ROWS_CUDA if device.type == "cuda" else 1
     results = []
-    for product in (lambda w: grouped_mm(rows, w, counts, 1), lambda w: looped_mm(rows, w, counts)):
+    for product in (lambda w: grouped_mm(rows, w, counts, align), lambda w: looped_mm(rows, w, counts)):
         seconds = []
         for _ in range(10):
+            synchronize(device)
             started = time.perf_counter()
             sum((product(w) * upstream).sum() for w in weights).backward()
+            synchronize(device)
             seconds.append(time.perf_counter() - started)
         results.append(statistics.median(seconds[2:]))
     return results[0], results[1]
