@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="convert floating tensors (default: as stored, float32)")
     export.add_argument("--tokenizer", metavar="NAME_OR_PATH",
                         help="a HuggingFace tokenizer to save beside the weights (the one `elastic prepare "
-                             "--tokenizer` tokenized the data with), so the directory loads whole")
+                             "--tokenizer` tokenized the data with), so the directory loads whole; --format "
+                             "huggingface saves the run's data.tokenizer without it, else its --init-from's")
     return parser
 
 

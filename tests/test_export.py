@@ -1,6 +1,7 @@
 """``elastic export``: a run sharded over FSDP and tensor parallelism comes out as one
 safetensors file that the reference Transformer, and HuggingFace's Llama, load on one device
-and compute the run's own held-out loss with."""
+and compute the run's own held-out loss with; a fine-tune with its source's token ids,
+generation config and tokenizer; never written through a link in the output directory."""
 
 import json
 
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 
 from elastic import ElasticTrainer
 from elastic.cli import main
-from elastic.export import export_checkpoint
+from elastic.export import export_checkpoint, implied_tokenizer
+from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import resolve_hooks
 from tests.test_token_data import save_word_tokenizer
 from tests.tiny import tiny_config
@@ -167,3 +169,80 @@ def test_a_checkpoint_that_does_not_load_is_one_line_and_nothing_is_exported(tra
     [line] = capsys.readouterr().err.splitlines()
     assert "/etc/passwd" in line and "refused" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_huggingface_export_generates_as_its_source_did_its_ids_generation_config_and_tokenizer(trained, tmp_path):
+    """A run started from a HuggingFace directory whose config.json sets the token ids and
+    which holds a generation_config.json and a tokenizer: the export carries all three, so
+    the fine-tune stops where its source stops."""
+    transformers = pytest.importorskip("transformers")
+    _, result = trained
+    source = tmp_path / "source"
+    assert main(["export", result.run_dir, "--output", str(source), "--format", "huggingface"]) == 0
+    ids = {"bos_token_id": 1, "eos_token_id": [2, 5], "pad_token_id": 0}
+    source_config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**source_config, **ids}))
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    save_word_tokenizer(source, "the quick brown fox".split())
+    tuned = ElasticTrainer(tiny_config(tmp_path, run_name="tuned", steps=1, checkpoint__every=1,
+                                       model__init_from=str(source))).fit()
+    assert tuned.ok, tuned.exit
+    out = tmp_path / "out"
+    assert main(["export", tuned.run_dir, "--output", str(out), "--format", "huggingface"]) == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert {name: exported[name] for name in ids} == ids
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == [2, 5] and model.generation_config.temperature == 0.6
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("the fox", add_special_tokens=False).input_ids == [6, 4] and tokenizer.eos_token_id == 2
+    (source / "config.json").write_text(json.dumps({**source_config, "eos_token_id": "</s>"}))
+    with pytest.raises(ConfigError, match=r"^model.init_from .*source: eos_token_id is '</s>' in config.json; it "
+                                          r"must be a token id or a list of them, or null"):
+        export_checkpoint(tuned.run_dir, str(tmp_path / "refused"), layout="huggingface")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_the_tokenizer_an_export_saves_is_the_runs_data_tokenizer_else_its_sources(tmp_path):
+    pytest.importorskip("transformers")
+    save_word_tokenizer(tmp_path / "data-tokenizer", "lazy dog".split())
+    save_word_tokenizer(tmp_path / "source", "quick fox".split())
+    (tmp_path / "bare").mkdir()
+    data = {"data": {"tokenizer": str(tmp_path / "data-tokenizer")}}
+    assert "lazy" in implied_tokenizer(data, str(tmp_path / "source")).get_vocab()
+    assert "quick" in implied_tokenizer({"data": {"tokenizer": None}}, str(tmp_path / "source")).get_vocab()
+    assert implied_tokenizer({"data": {"tokenizer": None}}, str(tmp_path / "bare")) is None
+    assert implied_tokenizer({"data": {"tokenizer": None}}, None) is None
+    with pytest.raises(ConfigError, match=r"^data.tokenizer '.*bare': .*; --tokenizer NAME_OR_PATH saves another$"):
+        implied_tokenizer({"data": {"tokenizer": str(tmp_path / "bare")}}, None)
+
+
+def test_an_export_replaces_links_in_its_output_never_writing_through_them(trained, tmp_path, capsys):
+    """An output directory whose files link to files elsewhere: each link is replaced by the
+    file exported, and what it pointed at is left as it was; a directory in a file's place is
+    refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    _, result = trained
+    save_word_tokenizer(tmp_path / "tokenizer", "the quick brown fox".split())
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "out"
+    elsewhere.mkdir()
+    out.mkdir()
+    names = ["config.json", "model.safetensors", "tokenizer.json"]
+    for name in names:
+        (elsewhere / name).write_text(f"not to be overwritten: {name}")
+        (out / name).symlink_to(elsewhere / name)
+    assert main(["export", result.run_dir, "--output", str(out), "--format", "huggingface",
+                 "--tokenizer", str(tmp_path / "tokenizer")]) == 0
+    for name in names:
+        assert (elsewhere / name).read_text() == f"not to be overwritten: {name}"
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+    transformers.LlamaForCausalLM.from_pretrained(out)
+    assert [path.name for path in out.iterdir() if path.name.startswith(".")] == []  # nothing left behind
+    blocked = tmp_path / "blocked"
+    (blocked / "model.safetensors").mkdir(parents=True)
+    capsys.readouterr()  # transformers' own words, loading
+    assert main(["export", result.run_dir, "--output", str(blocked)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "model.safetensors there cannot be replaced" in line, line
+    assert sorted(path.name for path in blocked.iterdir()) == ["model.safetensors"]
