@@ -103,10 +103,12 @@ def gpu_args(args: argparse.Namespace, preset: str) -> argparse.Namespace:
 def start_ray(args: argparse.Namespace, **options) -> None:
     """A local Ray for a part. On CPU it advertises one GPU all the same, as the GPU machine's
     does: a part whose ranks should stay on CPU and leave ``device = auto`` asks for it
-    there, and fails here too, not only in the minutes a GPU machine is lent."""
+    there, and fails here too, not only in the minutes a GPU machine is lent. On the GPU
+    machine the ranks' output goes into the part's log: a rank that dies there says why."""
     from elastic.fleet.ray_connection import start_local_ray
 
-    start_local_ray(log_to_driver=False, **({"num_gpus": 1} if args.device == "cpu" else {}), **options)
+    start_local_ray(log_to_driver=args.device == "cuda", **({"num_gpus": 1} if args.device == "cpu" else {}),
+                    **options)
 
 
 # the parts
@@ -389,6 +391,7 @@ def run_product(config) -> dict:
     import threading
 
     from elastic import ElasticTrainer
+    from elastic.core.events import EventKind
 
     peak, done = [0], threading.Event()
 
@@ -405,7 +408,8 @@ def run_product(config) -> dict:
     finally:
         done.set()
     if not result.ok:
-        raise RuntimeError(f"{config.run_name}: {result.exit}")
+        failures = [event for event in result.summary["events"] if event["kind"] == EventKind.FAILURE_DIAGNOSED]
+        raise RuntimeError(f"{config.run_name}: {result.exit}; failures: {failures[:3]}")
     step_s = [record["step_s"] for record in result.summary["steps"]]
     return {"losses": result.losses, "step_s": statistics.median(step_s[2:]), "peak_bytes": peak[0]}
 
@@ -431,6 +435,7 @@ def against_cpu(args: argparse.Namespace, figure: str, ranks: int, scaling: dict
                                                    compute, steps=4 if args.quick else 10, seq_len=seq_len))
     on = runs.get("cuda", runs["cpu"])
     difference = largest_difference(on["losses"], runs["cpu"]["losses"])
+    print(f"{figure}: losses on {args.device} {on['losses']}, on CPU {runs['cpu']['losses']}", flush=True)
     return [Row(f"{figure}, fp32: committed losses on {args.device} ranks against CPU ranks", f"equal to {tolerance:g}",
                 f"{len(on['losses'])} steps, largest relative difference {difference:.1e}; median step "
                 f"{on['step_s'] * 1e3:.1f} ms ({runs['cpu']['step_s'] * 1e3:.1f} ms on CPU)",
@@ -552,7 +557,7 @@ def heal_transport(args: argparse.Namespace) -> list[Row]:
     from bench import heal_transport as bench
 
     start_ray(args)
-    dim, layers = (128, 2) if args.quick else (2048, 24)
+    dim, layers = (128, 2) if args.quick else (1024, 16)
     result = bench.measure(dim, layers, args.device, 2)
     medians = {road: min(seconds) for road, seconds in result["seconds"].items()}
     rates = "; ".join(f"{road} {seconds:.2f} s, {result['bytes'] / seconds / 1e9:.2f} GB/s"
@@ -609,7 +614,7 @@ def needs_cuda(args: argparse.Namespace) -> str | None:
 PARTS = [
     Part("throughput", throughput, 330, needs_cuda),
     Part("experts", experts, 150),
-    Part("context", context, 120),
+    Part("context", context, 90),
     Part("precision", precision, 200),
     Part("heal_transport", heal_transport, 120),
     Part("torchtitan", torchtitan, 240, needs_torchtitan),

@@ -119,6 +119,7 @@ def measure(dim: int, layers: int, device: str, repeats: int) -> dict:
     source, target = (StateHolder.options(num_gpus=gpus, num_cpus=1).remote(dim, layers, device, seed)
                       for seed in (0, 1))
     size = ray.get(source.state_bytes.remote())
+    print(f"{size / 1e9:.2f} GB of state on each of two actors", flush=True)
     roads = {"object store": lambda: target.import_state.remote(source.export_state.remote())}
     if device == "cuda":
         roads["CUDA IPC"] = lambda: target.import_from_device.remote(source.export_on_device.remote())
@@ -131,6 +132,7 @@ def measure(dim: int, layers: int, device: str, repeats: int) -> dict:
             ray.get(copy())
             seconds[road].append(time.perf_counter() - started)
             whole &= ray.get(target.fingerprint.remote()) == ray.get(source.fingerprint.remote())
+            print(f"{road}: {seconds[road][-1]:.3f} s, whole so far: {whole}", flush=True)
     for actor in (source, target):
         ray.kill(actor)
     return {"bytes": size, "seconds": seconds, "whole": whole}

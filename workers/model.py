@@ -241,7 +241,9 @@ class GroupedExperts(nn.Module):
         """Each expert's SwiGLU over its rows: ``rows`` sorted by expert, ``counts`` per expert
         (of every expert, wherever it is held)."""
         if self.dispatch_group is None:
-            return self._swiglu(rows, counts, self.w1, self.w2, self.w3)
+            # Under autocast (a group of one rank) the rows arrive in bf16 and the weights stay
+            # fp32: autocast does not cover the grouped GEMM, whose CUDA kernel refuses the mix.
+            return self._swiglu(rows, counts, *(weight.to(rows.dtype) for weight in (self.w1, self.w2, self.w3)))
         return self._dispatched(rows, counts)
 
     def _swiglu(self, rows, counts, w1, w2, w3) -> torch.Tensor:
