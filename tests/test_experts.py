@@ -141,6 +141,27 @@ def ep_batch():
     return collate(samples, range(4), torch.device("cpu"))
 
 
+def test_under_autocast_the_grouped_gemm_gets_weights_of_its_rows_dtype(monkeypatch):
+    # A group of one bf16 rank runs its forward under autocast, which does not cover the
+    # grouped GEMM: its CUDA kernel refuses bf16 rows against the fp32 weights (an H200 run).
+    import workers.model as model_code
+
+    products = []
+
+    def recording(rows, weights, counts, align):
+        products.append((rows.dtype, weights.dtype))
+        return grouped_mm(rows, weights, counts, align)
+
+    monkeypatch.setattr(model_code, "grouped_mm", recording)
+    torch.manual_seed(0)
+    layer = MoE(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=64, max_seq_len=16,
+                          experts=4, experts_per_token=2, expert_hidden=48), layer=0)
+    rows = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.nn.functional.linear(rows, torch.eye(32))).float().sum().backward()
+    assert products and all(weights == rows for rows, weights in products), products
+
+
 def test_experts_split_over_the_ranks_give_each_token_and_each_expert_what_one_process_does(tmp_path):
     """Each rank holds two of the four experts whole and sends every other token to the
     other's; the loss shares add up to one process's loss, and each rank's experts' gradients
