@@ -110,13 +110,14 @@ class Call:
 
 class FakeFleet:
     def __init__(self, topology: Topology, clock: FakeClock, *, step_s: float = 1.0, capacity: int | None = None,
-                 start_s: float = 0.0, spare_slot: bool = False, upload_s: float = 0.2, stall_s: float = 0.05,
+                 start_s: float = 0.0, start_stagger_s: float = 0.0, spare_slot: bool = False, upload_s: float = 0.2, stall_s: float = 0.05,
                  grad_sq_norm: float = 0.0):
         self.topology = topology
         self.clock = clock
         self.step_s = step_s
         self.capacity = capacity  # groups the cluster can place; None: every group
         self.start_s = start_s
+        self.start_stagger_s = start_stagger_s  # each further rank of a start comes up this much later
         self.spare_slot = spare_slot
         self.upload_s = upload_s
         self.stall_s = stall_s
@@ -182,7 +183,7 @@ class FakeFleet:
     def start(self, ranks, spares: dict[int, int] | None = None) -> Pending:
         spares = spares or {}
         calls = {}
-        for rank in ranks:
+        for place, rank in enumerate(ranks):
             self.alive_ranks.add(rank)
             self.own_copies[rank], self.held_copies[rank] = {}, {}  # a fresh process holds nothing
             self.slow.pop(rank, None)  # a fresh process on a healthy slot
@@ -191,7 +192,7 @@ class FakeFleet:
                 calls[rank] = Call(max(self.clock(), self.spare_ready_at.pop(spares[rank])))
             else:
                 self.starts.append(rank)
-                calls[rank] = Call(self.clock() + self.start_s)
+                calls[rank] = Call(self.clock() + self.start_s + place * self.start_stagger_s)
         return Pending(calls)
 
     def reserve_spares(self) -> None:
@@ -257,6 +258,9 @@ class FakeFleet:
             return False
         self.clock.now = max(self.clock.now, ready_at)
         return True
+
+    def answered(self, pending: Pending) -> int:
+        return sum(call.at <= self.clock() for call in pending.refs.values())
 
     def results(self, pending: Pending, timeout: float | None = None) -> dict[int, object]:
         lost = [rank for rank in pending.refs if rank not in self.alive_ranks]

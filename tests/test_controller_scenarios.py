@@ -21,7 +21,7 @@ from elastic.driver.controller import Controller, TrainingStopped
 from elastic.driver.records import StepResult
 from elastic.driver.recovery_timing import RECOVERY_PARTS
 from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
-from elastic.core.events import EventKind, EventLog
+from elastic.core.events import EventKind, EventLog, console_line
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed
@@ -222,6 +222,19 @@ def test_below_the_minimum_the_run_stops_after_the_capacity_timeout(tmp_path):
     assert scenario.committed_steps() == [0, 1]
     waited = scenario.clock() - scenario.events.started_at
     assert 30 < waited < 40  # capacity_timeout_s, on the fake clock
+
+
+def test_ranks_that_start_slowly_but_steadily_are_waited_for_and_said_as_they_come(tmp_path):
+    # A busy host: each rank process comes up 60 s after the one before, so a group takes
+    # 180 s to start, past the wait's limit (capacity 30 s + the first step's 120 s) counted
+    # from its beginning, but never that long without one more rank up.
+    scenario = Scenario(tmp_path, groups=2, shard=4, min_groups=2, start_stagger_s=60.0)
+    assert scenario.run() == "completed"
+    starting = [(e["group"], e["started"], e["ranks"]) for e in scenario.kinds(EventKind.GROUP_STARTING)]
+    assert sorted(starting) == [(group, started, 4) for group in (0, 1) for started in range(4)]
+    assert console_line(scenario.kinds(EventKind.GROUP_STARTING)[-1]) == "group 1: 3 of 4 rank processes started (120s)"
+    built = scenario.kinds(EventKind.GROUP_BUILT)[0]
+    assert console_line(built).startswith("group 0 built in 180s (rank processes started in 180s")
 
 
 def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):

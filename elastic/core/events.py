@@ -56,6 +56,7 @@ class EventKind(StrEnum):
     GROUP_RESERVED = "group-reserved"
     GROUP_START_FAILED = "group-start-failed"
     GROUP_BUILT = "group-built"
+    GROUP_STARTING = "group-starting"  # a start's progress: how many of a group's new rank processes are up
     GROUP_HEALED = "group-healed"
     GROUP_JOINED = "group-joined"
     GROUP_EVICTED = "group-evicted"
@@ -141,6 +142,12 @@ def console_line(event: Event) -> str | None:
         return f"recovered from {event['cause']} at step {step} in {event['total_s']:.1f}s"
     if kind == EventKind.GROUP_JOINED:
         return f"group {event['group']} joined (generation {event['generation']})"
+    if kind == EventKind.GROUP_STARTING:
+        return (f"group {event['group']}: {event['started']} of {event['ranks']} rank processes started "
+                f"({event['seconds']:.0f}s)")
+    if kind == EventKind.GROUP_BUILT:
+        return (f"group {event['group']} built in {event['seconds']:.0f}s (rank processes started in "
+                f"{event['start_s']:.0f}s, world and model built in {event['build_s']:.0f}s)")
     if kind == EventKind.NONFINITE_STEP:
         if event.get("overflow"):  # fp16's scale was too large for this step: expected now and then
             return f"step {step} discarded: fp16 gradients overflowed; loss scale lowered to {event['loss_scale']:g}"

@@ -53,6 +53,7 @@ class GroupKeeper:
         self.joining_since: dict[int, float] = {}
         self.stage_since: dict[int, float] = {}  # when a group's start or build call went out
         self.start_s: dict[int, float] = {}  # how long a building group's processes took to start
+        self.started: dict[int, int] = {}  # a starting group's new processes up so far
         self._failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
         self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
@@ -91,6 +92,7 @@ class GroupKeeper:
                 self._advance(group)
             except FleetError as error:
                 self.joining_calls.pop(group, None)
+                self.started.pop(group, None)
                 lost = error.ranks if isinstance(error, RanksLost) else [
                     rank for rank in self.topology.global_ranks(group) if not self.fleet.alive(rank)
                 ]
@@ -113,7 +115,11 @@ class GroupKeeper:
                 self.on_spares.add(group)
             self.joining_calls[group] = self.fleet.start(to_start, taken)
             self.stage_since[group] = self.clock()
+            self._count_started(group, 0)
+        if self.membership.stage_of(group) is GroupStage.STARTING and not self.fleet.done(self.joining_calls[group]):
+            self._count_started(group, self.fleet.answered(self.joining_calls[group]))
         if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
+            self.started.pop(group, None)
             started = self.fleet.results(self.joining_calls[group])
             self.start_s[group] = self.clock() - self.stage_since[group]
             self.timing.longest("start_s", self.start_s[group])
@@ -133,6 +139,20 @@ class GroupKeeper:
             seconds = self.clock() - self.joining_since[group]
             self.events.emit(EventKind.GROUP_BUILT, group=group, seconds=round(seconds, 3),
                              start_s=round(self.start_s.pop(group, 0.0), 3), build_s=round(build_s, 3))
+
+    def _count_started(self, group: int, count: int) -> None:
+        """A start's progress, said as it goes: on a busy host a group's processes can take
+        minutes to start, and a console that says nothing looks hung."""
+        if self.started.get(group) == count:
+            return
+        self.started[group] = count
+        self.events.emit(EventKind.GROUP_STARTING, group=group, started=count,
+                         ranks=len(self.joining_calls[group].refs),
+                         seconds=round(self.clock() - self.stage_since[group], 3))
+
+    def progress(self) -> tuple:
+        """What the waiting groups have reached: it changes while any of them moves on."""
+        return tuple((group, stage, self.started.get(group)) for group, stage in self.membership.waiting_groups().items())
 
     def join_ready_groups(self) -> bool:
         ready = list(self.membership.groups_in(GroupStage.READY))
@@ -186,7 +206,8 @@ class GroupKeeper:
         up to ``wait_for_spares_s``, rather than leave the survivors to start a step alone
         at twice its time and keep the group waiting at the boundary until it ends."""
         self.grow()
-        waited_from = self.clock()
+        waited_from = progressed_at = self.clock()
+        reached = self.progress()
         while not self._failed_starts:
             self.advance_groups()
             self.join_ready_groups()
@@ -195,16 +216,19 @@ class GroupKeeper:
                       and self.clock() - waited_from < wait_for_spares_s)
             if live and not self.scaling.below_minimum(live) and not coming:
                 return
-            waited = self.clock() - waited_from
-            limit = self.config.fault_tolerance.capacity_timeout_s + (
-                0 if self.history.has_state else self.config.fault_tolerance.first_step_deadline_s
-            )
-            if waited > limit:
+            if self.progress() != reached:  # a group moved on: the wait is for capacity, not progress
+                reached, progressed_at = self.progress(), self.clock()
+            ft = self.config.fault_tolerance
+            before_first_step = "" if self.history.has_state else f" + first_step_deadline_s {ft.first_step_deadline_s:g}"
+            limit = ft.capacity_timeout_s + (0 if self.history.has_state else ft.first_step_deadline_s)
+            stalled = self.clock() - progressed_at
+            if stalled > limit:
                 raise TrainingStopped(
-                    f"below the minimum of {self.scaling.min_groups} live replica group(s) "
-                    f"({live} live) for {waited:.0f}s; groups waiting: {self.membership.waiting_groups()} "
-                    "('placing' means the cluster cannot place a group's pp x shard x cp x tp ranks); "
-                    "add capacity, lower scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
+                    f"below the minimum of {self.scaling.min_groups} live replica group(s) ({live} live), no group "
+                    f"moving on for {stalled:.0f}s (fault_tolerance.capacity_timeout_s {ft.capacity_timeout_s:g}"
+                    f"{before_first_step}); groups waiting: {self.membership.waiting_groups()} ('placing' means the "
+                    "cluster cannot place a group's pp x shard x cp x tp ranks); add capacity, lower "
+                    "scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
             self.sleep(JOIN_POLL_S)
 
@@ -221,6 +245,7 @@ class GroupKeeper:
             self.fleet.kill(rank)
         group = self.topology.group_of(rank)
         self.joining_calls.pop(group, None)
+        self.started.pop(group, None)
         self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
         self.membership.lose_rank(rank)
@@ -230,6 +255,7 @@ class GroupKeeper:
     def rebuild(self, group: int) -> None:
         """The group's world is gone: it builds again (its live processes are kept)."""
         self.joining_calls.pop(group, None)
+        self.started.pop(group, None)
         self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
         self.membership.apply(group, Broken())

@@ -75,6 +75,12 @@ class Fleet(RankProcesses):
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         return len(ready) == len(refs)
 
+    def answered(self, pending: Pending) -> int:
+        """How many of the calls have returned, now: a start's progress, rank by rank."""
+        refs = list(pending.refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready)
+
     def results(self, pending: Pending, timeout: float | None = None, call: str = "") -> dict[int, object]:
         """Every rank's result, waited for together until ``timeout``; ``RanksLost`` names
         every rank whose process is gone, and ``CallFailed`` every living rank that raised or
