@@ -45,9 +45,9 @@ class ProgressBar:
             return
         if self.bar is not None:
             self.bar.write(redact_credentials(line))
-        else:  # a quorum that grows is no warning
-            log.log(logging.INFO if event["kind"] == EventKind.GROUP_JOINED else logging.WARNING, "%s",
-                    redact_credentials(line))
+        else:  # a quorum that grows, and a start said as it goes, are no warning
+            news = event["kind"] in (EventKind.GROUP_JOINED, EventKind.GROUP_STARTING, EventKind.GROUP_BUILT)
+            log.log(logging.INFO if news else logging.WARNING, "%s", redact_credentials(line))
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
