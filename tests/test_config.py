@@ -28,9 +28,12 @@ def test_min_groups_above_max():
     fails({"scaling": {"min_groups": 3, "max_groups": 2}}, "scaling", "min_groups=3 is larger than max_groups=2")
 
 
-def test_unknown_keys():
-    fails({"scaling": {"shards": 2}}, "scaling.shards: unknown key")
-    fails({"stepz": 2}, "stepz: unknown key")
+def test_unknown_keys_name_the_key_they_most_likely_meant():
+    fails({"scaling": {"shards": 2}}, "scaling.shards: unknown key; did you mean scaling.shard?")
+    fails({"stepz": 2}, "stepz: unknown key; did you mean steps?")
+    fails({"shard": 2}, "shard: unknown key; did you mean scaling.shard?")  # a section's field at the top
+    fails({"fault_tolerence": {}}, "fault_tolerence: unknown key; did you mean fault_tolerance?")
+    fails({"scaling": {"zzz": 1}}, "scaling.zzz: unknown key; remove it or check its spelling")
 
 
 @pytest.mark.parametrize("field,section", [("shard", "scaling"), ("tp", "scaling"), ("steps", None), ("global_batch", None)])

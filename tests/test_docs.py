@@ -18,9 +18,8 @@ README = (REPO / "README.md").read_text()
 CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()
 # The set-up on a fresh machine: one command runs the main job, one passes the tests.
 TWO_COMMANDS = (
-    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]" '
-    "&& elastic train",
-    "python -m pytest -q",
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && elastic train",
+    'pip install -e ".[dev]" && python -m pytest -q',
 )
 
 

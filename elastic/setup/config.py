@@ -10,6 +10,7 @@ the ways a run gets its config. A problem is reported as
 
 from __future__ import annotations
 
+import difflib
 import reprlib
 import string
 from typing import Annotated, Any, Literal, get_args
@@ -732,7 +733,8 @@ def describe(error: ValidationError) -> str:
     for item in error.errors():
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown key; remove it or check its spelling against the config reference"
+            message = "unknown key" + (f"; did you mean {meant}?" if (meant := intended_key(item["loc"])) else
+                                       "; remove it or check its spelling against the config reference")
         elif item["type"] in {"greater_than", "greater_than_equal"}:
             message = f"{message}, got {shown(item['input'])}; use a positive value"
         elif item["type"] in {"less_than", "less_than_equal"}:
@@ -748,6 +750,27 @@ def describe(error: ValidationError) -> str:
         # A check over several sections names its fields itself.
         lines.append(f"{_field_path(item['loc'])}: {message}" if item["loc"] else message)
     return invalid_config(lines)
+
+
+def intended_key(location: tuple) -> str | None:
+    """The key an unknown one most likely meant: a near spelling in its own section, else the
+    same name in another section (``shard`` at the top is ``scaling.shard``)."""
+    *parents, name = map(str, location)
+    section: Any = TrainConfig
+    for part in parents:
+        field = section.model_fields.get(part) if isinstance(section, type) and issubclass(section, BaseModel) else None
+        section = field.annotation if field else None
+    if not (isinstance(section, type) and issubclass(section, BaseModel)):
+        return None
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1, cutoff=0.6)
+    if close:
+        return _field_path((*parents, close[0]))
+    if not parents:
+        for key, field in TrainConfig.model_fields.items():
+            nested = field.annotation
+            if isinstance(nested, type) and issubclass(nested, BaseModel) and name in nested.model_fields:
+                return f"{key}.{name}"
+    return None
 
 
 def invalid_config(problems: list[str]) -> str:
