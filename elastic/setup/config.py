@@ -628,8 +628,9 @@ class TrainConfig(Section):
             (not (model.experts or model.init_from), "model.experts = 0: a dense model has no experts to split"),
             (scaling.shard % ep, f"scaling.shard={scaling.shard}: the shard ranks split into blocks of ep ranks, "
                                  f"each holding every expert once; give an ep that divides {scaling.shard}"),
-            (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; give a "
-                                 f"multiple of {ep}"),
+            (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; set "
+                                 f"model.experts to a multiple of {ep}, or scaling.ep to one that divides "
+                                 f"{model.experts} and {scaling.shard}"),
         ]
         problem = next((text for broken, text in problems if broken), None)
         if problem:
