@@ -22,7 +22,7 @@ from checkpointing.pretrained import source_identity
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.capacity import check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity
-from elastic.setup.config import ConfigError, TrainConfig
+from elastic.setup.config import ConfigError, TrainConfig, unbalanced_experts
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.setup.resume_checks import (
     check_resumable, check_same_source, config_hash, config_record, resume_over_data,
@@ -207,7 +207,8 @@ class ElasticTrainer:
             cluster = ray.cluster_resources()
             self.config = on_cluster(self.config, cluster)
             check_capacity(self.config, cluster)
-            for warning in (groups_beyond_capacity(self.config, cluster), spares_beyond_capacity(self.config, cluster)):
+            for warning in (groups_beyond_capacity(self.config, cluster), spares_beyond_capacity(self.config, cluster),
+                            unbalanced_experts(self.config)):
                 if warning is not None:
                     log.warning("%s", warning)
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":

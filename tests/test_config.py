@@ -28,6 +28,18 @@ def test_min_groups_above_max():
     fails({"scaling": {"min_groups": 3, "max_groups": 2}}, "scaling", "min_groups=3 is larger than max_groups=2")
 
 
+def test_a_mixture_with_nothing_to_balance_its_experts_is_warned_of_at_start(tmp_path):
+    from elastic.setup.config import unbalanced_experts
+
+    mixture = {"storage": str(tmp_path), "model": {"experts": 4, "experts_per_token": 2, "expert_hidden": 32}}
+    warning = unbalanced_experts(build_config(mixture))
+    assert warning.startswith("model.experts=4 with neither a routing bias nor a balance loss")
+    assert "model.expert_bias_rate (DeepSeek-V3: 0.001)" in warning
+    for balanced in ({"expert_bias_rate": 0.001}, {"aux_loss_weight": 0.01}):
+        assert unbalanced_experts(build_config(mixture | {"model": mixture["model"] | balanced})) is None
+    assert unbalanced_experts(build_config({"storage": str(tmp_path)})) is None  # a dense model
+
+
 def test_unknown_keys_name_the_key_they_most_likely_meant():
     fails({"scaling": {"shards": 2}}, "scaling.shards: unknown key; did you mean scaling.shard?")
     fails({"stepz": 2}, "stepz: unknown key; did you mean steps?")

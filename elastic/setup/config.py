@@ -717,6 +717,16 @@ class TrainConfig(Section):
         )
 
 
+def unbalanced_experts(config: TrainConfig) -> str | None:
+    """A start-up warning for a mixture trained with nothing that balances its experts: left
+    alone, token-choice routing collapses onto a few of them."""
+    model = config.model
+    if not model.experts or model.expert_bias_rate or model.aux_loss_weight:
+        return None
+    return (f"model.experts={model.experts} with neither a routing bias nor a balance loss: routing tends to collapse "
+            "onto a few experts; set model.expert_bias_rate (DeepSeek-V3: 0.001) or model.aux_loss_weight")
+
+
 def _field_path(location: tuple) -> str:
     return ".".join(str(part) for part in location)
 
