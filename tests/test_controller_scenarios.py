@@ -237,6 +237,16 @@ def test_ranks_that_start_slowly_but_steadily_are_waited_for_and_said_as_they_co
     assert console_line(built).startswith("group 0 built in 180s (rank processes started in 180s")
 
 
+def test_committed_time_is_charged_as_each_step_commits_not_when_its_segment_ends(tmp_path):
+    # Goodput and elastic_time_seconds{category="committed"} read the ledger at each step.
+    scenario = Scenario(tmp_path, groups=2, shard=1, steps=12)
+    seen = []
+    scenario.controller.step_listeners.append(lambda record: seen.append(scenario.ledger.seconds["committed"]))
+    assert scenario.run() == "completed"
+    assert seen[0] > 0 and all(later > earlier for earlier, later in zip(seen, seen[1:])), seen
+    assert 0 < scenario.ledger.goodput() <= 1
+
+
 def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
     scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, spare_slot=True)
     scenario.controller.step_listeners.append(

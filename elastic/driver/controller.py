@@ -164,6 +164,7 @@ class Controller:
         self.groups = GroupKeeper(run, self.state_sources, sleep, self.stragglers.mitigation)
         self.attempts = 0  # runs and evaluations started: each has its own number
         self.pause_requested = False  # of the segment in flight
+        self.charged_until = 0.0  # the clock time up to which the segment in flight is charged to the ledger
 
     # the state machine
 
@@ -249,10 +250,12 @@ class Controller:
         self.timing.stepping()
         stream = self.fleet.start_segment(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
         self.pause_requested = False
+        self.charged_until = started
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
-        self.ledger.charge("committed", outcome.committed_until - started)
+        settled = max(outcome.committed_until, self.charged_until)
+        self.ledger.charge("committed", settled - self.charged_until)
         discarded = outcome.failure is not None or outcome.nonfinite is not None
-        self.ledger.charge("discarded" if discarded else "committed", self.clock() - outcome.committed_until)
+        self.ledger.charge("discarded" if discarded else "committed", self.clock() - settled)
         if outcome.failure is not None:
             return Recovering(outcome.failure.diagnosis, FailedWork.STEP, outcome.committed_until,
                               outcome.failure.seen_at)
@@ -319,6 +322,11 @@ class Controller:
         self.deadline.record(result.step_s)
         self.divergence.committed()
         self.timing.close(self.history.step)
+        # Charged as each step commits, not when its segment ends: goodput and the committed
+        # time are live between boundaries, which may be hundreds of steps apart.
+        now = self.clock()
+        self.ledger.charge("committed", now - self.charged_until)
+        self.charged_until = now
         for listener in self.step_listeners:
             listener(result)
 
