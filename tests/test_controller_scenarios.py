@@ -247,6 +247,16 @@ def test_committed_time_is_charged_as_each_step_commits_not_when_its_segment_end
     assert 0 < scenario.ledger.goodput() <= 1
 
 
+def test_a_failed_step_is_said_before_the_rank_it_costs(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {4: [Kill(rank=3)]}
+    assert scenario.run() == "completed"
+    kinds = [event["kind"] for event in scenario.events.events]
+    assert kinds.index(EventKind.STEP_DISCARDED) < kinds.index(EventKind.RANK_EVICTED)
+    lines = [console_line(event) for event in scenario.events.events if console_line(event)]
+    assert lines.index("step 4 failed (death, ranks [3])") < lines.index("rank 3 of group 1 replaced (death)")
+
+
 def test_a_straggler_is_replaced_when_a_slot_is_spare(tmp_path):
     scenario = Scenario(tmp_path, groups=4, shard=1, steps=40, stragglers=True, spare_slot=True)
     scenario.controller.step_listeners.append(

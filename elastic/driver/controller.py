@@ -381,6 +381,12 @@ class Controller:
         if diagnosis.corrupt:
             diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.verified_step)
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
+        if failure.failed in (FailedWork.STEP, FailedWork.EVALUATION):  # what failed is said before what it costs
+            self.events.emit(
+                EventKind.STEP_DISCARDED if failure.failed is FailedWork.STEP else EventKind.EVAL_DISCARDED,
+                step=step, cause=diagnosis.cause, culprits=diagnosis.culprits,
+                broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
+            )
         for eviction in plan.evictions:
             if eviction.failed_the_step:
                 self.events.emit(EventKind.RANK_FAILED, rank=eviction.rank, group=eviction.group,
@@ -393,12 +399,6 @@ class Controller:
             self.checkpoints.abandon_if_lost(plan.affected_groups)
         self.timing.open(diagnosis.cause, diagnosis.culprits, failure.started,
                          detect_s=failure.seen_at - failure.started, drain_s=drained - failure.seen_at)
-        if failure.failed in (FailedWork.STEP, FailedWork.EVALUATION):
-            self.events.emit(
-                EventKind.STEP_DISCARDED if failure.failed is FailedWork.STEP else EventKind.EVAL_DISCARDED,
-                step=step, cause=diagnosis.cause, culprits=diagnosis.culprits,
-                broken_groups=sorted(diagnosis.broken_groups), errors=diagnosis.errors,
-            )
         if failure.failed is FailedWork.STEP:
             self.history.steps_discarded += 1
 
