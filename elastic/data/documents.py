@@ -58,15 +58,18 @@ Document = str | np.ndarray | Chat
 
 class DocumentFile(Recipe):
     """One file's documents. ``column`` names the text (or token-id) column; ``chat`` reads
-    conversations instead."""
+    conversations instead. A document over ``max_document_bytes`` is refused before it is
+    tokenized, and where the format allows before it is read whole."""
 
     _transient = ("_fs", "_blocks")
     # What ``scan`` records for ``read``, kept with the run's data index (arrays, or None)
     indexed: tuple[str, ...] = ()
 
-    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None, *,
+                 max_document_bytes: int):
         self.url, self.column, self.chat = url, column, chat
         self.storage_options = storage_options or {}
+        self.max_document_bytes = max_document_bytes
 
     @cached_property
     def _fs(self) -> fsspec.AbstractFileSystem:
@@ -95,6 +98,11 @@ class DocumentFile(Recipe):
     def where(self, row: int) -> str:
         return f"{self.url} row {row}"
 
+    def _check_size(self, size: int, row: int, what: str = "the document holds") -> None:
+        if size > self.max_document_bytes:
+            raise DataError(f"{self.where(row)}: {what} {size} bytes, over data.max_document_bytes "
+                            f"({self.max_document_bytes}); split it into smaller documents, or raise the limit")
+
     def _document(self, value, row: int) -> Document:
         """A row's value as a document, or a ``DataError`` naming the file, the row and the fix."""
         if self.chat:
@@ -120,9 +128,11 @@ class DocumentFile(Recipe):
                 raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects of text")
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError(f"{where}: the conversation has no assistant turn to train on")
+            self._check_size(sum(len(m["content"].encode()) for m in messages), row, "the conversation's text holds")
             return Chat(where, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
         prompt, completion = row_value.get("prompt"), row_value.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
+            self._check_size(len(prompt.encode()) + len(completion.encode()), row, "the conversation's text holds")
             return Chat(where, prompt=prompt, completion=completion)
         raise DataError(f"{where}: a chat row needs messages, or prompt and completion as text")
 
@@ -135,8 +145,9 @@ class JsonlFile(DocumentFile):
     _transient = (*DocumentFile._transient, "_lines")
     indexed = ("spans",)
 
-    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
-        super().__init__(url, column, chat, storage_options)
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None, *,
+                 max_document_bytes: int):
+        super().__init__(url, column, chat, storage_options, max_document_bytes=max_document_bytes)
         self.spans: np.ndarray | None = None  # plain files: each document's [start, end) bytes
 
     @property
@@ -179,18 +190,26 @@ class JsonlFile(DocumentFile):
     def where(self, row: int) -> str:
         return f"{self.url} document {row}"
 
+    def _lines_of(self, stream: io.BufferedIOBase) -> Iterator[tuple[int, int, bytes]]:
+        """Each document's line, where it starts and ends in the (decompressed) stream: a line
+        is read no further than ``max_document_bytes``, then refused."""
+        row, at = 0, 0
+        while line := stream.readline(self.max_document_bytes + 1):
+            if len(line) > self.max_document_bytes and not line.endswith(b"\n"):
+                self._check_size(len(line), row, "the line holds at least")
+            begin, at = at, at + len(line)
+            if line.strip():
+                yield begin, at, line
+                row += 1
+
     def scan(self) -> Iterator[list[Document]]:
-        starts, ends, batch, row, at = [], [], [], 0, 0
+        starts, ends, batch = [], [], []
         try:
             with self._stream() as stream:
-                for line in iter(stream.readline, b""):
-                    begin, at = at, at + len(line)
-                    if not line.strip():
-                        continue
+                for row, (begin, end, line) in enumerate(self._lines_of(stream)):
                     batch.append(self._parse(line, row))
                     starts.append(begin)
-                    ends.append(at)
-                    row += 1
+                    ends.append(end)
                     if len(batch) == SCAN_ROWS:
                         yield batch
                         batch = []
@@ -203,7 +222,7 @@ class JsonlFile(DocumentFile):
     @cached_property
     def _lines(self) -> list[bytes]:
         with self._stream() as stream:
-            return [line for line in iter(stream.readline, b"") if line.strip()]
+            return [line for _, _, line in self._lines_of(stream)]
 
     def read(self, start: int, stop: int) -> list[Document]:
         if self.spans is None:
@@ -219,8 +238,9 @@ class ColumnarFile(DocumentFile):
 
     indexed = ("block_rows",)
 
-    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None):
-        super().__init__(url, column, chat, storage_options)
+    def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None, *,
+                 max_document_bytes: int):
+        super().__init__(url, column, chat, storage_options, max_document_bytes=max_document_bytes)
         self.block_rows: np.ndarray | None = None  # rows in each block, from the file's own metadata
 
     def _block_count_rows(self) -> list[int]:
@@ -241,7 +261,25 @@ class ColumnarFile(DocumentFile):
         if self.chat:
             return [self._document(row, first_row + i) for i, row in enumerate(table.to_pylist())]
         self._check_column(table.column_names)
-        return [self._document(value, first_row + i) for i, value in enumerate(table.column(self.column).to_pylist())]
+        column = table.column(self.column)
+        self._check_sizes(column, first_row)
+        return [self._document(value, first_row + i) for i, value in enumerate(column.to_pylist())]
+
+    def _check_sizes(self, column, first_row: int) -> None:
+        """Each document's bytes (a token id's 8), weighed in Arrow, before Python holds it."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or \
+                pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            sizes = pc.binary_length(column)
+        elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            sizes = pc.multiply(pc.list_value_length(column), 8)
+        else:
+            return  # not documents: _document says what the column holds instead
+        first_over = pc.index(pc.greater(sizes, self.max_document_bytes), True).as_py()
+        if first_over >= 0:
+            self._check_size(sizes[first_over].as_py(), first_row + first_over)
 
     def scan(self) -> Iterator[list[Document]]:
         self.block_rows = np.array(self._block_count_rows(), dtype=np.int64)

@@ -3,7 +3,9 @@ on every rank and in every run over the same data and tokenizer.
 
 The index (each document's token count, separator included) is built once, on the driver,
 by ``scan``ning every file and tokenizing every document; it travels with the dataset to
-the ranks, which read and tokenize only the documents a sample spans. A document whose
+the ranks, which read and tokenize only the documents a sample spans, and keep the tokens of
+the last they read (``_CACHED_TOKEN_BYTES``): each of a long document's windows reads and
+tokenizes it once on a rank while it stays there, not once a window. A document whose
 tokens differ from the index's count when a rank reads it means the data or the tokenizer
 changed under the run: the read fails rather than train on a shifted stream.
 
@@ -17,6 +19,7 @@ import hashlib
 import io
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -35,11 +38,55 @@ log = logging.getLogger("elastic.data.packing")
 _BUILT: dict[tuple, tuple[list[DocumentFile], list[np.ndarray]]] = {}
 _KEPT_INDEXES = 4
 
+# The tokens (and labels) of the documents a rank read last, least recently used dropped first,
+# in the narrowest integers that hold them: a 64 MiB text's take 16 to 64 MiB.
+_CACHED_TOKEN_BYTES = 256 * 2**20
+
+Encoded = tuple[np.ndarray, np.ndarray | None]  # a document's tokens, and its labels if it has any
+
+
+def _narrowed(values: np.ndarray) -> np.ndarray:
+    """``values`` in the narrowest integer type that holds them all (a window widens them again)."""
+    if not len(values):
+        return values
+    low, high = int(values.min()), int(values.max())
+    for dtype in (np.uint8, np.uint16, np.int16, np.int32):
+        if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
+            return values.astype(dtype)
+    return values
+
+
+class _TokenCache:
+    """Documents' tokens by document, in at most ``budget`` bytes; a document larger than
+    the whole budget is not kept."""
+
+    def __init__(self, budget: int):
+        self.budget, self.held = budget, 0
+        self.documents: OrderedDict[int, Encoded] = OrderedDict()
+
+    @staticmethod
+    def _bytes(encoded: Encoded) -> int:
+        return sum(part.nbytes for part in encoded if part is not None)
+
+    def get(self, document: int) -> Encoded | None:
+        if document in self.documents:
+            self.documents.move_to_end(document)
+        return self.documents.get(document)
+
+    def put(self, document: int, encoded: Encoded) -> None:
+        size = self._bytes(encoded)
+        if size > self.budget:
+            return
+        self.documents[document] = encoded
+        self.held += size
+        while self.held > self.budget:
+            self.held -= self._bytes(self.documents.popitem(last=False)[1])
+
 
 class PackedDocuments(TokenWindows):
     """The documents of ``files``, tokenized by ``tokenizer`` and packed into windows."""
 
-    _transient = ("_starts",)
+    _transient = ("_starts", "_tokens")
 
     def __init__(self, files: Sequence[DocumentFile], tokenizer: ByteTokens | HuggingFaceTokens, seq_len: int,
                  document_masking: bool = False):
@@ -138,30 +185,50 @@ class PackedDocuments(TokenWindows):
         begun[inside] = inside
         return np.arange(count, dtype=np.int64) - np.maximum.accumulate(begun)
 
-    def _stream(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Tokens ``[start, start + count)`` of the packed stream, and their labels if it has any."""
-        starts, first = self._starts
-        end = start + count
-        begin_doc = int(np.searchsorted(starts, start, side="right")) - 1
-        end_doc = int(np.searchsorted(starts, end, side="left"))
-        ids, labels = [], []
-        doc = begin_doc
-        while doc < end_doc:
-            file = int(np.searchsorted(first, doc, side="right")) - 1
-            stop = min(end_doc, int(first[file + 1]))
-            row = doc - int(first[file])
-            documents = self.files[file].read(row, row + stop - doc)
-            for offset, (tokens, labelled) in enumerate(self.tokenizer.encode(documents)):
+    @cached_property
+    def _tokens(self) -> _TokenCache:
+        return _TokenCache(_CACHED_TOKEN_BYTES)
+
+    def _documents(self, first: int, stop: int) -> list[Encoded]:
+        """Documents ``[first, stop)``'s tokens and labels: from the cache, or read and tokenized
+        a run of neighbours at a time (a file's read takes a range), each checked against the
+        index and kept."""
+        documents = {doc: self._tokens.get(doc) for doc in range(first, stop)}
+        file_starts = self._starts[1]
+        doc = first
+        while doc < stop:
+            if documents[doc] is not None:
+                doc += 1
+                continue
+            file = int(np.searchsorted(file_starts, doc, side="right")) - 1
+            run_stop = doc + 1
+            while run_stop < min(stop, int(file_starts[file + 1])) and documents[run_stop] is None:
+                run_stop += 1
+            row = doc - int(file_starts[file])
+            encoded = self.tokenizer.encode(self.files[file].read(row, row + run_stop - doc))
+            for offset, (tokens, labels) in enumerate(encoded):
                 if len(tokens) != self.lengths[file][row + offset]:
                     raise DataError(f"{self.files[file].where(row + offset)} tokenizes to {len(tokens)} tokens, the "
-                                  f"index counted {self.lengths[file][row + offset]}: the data or the tokenizer "
-                                  "changed under the run")
-                ids.append(tokens)
-                labels.append(tokens if labelled is None else labelled)
-            doc = stop
-        skip = start - int(starts[begin_doc])
-        stream = np.concatenate(ids)[skip : skip + count]
-        return stream, (np.concatenate(labels)[skip : skip + count] if self.labelled else None)
+                                    f"index counted {self.lengths[file][row + offset]}: the data or the tokenizer "
+                                    "changed under the run")
+                documents[doc + offset] = (_narrowed(tokens), None if labels is None else _narrowed(labels))
+                self._tokens.put(doc + offset, documents[doc + offset])
+            doc = run_stop
+        return [documents[doc] for doc in range(first, stop)]
+
+    def _stream(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens ``[start, start + count)`` of the packed stream, and their labels if it has any."""
+        starts = self._starts[0]
+        end = start + count
+        first = int(np.searchsorted(starts, start, side="right")) - 1
+        stop = int(np.searchsorted(starts, end, side="left"))
+        ids, labels = [], []
+        for doc, (tokens, labelled) in zip(range(first, stop), self._documents(first, stop)):
+            part = slice(max(start - int(starts[doc]), 0), end - int(starts[doc]))  # the window's share of it
+            ids.append(tokens[part])
+            labels.append((tokens if labelled is None else labelled)[part])
+        stream = np.concatenate(ids).astype(np.int64)
+        return stream, (np.concatenate(labels).astype(np.int64) if self.labelled else None)
 
     def read(self, start: int, count: int) -> np.ndarray:
         return self._stream(start, count)[0]

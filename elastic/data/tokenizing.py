@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from elastic.data.chat_template import ChatTemplate, TemplateLimit
 from elastic.data.documents import Chat, DataError, Document
 from elastic.data.recipe import Recipe
 
@@ -46,12 +47,15 @@ class ByteTokens:
 
 class HuggingFaceTokens(Recipe):
     """A HuggingFace tokenizer, loaded lazily on the process that encodes (it does not pickle
-    small): by name from the Hub or from a directory, with ``trust_remote_code`` off."""
+    small): by name from the Hub or from a directory, with ``trust_remote_code`` off. Its chat
+    template renders within ``max_document_bytes`` characters a value and
+    ``chat_template_timeout_s`` seconds a rendering (``elastic.data.chat_template``)."""
 
-    _transient = ("tokenizer", "_identity")
+    _transient = ("tokenizer", "_identity", "_chat_template")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, max_document_bytes: int, chat_template_timeout_s: float):
         self.name = name
+        self.max_document_bytes, self.chat_template_timeout_s = max_document_bytes, chat_template_timeout_s
 
     @cached_property
     def tokenizer(self):
@@ -130,17 +134,27 @@ class HuggingFaceTokens(Recipe):
             labels[len(before) : len(through)] = through[len(before) :]
         return np.asarray(ids, dtype=np.int64), labels
 
+    @cached_property
+    def _chat_template(self) -> ChatTemplate:
+        return ChatTemplate(self.tokenizer.get_chat_template(), self.max_document_bytes, self.chat_template_timeout_s)
+
     def _render(self, messages: list, where: str, generation_prompt: bool = False) -> list[int]:
+        """The conversation's tokens as ``apply_chat_template`` gives them, rendered within bounds."""
         if not messages:
             return []
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                                          return_dict=False)
+            text = self._chat_template.render(messages, generation_prompt, self.tokenizer.special_tokens_map)
+        except TemplateLimit as limit:
+            raise DataError(f"{where}: {limit}; fix the template, or raise the limit") from None
         except Exception as error:  # the template is Jinja: it raises what its author wrote
             raise DataError(f"{where}: the chat template cannot render this conversation: "
                             f"{str(error).splitlines()[0][:200]}") from None
-        return list(rendered)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenizer_for(name: str | None) -> ByteTokens | HuggingFaceTokens:
-    return HuggingFaceTokens(name) if name else ByteTokens()
+def tokenizer_for(name: str | None, max_document_bytes: int, chat_template_timeout_s: float,
+                  ) -> ByteTokens | HuggingFaceTokens:
+    if not name:
+        return ByteTokens()
+    return HuggingFaceTokens(name, max_document_bytes=max_document_bytes,
+                             chat_template_timeout_s=chat_template_timeout_s)

@@ -324,6 +324,16 @@ class DataConfig(Section):
     tokenizer: str | None = None
     # the column (Parquet, Arrow) or field (JSONL) that holds each document: text, or token ids
     text_column: str = Field("text", min_length=1)
+    # The most a document may hold, in bytes: a JSONL line (decompressed), a Parquet or Arrow
+    # text (a token id counts 8), a conversation's text; and, in characters, any value its chat
+    # template makes rendering it, the rendering too. Larger is refused in one line naming the
+    # file and the row, before it is read whole where the format allows, and before it is
+    # tokenized: a tokenizer holds some 150 times a text's bytes while it encodes it, and aborts
+    # the process when that fails.
+    max_document_bytes: PositiveInt = Field(64 * 2**20, le=2**28)
+    # Seconds a chat template may take to render a conversation (each of its renderings: the
+    # whole, and the turns up to each assistant's); longer is refused, naming the file and row.
+    chat_template_timeout_s: PositiveFloat = Field(10.0, le=3600)
     # Packed documents do not attend to each other, and positions restart with each one (and
     # at each window's start), as if each document ran alone: parquet, jsonl, arrow and chat,
     # the reference model, scaling.pp = 1.

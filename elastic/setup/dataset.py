@@ -353,14 +353,17 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
     if chosen == "arrow":
         fs, directory = url_to_fs(path, **storage_options)
         urls = [fs.unstrip_protocol(file) for file in arrow_files(fs, directory)]
-        files = [ArrowFile(url, data.text_column, storage_options=storage_options) for url in urls]
+        files = [ArrowFile(url, data.text_column, storage_options=storage_options,
+                           max_document_bytes=data.max_document_bytes) for url in urls]
     else:
         fs, found = list_files(path, storage_options)
         columnar = chosen == "parquet" or (chosen == "chat" and path.rstrip("/").endswith(".parquet"))
         reader = ParquetFile if columnar else JsonlFile
         files = [reader(fs.unstrip_protocol(file), data.text_column, chat=chosen == "chat",
-                        storage_options=storage_options) for file in found]
-    packed = PackedDocuments(files, tokenizer_for(data.tokenizer), data.seq_len, data.document_masking)
+                        storage_options=storage_options, max_document_bytes=data.max_document_bytes)
+                 for file in found]
+    tokenizer = tokenizer_for(data.tokenizer, data.max_document_bytes, data.chat_template_timeout_s)
+    packed = PackedDocuments(files, tokenizer, data.seq_len, data.document_masking)
     packed.build_index(data_index_directory(config), config.checkpoint.storage_options().for_url(config.storage))
     return packed
 
