@@ -36,6 +36,8 @@ from torch.futures import Future
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
 
+from checkpointing.storage import regular_file
+
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -319,7 +321,7 @@ def positive_int(config: dict, name: str, required: bool) -> None:
 
 
 def read_config(directory: str) -> dict:
-    with open(os.path.join(directory, CONFIG_NAME)) as file:
+    with open(regular_file(os.path.join(directory, CONFIG_NAME))) as file:
         return json.load(file)
 
 
@@ -337,7 +339,7 @@ def weight_files(directory: str) -> dict[str, str]:
     if not os.path.exists(index):
         path = os.path.join(directory, WEIGHTS_NAME)
         return dict.fromkeys(safetensors_header(path), path)
-    with open(index) as file:
+    with open(regular_file(index)) as file:
         contents = json.load(file)
     weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(value, str) for value in weight_map.values()):
@@ -356,7 +358,7 @@ def safetensors_header(path: str) -> dict[str, tuple[torch.Size, str]]:
     """Each tensor's shape and safetensors dtype in the file at ``path`` (its header alone)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as weights:
+    with safe_open(regular_file(path), framework="pt") as weights:
         return {name: (torch.Size(weights.get_slice(name).get_shape()), weights.get_slice(name).get_dtype())
                 for name in weights.keys()}
 

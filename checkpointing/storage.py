@@ -136,6 +136,20 @@ class StorageOptions:
         return fs, path
 
 
+def regular_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> str:
+    """``path`` on ``fs`` (None: the local disk), once it is known to be a regular file or a
+    link to one; else FileNotFoundError or OSError naming it. Every file read from a user's
+    path is checked here before it is opened: a FIFO blocks its reader until some writer
+    comes, and a device such as ``/dev/zero`` never ends, so a read of it fills memory."""
+    if fs is None:
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs = LocalFileSystem()
+    if fs.info(path)["type"] != "file":  # a path that is not there: its FileNotFoundError, as an open's
+        raise OSError(f"{path} is not a regular file (a directory, FIFO or device?)")
+    return path
+
+
 def file_digest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
     """Size and sha256 of a stored file, read back from storage (so it checks what landed)."""
     digest = hashlib.sha256()
@@ -150,7 +164,7 @@ def file_digest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
 def fingerprint(fs: fsspec.AbstractFileSystem, file: str) -> str:
     """What a file is, cheaply: its size and its ETag where the store keeps one (S3), else a
     sha256 of its first and last 64 KiB (all of a file up to 128 KiB)."""
-    info = fs.info(file)
+    info = fs.info(regular_file(file, fs))
     size = int(info["size"])
     etag = info.get("ETag") or info.get("etag")
     if etag:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -232,7 +233,63 @@ def test_data_too_small_or_not_a_file_is_one_line_and_exit_2(tmp_path, name, mak
     assert "data.path" in line and says in line, line
 
 
-def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_the_run(tmp_path):
+def saved_dataset(directory: Path) -> tuple[list[str], list[Path]]:
+    """A HuggingFace save_to_disk directory; ``--data`` naming it, and its state.json and Arrow file."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(200)]}).save_to_disk(str(directory))
+    [arrow] = [entry["filename"] for entry in json.loads((directory / "state.json").read_text())["_data_files"]]
+    return ["--data", str(directory)], [directory / "state.json", directory / arrow]
+
+
+def megatron_pair(directory: Path) -> tuple[list[str], list[Path]]:
+    from elastic.testing.megatron import write_megatron_pair
+
+    directory.mkdir()
+    write_megatron_pair(directory / "corpus", [list(range(9))] * 30, "uint16")
+    return ["--data", str(directory / "corpus")], [directory / "corpus.idx"]
+
+
+def huggingface_model(directory: Path, sharded: bool) -> tuple[list[str], list[Path]]:
+    from checkpointing.huggingface import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+    from tests.test_pretrained import write_checkpoint
+
+    write_checkpoint(directory, sharded=sharded)
+    return ["--init-from", str(directory)], [directory / name for name in
+                                             ((CONFIG_NAME, INDEX_NAME) if sharded else (WEIGHTS_NAME,))]
+
+
+def config_file(directory: Path) -> tuple[list[str], list[Path]]:
+    directory.mkdir()
+    (directory / "run.toml").write_text("steps = 3\n")
+    return ["--config", str(directory / "run.toml")], [directory / "run.toml"]
+
+
+# The run's address space, capped: a read of /dev/zero that slipped past the check ends in a
+# MemoryError, not in the test machine's memory taken first.
+WITHIN_8_GIB = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+                "from elastic.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+@pytest.mark.parametrize("make", [saved_dataset, megatron_pair, config_file, partial(huggingface_model, sharded=False),
+                                  partial(huggingface_model, sharded=True)],
+                         ids=["save_to_disk", "megatron", "config", "safetensors", "sharded-safetensors"])
+def test_a_fifo_or_a_device_for_any_file_a_run_reads_is_refused_in_one_line_naming_it(tmp_path, make, special):
+    """Each file of the data, of ``--init-from`` and the config is opened only once it is known
+    to be a regular file: a FIFO would block the run forever, a link to /dev/zero fill memory."""
+    args, files = make(tmp_path / "source")
+    for file in files:  # one at a time, the others as they were written
+        content = file.read_bytes()
+        file.unlink()
+        os.mkfifo(file) if special == "fifo" else file.symlink_to("/dev/zero")
+        completed = subprocess.run([sys.executable, "-c", WITHIN_8_GIB, "train", *args], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=120)
+        line = refusal(completed)
+        assert f"{file} is not a regular file" in line, line
+        file.unlink()
+        file.write_bytes(content)
+
     from checkpointing.lease import RunLease
     from checkpointing.storage import StorageOptions
 

@@ -28,6 +28,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from checkpointing.storage import regular_file
 from elastic.data.recipe import Recipe
 
 # Row groups, decompressed files and Arrow tables a reader keeps, least recently used dropped first.
@@ -354,12 +355,14 @@ class ArrowFile(ColumnarFile):
 
 def arrow_files(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
     """The Arrow files of a dataset saved with ``save_to_disk``, in its own order (``state.json``)."""
+    directory = directory.rstrip("/")
     try:
-        state = json.loads(fs.cat_file(f"{directory.rstrip('/')}/state.json"))
+        state = json.loads(fs.cat_file(regular_file(f"{directory}/state.json", fs)))
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"{directory}: not a dataset saved with save_to_disk (its state.json: {error}); give the "
                         "directory save_to_disk wrote, or a split of a DatasetDict") from None
     if not all(isinstance(name, str) and "/" not in name and name not in (".", "..") for name in names):
         raise DataError(f"{directory}: state.json names files outside the dataset's directory")
-    return [f"{directory.rstrip('/')}/{name}" for name in names]
+    # Checked here, on the driver, once: each rank maps or reads them later.
+    return [regular_file(f"{directory}/{name}", fs) for name in names]

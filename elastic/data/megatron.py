@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from checkpointing.storage import regular_file
 from elastic.data.documents import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -38,7 +39,7 @@ def read_index(fs, path: str) -> MegatronIndex:
     """The pair's header and token count; ``DataError`` naming the file when it is not one."""
     bin_url, idx_url = pair_urls(path)
     try:
-        header = fs.cat_file(idx_url, start=0, end=_HEADER.size)
+        header = fs.cat_file(regular_file(idx_url, fs), start=0, end=_HEADER.size)
     except OSError as error:
         raise DataError(f"{idx_url}: the Megatron index of {path} cannot be read ({error}); give the pair's prefix, "
                         "its .bin or its .idx") from None

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from checkpointing.storage import regular_file
 from elastic.setup.errors import ConfigError
 
 
@@ -17,9 +18,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if path.suffix not in {".toml", ".yaml", ".yml"}:
         raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")
     try:
-        text = path.read_text(encoding="utf-8")  # TOML is UTF-8 by its spec; whatever the locale says
+        text = Path(regular_file(str(path))).read_text(encoding="utf-8")  # UTF-8 by TOML's spec, whatever the locale
     except OSError as error:
-        raise ConfigError(f"--config: cannot read {path}: {error.strerror}; give an existing file") from None
+        raise ConfigError(f"--config: cannot read {path}: {error.strerror or error}; give an existing file") from None
     except UnicodeDecodeError as error:
         raise ConfigError(
             f"--config: {path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"

@@ -28,7 +28,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpointing.storage import fingerprint, join_url
+from checkpointing.storage import fingerprint, join_url, regular_file
 from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files
 from elastic.data.megatron import DTYPES, pair_urls, read_index
 from elastic.data.mixture import Mixture
@@ -229,9 +229,7 @@ class TokenFile(TokenWindows):
     @cached_property
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
         fs, file = url_to_fs(self.path, **self.storage_options)
-        if not fs.isfile(file):  # a FIFO or a device would block or never end
-            raise OSError(f"{self.path!r} is not a regular file (a directory, FIFO or device?)")
-        return fs, file
+        return fs, regular_file(file, fs)
 
     @cached_property
     def _n_tokens(self) -> int:
