@@ -200,3 +200,26 @@ def test_a_long_documents_windows_tokenize_it_once_on_a_rank(tmp_path, tokenizer
     monkeypatch.setattr(packing, "_CACHED_TOKEN_BYTES", 2 * SEQ_LEN)
     rank, encoded = read_as_a_rank()
     assert encoded.count(long) > 1 and rank._tokens.held <= 2 * SEQ_LEN
+
+
+
+def test_a_jsonl_file_in_s3_is_read_line_by_line_as_a_local_one_and_bounded_alike(tmp_path, s3_server):
+    """A remote file is fsspec's buffered file, whose ``readline`` takes no limit: the scan
+    reads its lines through a buffer that does."""
+    from checkpointing.storage import StorageOptions
+
+    def both(name: str, rows: list[dict]) -> tuple[JsonlFile, JsonlFile]:
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        s3_server.filesystem().pipe(f"{s3_server.bucket}/data/{name}", (tmp_path / name).read_bytes())
+        url = s3_server.url("data", name)
+        options = StorageOptions(endpoint_url=s3_server.endpoint_url).for_url(url)
+        return (JsonlFile(str(tmp_path / name), "text", max_document_bytes=LIMIT),
+                JsonlFile(url, "text", storage_options=options, max_document_bytes=LIMIT))
+
+    local, remote = both("d.jsonl", [{"text": text} for text in DOCUMENTS[:50]])
+    assert [d for batch in remote.scan() for d in batch] == [d for batch in local.scan() for d in batch]
+    np.testing.assert_array_equal(remote.spans, local.spans)
+    assert remote.read(10, 13) == DOCUMENTS[10:13]
+    _, remote = both("long.jsonl", [{"text": "short"}, {"text": "a" * (8 * LIMIT)}])
+    with pytest.raises(DataError, match=rf"long.jsonl document 1: the line holds at least {LIMIT + 1} bytes"):
+        list(remote.scan())

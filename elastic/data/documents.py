@@ -170,8 +170,10 @@ class JsonlFile(DocumentFile):
                                     "'elastic-trainer[data]'") from None
                 with zstandard.ZstdDecompressor().stream_reader(handle) as reader:
                     yield io.BufferedReader(reader)
-            else:
+            elif isinstance(self._fs, LocalFileSystem):
                 yield handle
+            else:  # fsspec's remote file reads a line whole, whatever its length: a buffer stops where asked
+                yield io.BufferedReader(handle)
 
     def _parse(self, line: bytes, row: int) -> Document:
         try:
