@@ -16,25 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
 from typing import Annotated, Any, Literal
 
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, field_validator
 
+from checkpointing.signing import SIGNING_KEY_ENV
 from checkpointing.storage import file_digest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 # The files DCP writes: one data file per rank and write bucket, and the metadata.
 DCP_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
-SIGNING_KEY_ENV = "ELASTIC_CHECKPOINT_KEY"
-
-
-def signing_key_from_environment() -> bytes | None:
-    key = os.environ.get(SIGNING_KEY_ENV, "")
-    return key.encode() if key else None
 
 
 class CorruptCheckpoint(ValueError):

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import tomllib
+import traceback
 
 from checkpointing.lease import LeaseRefused
 from elastic.setup.errors import ConfigError
@@ -315,6 +316,12 @@ class ReaderMayLeave:
         return getattr(self._stream, name)
 
 
+def print_redacted_traceback(kind: type[BaseException], error: BaseException, trace) -> None:
+    """An error no command expected, on stderr as Python prints it, redacted as every other
+    line the command prints: its message and its frames may quote a URL and its secrets."""
+    sys.stderr.write(redact_credentials("".join(traceback.format_exception(kind, error, trace))))
+
+
 def configure_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -329,6 +336,7 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = ReaderMayLeave(sys.stdout), ReaderMayLeave(sys.stderr)
+    sys.excepthook = print_redacted_traceback
     configure_logging()
     args = build_parser().parse_args(argv)
     try:

@@ -38,9 +38,10 @@ from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.huggingface import (
     CONFIG_NAME, WEIGHTS_NAME, config_json, family_obstacle, huggingface_state, layout_of,
 )
-from checkpointing.manifest import CorruptCheckpoint, Manifest, signing_key_from_environment
+from checkpointing.manifest import CorruptCheckpoint, Manifest
 from checkpointing.rank_io import SafeLoadPlanner, SafeReader
 from checkpointing.safe_loading import load_metadata
+from checkpointing.signing import signing_key_from_environment
 from checkpointing.storage import StorageOptions
 from elastic.setup.config import TrainConfig
 from elastic.setup.errors import ConfigError

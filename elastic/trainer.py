@@ -17,8 +17,8 @@ import ray
 
 from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
 from checkpointing.lease import LeaseLost, RunLease
-from checkpointing.manifest import signing_key_from_environment
 from checkpointing.pretrained import source_identity
+from checkpointing.signing import signing_key_from_environment
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
 from elastic.setup.capacity import check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity

@@ -430,7 +430,7 @@ def test_pods_get_s3_credentials_from_a_secret():
 
 
 def test_the_driver_signs_checkpoints_with_a_key_from_a_secret():
-    from checkpointing.manifest import SIGNING_KEY_ENV
+    from checkpointing.signing import SIGNING_KEY_ENV
 
     for cluster in (rayjob()["spec"]["rayClusterSpec"], raycluster()["spec"]):
         env = env_names(head_container(cluster))  # the driver runs on the head

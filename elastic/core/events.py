@@ -17,16 +17,14 @@ log = logging.getLogger("elastic.events")
 # ``@``, so a password holding an unescaped ``@`` is hidden whole.
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s\"']*@")
 # Query parameters that carry a secret or the key it was signed with: presigned S3 URLs
-# (SigV4 and V2), GCS signed URLs (V4 and V2), Azure SAS tokens, and bearer tokens. A value
-# runs to the next parameter or the URL's end: better a trailing comma hidden than part of a
-# secret shown.
-_SECRET_PARAMETERS = (
-    "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "AWSAccessKeyId", "Signature",
-    "X-Goog-Signature", "X-Goog-Credential", "GoogleAccessId", "sig", "token", "access_token",
-)
-_SECRET_QUERY = re.compile(
-    rf"(?<=[?&])({'|'.join(map(re.escape, _SECRET_PARAMETERS))})=[^&#\s\"']*", re.IGNORECASE
-)
+# (SigV4: X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token; V2), GCS signed URLs (V4
+# and V2), Azure SAS tokens (sig), and any parameter named for a signature, token, key,
+# secret, password or credential, alone or as the last word of its name (api_key,
+# access_token, client-secret). A value runs to the next parameter or the URL's end: better a
+# trailing comma hidden than part of a secret shown.
+_SECRET_WORDS = r"signature|sig|token|key|secret|password|passwd|credentials?"
+_SECRET_NAME = rf"(?:[\w.-]*[_.-])?(?:{_SECRET_WORDS})|AWSAccessKeyId|GoogleAccessId|apikey"
+_SECRET_QUERY = re.compile(rf"(?<=[?&])({_SECRET_NAME})=[^&#\s\"']*", re.IGNORECASE)
 
 
 def redact_credentials(text: str) -> str:

@@ -30,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.storage import regular_file
 from elastic.data.recipe import Recipe
+from elastic.setup.errors import ConfigError
 
 # Row groups, decompressed files and Arrow tables a reader keeps, least recently used dropped first.
 _CACHED_BLOCKS = 4
@@ -38,9 +39,10 @@ _CACHED_BLOCKS = 4
 SCAN_ROWS = 8192
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """The data itself is wrong, not the storage it is read from: every read of it fails the
-    same way, so no retry or fresh process helps (a rank reports it as ``own-data``)."""
+    same way, so no retry or fresh process helps (a rank reports it as ``own-data``). Bad
+    input: found before the run starts, it is refused as any ``ConfigError`` is."""
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from functools import cached_property
 
 import numpy as np
-from fsspec.core import url_to_fs
 
-from checkpointing.storage import fingerprint
+from elastic.data.digests import content_identities
 from elastic.data.documents import DataError, DocumentFile
+from elastic.data.kept import KeptFiles
 from elastic.data.tokenizing import ByteTokens, HuggingFaceTokens
 from elastic.data.windows import TokenWindows
 
@@ -84,28 +84,30 @@ class _TokenCache:
 
 
 class PackedDocuments(TokenWindows):
-    """The documents of ``files``, tokenized by ``tokenizer`` and packed into windows."""
+    """The documents of ``files``, tokenized by ``tokenizer`` and packed into windows. ``kept``:
+    where a named run keeps its data index and its files' digests for its later legs."""
 
     _transient = ("_starts", "_tokens")
 
     def __init__(self, files: Sequence[DocumentFile], tokenizer: ByteTokens | HuggingFaceTokens, seq_len: int,
-                 document_masking: bool = False):
+                 document_masking: bool = False, kept: KeptFiles | None = None):
         super().__init__(seq_len)
         self.files, self.tokenizer, self.document_masking = list(files), tokenizer, document_masking
+        self.kept = kept
         self.lengths: list[np.ndarray] | None = None  # per file, each document's tokens: the index
 
-    def build_index(self, kept_in: str | None = None, storage_options: dict | None = None) -> None:
+    def build_index(self) -> None:
         """Count every document's tokens: the driver's one pass over the data, or the index an
-        earlier leg of the run kept in the directory ``kept_in`` (named by a digest of what it
-        indexes: the files as they are, the tokenizer, the columns), where it is kept in turn."""
+        earlier leg of the run kept (named by a digest of what it indexes: the files' contents,
+        the tokenizer, the columns), where it is kept in turn."""
         if self.lengths is not None:
             return
         key = (tuple(sorted(self.identity().items())), tuple((file.url, file.column, file.chat) for file in self.files))
         if key in _BUILT:
             self.files, self.lengths = _BUILT[key]
             return
-        kept = None if kept_in is None else f"{kept_in.rstrip('/')}/{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.npz"
-        if kept is not None and self._restore(kept, storage_options or {}):
+        name = f"{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.npz"
+        if self.kept is not None and self._restore(name):
             _BUILT[key] = (self.files, self.lengths)
             return
         began, lengths = time.perf_counter(), []
@@ -115,43 +117,37 @@ class PackedDocuments(TokenWindows):
                 raise DataError(f"{file.url} holds no documents; remove it from the data or fill it")
             lengths.append(np.array(counts, dtype=np.int32))
         self.lengths = lengths
-        if kept is not None:
-            try:
-                self._keep(kept, storage_options or {})
-            except OSError as error:  # the run itself may still write there, or fail there on its own terms
-                log.warning("the data index could not be kept at %s (%s): a resume will index the data again",
-                            kept, error)
+        if self.kept is not None:
+            self._keep(name)
         _BUILT[key] = (self.files, lengths)
         while len(_BUILT) > _KEPT_INDEXES:
             _BUILT.pop(next(iter(_BUILT)))
         log.info("indexed %d documents, %d tokens, in %d files in %.1f s", sum(map(len, lengths)),
                  int(sum(int(c.sum()) for c in lengths)), len(self.files), time.perf_counter() - began)
 
-    def _keep(self, url: str, storage_options: dict) -> None:
-        """Write the index beside the run's checkpoints, whole or not at all (written aside, then moved)."""
+    def _keep(self, name: str) -> None:
+        """Write the index beside the run's checkpoints."""
         arrays = {}
         for i, (file, lengths) in enumerate(zip(self.files, self.lengths)):
             arrays[f"{i}.lengths"] = lengths
-            arrays.update({f"{i}.{name}": getattr(file, name) for name in file.indexed
-                           if getattr(file, name) is not None})
+            arrays.update({f"{i}.{field}": getattr(file, field) for field in file.indexed
+                           if getattr(file, field) is not None})
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
-        fs, path = url_to_fs(url, **storage_options)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe(path + ".writing", buffer.getvalue())
-        fs.mv(path + ".writing", path)
+        self.kept.write(name, buffer.getvalue())
 
-    def _restore(self, url: str, storage_options: dict) -> bool:
-        """Whether an earlier leg's index was there, read (arrays only: nothing in it is unpickled)."""
-        fs, path = url_to_fs(url, **storage_options)
-        if not fs.exists(path):
+    def _restore(self, name: str) -> bool:
+        """Whether an earlier leg's index was there (and signed, with the run's key), read
+        (arrays only: nothing in it is unpickled)."""
+        payload = self.kept.read(name)
+        if payload is None:
             return False
-        with np.load(io.BytesIO(fs.cat_file(path)), allow_pickle=False) as kept:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as kept:
             self.lengths = [kept[f"{i}.lengths"] for i in range(len(self.files))]
             for i, file in enumerate(self.files):
-                for name in file.indexed:
-                    setattr(file, name, kept[f"{i}.{name}"] if f"{i}.{name}" in kept.files else None)
-        log.info("the data index of %d files was read from %s", len(self.files), url)
+                for field in file.indexed:
+                    setattr(file, field, kept[f"{i}.{field}"] if f"{i}.{field}" in kept.files else None)
+        log.info("the data index of %d files was read from %s", len(self.files), self.kept.url(name))
         return True
 
     @cached_property
@@ -170,7 +166,7 @@ class PackedDocuments(TokenWindows):
         return any(file.chat for file in self.files)
 
     def identity(self) -> dict[str, str]:
-        identity = {file.url: fingerprint(file._fs, file.url) for file in self.files}
+        identity = content_identities(self.files[0]._fs, [file.url for file in self.files], self.kept)
         return {**identity, "data.tokenizer": self.tokenizer.identity()}
 
     def n_tokens(self) -> int:

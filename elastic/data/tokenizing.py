@@ -24,6 +24,12 @@ IGNORE_INDEX = -100
 # What separates documents when bytes are the tokens: a text file's lines are joined by it too.
 BYTE_SEPARATOR = ord("\n")
 
+# The files a HuggingFace tokenizer is read from, whichever it has, besides its class's own
+# vocabulary files (``vocab_files_names``): each changes what it does (its vocabulary and
+# merges, its special tokens and settings, its added tokens, its chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+
 
 class ByteTokens:
     """UTF-8 bytes as token ids (a vocabulary of 256), documents ended by a newline."""
@@ -87,12 +93,24 @@ class HuggingFaceTokens(Recipe):
         return self._identity
 
     @cached_property
-    def _identity(self) -> str:  # a hash of its whole vocabulary: asked for at every index and resume check
+    def _identity(self) -> str:  # asked for at every index and resume check
+        """A sha256 of every file the tokenizer was read from (from its directory, or the Hub's
+        cache), and of what was made of them: its whole vocabulary as its backend holds it,
+        and its chat template however it came."""
+        from transformers.utils import cached_file
+
+        digest = hashlib.sha256()
+        for name in sorted({*TOKENIZER_FILES, *self.tokenizer.vocab_files_names.values()}):
+            path = cached_file(self.name, name, local_files_only=True, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+            if path is not None:
+                with open(path, "rb") as handle:
+                    read = handle.read()
+                digest.update(f"{name}\0{len(read)}\0".encode() + read)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         described = backend.to_str() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items()))
-        template = self.tokenizer.chat_template or ""
-        digest = hashlib.sha256((described + "\0" + str(template)).encode()).hexdigest()[:16]
-        return f"{self.name} sha256:{digest}"
+        digest.update(f"{described}\0{self.tokenizer.chat_template or ''}".encode())
+        return f"{self.name} sha256:{digest.hexdigest()[:16]}"
 
     def encode(self, documents: Sequence[Document]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         texts = [document for document in documents if isinstance(document, str)]

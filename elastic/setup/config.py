@@ -351,6 +351,11 @@ class DataConfig(Section):
     def _path_absolute(cls, path: str | None) -> str | None:
         return None if path is None else absolute_url(refuse_credentials(path))
 
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_without_credentials(cls, tokenizer: str | None) -> str | None:
+        return None if tokenizer is None else refuse_credentials(tokenizer)  # a Hub id stays as it is
+
     @model_validator(mode="after")
     def _data_fits(self) -> DataConfig:
         if self.validation_fraction and self.validation_path:

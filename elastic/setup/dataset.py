@@ -28,8 +28,11 @@ import numpy as np
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpointing.storage import fingerprint, join_url, regular_file
+from checkpointing.storage import join_url, regular_file
+from elastic.core.events import redact_credentials
+from elastic.data.digests import content_identities
 from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files
+from elastic.data.kept import KeptFiles
 from elastic.data.megatron import DTYPES, pair_urls, read_index
 from elastic.data.mixture import Mixture
 from elastic.data.packing import PackedDocuments
@@ -107,10 +110,15 @@ def resolve_text_files(path: str, storage_options: dict | None = None) -> list[s
 
 
 def data_identity(dataset) -> dict[str, str]:
-    """Each file of a dataset read from files, and its fingerprint; empty for the generated
-    corpus (its settings say what it is) and for a dataset of the user's own."""
+    """Each file of a dataset read from files, and its size and digest; empty for the generated
+    corpus (its settings say what it is) and for a dataset of the user's own. Redacted: it is
+    stored in every manifest, and a presigned URL's signature is no part of what the data is."""
     identity = getattr(dataset, "identity", None)
-    return identity() if callable(identity) else {}
+    redacted: dict[str, list[str]] = {}
+    for file, what in (identity() if callable(identity) else {}).items():
+        # URLs that differ only in a secret (?key=a, ?key=b) share a name: it keeps each one's identity
+        redacted.setdefault(redact_credentials(str(file)), []).append(redact_credentials(str(what)))
+    return {file: "; ".join(identities) for file, identities in redacted.items()}
 
 
 def read_range(fs: fsspec.AbstractFileSystem, file: str, start: int, end: int) -> bytes:
@@ -148,15 +156,17 @@ class TextFiles(TokenWindows):
     ``len``, and travels in the pickle, so every rank reads the very stream the driver counted.
     Local files are read by seek and read through a few cached handles; other URLs by one
     ranged request per file a window touches (``fs.cat_file``), opened with
-    ``storage_options`` (fsspec's keyword arguments: an S3 endpoint, retries).
+    ``storage_options`` (fsspec's keyword arguments: an S3 endpoint, retries). ``kept``: where
+    a named run keeps its files' digests.
     """
 
     _transient = ("_fs", "_handles")
 
-    def __init__(self, path: str, seq_len: int, storage_options: dict | None = None):
+    def __init__(self, path: str, seq_len: int, storage_options: dict | None = None, kept: KeptFiles | None = None):
         super().__init__(seq_len)
         self.path = path
         self.storage_options = storage_options or {}
+        self.kept = kept
 
     @cached_property
     def _layout(self) -> tuple[list[str], np.ndarray]:
@@ -172,7 +182,7 @@ class TextFiles(TokenWindows):
         return url_to_fs(self.path, **self.storage_options)[0]
 
     def identity(self) -> dict[str, str]:
-        return {file: fingerprint(self._fs, file) for file in self._layout[0]}
+        return content_identities(self._fs, self._layout[0], self.kept)
 
     @cached_property
     def _handles(self) -> dict:
@@ -213,18 +223,21 @@ class TokenFile(TokenWindows):
     ``len`` needs one ``fs.size``, taken once on the driver and carried in the pickle. A local
     file is read through ``np.memmap``, mapped lazily on the reading process and mapped afresh
     every ``_WINDOWS_PER_MAP`` windows; any other URL by one ranged request a window
-    (``fs.cat_file``), opened with ``storage_options``.
+    (``fs.cat_file``), opened with ``storage_options``. ``kept``: where a named run keeps the
+    file's digest.
     """
 
     _transient = ("_filesystem", "_map", "_map_reads")
     _map_reads = 0  # windows read through the current map
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", storage_options: dict | None = None):
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", storage_options: dict | None = None,
+                 kept: KeptFiles | None = None):
         super().__init__(seq_len)
         if dtype not in STREAM_DTYPES:
             raise ValueError(f"token dtype {dtype!r} is not one of {sorted(STREAM_DTYPES)}")
         self.path, self.dtype = path, dtype
         self.storage_options = storage_options or {}
+        self.kept = kept
 
     @cached_property
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -244,7 +257,7 @@ class TokenFile(TokenWindows):
 
     def identity(self) -> dict[str, str]:
         fs, file = self._filesystem
-        return {file: fingerprint(fs, file)}
+        return content_identities(fs, [file], self.kept)
 
     def looks_like_text(self, sample_bytes: int = 65_536) -> bool:
         """Whether the file's first bytes are text (printable ASCII and whitespace, no NUL),
@@ -332,6 +345,7 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
     (parquet, jsonl, arrow, chat) indexed now, on this process."""
     data = config.data
     storage_options = config.checkpoint.storage_options().for_url(path)
+    kept = kept_data(config)
     chosen = source_format(config, path, declared)
     streams = chosen in ("text", "tokens", "megatron")  # tokens as they lie, no documents to tokenize or mask
     if streams and data.document_masking:
@@ -341,13 +355,13 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
         raise ValueError(f"data.tokenizer applies to parquet, jsonl, arrow and chat documents, not to {path} "
                          f"({chosen}); tokenize text files with `elastic prepare --tokenizer`, or unset data.tokenizer")
     if chosen == "tokens":
-        return TokenFile(path, data.seq_len, data.token_dtype, storage_options)
+        return TokenFile(path, data.seq_len, data.token_dtype, storage_options, kept)
     if chosen == "text":
-        return TextFiles(path, data.seq_len, storage_options)
+        return TextFiles(path, data.seq_len, storage_options, kept)
     if chosen == "megatron":
         fs = url_to_fs(path, **storage_options)[0]
         pair = read_index(fs, path)
-        return TokenFile(pair.bin_url, data.seq_len, pair.dtype, storage_options)
+        return TokenFile(pair.bin_url, data.seq_len, pair.dtype, storage_options, kept)
     if chosen == "arrow":
         fs, directory = url_to_fs(path, **storage_options)
         urls = [fs.unstrip_protocol(file) for file in arrow_files(fs, directory)]
@@ -361,14 +375,18 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
                         storage_options=storage_options, max_document_bytes=data.max_document_bytes)
                  for file in found]
     tokenizer = tokenizer_for(data.tokenizer, data.max_document_bytes, data.chat_template_timeout_s)
-    packed = PackedDocuments(files, tokenizer, data.seq_len, data.document_masking)
-    packed.build_index(data_index_directory(config), config.checkpoint.storage_options().for_url(config.storage))
+    packed = PackedDocuments(files, tokenizer, data.seq_len, data.document_masking, kept)
+    packed.build_index()
     return packed
 
 
-def data_index_directory(config: TrainConfig) -> str | None:
-    """Where a named run keeps its data index, for its later legs; an unnamed run is never resumed."""
-    return join_url(config.storage, config.run_name, "data", "index") if config.run_name else None
+def kept_data(config: TrainConfig) -> KeptFiles | None:
+    """Where a named run keeps its data index and its files' digests, for its later legs; an
+    unnamed run is never resumed."""
+    if not config.run_name:
+        return None
+    return KeptFiles(join_url(config.storage, config.run_name, "data", "index"),
+                     config.checkpoint.storage_options().for_url(config.storage))
 
 
 def training_dataset(config: TrainConfig) -> TokenWindows | Mixture:

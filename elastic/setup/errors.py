@@ -1,5 +1,12 @@
 """Errors the user's input causes, shared by every layer that reads it (config, data, CLI)."""
 
+from elastic.core.events import redact_credentials
+
 
 class ConfigError(ValueError):
-    """Bad configuration or input, reported before any actor starts."""
+    """Bad configuration or input, reported before any actor starts. Its message quotes the
+    input, and is redacted as it is made: whoever prints, logs or keeps the error (the CLI, a
+    caller of the Python API, the run's summary) never holds a URL's secrets."""
+
+    def __init__(self, message: str):
+        super().__init__(redact_credentials(str(message)))

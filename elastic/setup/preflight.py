@@ -98,7 +98,7 @@ def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
 def checkpoint_fields(config: TrainConfig, init_from: str) -> tuple[dict[str, Any], str]:
     """The model section a run's checkpoint was trained with, and ``RUN@STEP`` naming it."""
     from checkpointing.catalog import CheckpointCatalog
-    from checkpointing.manifest import signing_key_from_environment
+    from checkpointing.signing import signing_key_from_environment
     from checkpointing.pretrained import run_and_step
 
     run, step = run_and_step(init_from)

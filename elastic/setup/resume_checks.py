@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from checkpointing.catalog import Restorable
 from checkpointing.pretrained import changed_files
-from elastic.core.events import EventKind, EventLog
+from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.setup.config import ConfigError, TrainConfig
 
 
@@ -23,12 +23,14 @@ NOT_IN_THE_MATH = {"model.max_position_embeddings"}
 
 
 def config_record(config: TrainConfig) -> dict:
+    """The settings the state depends on, as every manifest keeps them: a URL's secrets (a
+    presigned data.path's signature) redacted, being no part of the settings."""
     record = config.model_dump(mode="json", include=STATE_FIELDS)
     # A decaying schedule's horizon as resolved: a run extended with more steps and no
     # explicit decay_steps would change its learning rates under the resume.
     schedule = config.lr_schedule
     record["optimizer"]["decay_steps"] = schedule.decay_steps if schedule.decay != "constant" else None
-    return record
+    return json.loads(redact_credentials(json.dumps(record)))
 
 
 def config_hash(config: TrainConfig) -> str:
