@@ -1,6 +1,6 @@
 """A test lane's one Ray instance (tests/conftest.py): a head started with ``ray start
---head``, as a user starts one for ``ray job submit``, on loopback, with its own temp dir,
-ports and auth token.
+--head`` on loopback, with its own temp dir, ports and auth token; with Ray's dashboard, whose
+job API ``ray job submit`` talks to, only where a test submits jobs (tests/test_ray_job.py).
 
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the
@@ -29,7 +29,9 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 RAY_START_WITH_WORKER_PYTHON = [
     sys.executable, "-c",
     "import sys; from ray.scripts.scripts import main; sys.executable = sys.argv.pop(1); sys.argv[0] = 'ray'; main()"]
-# Tries at starting an added node (``RayHead.add_node``).
+# Tries at starting a node, the head or an added one: a ``ray start`` that exits before its node
+# is up (one of the free ports it was handed, taken meanwhile by another process of this busy
+# machine; the dashboard not up within Ray's own 60 s) is started again on fresh ports.
 NODE_STARTS = 3
 # The processes of a node, each on a port of its own (several nodes share this machine).
 NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
@@ -59,12 +61,14 @@ def stop_block(process: subprocess.Popen) -> None:
 
 
 class RayHead:
-    def __init__(self, num_cpus: int):
-        """Takes its token from this process's ``RAY_AUTH_TOKEN`` (see tests/conftest.py)."""
+    def __init__(self, num_cpus: int, job_server: bool = False, timeout: float = 300.0):
+        """Takes its token from this process's ``RAY_AUTH_TOKEN`` (see tests/conftest.py).
+        ``job_server``: run Ray's dashboard, the job API at ``dashboard``. The lanes' heads run
+        without it: the slowest process of a head's start, which failed a whole lane's on a
+        loaded machine, for one test. ``timeout`` bounds a try that neither comes up nor exits."""
         # Short, because Ray's unix socket paths live under it (about 107 bytes at most).
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        self.gcs_address = f"127.0.0.1:{free_port()}"
-        self.dashboard = f"http://127.0.0.1:{free_port()}"
+        self.job_server = job_server
         token = os.environ["RAY_AUTH_TOKEN"]
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
@@ -88,12 +92,30 @@ class RayHead:
             self.fork_server = subprocess.Popen(
                 [sys.executable, forked_ray_workers.__file__, "serve", str(self.fork_socket)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        self.process = self._start_node(
-            "head.log", "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
-            "--temp-dir", self.temp_dir, "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
-            "--dashboard-port", self.dashboard.rsplit(":", 1)[1], "--ray-client-server-port", str(free_port()),
-        )
-        self.wait_until_ready(timeout=120)
+        try:
+            self.process = self._start_head(num_cpus, timeout)
+        except BaseException:
+            stop_block(self.fork_server)
+            raise
+
+    def _start_head(self, num_cpus: int, timeout: float) -> subprocess.Popen:
+        """The head's ``ray start``, once it is up; started again on fresh ports when it exits
+        first, at most ``NODE_STARTS`` times; the error names each try's log."""
+        ended = []
+        for attempt in range(NODE_STARTS):
+            log_name = f"head-{attempt}.log"
+            self.gcs_address = f"127.0.0.1:{free_port()}"
+            self.dashboard = f"http://127.0.0.1:{free_port()}"
+            process = self._start_node(
+                log_name, "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
+                "--temp-dir", self.temp_dir, f"--include-dashboard={str(self.job_server).lower()}",
+                "--dashboard-host", "127.0.0.1", "--dashboard-port", self.dashboard.rsplit(":", 1)[1],
+                "--ray-client-server-port", str(free_port()),
+            )
+            if self._came_up(process, log_name, timeout):
+                return process
+            ended.append(f"{log_name} (exit {process.returncode}):\n{self.log(log_name)[-3000:]}")
+        raise AssertionError("the head's ray start exited every time:\n" + "\n".join(ended))
 
     def _start_node(self, log_name: str, *args: str) -> subprocess.Popen:
         ports = [x for flag in NODE_PORTS for x in (flag, str(free_port()))]
@@ -105,25 +127,35 @@ class RayHead:
                 stdout=log, stderr=subprocess.STDOUT, env=self.env,
             )
 
-    def wait_until_ready(self, timeout: float) -> None:
+    def _came_up(self, process: subprocess.Popen, log_name: str, timeout: float) -> bool:
+        """Waits until the head is up: its ``ray start`` has written the cluster's address, this
+        try's GCS port, into the temp dir (it does once every process of the node runs; the host
+        it writes is the machine's, not loopback), the fork server listens and, on a job server,
+        the job API answers. False if ``ray start`` exits first."""
+        address_file = Path(self.temp_dir) / "ray_current_cluster"
+        port = self.gcs_address.rsplit(":", 1)[1]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"ray start exited with {self.process.returncode}:\n{self.log('head.log')}")
+            if process.poll() is not None:
+                return False
             if self.fork_server.poll() is not None:
+                stop_block(process)
                 raise AssertionError(f"the fork server exited:\n{self.log('fork-server.log')}")
-            if not self.fork_socket.exists():
-                time.sleep(0.1)
-                continue
-            try:
-                request = urllib.request.Request(f"{self.dashboard}/api/jobs/", headers=self.headers)
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+            if (self.fork_socket.exists() and address_file.exists() and address_file.read_text().endswith(f":{port}")
+                    and (not self.job_server or self._job_api_answers())):
+                return True
             time.sleep(0.1)
-        raise AssertionError(f"the job server at {self.dashboard} did not come up:\n{self.log('head.log')}")
+        stop_block(process)
+        raise AssertionError(f"the head's ray start neither came up nor exited within {timeout:.0f}s:\n"
+                             f"{self.log(log_name)[-3000:]}")
+
+    def _job_api_answers(self) -> bool:
+        request = urllib.request.Request(f"{self.dashboard}/api/jobs/", headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     def forking_env(self) -> dict[str, str]:
         """The environment of a driver process that starts a Ray of its own, whose workers fork

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from checkpointing.catalog import STEP_DIR
 from checkpointing.lease import LeaseDirectory, lease_url
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
@@ -207,10 +208,18 @@ def test_driver_killed_while_an_upload_is_in_flight_resumes_from_the_previous_co
     job_config = tiny_config(tmp_path, shard=2, steps=400, checkpoint__every=5, checkpoint__lease_ttl_s=4, **s3)
     job = driver(tmp_path, ray_head, job_config)
     wait_for(lambda: fs.exists(f"{root}/step-00000005/manifest.json"), 300, "the first commit", interval=0.05)
+
+    def next_save_started() -> bool:
+        # Step 10's save, or, where step 5's upload was still out at step 10, the first
+        # boundary's after it ended (the save deferred until then): the newest step directory,
+        # which retention never deletes, whatever steps the run has saved since.
+        steps = {int(match.group(1)): path for path in fs.ls(root, refresh=True)
+                 if (match := STEP_DIR.match(path.rsplit("/", 1)[-1]))}
+        return max(steps) > 5 and bool(fs.ls(steps[max(steps)], refresh=True))
+
     # The next save's first files are out: stop the storage mid-upload. (Should the save
     # commit in the moment between, the run resumes from it: what the test computes below.)
-    wait_for(lambda: fs.exists(f"{root}/step-00000010") and fs.ls(f"{root}/step-00000010", refresh=True), 300,
-             "the next save's first files", interval=0.05)
+    wait_for(next_save_started, 300, "the next save's first files", interval=0.05)
     own_s3_server.pause()
     job.kill()
     job.wait()

@@ -312,6 +312,26 @@ def test_a_checkpoint_due_while_one_uploads_is_deferred_to_the_next_free_boundar
     assert [e["step"] for e in scenario.kinds(EventKind.CHECKPOINT_COMMITTED)] == started
 
 
+def test_a_driver_held_up_past_the_step_deadline_blames_no_one_for_the_records_sent_meanwhile(tmp_path):
+    """The driver away from the streams longer than the step deadline (a listener that blocks,
+    as tests/test_elastic_grow.py's does while a node starts; a commit to slow storage; a
+    loaded host) is not the groups' silence: what they sent meanwhile is read before a hang
+    is judged."""
+    scenario = Scenario(tmp_path, groups=2, shard=2, steps=30, checkpoint_every=10, step_s=0.1)
+    held_at = []
+
+    def hold(event):
+        if event["kind"] == EventKind.CHECKPOINT_COMMITTED and not held_at:
+            held_at.append(event["step"])
+            scenario.clock.sleep(6 * scenario.config.fault_tolerance.min_deadline_s)
+
+    scenario.events.listeners.append(hold)
+    assert scenario.run() == "completed"
+    assert held_at == [10]
+    assert scenario.kinds(EventKind.STEP_DEADLINE) == [] and scenario.kinds(EventKind.STEP_DISCARDED) == []
+    assert scenario.fleet.kills == [] and scenario.committed_steps() == list(range(30))
+
+
 def test_failed_saves_back_off_to_the_next_due_boundary_and_stop_the_run_when_they_persist(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=1, steps=30, checkpoint_every=3, max_consecutive_failures=3)
     scenario.fleet.fail_uploads = True

@@ -1,6 +1,6 @@
-"""``ray job submit`` against the test run's Ray head, started with ``ray start`` as a user
-starts one (tests/ray_head.py): a short run succeeds and its logs show progress; submitting the
-same run again resumes it."""
+"""``ray job submit`` against a Ray head started with ``ray start`` as a user starts one
+(tests/ray_head.py), with the dashboard, whose job API the command talks to: a short run
+succeeds and its logs show progress; submitting the same run again resumes it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,20 @@ import pytest
 
 from tests.ray_head import RAY, RayHead
 
-pytestmark = pytest.mark.waits  # two jobs submitted, each with Ray's plain start-up
+pytestmark = pytest.mark.waits  # a head of its own, two jobs submitted, each with Ray's plain start-up
 
 REPO = Path(__file__).resolve().parents[1]
 # Keep the upload small: the CI virtualenv lives in the repository.
 RUNTIME_ENV = {"excludes": [".git", ".venv", "runs", ".pytest_cache", "**/__pycache__", "*.egg-info"]}
+
+
+@pytest.fixture(scope="module")
+def job_server():
+    """A head of this module's own, with the dashboard: the lanes' heads run without it."""
+    head = RayHead(num_cpus=8, job_server=True)
+    yield head
+    leftovers = head.stop()
+    assert not leftovers, f"processes of the job server's Ray head outlived it: {leftovers}"
 
 
 def submit(head: RayHead, *train_args: str) -> str:
@@ -29,18 +38,18 @@ def submit(head: RayHead, *train_args: str) -> str:
     return output
 
 
-def test_submit_then_resubmit_resumes(ray_head, tmp_path):
+def test_submit_then_resubmit_resumes(job_server, tmp_path):
     storage = tmp_path / "runs"
     args = ["--groups", "1", "--shard", "1", "--tp", "1", "--storage", str(storage), "--run-name", "submitted",
             "--checkpoint-every", "3"]
     summary_path = storage / "submitted" / "summary.json"
 
-    first = submit(ray_head, "--steps", "6", *args)
+    first = submit(job_server, "--steps", "6", *args)
     assert "6/6" in first, f"no progress in the job's logs:\n{first}"
     assert "run submitted: completed; 6 steps committed" in first
     assert json.loads(summary_path.read_text())["resumed_from_step"] is None
 
-    second = submit(ray_head, "--steps", "10", *args)
+    second = submit(job_server, "--steps", "10", *args)
     assert "10/10" in second, f"no progress in the job's logs:\n{second}"
     summary = json.loads(summary_path.read_text())
     assert summary["resumed_from_step"] == 6, "the second submission did not resume from the first's checkpoint"

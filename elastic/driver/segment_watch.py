@@ -149,6 +149,13 @@ class SegmentWatch:
             watched_groups = {group_of[rank] for rank in stream.generators}
             silent_for = silence_s - (now - min(inbox.heard_at[group] for group in watched_groups))
             if silent_for < TICK_S:
+                if polled_at < now + silent_for:
+                    # A silence is judged on a reading of every stream made after it ran out:
+                    # what a group sent while the driver was elsewhere (a listener that
+                    # blocked, a commit to slow storage, a loaded host) is not its silence.
+                    polled_at = now
+                    failed = inbox.receive(self.fleet.next_messages(stream, 0.0))
+                    continue
                 hung = self.collector.find_hung(stream.ranks, inbox.next, silence_s)
                 failed = True
                 break
