@@ -67,6 +67,9 @@ class FakeClock:
 class Kill:
     rank: int
     after_s: float = 0.5
+    # Peers that wait on a living peer which left the step (a pipeline stage on its
+    # neighbour): they report only once the driver releases them.
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,11 @@ class Call:
 
     at: float
     result: object = None
-    # For a step: how the rank's report depends on the driver's abort.
+    # For a step: how the rank's report depends on the driver's abort, or on its release.
     waits_for_abort: bool = False
     activity: RankActivity | None = None
+    waits_for_release: bool = False
+    released_at: float | None = None
 
 
 class FakeFleet:
@@ -149,7 +154,9 @@ class FakeFleet:
         self.reserved: list[int] = []
         self.alive_ranks: set[int] = set()
         self.aborted_at: float | None = None
+        self.segment: FakeSegment | None = None  # the segment started last
         # what the driver did
+        self.releases: list[list[int]] = []  # the ranks of each release_step call
         self.starts: list[int] = []
         self.kills: list[int] = []  # every kill call, of a live process or not
         self.copies: list[tuple[int, int]] = []
@@ -327,6 +334,8 @@ class FakeFleet:
     def _ready_at(self, call: Call) -> float:
         if call.waits_for_abort and self.aborted_at is not None:
             return self.aborted_at + RETURN_S
+        if call.waits_for_release and call.released_at is not None:
+            return call.released_at + RETURN_S
         return call.at
 
     def next_outcomes(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
@@ -342,6 +351,13 @@ class FakeFleet:
 
     def abort_step(self, ranks, attempt: int) -> None:
         self.aborted_at = self.clock()
+
+    def release_step(self, ranks, attempt: int) -> None:
+        self.releases.append(sorted(ranks))
+        if self.segment is not None and self.segment.spec.attempt == attempt:
+            for call in self.segment.queue:
+                if call.result[0] in ranks:
+                    call.released_at = self.clock()
 
     def probe(self, ranks, timeout: float) -> dict[int, RankActivity]:
         return {rank: self.in_flight[rank].activity for rank in ranks if rank in self.alive_ranks}
@@ -497,8 +513,12 @@ class FakeSegment:
                 fleet.alive_ranks.discard(fault.rank)
                 finals[fault.rank] = Call(now + fault.after_s, (fault.rank, None))
                 for peer in peers:
-                    finals.setdefault(peer, Call(now + fault.after_s + NOTICE_S, (peer, SegmentEnd(peer, step, RankOutcome(
-                        peer, step, error="Connection closed by peer", failure="collective", group_broken=True)))))
+                    blocked = peer in fault.blocks
+                    finals.setdefault(peer, Call(NEVER if blocked else now + fault.after_s + NOTICE_S,
+                                                 (peer, SegmentEnd(peer, step, RankOutcome(
+                                                     peer, step, error="Connection closed by peer",
+                                                     failure="collective", group_broken=True))),
+                                                 waits_for_release=blocked))
             elif isinstance(fault, Hang):
                 fleet.in_flight[fault.rank] = Call(NEVER,
                                                    activity=RankActivity(fault.rank, step, Phase.COMPUTE, 0, 1, 0.0))

@@ -169,6 +169,22 @@ def test_a_hang_is_blamed_on_the_least_progressed_rank_and_its_blocked_peer_repl
     assert scenario.committed_steps() == list(range(12))
 
 
+def test_a_peer_blocked_on_a_living_rank_that_left_the_step_is_released_not_replaced(tmp_path):
+    # As a pipeline stage waits for activations from a neighbour that failed out of the step
+    # (alive, its connections open): silent after the abort's settle, released, then victim.
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {5: [Kill(rank=3, blocks=(2,))]}
+    assert scenario.run() == "completed"
+
+    assert scenario.fleet.releases == [[2]]
+    assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(3, "death")]
+    assert scenario.fleet.kills == [3] and scenario.fleet.starts.count(2) == 1  # rank 2 kept its process
+    [discarded] = scenario.kinds(EventKind.STEP_DISCARDED)
+    assert discarded["broken_groups"] == [1] and "Connection closed" in discarded["errors"][2]
+    assert scenario.fleet.copies == [(0, 2), (1, 3)]  # its group rebuilt and healed whole
+    assert scenario.committed_steps() == list(range(12))
+
+
 def test_a_collective_error_evicts_the_rank_that_raised_it(tmp_path):
     scenario = Scenario(tmp_path, groups=2, shard=1)
     scenario.fleet.faults = {2: [CollectiveError(rank=1)]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from elastic import ElasticTrainer
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
-from elastic.testing.gloo_ranks import START_METHOD, rank_processes
+from elastic.core.protocol import Failure
+from elastic.testing.gloo_ranks import START_METHOD, gloo_ranks, rank_processes
 from elastic.testing.loopback import free_port
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
@@ -41,7 +43,11 @@ from workers.pipeline import (
     split_transformer,
     stage_model,
 )
+from workers.failures import failure_outcome
+from workers.rank_spec import RankSpec
+from workers.step_transaction import ActivityTracker, DriverSignals
 from workers.train_step import accumulate_gradients, collate, evaluate_loss, token_cross_entropy
+from workers.world import World
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = 16, 8, 2, 3
@@ -198,6 +204,86 @@ def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp
     for run, losses in found["runs"].items():
         assert len(losses) == len(reference), run
         assert max(abs(a - b) / b for a, b in zip(losses, reference)) <= 1e-5, (run, losses, reference)
+
+
+class StageThatFails(ActivityTracker):
+    """A stage's activity that raises at its second chunk once ``failing``: the rank fails out
+    of the step on its own and stays alive, its connections open."""
+
+    def __init__(self):
+        super().__init__()
+        self.failing, self.chunks = False, 0
+
+    def chunk_started(self) -> None:
+        super().chunk_started()
+        self.chunks += self.failing
+        if self.chunks == 2:
+            raise RuntimeError("the stage's own fault")
+
+
+ATTEMPT = 3
+
+
+def leave_the_step(rank: int, port: int, shape: tuple[int, int, int], leaving: int) -> tuple[int, str, bool]:
+    """One group of ``shape`` (pp, shard, tp) trains a step; in the next, rank ``leaving``
+    fails out of the step alive, and once it has, every other rank's control thread releases
+    it as the driver does (``RankWorker.release_step``): its failed step's number, what the
+    failure points at, and whether the group is broken."""
+    pp, shard, tp = shape
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    layout = PipelineLayout(pp, "1F1B", 1, MICRO_BATCH)
+    spec = RankSpec(global_rank=rank, group=0, group_rank=rank, shard_index=rank // tp % shard, tp_index=rank % tp,
+                    shard=shard, tp=tp, seed=0, use_gpu=False, store_host="127.0.0.1", store_port=port,
+                    store_secret="00", collective_timeout_s=600, pipeline=layout, pp_index=rank // (shard * tp))
+    dist.barrier()  # every rank through the first world's rendezvous before the group's own replaces it
+    world = World(spec, store)
+    mesh = world.join_group(world_build=0)
+    activity = StageThatFails()
+    part, stages = stage_model(whole_model(), split_transformer, Parallelize(sequence_parallel=tp > 1), layout,
+                               spec.pp_index, mesh)
+    pipeline = Pipeline(layout, spec.pp_index, stages, mesh["pp"].get_group(), torch.device("cpu"),
+                        token_cross_entropy, activity)
+    signals = DriverSignals()
+    signals.begin(ATTEMPT)
+    if rank != leaving:
+        threading.Thread(target=lambda: (store.wait(["left"]), signals.during(ATTEMPT, world.close_connections)),
+                         daemon=True).start()
+    generator = torch.Generator().manual_seed(1)
+    dataset = [torch.randint(0, ARGS.vocab_size, (SEQ + 1,), generator=generator) for _ in range(GLOBAL_BATCH * 2)]
+    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
+    for step in range(2):
+        activity.failing = rank == leaving and step == 1
+        try:
+            pipeline.loss_share(shard_batches(dataset, step, spec.shard_index, shard, layout), GLOBAL_BATCH * SEQ)
+        except Exception as error:  # noqa: BLE001 - what it points at is the answer
+            signals.end()
+            if rank == leaving:  # alive until every peer has left: its process's end would free them
+                store.set("left", "")
+                store.wait(["all left"])
+            elif store.add("left the step", 1) == pp * shard * tp - 1:
+                store.set("all left", "")
+            outcome = failure_outcome(rank, step, error, activity.phase)
+            return step, outcome.failure, outcome.group_broken
+        optimizer.step()
+        optimizer.zero_grad()
+    return 2, "", False
+
+
+@pytest.mark.parametrize("shape, leaving", [((2, 1, 1), 1), ((2, 2, 1), 3), ((2, 1, 2), 1), ((2, 2, 2), 3)],
+                         ids=["pp 2", "pp 2 x shard 2", "pp 2 x tp 2", "pp 2 x shard 2 x tp 2"])
+def test_stages_waiting_on_a_peer_that_left_the_step_are_released_as_victims(tmp_path, shape, leaving):
+    """A rank fails out of a step alive (its connections stay open, unlike a dead one's), so
+    its neighbours wait on it in the pipeline's sends and receives and the stages' FSDP2 and
+    TP collectives, far past any settle (the collective timeout is 10 minutes). Released from
+    their control threads, every one of them leaves the step, blaming a peer, its group broken:
+    the driver rebuilds the group instead of replacing them."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    answers = gloo_ranks(leave_the_step, shape[0] * shape[1] * shape[2], str(tmp_path / "init"), store.port, shape,
+                         leaving)
+    for rank, (step, failure, group_broken) in enumerate(answers):
+        assert step == 1 and group_broken, (rank, answers)
+        assert Failure(failure).blames_peers == (rank != leaving), (rank, answers)
 
 
 FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}

@@ -146,16 +146,34 @@ class ActivityTracker:
 
 class DriverSignals:
     """What the driver asks on the rank's control thread, for the training thread to act on:
-    give up the attempt in progress (abort), or stop a segment at a step boundary (pause)."""
+    give up the attempt in progress (abort), or stop a segment at a step boundary (pause);
+    and what the control thread does itself while an attempt is in progress (``during``)."""
 
     def __init__(self):
         self._abort = threading.Event()
         self._abort_attempt = -1
-        self._attempt = -1  # the segment or evaluation in progress
+        self._attempt = -1  # the segment or evaluation begun last
         self._pause_attempt = -1
+        self._lock = threading.Lock()
+        self._running = False  # the attempt begun last has not ended
 
     def begin(self, attempt: int) -> None:
-        self._attempt = attempt
+        with self._lock:
+            self._attempt, self._running = attempt, True
+
+    def end(self) -> None:
+        """The attempt's work is over: what follows (a rebuild) is no longer its."""
+        with self._lock:
+            self._running = False
+
+    def during(self, attempt: int, action) -> bool:
+        """Run ``action`` if ``attempt`` is in progress, holding off its end until it is done:
+        a late request never acts on what the next call (a rebuild) made. Returns whether it ran."""
+        with self._lock:
+            if not (self._running and self._attempt == attempt):
+                return False
+            action()
+            return True
 
     def request_abort(self, attempt: int) -> None:
         self._abort_attempt = attempt

@@ -57,7 +57,7 @@ from workers.keyed_store import KeyedStore
 from workers.context_parallel import ContextShare
 from workers.pipeline import pipeline_micro_batches, stage_model
 from workers.rank_spec import RankSpec
-from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, StepTransaction
+from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, FaultPlan, StepTransaction
 from workers.train_step import Batch
 from workers.world import World
 
@@ -121,8 +121,18 @@ class RankWorker:
         group agrees on, or at the cross-group all-reduce, whichever comes first. A rank computing
         its own share is healthy: it ends its micro-batch, so its group keeps its committed state
         and stays a source to heal from. A rank stuck inside its group's FSDP or TP collectives
-        cannot be released; the driver replaces it."""
+        cannot leave on its own: the driver then releases it (``release_step``)."""
         self.signals.request_abort(attempt)
+
+    @ray.method(concurrency_group="control")
+    def release_step(self, attempt: int) -> None:
+        """The rank's group is broken and the rank has not reported since the abort: it waits
+        on a peer that left the step (a pipeline stage for its neighbour's activations, a TP
+        or FSDP collective, the vote). Close the connections of the group's world, so the
+        wait raises and the rank reports as a victim instead of being replaced; its peers'
+        waits on it raise too. Nothing is done once the attempt has ended: the world may be a
+        new build by then."""
+        self.signals.during(attempt, self.world.close_connections)
 
     @ray.method(concurrency_group="control")
     def request_pause(self, attempt: int) -> None:
@@ -197,6 +207,12 @@ class RankWorker:
         yields its ``SegmentEnd`` last."""
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
         self.signals.begin(spec.attempt)
+        try:
+            yield from self._steps(spec, faults)
+        finally:
+            self.signals.end()
+
+    def _steps(self, spec: SegmentSpec, faults: FaultPlan) -> Iterator[SegmentMessage]:
         loop = RankSegmentLoop(spec, leads_group=self.spec.group_rank == 0, now=time.perf_counter())
         share = self._share(spec, spec.first_step, spec.cursor)
         batches = self._prefetch(share)
@@ -281,6 +297,8 @@ class RankWorker:
                                wall_s=time.perf_counter() - started)
         except Exception as error:
             return self._failed(request.step, error)
+        finally:
+            self.signals.end()
 
     # healing
 

@@ -8,12 +8,19 @@ with the other. Across groups, ranks at the same position sum gradients over a *
 process group built directly on the store, outside the default world, so it can be torn
 down and rebuilt when membership changes without touching the group's own world; its prefix
 is the membership's generation, which changes exactly when the set of live groups does.
+
+A group whose step failed is rebuilt, and its ranks that still wait on a peer that left the
+step (a pipeline stage's receive, a TP or FSDP collective, the vote) are freed by closing the
+connections of the group's own process groups from the rank's control thread
+(``close_connections``): the wait raises, and so do the peers' waits on this rank.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -24,6 +31,31 @@ def abort_process_groups_on_gpu(group=None) -> None:
     """Abort NCCL communicators instead of destroying them: a destroy waits for the work in
     flight, which never ends when a peer is gone, and keeps its GPU buffers meanwhile."""
     dist.distributed_c10d._abort_process_group(group)
+
+
+# A tag no send of the run uses: a receive posted under it is never matched.
+UNMATCHED_TAG = 0x7E1EA5E
+
+
+def close_connections(groups: Iterable) -> None:
+    """Close this process's connections in each of ``groups``' gloo backends, from any thread:
+    every wait on them, this process's and its peers', raises. Gloo aborts nothing (its
+    ``abort`` does nothing, and ``destroy_process_group`` waits for the collectives in
+    flight), but a receive whose wait times out closes every pair of its group
+    (``UnboundBuffer::waitRecv`` signals the timeout to the whole context). So a receive is
+    posted from each peer in turn and waited for 1 ms: one from a peer already gone fails at
+    once and closes only its own pair. A group with no gloo backend on the CPU (NCCL alone)
+    is left as it is: its waits do not block this thread."""
+    for group in groups:
+        me = dist.get_rank(group)
+        for peer in range(group.size()):
+            if peer == me:
+                continue
+            try:
+                work = dist.irecv(torch.empty(1), group=group, group_src=peer, tag=UNMATCHED_TAG)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except (RuntimeError, ValueError):  # timed out (the pairs are closed), closed already, or no gloo
+                pass
 
 
 class World:
@@ -75,6 +107,15 @@ class World:
         """This rank's index on each dimension of the group's mesh, by name (``shard`` too,
         where it is flattened from the experts' dimensions)."""
         return {**dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate())), "shard": self.rank.shard_index}
+
+    def close_connections(self) -> None:
+        """Close the connections of every process group of the group's world but the
+        checkpoint upload's (a save a broken group started is abandoned by the driver, not
+        here) and the replicate group (its waits already end at the driver's abort): the
+        ranks waiting in them raise. The world is unusable afterwards; the next build
+        replaces it."""
+        close_connections(group for group in list(dist.distributed_c10d._world.pg_map)
+                          if group is not self.checkpoint_group)
 
     def leave_replicas(self) -> None:
         if self.replicate_group is not None:

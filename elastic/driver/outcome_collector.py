@@ -2,8 +2,9 @@
 
 An evaluation's outcomes are collected here (``OutcomeCollector.collect``) within its
 deadline. The first failure (a dead rank, an error outcome, the deadline) ends the wait: the
-hung ranks are found and killed, the others are told to abort, and the rest of the outcomes
-are drained before ``diagnose`` names the culprits (``OutcomeCollector.after_failure``, the
+hung ranks are found and killed, the others are told to abort (the ranks of a broken group
+that stay blocked are then released), and the rest of the outcomes are drained before
+``diagnose`` names the culprits (``OutcomeCollector.after_failure``, the
 one way failed work ends: a segment's watch, ``segment_watch``, ends its failures through it too,
 so after any failure the other ranks get the same time to report). All waiting goes
 through the fleet, with deadlines from the injected clock.
@@ -22,7 +23,7 @@ from elastic.core.topology import Topology
 from elastic.fleet.api import FleetApi, Pending
 
 # How long a rank of a group that lost a member gets to report its error after the abort,
-# before it counts as blocked in its group's collectives.
+# before it counts as blocked in its group's collectives and is released.
 ABORT_SETTLE_S = 0.25
 # How long a rank of a healthy group gets to return after the abort, at the least: it is
 # computing its share or waiting in the cross-group all-reduce, and must not be mistaken for
@@ -31,6 +32,8 @@ ABORT_GRACE_S = 2.0
 
 # (ranks still waited for, seconds) -> the final outcomes that arrived (None: process gone)
 Receive = Callable[[list[int], float], list[tuple[int, RankOutcome | None]]]
+# Close the connections of the ranks' group worlds, so that their waits on a peer raise.
+Release = Callable[[list[int]], None]
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,16 @@ def receive_into(arrived: list[tuple[int, RankOutcome | None]], outcomes: dict, 
     return failed
 
 
-def drain(receive: Receive, waiting: set[int], outcomes: dict, dead: set, hung: list[int],
+def drain(receive: Receive, release: Release, waiting: set[int], outcomes: dict, dead: set, hung: list[int],
           group_of: dict[int, int], step_deadline: float, deadline: StepDeadline,
           clock: Callable[[], float]) -> list[int]:
-    """Collect the rest of a failed step; returns the ranks blocked in their own group.
+    """Collect the rest of a failed step; returns the ranks stuck in their own group.
 
-    A group that lost a member (or whose world failed) is broken: its other ranks block
-    in its collectives, get ``ABORT_SETTLE_S`` to report, and are then counted as stuck.
+    A group that lost a member (or whose world failed) is broken: its other ranks get
+    ``ABORT_SETTLE_S`` to report. One still silent then waits on a peer that left the step
+    (a pipeline stage for its neighbour, a collective, the vote): it is released (its
+    group's connections closed, so its wait raises) and gets ``ABORT_GRACE_S`` more, as the
+    release is a call that must reach it on a loaded node too; only then is it stuck.
     A rank of a healthy group is computing its own share, not stuck: the abort stops its
     group at the next micro-batch boundary (or at the cross-group all-reduce), so it
     returns within a micro-batch. It gets until the step's deadline, and at least a
@@ -68,15 +74,23 @@ def drain(receive: Receive, waiting: set[int], outcomes: dict, dead: set, hung: 
     """
     settle_until = clock() + ABORT_SETTLE_S
     finish_until = max(step_deadline, clock() + max(ABORT_GRACE_S, deadline.typical_s()))
+    released: dict[int, float] = {}  # rank -> until when it may report after its release
     while waiting:
         broken = diagnose(dead=dead, outcomes=outcomes, hung=hung, group_of=group_of).broken_groups
+
+        def until(rank: int) -> float:
+            return released.get(rank, settle_until) if group_of[rank] in broken else finish_until
+
         now = clock()
-        open_ranks = [rank for rank in sorted(waiting)
-                      if now < (settle_until if group_of[rank] in broken else finish_until)]
+        open_ranks = [rank for rank in sorted(waiting) if now < until(rank)]
         if not open_ranks:
-            break
-        until = settle_until if any(group_of[rank] in broken for rank in open_ranks) else finish_until
-        arrived = receive(open_ranks, until - now)
+            blocked = [rank for rank in sorted(waiting) if group_of[rank] in broken and rank not in released]
+            if not blocked:
+                break
+            release(blocked)
+            released.update(dict.fromkeys(blocked, clock() + ABORT_GRACE_S))
+            continue
+        arrived = receive(open_ranks, min(map(until, open_ranks)) - now)
         for rank, _ in arrived:
             waiting.discard(rank)
         receive_into(arrived, outcomes, dead)
@@ -125,10 +139,12 @@ class OutcomeCollector:
                       outcomes: dict[int, RankOutcome], dead: set[int], group_of: dict[int, int],
                       step_deadline: float) -> FailureSeen:
         """The one way failed work ends, a segment's or an evaluation's: the hung ranks killed,
-        the others aborted, the rest of the outcomes drained (``drain``), the culprits named."""
+        the others aborted (and the blocked ones released), the rest of the outcomes drained
+        (``drain``), the culprits named."""
         seen_at = self.clock()
         waiting = self.abort(unfinished, hung, attempt)
-        stuck = drain(receive, waiting, outcomes, dead, hung, group_of, step_deadline, self.deadline, self.clock)
+        stuck = drain(receive, lambda ranks: self.fleet.release_step(ranks, attempt), waiting, outcomes, dead, hung,
+                      group_of, step_deadline, self.deadline, self.clock)
         return FailureSeen(diagnose(dead=dead, outcomes=outcomes, hung=hung, stuck=stuck, group_of=group_of), seen_at)
 
     def find_hung(self, unfinished: list[int], step: int, deadline_s: float) -> list[int]:

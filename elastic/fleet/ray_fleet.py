@@ -187,6 +187,11 @@ class Fleet(RankProcesses):
             if rank in self.actors:
                 self.actors[rank].abort_step.remote(attempt)
 
+    def release_step(self, ranks, attempt: int) -> None:
+        for rank in ranks:
+            if rank in self.actors:
+                self.actors[rank].release_step.remote(attempt)
+
     def probe(self, ranks, timeout: float) -> dict[int, RankActivity]:
         refs = {rank: self.actors[rank].probe.remote() for rank in ranks if rank in self.actors}
         activity = {}
