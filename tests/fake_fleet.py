@@ -223,10 +223,10 @@ class FakeFleet:
         self.spares_lost[spare] = (why, raised)
 
     def build(self, ranks, world_build: int) -> Pending:
-        hooks_failed = {rank: self.hook_errors[rank] for rank in ranks if rank in self.hook_errors}
-        if hooks_failed:
-            raise CallFailed(list(hooks_failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(hooks_failed.items())),
-                             "build", hooks_failed)
+        own_errors = {rank: self.hook_errors[rank] for rank in ranks if rank in self.hook_errors}
+        if own_errors:
+            raise CallFailed(list(own_errors), "; ".join(f"rank {r}: {e}" for r, e in sorted(own_errors.items())),
+                             "build", own_errors)
         self._control("build")
         return Pending({rank: Call(self.clock()) for rank in ranks})
 

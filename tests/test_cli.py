@@ -290,6 +290,48 @@ def test_a_fifo_or_a_device_for_any_file_a_run_reads_is_refused_in_one_line_nami
         file.unlink()
         file.write_bytes(content)
 
+
+def with_namesakes(directory: Path) -> Path:
+    """``directory`` holding a package named like each of the trainer's, which fails to import."""
+    for name in ("checkpointing", "elastic", "workers"):
+        (directory / name).mkdir()
+        (directory / name / "__init__.py").write_text(f"raise ImportError('the working directory\\'s {name}')\n")
+    return directory
+
+
+def local_run(directory: Path, driver: str = "from elastic.cli import main") -> subprocess.CompletedProcess:
+    """``elastic train`` in ``directory`` on a Ray it starts itself, whose workers Ray gives that
+    directory first on their path. The driver imports the installed packages (-P: the working
+    directory is not on its own path), as the ``elastic`` command does."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-P", "-c", f"import sys; {driver}; sys.exit(main(sys.argv[1:]))", "train",
+                           "--steps", "2", "--groups", "1", "--shard", "2", "--tp", "1", "--checkpoint-every", "0",
+                           "--run-name", "namesakes"], cwd=directory, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_ranks_import_the_installed_packages_where_the_working_directory_holds_namesakes(tmp_path):
+    completed = local_run(with_namesakes(tmp_path))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "namesakes" / "summary.json").read_text())
+    assert summary["exit"] == "completed" and summary["steps_committed"] == 2
+    assert not [event for event in summary["events"] if event["kind"] == "group-start-failed"]
+
+
+def test_ranks_that_cannot_import_the_trainer_stop_the_run_in_one_line_naming_the_cause(tmp_path):
+    """Without the installed packages imported first, the ranks import the namesakes and fail as
+    their processes start: an error a fresh process raises again, not a death to replace."""
+    unguarded = "import elastic.fleet.ray_connection as connection; connection.installed_packages_first = dict"
+    completed = local_run(with_namesakes(tmp_path), driver=f"{unguarded}; from elastic.cli import main")
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "namesakes" / "summary.json").read_text())
+    assert summary["exit"] == ("stopped: groups [0] failed to start: ranks [0, 1] raised the same error: its process "
+                               "could not start the rank's code: ImportError: the working directory's workers (the "
+                               "code or the data, not the cluster; fix it and resume)"), summary["exit"]
+    assert not [event for event in summary["events"] if event["kind"] == "rank-evicted"]
+
+
+def test_an_unreadable_lease_record_is_one_line_naming_it_and_break_lease_needs_the_run(tmp_path):
     from checkpointing.lease import RunLease
     from checkpointing.storage import StorageOptions
 

@@ -168,3 +168,18 @@ def raised_by(call) -> BaseException:
     except BaseException as caught:
         return caught
     raise AssertionError("it did not raise")
+
+
+def test_the_code_that_is_not_the_users_is_known_where_a_package_is_a_folders_namesake(tmp_path):
+    """A folder named ``elastic`` first on the path (a rank's, with the driver's working
+    directory there) can make ``elastic`` a namespace package, which has no ``__file__``:
+    the ranks' failures module still imports, and still knows the trainer's own code."""
+    import subprocess
+    import sys
+
+    (tmp_path / "elastic").mkdir()
+    check = ("import sys; sys.path.insert(0, sys.argv[1]); import elastic, workers.failures as failures; "
+             "from elastic.core import protocol; assert not failures.is_user_code(protocol.__file__)")
+    completed = subprocess.run([sys.executable, "-P", "-c", check, str(tmp_path)], capture_output=True, text=True,
+                               timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]

@@ -30,10 +30,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-import checkpointing
-import elastic
-import workers
 from elastic.core.protocol import Failure, Phase, RankOutcome, describe_error
+from workers import TRAINER_PACKAGES
 
 
 class CollectiveAborted(RuntimeError):
@@ -99,15 +97,17 @@ def raised_in_collective(error: BaseException) -> bool:
     return any(path.endswith(COLLECTIVE_CODE) for path in paths)
 
 
-def _package_dir(module) -> str:
-    return os.path.dirname(os.path.realpath(module.__file__)) + os.sep
-
+# This trainer's packages lie side by side, this module's among them. Not each package's
+# __file__: a folder named like one of them first on the path makes that a namespace package,
+# which has none (and lies elsewhere).
+_TRAINER_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 # Frames in these are not the user's: Python's own library, installed packages, torch and
 # this trainer's packages (installed or not).
 NOT_USER_CODE = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
                        if key in ("stdlib", "platstdlib", "purelib", "platlib")}
-                      | {_package_dir(module) for module in (torch, elastic, workers, checkpointing)})
+                      | {os.path.dirname(os.path.realpath(torch.__file__)) + os.sep}
+                      | {os.path.join(_TRAINER_ROOT, name) + os.sep for name in TRAINER_PACKAGES})
 
 
 def is_user_code(filename: str) -> bool:

@@ -96,12 +96,12 @@ class GroupKeeper:
                 lost = error.ranks if isinstance(error, RanksLost) else [
                     rank for rank in self.topology.global_ranks(group) if not self.fleet.alive(rank)
                 ]
-                hooks_failed = error.hooks_failed if isinstance(error, CallFailed) else {}
+                own_errors = error.own_errors if isinstance(error, CallFailed) else {}
                 self.events.emit(EventKind.GROUP_START_FAILED, group=group, error=describe_error(error, 300))
                 self._failed_starts[group] = Diagnosis(
-                    culprits={**dict.fromkeys(lost, Cause.DEATH), **dict.fromkeys(hooks_failed, Cause.OWN_ERROR)},
+                    culprits={**dict.fromkeys(lost, Cause.DEATH), **dict.fromkeys(own_errors, Cause.OWN_ERROR)},
                     broken_groups=frozenset({group}),
-                    errors={rank: hooks_failed.get(rank, describe_error(error, 300)) for rank in error.ranks},
+                    errors={rank: own_errors.get(rank, describe_error(error, 300)) for rank in error.ranks},
                 )
 
     def _advance(self, group: int) -> None:

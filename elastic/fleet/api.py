@@ -36,13 +36,14 @@ class RanksLost(FleetError):
 
 class CallFailed(FleetError):
     """These ranks raised, or did not answer in time; their processes may live.
-    ``hooks_failed``: the ranks whose own hooks raised (``HookFailed``), with its message;
+    ``own_errors``: the ranks whose own code raised, with its one line: their hooks
+    (``HookFailed``), or the rank's code as their processes started;
     ``unloadable``: the ranks a checkpoint did not load into (``CheckpointUnloadable``)."""
 
-    def __init__(self, ranks: list[int], message: str, call: str = "", hooks_failed: dict[int, str] | None = None,
+    def __init__(self, ranks: list[int], message: str, call: str = "", own_errors: dict[int, str] | None = None,
                  unloadable: dict[int, str] | None = None):
         super().__init__(ranks, message, call)
-        self.hooks_failed = dict(hooks_failed or {})
+        self.own_errors = dict(own_errors or {})
         self.unloadable = dict(unloadable or {})
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -58,6 +58,16 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         replicate_dtype=config.compute.replicate_precision,
         pretrained=pretrained,
     )
+
+
+def start_error(error: RayError) -> str | None:
+    """What a rank's process raised as it started, in one line (the error's last, which names
+    its cause), where ``error`` says so: the rank's code could not be imported there, or its
+    constructor raised. The code's or its environment's error, which a fresh process raises
+    again, not a death; None for any other error."""
+    if not (isinstance(error, RayActorError) and error.actor_init_failed):
+        return None
+    return f"its process could not start the rank's code: {str(error).strip().splitlines()[-1]}"
 
 
 @dataclass
@@ -193,7 +203,7 @@ class RankProcesses:
                 except RayError as error:
                     self._drop_spare(spare_id)
                     spares.append(Spare(spare_id, False, lost=describe_error(error, 300),
-                                        warm_up_raised=isinstance(error, RayTaskError)))
+                                        warm_up_raised=isinstance(error, RayTaskError) or bool(start_error(error))))
                     continue
             spares.append(Spare(spare_id, spare.warming is None, spare.node))
         return spares

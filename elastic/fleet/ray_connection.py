@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.machinery import PathFinder
 
 import ray
+
+from workers import TRAINER_PACKAGES
 
 log = logging.getLogger("elastic")
 
@@ -21,10 +24,28 @@ def connect_ray() -> bool:
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         # Ray retries an address that does not answer for minutes without a word.
         log.info("joining the Ray cluster at %s (RAY_ADDRESS)", os.environ.get("RAY_ADDRESS", "of this job"))
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, runtime_env=installed_packages_first() or None)
         return False
     start_local_ray()
     return True
+
+
+def installed_packages_first() -> dict:
+    """The job's runtime env where the driver's working directory holds a namesake of one of
+    ``TRAINER_PACKAGES``, a folder or a module, which the ranks would import instead of the
+    installed package: Ray puts that directory first on each worker's path as the worker takes
+    its first task. Ray's setup hook runs before that, and imports the installed packages;
+    every later import finds them loaded. Empty otherwise: a runtime env costs each worker
+    Ray's setup process."""
+    if not any(PathFinder.find_spec(name, [os.getcwd()]) for name in TRAINER_PACKAGES):
+        return {}
+    return {"worker_process_setup_hook": f"{__name__}.{import_packages.__name__}"}
+
+
+def import_packages() -> None:
+    """A worker's setup hook (``installed_packages_first``); importing this module imported ``elastic``."""
+    import checkpointing  # noqa: F401
+    import workers  # noqa: F401
 
 
 def start_local_ray(**options) -> None:
@@ -39,7 +60,7 @@ def start_local_ray(**options) -> None:
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         configure_logging=False,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, **installed_packages_first()},
         **{"log_to_driver": True, **options},
     )
     try:

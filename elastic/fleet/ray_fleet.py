@@ -34,7 +34,7 @@ from elastic.core.protocol import (
     SegmentSpec,
     describe_error,
 )
-from elastic.fleet.rank_processes import RankProcesses
+from elastic.fleet.rank_processes import RankProcesses, start_error
 
 # A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0
@@ -88,7 +88,7 @@ class Fleet(RankProcesses):
         refs = list(pending.refs.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         ready = set(ready)
-        results, lost, failed, hooks_failed, unloadable = {}, {}, {}, {}, {}
+        results, lost, failed, own_errors, unloadable = {}, {}, {}, {}, {}
         for rank, ref in pending.refs.items():
             if ref not in ready:
                 failed[rank] = f"no answer within {timeout:.0f}s"
@@ -96,10 +96,13 @@ class Fleet(RankProcesses):
             try:
                 results[rank] = ray.get(ref, timeout=0)
             except RayActorError as error:
-                lost[rank] = describe_error(error, 300)
+                if raised := start_error(error):
+                    failed[rank] = own_errors[rank] = raised
+                else:
+                    lost[rank] = describe_error(error, 300)
             except RayTaskError as error:
                 if isinstance(error.cause, HookFailed):  # its own one line, not Ray's traceback
-                    failed[rank] = hooks_failed[rank] = str(error.cause)
+                    failed[rank] = own_errors[rank] = str(error.cause)
                 elif isinstance(error.cause, UnloadableCheckpoint):
                     failed[rank] = unloadable[rank] = str(error.cause)
                 else:
@@ -110,7 +113,7 @@ class Fleet(RankProcesses):
             raise RanksLost(list(lost), "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items())), call)
         if failed:
             raise CallFailed(list(failed), "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), call,
-                             hooks_failed, unloadable)
+                             own_errors, unloadable)
         return results
 
     # runs
