@@ -13,6 +13,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -86,6 +87,17 @@ def check_protocol(url: str) -> None:
             raise ValueError(
                 f"unknown protocol {protocol!r}; give a local path or an fsspec URL such as s3://bucket/prefix"
             ) from None
+
+
+def in_ray_runtime_directory(url: str) -> bool:
+    """Whether a local ``url`` lies in Ray's runtime-env directory of a session
+    (``<Ray's temp dir>/session_*/runtime_resources/``), where ``ray job submit --working-dir``
+    unpacks the job's files and starts its driver. Ray deletes it with the session, and a job
+    submitted again gets a package of its own there: nothing kept in it is found again."""
+    if "://" in url:
+        return False
+    parts = Path(url).parts
+    return any(parent.startswith("session_") and part == "runtime_resources" for parent, part in zip(parts, parts[1:]))
 
 
 def _nearest_existing(path: str) -> str:

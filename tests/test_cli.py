@@ -291,6 +291,18 @@ def test_a_fifo_or_a_device_for_any_file_a_run_reads_is_refused_in_one_line_nami
         file.write_bytes(content)
 
 
+@pytest.mark.parametrize("storage", [[], ["--storage", "runs"]], ids=["default", "relative"])
+def test_a_storage_in_rays_runtime_directory_is_refused_naming_storage(tmp_path, storage):
+    """Where ``ray job submit --working-dir`` starts the driver: the job's files as Ray unpacked
+    them, which it deletes, and a job submitted again gets a package of its own."""
+    package = tmp_path / "ray" / "session_2026-01-01_00-00-00_1_1" / "runtime_resources" / "working_dir_files" / \
+        "_ray_pkg_0123456789abcdef"
+    package.mkdir(parents=True)
+    line = refusal(elastic("train", *storage, cwd=package))
+    assert line.startswith(f"elastic: invalid config: storage: {package / 'runs'} is in Ray's runtime directory"), line
+    assert "give --storage an absolute path outside it" in line and "--run-name" in line, line
+
+
 def with_namesakes(directory: Path) -> Path:
     """``directory`` holding a package named like each of the trainer's, which fails to import."""
     for name in ("checkpointing", "elastic", "workers"):

@@ -28,14 +28,30 @@ def job_server():
     assert not leftovers, f"processes of the job server's Ray head outlived it: {leftovers}"
 
 
-def submit(head: RayHead, *train_args: str) -> str:
-    """``ray job submit`` of ``python -m elastic train ...``; returns the job's logs."""
+def submitted(head: RayHead, *train_args: str) -> subprocess.CompletedProcess:
+    """``ray job submit`` of ``python -m elastic train ...``, done."""
     command = [*RAY, "job", "submit", "--address", head.dashboard, "--working-dir", str(REPO),
                "--runtime-env-json", json.dumps(RUNTIME_ENV), "--", "python", "-m", "elastic", "train", *train_args]
-    done = subprocess.run(command, env=head.env, capture_output=True, text=True, timeout=400)
+    return subprocess.run(command, env=head.env, capture_output=True, text=True, timeout=400)
+
+
+def submit(head: RayHead, *train_args: str) -> str:
+    """``ray job submit`` of ``python -m elastic train ...``; returns the job's logs."""
+    done = submitted(head, *train_args)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "succeeded" in output, f"ray job submit failed:\n{output}"
     return output
+
+
+def test_a_job_that_would_keep_its_run_in_its_own_unpacked_files_is_refused_naming_storage(job_server):
+    """No ``--storage``: the driver starts in Ray's copy of the working directory, and ``./runs``
+    there would be deleted with it, and never found by a job submitted again."""
+    done = submitted(job_server, "--steps", "2")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in output, output
+    [line] = {line for line in output.splitlines() if line.startswith("elastic: ")}  # a failed job's logs come twice
+    assert line.startswith("elastic: invalid config: storage: ") and "/runtime_resources/" in line, line
+    assert "is in Ray's runtime directory" in line and "--run-name" in line, line
 
 
 def test_submit_then_resubmit_resumes(job_server, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.manifest import CorruptCheckpoint
-from checkpointing.storage import check_writable
+from checkpointing.storage import check_writable, in_ray_runtime_directory
 from elastic.setup.config import TrainConfig, invalid_config, parse_config
 from elastic.setup.config_files import merge, read_config_file
 from elastic.setup.errors import ConfigError
@@ -28,6 +28,11 @@ def preflight(config: TrainConfig) -> TrainConfig:
     storage is writable and its data readable; else ConfigError."""
     if config._preflighted_as is not None and config._preflighted_as == config.model_dump():
         return config
+    if in_ray_runtime_directory(config.storage):  # the default ./runs of a driver under `ray job submit`
+        raise ConfigError(invalid_config([
+            f"storage: {config.storage} is in Ray's runtime directory, where Ray unpacked the job's files: Ray "
+            "deletes it, and a job submitted again gets another, so the run could never resume; give --storage "
+            "an absolute path outside it that every node reaches (or s3://...), and --run-name"]))
     if config.model.init_from:
         config = with_pretrained_fields(config)
     # Here, not at the top: the dataset brings torch, and a config refused for its shape never
