@@ -116,9 +116,11 @@ class GroupKeeper:
             self.joining_calls[group] = self.fleet.start(to_start, taken)
             self.stage_since[group] = self.clock()
             self._count_started(group, 0)
-        if self.membership.stage_of(group) is GroupStage.STARTING and not self.fleet.done(self.joining_calls[group]):
-            self._count_started(group, self.fleet.answered(self.joining_calls[group]))
-        if self.membership.stage_of(group) is GroupStage.STARTING and self.fleet.done(self.joining_calls[group]):
+        if self.membership.stage_of(group) is GroupStage.STARTING:
+            up = self.fleet.answered(self.joining_calls[group])  # one look at the start's calls a poll
+            if up < len(self.joining_calls[group].refs):
+                self._count_started(group, up)
+                return
             self.started.pop(group, None)
             started = self.fleet.results(self.joining_calls[group])
             self.start_s[group] = self.clock() - self.stage_since[group]
