@@ -101,12 +101,12 @@ def main() -> None:
 
     print("\nthe driver's CPU, timed on the real decision code (best of 3):")
     print(f"{'GPUs':>7} {'per step ms':>12} {'405B step s':>12} {'share of step':>14} {'per failure ms':>15} "
-          f"{'buddies s':>10}")
+          f"{'re-pair ms':>11}")
     for gpus in FLEETS:
         job = Job(MODELS["405b"], gpus)
         cost = driver_cost(job)
         print(f"{cost.gpus:>7} {1000 * cost.step_observe_s:12.2f} {job.step_s:12.2f} "
-              f"{cost.step_observe_s / job.step_s:14.2%} {1000 * cost.failure_decision_s:15.3f} {cost.buddies_s:10.3f}")
+              f"{cost.step_observe_s / job.step_s:14.2%} {1000 * cost.failure_decision_s:15.3f} {1000 * cost.buddies_s:11.3f}")
 
     if args.plot:
         import matplotlib

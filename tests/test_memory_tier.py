@@ -1,11 +1,13 @@
 """The in-memory tier: buddies and restore plans (pure), and a rank's host copies (torch,
 one process, with a stand-in buddy)."""
 
+import random
+
 import pytest
 import torch
 
 from elastic.core.data_plan import DataCursor
-from elastic.core.memory_tier import Holdings, choose_buddies, plan_memory_restore
+from elastic.core.memory_tier import BuddyPairing, Holdings, choose_buddies, plan_memory_restore
 from elastic.core.topology import Topology
 
 
@@ -225,3 +227,46 @@ def test_a_buddy_that_does_not_take_a_copy_in_time_is_given_up_on_and_the_next_s
         tier.sender.shutdown(wait=True)
     assert timeouts == [0.5, 0.5]
     assert tier.holdings().own == {1: cursor(1), 2: cursor(2)}  # its own copies are kept all the same
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pairing_kept_across_quorum_changes_equals_one_made_from_nothing(seed):
+    """Groups leave, join and are renewed (new processes, maybe on other nodes); after each
+    change the kept pairing is the one made from nothing, and it re-paired every rank whose
+    buddy changed."""
+    rng = random.Random(seed)
+    topology = Topology(shard=rng.choice([1, 2, 4]), tp=rng.choice([1, 2]), max_groups=rng.choice([2, 5, 9]))
+    per_group, nodes = topology.ranks_per_group, rng.choice([1, 2, 3, 6])
+    node_of = {rank: f"n{rng.randrange(nodes)}" for rank in range(topology.max_ranks)}
+    pairing, live = BuddyPairing(topology), set(range(topology.max_groups))
+    told = dict(pairing.update(live, node_of))
+    for _ in range(30):
+        before = dict(pairing.buddies)
+        change = rng.choice(["leave", "join", "renew"])
+        pool = sorted(live) if change != "join" else sorted(set(range(topology.max_groups)) - live)
+        if not pool:
+            continue
+        groups = set(rng.sample(pool, rng.randint(1, min(2, len(pool)))))
+        live = live - groups if change == "leave" else live | groups
+        if change != "leave":
+            for group in groups:  # the group's new processes may land on other nodes
+                node_of.update({rank: f"n{rng.randrange(nodes)}" for rank in topology.global_ranks(group)})
+        changes = pairing.update(live, node_of, renewed=groups if change == "renew" else ())
+        assert pairing.buddies == choose_buddies(topology, live, node_of)
+        told.update(changes)
+        moved = {rank for rank, buddy in pairing.buddies.items() if before.get(rank) != buddy}
+        assert moved <= set(changes)
+        if change != "leave":
+            assert {rank for group in groups for rank in topology.global_ranks(group)} <= set(changes)
+        assert all(told[rank] == buddy for rank, buddy in pairing.buddies.items())
+    assert per_group * len(live) >= len(pairing.buddies)
+
+
+def test_one_group_lost_re_pairs_only_the_ranks_that_kept_copies_there():
+    topology = Topology(shard=8, tp=1, max_groups=64)
+    node_of = {rank: f"node{rank // 8}" for rank in range(topology.max_ranks)}
+    pairing = BuddyPairing(topology)
+    pairing.update(range(64), node_of)
+    changes = pairing.update(set(range(64)) - {10}, node_of)
+    assert set(changes) == set(topology.global_ranks(9))  # group 9's ranks kept their copies in group 10
+    assert set(pairing.update(range(64), node_of)) == set(topology.global_ranks(9)) | set(topology.global_ranks(10))

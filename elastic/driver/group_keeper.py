@@ -13,11 +13,11 @@ other failure.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from elastic.core.diagnosis import Cause, Diagnosis, merged
 from elastic.core.events import EventKind
-from elastic.core.memory_tier import choose_buddies
+from elastic.core.memory_tier import BuddyPairing
 from elastic.core.membership import Broken, Built, GroupStage, Placed, Started
 from elastic.core.policies import ScalingPolicy
 from elastic.core.protocol import describe_error
@@ -56,6 +56,7 @@ class GroupKeeper:
         self.started: dict[int, int] = {}  # a starting group's new processes up so far
         self._failed_starts: dict[int, Diagnosis] = {}  # groups that failed to start, until the controller takes them
         self.node_of: dict[int, str] = {}  # each rank's node, as its last build reported it
+        self.pairing = BuddyPairing(self.topology)  # the memory tier's buddies, kept across quorum changes
         self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
         self.on_spares: set[int] = set()  # joining groups whose every new process is a warm spare
 
@@ -172,12 +173,12 @@ class GroupKeeper:
         self.membership.join(ready)
         for group in ready:
             self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
-        self.rebuild_replicas()
+        self.rebuild_replicas(joined=ready)
         return True
 
-    def rebuild_replicas(self) -> None:
+    def rebuild_replicas(self, joined: Iterable[int] = ()) -> None:
         """The cross-group process groups over the quorum's groups (and, with the memory tier,
-        each rank's buddy)."""
+        a buddy for each rank of the ``joined`` groups and each rank whose buddy left)."""
         started = self.clock()
         quorum = self.membership.quorum()
         assignments = {
@@ -187,8 +188,7 @@ class GroupKeeper:
         }
         self.fleet.join_replicas(assignments)
         if self.config.checkpoint.memory_every:
-            buddies = choose_buddies(self.topology, quorum.groups, self.node_of)
-            self.fleet.set_buddies({rank: buddies.get(rank) for rank in assignments})
+            self.fleet.set_buddies(self.pairing.update(quorum.groups, self.node_of, renewed=joined))
         seconds = self.clock() - started
         self.timing.add("rebuild_s", seconds)
         self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, groups=list(quorum.groups),
