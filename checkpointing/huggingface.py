@@ -26,7 +26,9 @@ Nothing in the directory runs code: JSON and safetensors only.
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -240,32 +242,36 @@ def model_fields(config: dict) -> dict[str, Any]:
     for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         positive_int(config, name, required=False)
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type is {model_type!r}: only {', '.join(map(repr, ARCHITECTURES))} checkpoints "
-                         "load into the reference model")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type is {reprlib.repr(model_type)}: only {', '.join(map(repr, ARCHITECTURES))} "
+                         "checkpoints load into the reference model")
     qwen3 = model_type.startswith("qwen3")
     experts = experts_of(config, model_type)
     # Qwen3's configs carry a sliding_window that only use_sliding_window turns on.
     sliding = ("use_sliding_window", False) if qwen3 else ("sliding_window", None)
-    unsupported = [f"{key}={config.get(key)!r}" for key, ours in
+    unsupported = [f"{key}={reprlib.repr(config.get(key))}" for key, ours in
                    (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), sliding)
                    if config.get(key, ours) != ours]
-    # transformers 5 writes rope_parameters (the base inside it); earlier versions rope_theta
-    # and rope_scaling.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_key, rope = rope_section(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        unsupported.append(f"rope_type={rope_type!r}")
+        unsupported.append(f"{rope_key}.rope_type={reprlib.repr(rope_type)}")
     if model_type == "qwen3_moe" and config.get("decoder_sparse_step", 1) != 1:
-        unsupported.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} (experts in every layer "
-                           "after the first mlp_only_layers)")
+        unsupported.append(f"decoder_sparse_step={reprlib.repr(config['decoder_sparse_step'])} (experts in every "
+                           "layer after the first mlp_only_layers)")
     dense_layers = (config.get("mlp_only_layers") or []) if model_type == "qwen3_moe" else []
+    if not isinstance(dense_layers, list) or not all(type(layer) is int for layer in dense_layers):
+        raise ValueError(f"mlp_only_layers is {reprlib.repr(dense_layers)} in {CONFIG_NAME}; it must be a list of "
+                         "layer numbers")
     if dense_layers != list(range(len(dense_layers))):
-        unsupported.append(f"mlp_only_layers={dense_layers!r} (the reference model's dense layers are the first)")
+        unsupported.append(f"mlp_only_layers={reprlib.repr(dense_layers)} (the reference model's dense layers are "
+                           "the first)")
     if unsupported:
-        raise ValueError(f"the reference model does not compute {', '.join(unsupported)}")
+        raise ValueError(f"the reference model does not compute {CONFIG_NAME}'s {', '.join(unsupported)}")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    # transformers 5 keeps the base inside rope_parameters; earlier versions beside it.
+    theta_in, theta_key = (rope, f"{rope_key}.rope_theta") if "rope_theta" in rope else (config, "rope_theta")
     return {
         "vocab_size": config["vocab_size"],
         "dim": config["hidden_size"],
@@ -278,14 +284,47 @@ def model_fields(config: dict) -> dict[str, Any]:
         **experts,
         **({"dense_layers": len(dense_layers)} if dense_layers else {}),
         "max_position_embeddings": config.get("max_position_embeddings"),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "tie_embeddings": flag(config, "tie_word_embeddings", False),
+        "norm_eps": number(config, "rms_norm_eps", 1e-6, positive=True),
+        "rope_theta": number(theta_in, "rope_theta", 10000.0, positive=True, shown_as=theta_key),
         "rope_scaling": None if rope_type != "llama3" else {
-            "factor": float(rope["factor"]), "low_freq_factor": float(rope["low_freq_factor"]),
-            "high_freq_factor": float(rope["high_freq_factor"]),
-            "original_max_len": int(rope["original_max_position_embeddings"])},
+            **{name: number(rope, name, None, positive=True, shown_as=f"{rope_key}.{name}")
+               for name in ("factor", "low_freq_factor", "high_freq_factor")},
+            "original_max_len": positive_int(rope, "original_max_position_embeddings", required=True,
+                                             shown_as=f"{rope_key}.original_max_position_embeddings")},
     }
+
+
+def rope_section(config: dict) -> tuple[str, dict]:
+    """The key and contents of ``config.json``'s RoPE settings: transformers 5 writes
+    ``rope_parameters``, earlier versions ``rope_scaling`` (null or absent: none)."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{key} is {reprlib.repr(rope)} in {CONFIG_NAME}; it must be a JSON object or null")
+    return key, rope
+
+
+# Settings that HuggingFace's models apply in training alone, which the reference model has no
+# counterpart of: the weights compute the same without them, so a run from them is told, not
+# refused. Per setting: the families that read it, and what a run does instead.
+TRAINING_ONLY = {
+    "attention_dropout": (tuple(ARCHITECTURES), "this trainer trains without dropout on the attention weights "
+                                                "(model.dropout drops the embeddings and residual branches)"),
+    "router_jitter_noise": (("mixtral",), "this trainer routes tokens without jitter"),
+}
+
+
+def unapplied_settings(config: dict) -> list[str]:
+    """A warning line for each training-time setting of ``config.json`` (``model_fields``
+    read it first) that a run from it does not apply; ValueError for one that is not a
+    number."""
+    lines = []
+    for name, (families, instead) in TRAINING_ONLY.items():
+        value = number(config, name, 0.0, positive=False, nullable=True) if config["model_type"] in families else 0
+        if value:
+            lines.append(f"{CONFIG_NAME}'s {name}={value:g} is not applied: {instead}")
+    return lines
 
 
 def experts_of(config: dict, model_type: str) -> dict[str, Any]:
@@ -303,26 +342,64 @@ def experts_of(config: dict, model_type: str) -> dict[str, Any]:
     if model_type == "qwen3_moe":
         positive_int(config, "moe_intermediate_size", required=True)
         fields |= {"expert_hidden": config["moe_intermediate_size"],
-                   "normalize_top_k": bool(config.get("norm_topk_prob", False))}
+                   "normalize_top_k": flag(config, "norm_topk_prob", False)}
     else:
         # Mixtral's intermediate_size is its experts' width, and it has no dense feed-forward.
         fields |= {"expert_hidden": config["intermediate_size"]}
     return fields
 
 
-def positive_int(config: dict, name: str, required: bool) -> None:
+def positive_int(config: dict, name: str, required: bool, shown_as: str | None = None) -> int | None:
+    """``config[name]``, a positive integer (absent or null: None, where not ``required``);
+    ``shown_as``: its name in messages, where it lies deeper than the top of config.json."""
     value = config.get(name)
     if value is None and not required:
-        return
+        return None
     if value is None:
-        raise KeyError(name)
+        raise KeyError(shown_as or name)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} is {value!r} in {CONFIG_NAME}; it must be a positive integer")
+        raise ValueError(f"{shown_as or name} is {reprlib.repr(value)} in {CONFIG_NAME}; it must be a positive integer")
+    return value
+
+
+def number(config: dict, name: str, default: float | None, *, positive: bool, nullable: bool = False,
+           shown_as: str | None = None) -> float:
+    """``config[name]`` as a float: a finite number above zero (``positive``) or not below it;
+    ``default`` where it is absent (None: it is required), or null too where ``nullable``."""
+    value = config.get(name)
+    if value is None and (nullable or name not in config):
+        if default is None:
+            raise KeyError(shown_as or name)
+        value = default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (positive and value == 0)):
+        raise ValueError(f"{shown_as or name} is {reprlib.repr(value)} in {CONFIG_NAME}; it must be a "
+                         f"{'positive number' if positive else 'number, zero or more'}")
+    return float(value)
+
+
+def flag(config: dict, name: str, default: bool) -> bool:
+    value = config.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} is {reprlib.repr(value)} in {CONFIG_NAME}; it must be true or false")
+    return value
 
 
 def read_config(directory: str) -> dict:
-    with open(regular_file(os.path.join(directory, CONFIG_NAME))) as file:
-        return json.load(file)
+    return read_json(os.path.join(directory, CONFIG_NAME))
+
+
+def read_json(path: str) -> Any:
+    """A JSON file of a model directory; ValueError naming it when it is not JSON, or nests
+    deeper than Python's parser recurses (it would raise RecursionError)."""
+    with open(regular_file(path), encoding="utf-8") as file:
+        try:
+            return json.load(file)
+        except RecursionError:
+            raise ValueError(f"{os.path.basename(path)} nests its arrays or objects too deeply to read: "
+                             "not a HuggingFace file") from None
+        except ValueError as error:  # not JSON, or not UTF-8
+            raise ValueError(f"{os.path.basename(path)} is not JSON: {error}") from None
 
 
 # safetensors dtypes that hold a weight as the model computes it; anything else (integers,
@@ -339,8 +416,7 @@ def weight_files(directory: str) -> dict[str, str]:
     if not os.path.exists(index):
         path = os.path.join(directory, WEIGHTS_NAME)
         return dict.fromkeys(safetensors_header(path), path)
-    with open(regular_file(index)) as file:
-        contents = json.load(file)
+    contents = read_json(index)
     weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(value, str) for value in weight_map.values()):
         raise ValueError(f"{INDEX_NAME} has no weight_map of tensor names to file names")
@@ -456,17 +532,23 @@ class PretrainedReader(StorageReader):
         ours = item.storage_index.fqn
         boxes = [slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths)]
         if ours in self.stacked:
-            pieces = [stored_slice(theirs)[tuple(boxes[1:])] for theirs in self.stacked[ours][boxes[0]]]
-            self.bytes_read += sum(piece.nbytes for piece in pieces)
-            return torch.stack(pieces)
-        stored = stored_slice(self.names[ours])
+            return torch.stack([self._read(stored_slice, theirs, tuple(boxes[1:]))
+                                for theirs in self.stacked[ours][boxes[0]]])
+        theirs = self.names[ours]
         heads = rotary_heads(ours, self.layout)
         if heads is None:
-            piece = stored[tuple(boxes)]
-            self.bytes_read += piece.nbytes
-            return piece
-        rows = halves_rows(range(boxes[0].start, boxes[0].stop), stored.get_shape()[0], heads)
+            return self._read(stored_slice, theirs, tuple(boxes))
+        rows = halves_rows(range(boxes[0].start, boxes[0].stop), stored_slice(theirs).get_shape()[0], heads)
         first, last = int(rows.min()), int(rows.max()) + 1  # the whole heads the rows lie in
-        block = stored[(slice(first, last), *boxes[1:])]
-        self.bytes_read += block.nbytes
-        return block[rows - first]
+        return self._read(stored_slice, theirs, (slice(first, last), *boxes[1:]))[rows - first]
+
+    def _read(self, stored_slice, theirs: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """A box of the stored tensor ``theirs``: ValueError where it holds a NaN or an
+        infinity, which training would spread to every weight (checked here, as each rank reads
+        its slices: no process reads the whole model)."""
+        piece = stored_slice(theirs)[box]
+        self.bytes_read += piece.nbytes
+        if not torch.isfinite(piece).all():
+            raise ValueError(f"{theirs!r} in {os.path.basename(self.files[theirs])} holds NaN or infinite values; "
+                             "download the checkpoint again, or start from another")
+        return piece

@@ -208,9 +208,10 @@ def test_a_directory_that_is_not_a_llama_checkpoint_is_refused_naming_what_it_la
         tiny_config(tmp_path, model__init_from=str(tmp_path / "other"))
 
 
-def edited_copy(source, directory, *, index=None, config=None, tensor=None):
+def edited_copy(source, directory, *, index=None, config=None, text=None, tensor=None):
     """A copy of the HuggingFace directory ``source`` with its index or config.json replaced,
-    or its tensors changed by ``tensor`` (name, tensor -> tensor)."""
+    a file's contents replaced by ``text`` (name -> contents), or its tensors changed by
+    ``tensor`` (name, tensor -> tensor)."""
     from safetensors.torch import load_file
 
     shutil.copytree(source, directory)
@@ -218,6 +219,8 @@ def edited_copy(source, directory, *, index=None, config=None, tensor=None):
         (directory / INDEX_NAME).write_text(json.dumps(index))
     if config is not None:
         (directory / "config.json").write_text(json.dumps(config))
+    for name, contents in (text or {}).items():
+        (directory / name).write_text(contents)
     for shard in directory.glob("*.safetensors") if tensor is not None else ():
         weights = load_file(shard)
         save_file({name: tensor(name, value).contiguous() for name, value in weights.items()}, shard)
@@ -258,6 +261,33 @@ def test_weights_that_cannot_load_are_refused_in_one_line_before_any_actor_start
         "a width as text": ({"config": {**config, "hidden_size": "32"}},
                             "hidden_size is '32' in config.json; it must be a positive integer"),
         "no heads": ({"config": {**config, "num_attention_heads": 0}}, "num_attention_heads is 0 in config.json"),
+        # Each field the loader reads, of a kind it is not: a line naming it, not a traceback.
+        "a config nested deeper than Python recurses": ({"text": {"config.json": "[" * 100_000}},
+                                                        "config.json nests its arrays or objects too deeply to read"),
+        "an index nested deeper than Python recurses": ({"text": {INDEX_NAME: '{"weight_map": ' + "[" * 100_000}},
+                                                        f"{INDEX_NAME} nests its arrays or objects too deeply"),
+        "a config that is not JSON": ({"text": {"config.json": "{"}}, "config.json is not JSON: Expecting"),
+        "an epsilon as a list": ({"config": {**config, "rms_norm_eps": [1e-5]}},
+                                 r"rms_norm_eps is \[1e-05\] in config.json; it must be a positive number"),
+        "a null epsilon": ({"config": {**config, "rms_norm_eps": None}},
+                           "rms_norm_eps is None in config.json; it must be a positive number"),
+        "an infinite base": ({"config": {**config, "rope_theta": float("inf")}},
+                             "rope_theta is inf in config.json; it must be a positive number"),
+        "a RoPE scaling as text": ({"config": {**config, "rope_scaling": "llama3"}},
+                                   "rope_scaling is 'llama3' in config.json; it must be a JSON object or null"),
+        "a RoPE factor as text": ({"config": {**config, "rope_scaling": {**config["rope_scaling"], "factor": "8"}}},
+                                  "rope_scaling.factor is '8' in config.json; it must be a positive number"),
+        "no RoPE length": ({"config": {**config, "rope_scaling": {
+                               **config["rope_scaling"], "original_max_position_embeddings": None}}},
+                           "no 'rope_scaling.original_max_position_embeddings' in config.json"),
+        "tying as text": ({"config": {**config, "tie_word_embeddings": "false"}},
+                          "tie_word_embeddings is 'false' in config.json; it must be true or false"),
+        "a model type as a list": ({"config": {**config, "model_type": ["llama"]}},
+                                   r"model_type is \['llama'\]: only 'llama', 'mixtral'"),
+        "a dropout as text": ({"config": {**config, "attention_dropout": "0.1"}},
+                              "attention_dropout is '0.1' in config.json; it must be a number, zero or more"),
+        "biases the model lacks": ({"config": {**config, "mlp_bias": True}},
+                                   "the reference model does not compute config.json's mlp_bias=True"),
         "integers": ({"tensor": lambda name, value: value.to(torch.int64)}, "is stored as I64, not a floating-point"),
         "a doubled shape": ({"tensor": lambda name, value: value.half().repeat(2, *[1] * (value.dim() - 1))},
                             r"is \[\d+(, \d+)?\] in the source, the model needs"),
@@ -269,6 +299,58 @@ def test_weights_that_cannot_load_are_refused_in_one_line_before_any_actor_start
         line = refusal(tmp_path, edited_copy(source, tmp_path / what.replace(" ", "-"), **edit))
         assert re.search(expected, line) and "\n" not in line, (what, line)
         assert line.startswith("invalid config: model.init_from: "), (what, line)
+
+
+MIXTRAL = ModelArgs(**{**asdict(ARGS), "rope_scaling": None, "experts": 4})
+
+
+def test_a_sources_training_time_settings_are_told_at_start_in_one_warning_line_each(tmp_path, caplog):
+    """Dropout on the attention weights and Mixtral's router jitter are training's alone (the
+    weights compute the same without them), and the reference model has neither: the run
+    goes on without them, and says so naming the field."""
+    llama, mixtral = tmp_path / "llama", tmp_path / "mixtral"
+    write_checkpoint(llama)
+    write_checkpoint(mixtral, MIXTRAL)
+    config = json.loads((mixtral / "config.json").read_text())
+    tiny_config(tmp_path, model__init_from=str(mixtral))  # as exported: nothing to tell
+    assert not caplog.records
+    edited = edited_copy(mixtral, tmp_path / "jitter",
+                         config={**config, "attention_dropout": 0.1, "router_jitter_noise": 0.01})
+    tiny_config(tmp_path, model__init_from=str(edited))
+    assert [(record.name, record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("elastic", "WARNING", "config.json's attention_dropout=0.1 is not applied: this trainer trains without "
+                               "dropout on the attention weights (model.dropout drops the embeddings and residual "
+                               "branches)"),
+        ("elastic", "WARNING", "config.json's router_jitter_noise=0.01 is not applied: this trainer routes tokens "
+                               "without jitter")]
+    caplog.clear()
+    # Llama's config.json may hold a null dropout (transformers' own type allows it): none.
+    config = json.loads((llama / "config.json").read_text())
+    tiny_config(tmp_path, model__init_from=str(edited_copy(llama, tmp_path / "null", config={
+        **config, "attention_dropout": None})))
+    assert not caplog.records
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process reads it: the point
+def test_weights_that_are_not_finite_are_refused_as_they_load_naming_the_tensor_and_its_file(tmp_path):
+    """A NaN or an infinity in any tensor would spread to every weight in the first step, and
+    be trained on and exported: each rank checks the slices it reads. A plain weight, and a
+    query projection's, read in the other rotary order."""
+    from checkpointing.pretrained import PretrainedUnloadable
+
+    source = tmp_path / "llama"
+    write_checkpoint(source, sharded=True)
+    layout = layout_of(asdict(ARGS))
+    bad = {"model.layers.1.mlp.down_proj.weight": float("nan"), "model.layers.0.self_attn.q_proj.weight": float("inf")}
+    for name, value in bad.items():
+        def spoiled(theirs, tensor):
+            return tensor.index_fill(0, torch.tensor([3]), value) if theirs == name else tensor
+
+        directory = edited_copy(source, tmp_path / name, tensor=spoiled)
+        file = json.loads((directory / INDEX_NAME).read_text())["weight_map"][name]
+        with pytest.raises(PretrainedUnloadable, match=rf"^{directory} does not load: ValueError: '{name}' in {file} "
+                                                       "holds NaN or infinite values; download the checkpoint again"):
+            load_pretrained(Transformer(ARGS), PretrainedSource(str(directory), layout), StorageOptions(), None)
 
 
 def first_batch_loss_of(logits_of, config) -> float:

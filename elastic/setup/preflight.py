@@ -12,6 +12,7 @@ config built any other way is checked before a run too. A problem is one line, r
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from checkpointing.storage import check_writable, in_ray_runtime_directory
 from elastic.setup.config import TrainConfig, invalid_config, parse_config
 from elastic.setup.config_files import merge, read_config_file
 from elastic.setup.errors import ConfigError
+
+log = logging.getLogger("elastic")
 
 
 def preflight(config: TrainConfig) -> TrainConfig:
@@ -81,13 +84,16 @@ def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
 
     source = config.model.init_from
     if is_huggingface(source):
-        from checkpointing.huggingface import model_fields, read_config
+        from checkpointing.huggingface import model_fields, read_config, unapplied_settings
 
         # Its weights are checked where the run is known to start from them, not to resume.
         try:
-            fields = model_fields(read_config(source))
+            contents = read_config(source)
+            fields, unapplied = model_fields(contents), unapplied_settings(contents)
         except (OSError, ValueError, KeyError) as error:
             raise pretrained_refused(source, error) from None
+        for warning in unapplied:  # here, where config.json is read: the run's config keeps no trace of them
+            log.warning("%s", warning)
     else:
         fields, source = checkpoint_fields(config, source)
     given = config.model.model_dump(include=config.model.model_fields_set)
