@@ -331,6 +331,18 @@ def test_a_sources_training_time_settings_are_told_at_start_in_one_warning_line_
     assert not caplog.records
 
 
+def test_expert_parallelism_over_a_dense_source_is_refused_naming_scaling_ep(tmp_path):
+    """The source's fields come in at preflight: a dense one leaves ep ranks nothing to split."""
+    write_checkpoint(tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"^invalid config: scaling.ep=2 with model.experts = 0: a dense model has "
+                                          r"no experts to split; set scaling.ep = 1, or start from a mixture of "
+                                          r"experts \(model.init_from\)$"):
+        tiny_config(tmp_path, shard=2, scaling__ep=2, model__init_from=str(tmp_path / "llama"))
+    write_checkpoint(tmp_path / "mixtral", MIXTRAL)
+    config = tiny_config(tmp_path, shard=2, scaling__ep=2, model__init_from=str(tmp_path / "mixtral"))
+    assert (config.scaling.ep, config.model.experts) == (2, 4)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process reads it: the point
 def test_weights_that_are_not_finite_are_refused_as_they_load_naming_the_tensor_and_its_file(tmp_path):
     """A NaN or an infinity in any tensor would spread to every weight in the first step, and

@@ -639,8 +639,10 @@ class TrainConfig(Section):
         scaling, model = self.scaling, self.model
         ep = scaling.ep
         problems = [  # in order: the first that holds is refused
-            # model.init_from's fields come in later, checked again then
-            (not (model.experts or model.init_from), "model.experts = 0: a dense model has no experts to split"),
+            # with model.init_from, experts left out are the source's: preflight gives every field, checked again
+            (not model.experts and (not model.init_from or "experts" in model.model_fields_set),
+             "model.experts = 0: a dense model has no experts to split; set scaling.ep = 1"
+             f"{', or start from a mixture of experts (model.init_from)' if model.init_from else ''}"),
             (scaling.shard % ep, f"scaling.shard={scaling.shard}: the shard ranks split into blocks of ep ranks, "
                                  f"each holding every expert once; give an ep that divides {scaling.shard}"),
             (model.experts % ep, f"model.experts={model.experts} does not split evenly over {ep} ranks; set "
