@@ -425,6 +425,18 @@ def test_validation_settings_that_conflict_or_overreach_are_refused(tmp_path):
         build_config({"data": {"validation_path": str(tmp_path / "none.txt")}})
 
 
+def test_validation_data_that_is_the_training_data_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # unread: the files need not exist
+    for data, fix in (({"path": "t.bin", "validation_path": str(tmp_path / "t.bin")}, ", or unset it and hold out the "
+                       "tail of path with validation_fraction"),
+                      ({"sources": [{"path": "a.bin"}, {"path": "t.bin/"}], "validation_path": "t.bin"}, "")):
+        with pytest.raises(ConfigError) as refused:
+            build_config({"data": data})
+        assert str(refused.value) == (f"invalid config: data: validation_path='{tmp_path / 't.bin'}' is the training "
+                                      "data too, so its loss says nothing of data the model has not seen; give "
+                                      f"held-out data{fix}")
+
+
 def test_resolve_hooks_keeps_a_given_dataset_with_its_own_validation_set(tmp_path):
     config = tiny_config(tmp_path)
     mine, held_out = GeneratedCorpus(32, 5_000, 9), GeneratedCorpus(32, 500, 10)

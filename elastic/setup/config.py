@@ -358,19 +358,26 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _data_fits(self) -> DataConfig:
-        if self.validation_fraction and self.validation_path:
-            raise ValueError(
-                f"validation_fraction={self.validation_fraction:g} and validation_path={self.validation_path!r} "
-                "both choose the validation data; set only one of them"
-            )
-        if self.path and self.sources:
-            raise ValueError("path and sources both name the training data; give one source as path, or several "
-                             "as sources")
-        if self.sources and self.validation_fraction:
-            raise ValueError("validation_fraction splits one source, not a mixture (its samples move from epoch to "
-                             "epoch); give the held-out data as validation_path")
-        if "chat" in (self.format, *(source.format for source in self.sources)) and not self.tokenizer:
-            raise ValueError("format chat renders conversations with a tokenizer's chat template; set tokenizer")
+        trained = [source.path.rstrip("/") for source in self.training_sources()]
+        problems = [  # in order: the first that holds is refused
+            (self.validation_fraction and self.validation_path,
+             f"validation_fraction={self.validation_fraction:g} and validation_path={self.validation_path!r} both "
+             "choose the validation data; set only one of them"),
+            (self.path and self.sources, "path and sources both name the training data; give one source as path, "
+                                         "or several as sources"),
+            (self.sources and self.validation_fraction,
+             "validation_fraction splits one source, not a mixture (its samples move from epoch to epoch); give the "
+             "held-out data as validation_path"),
+            ("chat" in (self.format, *(source.format for source in self.sources)) and not self.tokenizer,
+             "format chat renders conversations with a tokenizer's chat template; set tokenizer"),
+            (self.validation_path and self.validation_path.rstrip("/") in trained,
+             f"validation_path={self.validation_path!r} is the training data too, so its loss says nothing of data "
+             "the model has not seen; give held-out data"
+             f"{'' if self.sources else ', or unset it and hold out the tail of path with validation_fraction'}"),
+        ]
+        problem = next((text for broken, text in problems if broken), None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def training_sources(self) -> list[DataSource]:
