@@ -77,7 +77,7 @@ def test_a_jsonl_line_over_the_limit_is_refused_before_it_is_read_whole(tmp_path
     pytest.importorskip("zstandard")
     path = tmp_path / name
     write_line_of(path, 64 * LIMIT)  # 64 MiB, a few hundred bytes compressed
-    with pytest.raises(ConfigError, match=rf"{name} document 0: the line holds at least {LIMIT + 1} bytes, over "
+    with pytest.raises(ConfigError, match=rf"{name} line 1: the line holds at least {LIMIT + 1} bytes, over "
                                           rf"data.max_document_bytes \({LIMIT}\); split it") as refused:
         config_of({"path": str(path), "max_document_bytes": LIMIT})
     assert "\n" not in str(refused.value)
@@ -94,8 +94,8 @@ def test_a_jsonl_line_over_the_limit_is_refused_before_it_is_read_whole(tmp_path
 def test_a_parquet_document_over_the_limit_is_refused_before_python_holds_it(tmp_path, tokenizer):
     pq.write_table(pa.table({"text": ["short", "a" * (8 * LIMIT)]}), tmp_path / "p.parquet")
     assert (tmp_path / "p.parquet").stat().st_size < LIMIT  # compressed: the file says nothing of its documents
-    with pytest.raises(ConfigError, match=rf"p.parquet row 1: the document holds {8 * LIMIT} bytes, over "
-                                          rf"data.max_document_bytes \({LIMIT}\)"):
+    with pytest.raises(ConfigError, match=rf"p.parquet row 1 \(row group 0, its row 1\): the document holds "
+                                          rf"{8 * LIMIT} bytes, over data.max_document_bytes \({LIMIT}\)"):
         config_of({"path": str(tmp_path / "p.parquet"), "tokenizer": tokenizer, "max_document_bytes": LIMIT})
     tracemalloc.start()  # Arrow's memory is its own: what Python holds is traced
     try:
@@ -106,12 +106,13 @@ def test_a_parquet_document_over_the_limit_is_refused_before_python_holds_it(tmp
         tracemalloc.stop()
     assert peak < 4 * LIMIT, f"Python held {peak} bytes of a document refused at {LIMIT}"
     pq.write_table(pa.table({"ids": [list(range(LIMIT // 8 + 1))]}), tmp_path / "ids.parquet")
-    with pytest.raises(ConfigError, match=rf"ids.parquet row 0: the document holds {LIMIT + 8} bytes"):
+    with pytest.raises(ConfigError, match=rf"ids.parquet row 0 \(row group 0, its row 0\): the document holds "
+                                          rf"{LIMIT + 8} bytes"):
         config_of({"path": str(tmp_path / "ids.parquet"), "text_column": "ids", "max_document_bytes": LIMIT})
     long_turn = [CONVERSATION[0], {"role": "assistant", "content": "a" * LIMIT}]
     pq.write_table(pa.table({"messages": [CONVERSATION, long_turn]}), tmp_path / "chat.parquet")
-    with pytest.raises(ConfigError, match=rf"chat.parquet row 1: the conversation's text holds {LIMIT + 12} bytes, "
-                                          rf"over data.max_document_bytes \({LIMIT}\)"):
+    with pytest.raises(ConfigError, match=rf"chat.parquet row 1 \(row group 0, its row 1\): the conversation's "
+                                          rf"text holds {LIMIT + 12} bytes, over data.max_document_bytes \({LIMIT}\)"):
         config_of({"path": str(tmp_path / "chat.parquet"), "format": "chat", "tokenizer": tokenizer,
                    "max_document_bytes": LIMIT})
 
@@ -170,7 +171,7 @@ def test_a_chat_template_past_its_deadline_or_size_is_refused_in_one_line(tmp_pa
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.count("\n") == 1, completed.stdout
-    assert f"{data} document 0: " in completed.stdout
+    assert f"{data} line 1: " in completed.stdout
     assert re.search(refusal, completed.stdout), completed.stdout
 
 
@@ -221,5 +222,5 @@ def test_a_jsonl_file_in_s3_is_read_line_by_line_as_a_local_one_and_bounded_alik
     np.testing.assert_array_equal(remote.spans, local.spans)
     assert remote.read(10, 13) == DOCUMENTS[10:13]
     _, remote = both("long.jsonl", [{"text": "short"}, {"text": "a" * (8 * LIMIT)}])
-    with pytest.raises(DataError, match=rf"long.jsonl document 1: the line holds at least {LIMIT + 1} bytes"):
+    with pytest.raises(DataError, match=rf"long.jsonl line 2: the line holds at least {LIMIT + 1} bytes"):
         list(remote.scan())

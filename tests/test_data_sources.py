@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
+from elastic.data.documents import DataError  # noqa: E402
 from elastic.data.mixture import at_epoch  # noqa: E402
 from elastic.data.tokenizing import IGNORE_INDEX  # noqa: E402
 from elastic.setup.dataset import default_datasets, generate_corpus  # noqa: E402
@@ -55,6 +58,13 @@ def packed_stream(tokenizer_dir: str, documents: list[str]) -> np.ndarray:
 
 def windows(dataset) -> np.ndarray:
     return np.stack([dataset[i].numpy() for i in range(len(dataset))])
+
+
+def refused_in_one_line(data: dict, message: str) -> None:
+    """``data`` refused before anything starts, in one line that says ``message`` (a regex)."""
+    with pytest.raises(ConfigError, match=f"^invalid config: data.path: .*{message}") as raised:
+        config_of(data)
+    assert "\n" not in str(raised.value), raised.value
 
 
 def test_every_format_packs_the_same_documents_into_the_same_windows(tmp_path, tokenizer):
@@ -166,21 +176,19 @@ def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything
     good = [{"text": text} for text in DOCUMENTS[:50]]
     cases = {
         "malformed": (write_jsonl(tmp_path / "m.jsonl", good[:3]) and (tmp_path / "m.jsonl").open("a").write(
-            "{not json\n") and str(tmp_path / "m.jsonl"), r"m.jsonl document 3: not a JSON object"),
-        "no column": (write_jsonl(tmp_path / "c.jsonl", [{"body": "x"}]), r"c.jsonl document 0: no 'text' field "
+            "{not json\n") and str(tmp_path / "m.jsonl"), r"m.jsonl line 4: not a JSON object"),
+        "no column": (write_jsonl(tmp_path / "c.jsonl", [{"body": "x"}]), r"c.jsonl line 1: no 'text' field "
                       r"\(it has \['body'\]\); set data.text_column"),
         "empty": (write_jsonl(tmp_path / "e.jsonl", []), r"e.jsonl holds no documents"),
-        "not a number": (write_jsonl(tmp_path / "n.jsonl", [{"text": 5}]), r"n.jsonl document 0: column 'text' "
+        "not a number": (write_jsonl(tmp_path / "n.jsonl", [{"text": 5}]), r"n.jsonl line 1: column 'text' "
                          r"holds int, not text or a list of token ids"),
     }
     (tmp_path / "u.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
-    cases["not utf-8"] = (str(tmp_path / "u.jsonl"), r"u.jsonl document 0: the line is not UTF-8")
+    cases["not utf-8"] = (str(tmp_path / "u.jsonl"), r"u.jsonl line 1: the line is not UTF-8")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
     cases["parquet column"] = (str(tmp_path / "p.parquet"), r"p.parquet: no column 'text' \(it has \['body'\]\)")
-    for name, (path, message) in cases.items():
-        with pytest.raises(ConfigError, match=f"invalid config: data.path: .*{message}") as raised:
-            config_of({"path": path, "tokenizer": tokenizer})
-        assert "\n" not in str(raised.value), name
+    for path, message in cases.values():
+        refused_in_one_line({"path": path, "tokenizer": tokenizer}, message)
     # a tokenizer whose loading would run its own code
     remote = tmp_path / "remote-tokenizer"
     make_tokenizer(remote, DOCUMENTS[:100], VOCAB)
@@ -201,6 +209,135 @@ def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything
         config_of({"path": str(tmp_path / "ok.jsonl"), "format": "chat"})
     with pytest.raises(ConfigError, match=r"validation_fraction splits one source, not a mixture"):
         config_of({"sources": [{"path": str(tmp_path / "ok.jsonl")}], "validation_fraction": 0.1})
+
+
+def test_a_line_the_parser_or_the_tokenizer_cannot_take_is_refused_in_one_line_naming_it(tmp_path, tokenizer):
+    good = "".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS[:3])
+    (tmp_path / "deep.jsonl").write_text(good + "\n" + '{"text": ' + "[" * 100_000 + "\n")
+    refused_in_one_line({"path": str(tmp_path / "deep.jsonl"), "tokenizer": tokenizer},
+                        r"deep.jsonl line 5: the JSON nests deeper than Python's parser goes; flatten the line")
+    # JSON's escape of half a UTF-16 pair: no character, which neither a tokenizer nor UTF-8 takes
+    (tmp_path / "half.jsonl").write_text(good + '{"text": "a \\ud800 b"}\n')
+    half = re.escape(r"half.jsonl line 4: the text holds '\ud800', half of a UTF-16 pair and no character")
+    refused_in_one_line({"path": str(tmp_path / "half.jsonl"), "tokenizer": tokenizer}, half)
+    refused_in_one_line({"path": str(tmp_path / "half.jsonl")}, half)
+    conversation = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "\ud800"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": conversation}) + "\n")
+    refused_in_one_line({"path": str(tmp_path / "chat.jsonl"), "format": "chat", "tokenizer": tokenizer},
+                        re.escape(r"chat.jsonl line 1: the text holds '\ud800'"))
+
+
+def test_a_document_is_named_by_its_jsonl_line_or_its_parquet_row_group_and_row(tmp_path, tokenizer):
+    from elastic.data.documents import JsonlFile
+
+    lines = [json.dumps({"text": text}) for text in DOCUMENTS[:5]]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines[:2]) + "\n\n\n" + "\n".join(lines[2:]) + "\n{not json\n")
+    (tmp_path / "m.jsonl.gz").write_bytes(gzip.compress((tmp_path / "m.jsonl").read_bytes()))
+    for name in ("m.jsonl", "m.jsonl.gz"):  # document 5, as an editor counts: line 8
+        refused_in_one_line({"path": str(tmp_path / name), "tokenizer": tokenizer},
+                            rf"{name} line 8: not a JSON object \(.*\); fix or drop the line")
+    (tmp_path / "ok.jsonl").write_text("\n" + "\n".join(lines[:2]) + "\n\n\n" + "\n".join(lines[2:]) + "\n\n")
+    scanned = JsonlFile(str(tmp_path / "ok.jsonl"), "text", max_document_bytes=2**20)
+    assert sum(len(batch) for batch in scanned.scan()) == 5
+    on_a_rank = pickle.loads(pickle.dumps(scanned))
+    assert [on_a_rank.where(row) for row in range(5)] == [f"{tmp_path / 'ok.jsonl'} line {n}" for n in (2, 3, 6, 7, 8)]
+    pq.write_table(pa.table({"text": [*DOCUMENTS[:23], None, *DOCUMENTS[23:30]]}), tmp_path / "p.parquet",
+                   row_group_size=10)
+    refused_in_one_line({"path": str(tmp_path / "p.parquet"), "tokenizer": tokenizer},
+                        r"p.parquet row 23 \(row group 2, its row 3\): column 'text' is empty")
+
+
+def test_token_ids_are_integers_from_zero_in_a_document_and_in_every_window(tmp_path):
+    ids = [list(range(1, 40)) for _ in range(6)]
+    cases = {"beyond int64": [2**70], "negative": [7, -5, 3], "true and false": [True, False]}
+    for name, bad in cases.items():
+        write_jsonl(tmp_path / "ids.jsonl", [{"ids": row} for row in ids] + [{"ids": bad}] + [{"ids": ids[0]}] * 6)
+        refused_in_one_line({"path": str(tmp_path / "ids.jsonl"), "text_column": "ids"},
+                            r"ids.jsonl line 7: column 'ids' holds " + {
+                                "beyond int64": r"1180591620717411303424, which is no token id",
+                                "negative": r"-5, which is no token id",
+                                "true and false": r"true/false values, not token ids"}[name])
+    pq.write_table(pa.table({"ids": pa.array([[2**64 - 1]], pa.list_(pa.uint64()))}), tmp_path / "ids.parquet")
+    refused_in_one_line({"path": str(tmp_path / "ids.parquet"), "text_column": "ids"},
+                        r"ids.parquet row 0 \(row group 0, its row 0\): column 'ids' holds 18446744073709551615")
+    # a token stream: every window a rank reads, not only those the preflight samples
+    sequences = [[(5 * i + j) % VOCAB for j in range(9)] for i in range(400)]
+    sequences[2][3] = -3  # token 21, in sample 1: the preflight reads 64 samples of 224, not that one
+    write_megatron_pair(tmp_path / "signed", sequences, "int16")
+    dataset = train_set({"path": str(tmp_path / "signed")})
+    with pytest.raises(DataError, match=r"^sample 1 holds token id -3 \(token 21 of .*signed.bin\), and no token id "
+                                        r"is below 0"):
+        dataset[1]
+
+
+def test_a_megatron_index_that_claims_what_it_cannot_hold_is_refused_in_one_line(tmp_path):
+    write_megatron_pair(tmp_path / "pair", [[i % VOCAB for i in range(3000)]] * 2)
+    index = bytearray((tmp_path / "pair.idx").read_bytes())
+    claims = bytearray(index)
+    claims[18:26] = (2**61).to_bytes(8, "little")  # the header's count of sequences
+    (tmp_path / "pair.idx").write_bytes(claims)
+    refused_in_one_line({"path": str(tmp_path / "pair")}, r"pair.idx: the index is cut short \(\d+ of "
+                                                          rf"{2**61} sequence lengths\)")
+    index[34:42] = np.array([7000, -1000], dtype="<i4").tobytes()  # still 6000 tokens, as the .bin holds
+    (tmp_path / "pair.idx").write_bytes(index)
+    refused_in_one_line({"path": str(tmp_path / "pair")}, r"pair.idx: sequence 1's length is -1000, and no length is "
+                                                          r"below 0: the index is damaged")
+
+
+def test_a_damaged_parquet_file_or_save_to_disk_directory_is_refused_in_one_line_naming_the_file(tmp_path, tokenizer):
+    pq.write_table(pa.table({"text": DOCUMENTS[:400]}), tmp_path / "d.parquet", row_group_size=100)
+    damaged = bytearray((tmp_path / "d.parquet").read_bytes())
+    chunk = pq.ParquetFile(tmp_path / "d.parquet").metadata.row_group(1).column(0)
+    page = chunk.dictionary_page_offset or chunk.data_page_offset
+    damaged[page : page + 8] = bytes(b ^ 0x5A for b in damaged[page : page + 8])  # its first page's header
+    (tmp_path / "d.parquet").write_bytes(damaged)
+    refused_in_one_line({"path": str(tmp_path / "d.parquet"), "tokenizer": tokenizer},
+                        r"d.parquet: row group 1 cannot be read \(.*\); the file is damaged: write it again$")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    with pa.ipc.new_stream(saved / "data-00000-of-00001.arrow", pa.schema({"text": pa.string()})) as stream:
+        stream.write_table(pa.table({"text": DOCUMENTS[:100]}))
+    for files, message in (([], r"lists no data files \(its _data_files is empty\)"),
+                           (["data-00000-of-00001.arrow"] * 3, r"lists data-00000-of-00001.arrow 3 times")):
+        (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": name} for name in files]}))
+        refused_in_one_line({"path": str(saved), "tokenizer": tokenizer}, rf"saved/state.json {message}")
+
+
+def test_format_auto_is_the_files_a_directory_or_glob_matches_and_a_urls_path(tmp_path):
+    from elastic.setup.config import parse_config
+    from elastic.setup.dataset import source_format
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name, rows in (("a.jsonl", DOCUMENTS[:200]), ("b.jsonl", DOCUMENTS[200:400])):
+        write_jsonl(shards / name, [{"text": text} for text in rows])
+    (shards / "_SUCCESS").write_text("")  # a writer's marker, as pyarrow skips it
+    stream = np.frombuffer("".join(text + "\n" for text in DOCUMENTS[:400]).encode(), dtype=np.uint8)
+    for path in (shards, shards / "a.js*"):
+        dataset = train_set({"path": str(path)})
+        assert [file.url.rsplit("/", 1)[-1] for file in dataset.files] == ["a.jsonl", "b.jsonl"][: len(dataset.files)]
+        np.testing.assert_array_equal(dataset[3].numpy(), stream[3 * SEQ_LEN : 4 * SEQ_LEN + 1], err_msg=str(path))
+    (shards / "notes.txt").write_text("not a document\n")
+    refused_in_one_line({"path": str(shards)}, r"shards holds jsonl \(.*a.jsonl\) and text \(.*notes.txt\); give "
+                                               r"files of one format")
+    signed = "https://bucket.s3.amazonaws.com/d/x.jsonl.gz?X-Amz-Credential=k&X-Amz-Signature=s"
+    assert source_format(parse_config({"data": {"path": signed}}), signed) == "jsonl"
+
+
+def test_a_ray_dataset_of_no_rows_is_refused_in_one_line(tmp_path):
+    from elastic.data.ray_dataset import materialize
+
+    class NoRows:
+        """What Ray's write_parquet leaves of a dataset of no rows: no file, and no directory
+        (it removes the one it made)."""
+
+        def write_parquet(self, path, filesystem):
+            pass
+
+    directory = str(tmp_path / "runs" / "r" / "data" / "train")
+    with pytest.raises(DataError, match=rf"^{directory}: the Ray dataset given has no rows, so nothing was written to "
+                                        r"train on; give a dataset with rows$"):
+        materialize(NoRows(), directory, {})
 
 
 def test_a_mixture_on_s3_and_local_disk_reads_by_range(tmp_path, tokenizer, s3_server):
@@ -453,3 +590,21 @@ def test_a_named_runs_data_index_is_kept_with_the_run_and_read_back_by_its_next_
     (tmp_path / "b.jsonl").write_text((tmp_path / "b.jsonl").read_text() + json.dumps({"text": "more"}) + "\n")
     with pytest.raises(AssertionError, match="scanned again"):  # other data: another index, built anew
         train_set(values, **settings)
+
+
+def test_a_data_index_cut_short_is_made_again_from_the_data_and_kept_whole(tmp_path, caplog):
+    from elastic.data import packing
+
+    values = {"path": write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[:300]])}
+    settings = {"storage": str(tmp_path / "runs"), "run_name": "kept"}
+    first = train_set(values, **settings)
+    [kept] = (tmp_path / "runs" / "kept" / "data" / "index").glob("*.npz")
+    kept.write_bytes(kept.read_bytes()[: kept.stat().st_size // 2])  # as a full disk leaves it
+    packing._BUILT.clear()  # a new leg is a new process
+    with caplog.at_level(logging.WARNING, logger="elastic.data.packing"):
+        again = train_set(values, **settings)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"the data index {kept} cannot be read (File is not a zip file): made again from the data"]
+    assert len(again) == len(first) and np.array_equal(again[7].numpy(), first[7].numpy())
+    with np.load(kept) as whole:
+        np.testing.assert_array_equal(whole["0.lengths"], again.lengths[0])

@@ -14,10 +14,12 @@ Nothing here executes what it reads: JSON is parsed, Arrow and Parquet are colum
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import io
 import json
-from collections import OrderedDict
+import re
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,11 +40,38 @@ _CACHED_BLOCKS = 4
 # Rows a scan reads at once: the index is built a batch at a time, never a file in memory.
 SCAN_ROWS = 8192
 
+# Half of a UTF-16 pair: JSON's "\ud800" escape makes one in a Python string, which is no
+# character, has no UTF-8, and no tokenizer takes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class DataError(ConfigError):
     """The data itself is wrong, not the storage it is read from: every read of it fails the
     same way, so no retry or fresh process helps (a rank reports it as ``own-data``). Bad
     input: found before the run starts, it is refused as any ``ConfigError`` is."""
+
+
+def url_name(url: str) -> str:
+    """``url`` without its query string: a presigned URL's signature (``x.jsonl?X-Amz-...``)
+    says nothing of what the file is."""
+    return url.split("?", 1)[0] if "://" in url else url
+
+
+@contextmanager
+def arrow_reading(url: str, what: str, fix: str) -> Iterator[None]:
+    """Reading ``url`` through pyarrow, whose own errors are the file's: a ``DataError`` of one
+    line (pyarrow's text runs over several), ``what`` failed, and ``fix``. The storage's errors
+    stay theirs (a failing disk or network is no fault of the data): pyarrow raises again what
+    the file object raised, as it was, and its own are an ``ArrowException`` or a bare
+    ``OSError`` without an errno ("Corrupt snappy compressed data.")."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except Exception as error:
+        if not (isinstance(error, pa.ArrowException) or (type(error) is OSError and error.errno is None)):
+            raise
+        raise DataError(f"{url}: {what} ({' '.join(str(error).split())}); {fix}") from None
 
 
 @dataclass(frozen=True)
@@ -111,13 +140,35 @@ class DocumentFile(Recipe):
         if self.chat:
             return self._conversation(value, row)
         if isinstance(value, str):
-            return value
+            return self._text(value, row)
         if isinstance(value, list | np.ndarray) and all(isinstance(v, int | np.integer) for v in value):
-            return np.asarray(value, dtype=np.int64)
+            return self._token_ids(value, row)
         if value is None:
             raise DataError(f"{self.where(row)}: column {self.column!r} is empty; fill it or drop the row")
         raise DataError(f"{self.where(row)}: column {self.column!r} holds {type(value).__name__}, not text or a list "
                         "of token ids; set data.text_column to the column that holds the documents")
+
+    def _text(self, text: str, row: int) -> str:
+        if not text.isascii() and (surrogate := _SURROGATE.search(text)):
+            raise DataError(f"{self.where(row)}: the text holds {surrogate.group()!r}, half of a UTF-16 pair and no "
+                            "character; fix its escape (a character outside the BMP is a pair, \\ud83d\\ude00)")
+        return text
+
+    def _token_ids(self, values, row: int) -> np.ndarray:
+        """A row's token ids as int64, each 0 or above (the model's vocabulary bounds them from
+        above, window by window)."""
+        if any(isinstance(v, bool) for v in values):
+            raise DataError(f"{self.where(row)}: column {self.column!r} holds true/false values, not token ids; "
+                            "give the ids as integers")
+        try:
+            ids = np.asarray(values, dtype=np.int64)
+        except OverflowError:  # a Python int beyond int64
+            ids = None
+        if ids is None or (len(ids) and int(ids.min()) < 0):
+            bad = next(v for v in values if not 0 <= v <= np.iinfo(np.int64).max)
+            raise DataError(f"{self.where(row)}: column {self.column!r} holds {bad}, which is no token id (an id is "
+                            "0 or above, below the vocabulary's size); fix the row")
+        return ids
 
     def _conversation(self, row_value, row: int) -> Chat:
         where = self.where(row)
@@ -131,10 +182,14 @@ class DocumentFile(Recipe):
                 raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects of text")
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError(f"{where}: the conversation has no assistant turn to train on")
+            for message in messages:
+                self._text(message["content"], row)
             self._check_size(sum(len(m["content"].encode()) for m in messages), row, "the conversation's text holds")
             return Chat(where, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
         prompt, completion = row_value.get("prompt"), row_value.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
+            self._text(prompt, row)
+            self._text(completion, row)
             self._check_size(len(prompt.encode()) + len(completion.encode()), row, "the conversation's text holds")
             return Chat(where, prompt=prompt, completion=completion)
         raise DataError(f"{where}: a chat row needs messages, or prompt and completion as text")
@@ -143,28 +198,33 @@ class DocumentFile(Recipe):
 class JsonlFile(DocumentFile):
     """JSON Lines, one document a line (blank lines skipped). A plain file is read by the byte
     ranges of its lines, which ``scan`` records; a ``.gz`` or ``.zst`` file is decompressed
-    whole on the rank that first reads it."""
+    whole on the rank that first reads it. A document is named by its line, as an editor
+    counts them."""
 
     _transient = (*DocumentFile._transient, "_lines")
-    indexed = ("spans",)
+    indexed = ("spans", "blank_lines")
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None, *,
                  max_document_bytes: int):
         super().__init__(url, column, chat, storage_options, max_document_bytes=max_document_bytes)
         self.spans: np.ndarray | None = None  # plain files: each document's [start, end) bytes
+        # The blank lines before documents: the rows they precede, and how many precede each
+        # (all before it, in total). Counted as the lines are read, so that a document is
+        # named by its line from the first one read.
+        self.blank_lines: np.ndarray | tuple[list, list] | None = None
 
     @property
     def compressed(self) -> bool:
-        return self.url.endswith((".gz", ".zst"))
+        return url_name(self.url).endswith((".gz", ".zst"))
 
     @contextmanager
     def _stream(self) -> Iterator[io.BufferedIOBase]:
         """The file's bytes, decompressed as they are read."""
         with self._fs.open(self.url, "rb") as handle:
-            if self.url.endswith(".gz"):
+            if url_name(self.url).endswith(".gz"):
                 with gzip.open(handle) as stream:
                     yield stream
-            elif self.url.endswith(".zst"):
+            elif url_name(self.url).endswith(".zst"):
                 try:
                     import zstandard
                 except ImportError:
@@ -184,6 +244,9 @@ class JsonlFile(DocumentFile):
             raise DataError(f"{self.where(row)}: the line is not UTF-8; re-encode the file as UTF-8") from None
         except ValueError as error:
             raise DataError(f"{self.where(row)}: not a JSON object ({error}); fix or drop the line") from None
+        except RecursionError:
+            raise DataError(f"{self.where(row)}: the JSON nests deeper than Python's parser goes; flatten the line "
+                            "or drop it") from None
         if self.chat:
             return self._document(value, row)
         if not isinstance(value, dict) or self.column not in value:
@@ -193,12 +256,16 @@ class JsonlFile(DocumentFile):
         return self._document(value[self.column], row)
 
     def where(self, row: int) -> str:
-        return f"{self.url} document {row}"
+        rows, blanks = self.blank_lines if self.blank_lines is not None else ((), ())
+        before = bisect.bisect_right(rows, row)
+        return f"{self.url} line {row + 1 + (int(blanks[before - 1]) if before else 0)}"
 
     def _lines_of(self, stream: io.BufferedIOBase) -> Iterator[tuple[int, int, bytes]]:
         """Each document's line, where it starts and ends in the (decompressed) stream: a line
-        is read no further than ``max_document_bytes``, then refused."""
+        is read no further than ``max_document_bytes``, then refused. Counts the blank lines
+        (``blank_lines``) as it goes."""
         row, at = 0, 0
+        rows, blanks = self.blank_lines = [], []
         while line := stream.readline(self.max_document_bytes + 1):
             if len(line) > self.max_document_bytes and not line.endswith(b"\n"):
                 self._check_size(len(line), row, "the line holds at least")
@@ -206,6 +273,12 @@ class JsonlFile(DocumentFile):
             if line.strip():
                 yield begin, at, line
                 row += 1
+            elif rows and rows[-1] == row:
+                blanks[-1] += 1
+            else:
+                rows.append(row)
+                blanks.append(blanks[-1] + 1 if blanks else 1)
+        self.blank_lines = np.array([rows, blanks], dtype=np.int64).reshape(2, -1)
 
     def scan(self) -> Iterator[list[Document]]:
         starts, ends, batch = [], [], []
@@ -241,6 +314,7 @@ class JsonlFile(DocumentFile):
 class ColumnarFile(DocumentFile):
     """A table read through pyarrow; a subclass gives its blocks (row groups, record batches)."""
 
+    _transient = (*DocumentFile._transient, "_bounds")
     indexed = ("block_rows",)
 
     def __init__(self, url: str, column: str, chat: bool = False, storage_options: dict | None = None, *,
@@ -288,6 +362,7 @@ class ColumnarFile(DocumentFile):
 
     def scan(self) -> Iterator[list[Document]]:
         self.block_rows = np.array(self._block_count_rows(), dtype=np.int64)
+        self.__dict__.pop("_bounds", None)
         row = 0
         for block in range(len(self.block_rows)):
             table = self._load_block(block)
@@ -295,10 +370,18 @@ class ColumnarFile(DocumentFile):
                 yield self._values(table.slice(at, SCAN_ROWS), row + at)
             row += table.num_rows
 
+    def _block_of(self, row: int) -> int:
+        return int(np.searchsorted(self._bounds, row, side="right")) - 1
+
+    @cached_property
+    def _bounds(self) -> np.ndarray:
+        """Where each block starts (and the end), by row."""
+        return np.concatenate([[0], np.cumsum(self.block_rows)])
+
     def read(self, start: int, stop: int) -> list[Document]:
-        bounds = np.concatenate([[0], np.cumsum(self.block_rows)])
+        bounds = self._bounds
         documents = []
-        block = int(np.searchsorted(bounds, start, side="right")) - 1
+        block = self._block_of(start)
         while start < stop:
             first, last = int(bounds[block]), int(bounds[block + 1])
             table = self._cached(block, lambda: self._load_block(block))
@@ -310,7 +393,8 @@ class ColumnarFile(DocumentFile):
 
 
 class ParquetFile(ColumnarFile):
-    """A Parquet file, read a row group at a time (only ``data.text_column``, or a chat's columns)."""
+    """A Parquet file, read a row group at a time (only ``data.text_column``, or a chat's
+    columns). A row is named by its row group too, as Parquet's tools count them."""
 
     _transient = (*ColumnarFile._transient, "_parquet")
 
@@ -318,10 +402,12 @@ class ParquetFile(ColumnarFile):
     def _parquet(self):
         import pyarrow.parquet as pq
 
-        try:
+        with arrow_reading(self.url, "not a Parquet file", "give the file as Parquet, or set data.format"):
             return pq.ParquetFile(self._fs.open(self.url, "rb"))
-        except Exception as error:  # pyarrow raises ArrowInvalid and OSError alike
-            raise DataError(f"{self.url}: not a Parquet file ({error})") from None
+
+    def where(self, row: int) -> str:
+        block = self._block_of(row)
+        return f"{self.url} row {row} (row group {block}, its row {row - int(self._bounds[block])})"
 
     def _block_count_rows(self) -> list[int]:
         metadata = self._parquet.metadata
@@ -329,7 +415,8 @@ class ParquetFile(ColumnarFile):
         return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
     def _load_block(self, block: int):
-        return self._parquet.read_row_group(block, columns=self._columns())
+        with arrow_reading(self.url, f"row group {block} cannot be read", "the file is damaged: write it again"):
+            return self._parquet.read_row_group(block, columns=self._columns())
 
 
 class ArrowFile(ColumnarFile):
@@ -342,13 +429,11 @@ class ArrowFile(ColumnarFile):
     def _table(self):
         import pyarrow as pa
 
-        try:
+        with arrow_reading(self.url, "not an Arrow stream file as datasets' save_to_disk writes",
+                           "save the dataset again with save_to_disk"):
             local = isinstance(self._fs, LocalFileSystem)
             source = pa.memory_map(url_to_fs(self.url)[1]) if local else self._fs.open(self.url, "rb")
             return pa.ipc.open_stream(source).read_all()
-        except Exception as error:  # pyarrow raises ArrowInvalid and OSError alike
-            raise DataError(f"{self.url}: not an Arrow stream file as datasets' save_to_disk writes ({error})") \
-                from None
 
     def _block_count_rows(self) -> list[int]:
         return [self._table.num_rows]
@@ -368,5 +453,12 @@ def arrow_files(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
                         "directory save_to_disk wrote, or a split of a DatasetDict") from None
     if not all(isinstance(name, str) and "/" not in name and name not in (".", "..") for name in names):
         raise DataError(f"{directory}: state.json names files outside the dataset's directory")
+    if not names:
+        raise DataError(f"{directory}/state.json lists no data files (its _data_files is empty); save the dataset "
+                        "again with save_to_disk")
+    name, count = Counter(names).most_common(1)[0]
+    if count > 1:
+        raise DataError(f"{directory}/state.json lists {name} {count} times, which would train on its rows {count} "
+                        "times an epoch; list each file once, or save the dataset again with save_to_disk")
     # Checked here, on the driver, once: each rank maps or reads them later.
     return [regular_file(f"{directory}/{name}", fs) for name in names]

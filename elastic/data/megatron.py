@@ -49,9 +49,15 @@ def read_index(fs, path: str) -> MegatronIndex:
     if version != 1 or code not in DTYPES:
         raise DataError(f"{idx_url}: Megatron index version {version}, dtype code {code}: only version 1 of "
                         f"integer tokens ({sorted(DTYPES)}) is read")
+    # Weighed before it is read: a damaged header may claim more lengths than any file holds.
+    held = max(0, (fs.size(idx_url) - _HEADER.size) // 4)
+    if held < sequences:
+        raise DataError(f"{idx_url}: the index is cut short ({held} of {sequences} sequence lengths)")
     lengths = np.frombuffer(fs.cat_file(idx_url, start=_HEADER.size, end=_HEADER.size + 4 * sequences), dtype="<i4")
-    if len(lengths) != sequences:
-        raise DataError(f"{idx_url}: the index is cut short ({len(lengths)} of {sequences} sequence lengths)")
+    if len(lengths) and int(lengths.min()) < 0:
+        sequence = int(np.argmax(lengths < 0))
+        raise DataError(f"{idx_url}: sequence {sequence}'s length is {int(lengths[sequence])}, and no length is below "
+                        "0: the index is damaged; write the pair again with Megatron's preprocessing")
     tokens = int(lengths.sum(dtype=np.int64))
     itemsize = np.dtype(DTYPES[code]).itemsize
     if fs.size(bin_url) != tokens * itemsize:

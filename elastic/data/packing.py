@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import time
+import zipfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
@@ -138,15 +139,24 @@ class PackedDocuments(TokenWindows):
 
     def _restore(self, name: str) -> bool:
         """Whether an earlier leg's index was there (and signed, with the run's key), read
-        (arrays only: nothing in it is unpickled)."""
+        (arrays only: nothing in it is unpickled). One that cannot be read (cut short by a full
+        disk, damaged) is as if it were not there: made again from the data, and kept anew."""
         payload = self.kept.read(name)
         if payload is None:
             return False
-        with np.load(io.BytesIO(payload), allow_pickle=False) as kept:
-            self.lengths = [kept[f"{i}.lengths"] for i in range(len(self.files))]
-            for i, file in enumerate(self.files):
-                for field in file.indexed:
-                    setattr(file, field, kept[f"{i}.{field}"] if f"{i}.{field}" in kept.files else None)
+        try:
+            with np.load(io.BytesIO(payload), allow_pickle=False) as kept:
+                lengths = [kept[f"{i}.lengths"] for i in range(len(self.files))]
+                fields = [{field: kept[f"{i}.{field}"] if f"{i}.{field}" in kept.files else None
+                           for field in file.indexed} for i, file in enumerate(self.files)]
+        except (zipfile.BadZipFile, ValueError, KeyError, EOFError) as error:
+            log.warning("the data index %s cannot be read (%s): made again from the data", self.kept.url(name),
+                        error)
+            return False
+        self.lengths = lengths
+        for file, indexed in zip(self.files, fields):
+            for field, value in indexed.items():
+                setattr(file, field, value)
         log.info("the data index of %d files was read from %s", len(self.files), self.kept.url(name))
         return True
 
@@ -172,6 +182,16 @@ class PackedDocuments(TokenWindows):
     def n_tokens(self) -> int:
         return int(self._starts[0][-1])
 
+    def _file_row(self, document: int) -> tuple[int, int]:
+        """The file that holds ``document``, and its row there."""
+        file_starts = self._starts[1]
+        file = int(np.searchsorted(file_starts, document, side="right")) - 1
+        return file, document - int(file_starts[file])
+
+    def where(self, position: int) -> str:
+        file, row = self._file_row(int(np.searchsorted(self._starts[0], position, side="right")) - 1)
+        return f"token {position} of the data, in {self.files[file].where(row)}"
+
     def positions(self, start: int, count: int) -> np.ndarray:
         """Each of the stream's tokens ``[start, start + count)``'s place in its document,
         counted from the window's start for the document the window begins inside."""
@@ -196,11 +216,10 @@ class PackedDocuments(TokenWindows):
             if documents[doc] is not None:
                 doc += 1
                 continue
-            file = int(np.searchsorted(file_starts, doc, side="right")) - 1
+            file, row = self._file_row(doc)
             run_stop = doc + 1
             while run_stop < min(stop, int(file_starts[file + 1])) and documents[run_stop] is None:
                 run_stop += 1
-            row = doc - int(file_starts[file])
             encoded = self.tokenizer.encode(self.files[file].read(row, row + run_stop - doc))
             for offset, (tokens, labels) in enumerate(encoded):
                 if len(tokens) != self.lengths[file][row + offset]:

@@ -17,6 +17,8 @@ import time
 
 from fsspec.core import url_to_fs
 
+from elastic.data.documents import DataError
+
 log = logging.getLogger("elastic.data.ray_dataset")
 
 COMPLETE = "_COMPLETE"
@@ -38,6 +40,9 @@ def materialize(dataset, directory: str, storage_options: dict) -> str:
 
         began = time.perf_counter()
         dataset.write_parquet(path, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)))
+        if not fs.glob(f"{path}/*.parquet"):  # Ray writes no file for no rows (and removes the directory)
+            raise DataError(f"{directory}: the Ray dataset given has no rows, so nothing was written to train on; "
+                            "give a dataset with rows")
         fs.pipe(f"{path}/{COMPLETE}", b"")
         log.info("the Ray dataset was written to %s in %.1f s", directory, time.perf_counter() - began)
     return f"{directory.rstrip('/')}/*.parquet"

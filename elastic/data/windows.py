@@ -19,8 +19,9 @@ class TokenWindows(Recipe):
 
     A subclass gives the stream's length (``n_tokens``) and reads a range of it (``read``,
     an integer array of any width); sample ``i`` is the tokens ``[i * seq_len, i * seq_len +
-    seq_len + 1)``, widened to int64 one window at a time. With ``vocab_size`` set (the model's), every window is
-    checked to hold only ids below it: one ``max`` a window.
+    seq_len + 1)``, widened to int64 one window at a time. Every window is checked to hold no
+    id below 0, and with ``vocab_size`` set (the model's) none at or above it: a ``min`` and a
+    ``max`` a window.
     """
 
     vocab_size: int | None = None
@@ -52,16 +53,23 @@ class TokenWindows(Recipe):
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} is outside the dataset's {len(self)} samples")
 
+    def where(self, position: int) -> str:
+        """What holds the stream's token ``position``, for an error that names it."""
+        return f"token {position} of the data"
+
     def checked(self, index: int, tokens: np.ndarray) -> np.ndarray:
-        """Sample ``index``'s tokens, checked: whole, and every id below ``vocab_size``."""
+        """Sample ``index``'s tokens, checked: whole, and every id from 0 and below ``vocab_size``
+        (an id outside would fail the embedding on the rank as if the model's code were wrong)."""
         if len(tokens) != self.seq_len + 1:
             raise OSError(f"sample {index} read {len(tokens)} of {self.seq_len + 1} tokens: did the data change?")
-        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
-            position = int(np.argmax(tokens >= self.vocab_size))
+        above = self.vocab_size is not None and int(tokens.max()) >= self.vocab_size
+        if above or int(tokens.min()) < 0:
+            position = int(np.argmax((tokens >= self.vocab_size) if above else (tokens < 0)))
+            token = int(tokens[position])
+            outside = f"not below model.vocab_size {self.vocab_size}" if token >= 0 else "and no token id is below 0"
             raise DataError(
-                f"sample {index} holds token id {int(tokens[position])} (token {index * self.seq_len + position} "
-                f"of the data), not below model.vocab_size {self.vocab_size}: the data was tokenized for another "
-                "vocabulary, or is not a token file"
+                f"sample {index} holds token id {token} ({self.where(index * self.seq_len + position)}), {outside}: "
+                "the data was tokenized for another vocabulary, or is not a token file"
             )
         return tokens
 

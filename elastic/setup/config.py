@@ -315,7 +315,9 @@ class DataConfig(Section):
     # documents in data.text_column, tokenized by data.tokenizer and packed; megatron: a
     # .bin/.idx pair; chat: JSONL or Parquet conversations (messages, or prompt and
     # completion), trained on the assistant's tokens only. auto: by the path's extension
-    # (.bin, .parquet, .jsonl, .jsonl.gz, .jsonl.zst, .idx), a save_to_disk directory, else text.
+    # (.bin, .parquet, .jsonl, .jsonl.gz, .jsonl.zst, .idx; a URL's query string aside), a
+    # save_to_disk directory, else by the extensions of the files it matches (a directory, a
+    # glob: all alike), text when they name none.
     # Applies to validation_path too.
     format: DataFormat = "auto"
     token_dtype: Literal["uint16", "uint32"] = "uint16"

@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from checkpointing.storage import join_url, regular_file
 from elastic.core.events import redact_credentials
 from elastic.data.digests import content_identities
-from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files
+from elastic.data.documents import ArrowFile, DataError, JsonlFile, ParquetFile, arrow_files, url_name
 from elastic.data.kept import KeptFiles
 from elastic.data.megatron import DTYPES, pair_urls, read_index
 from elastic.data.mixture import Mixture
@@ -86,12 +86,20 @@ def generate_corpus(n_bytes: int, seed: int) -> bytes:
 
 
 def list_files(path: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
-    """The files a path, glob or fsspec URL names, in a fixed order; raises OSError naming the path."""
+    """The files a path, glob or fsspec URL names, in a fixed order: a directory's own files,
+    but those named ``.*`` or ``_*`` (as pyarrow's datasets skip them: ``_SUCCESS``, ``.crc``
+    and the like are no data); raises OSError naming the path."""
     try:
         fs, _, paths = fsspec.get_fs_token_paths(path, storage_options=storage_options)
     except Exception as error:  # fsspec raises many kinds for a bad URL
         raise OSError(f"{path!r} cannot be opened: {error}") from None
-    files = [p for p in paths if fs.isfile(p)]
+    files = []
+    for found in paths:
+        if fs.isfile(found):
+            files.append(found)
+        elif fs.isdir(found):
+            files += sorted(entry["name"] for entry in fs.ls(found, detail=True) if entry["type"] == "file"
+                            and not entry["name"].rstrip("/").rsplit("/", 1)[-1].startswith((".", "_")))
     if not files:
         raise OSError(f"{path!r} matches no readable file")
     return fs, files
@@ -191,6 +199,11 @@ class TextFiles(TokenWindows):
     def n_tokens(self) -> int:
         return int(self._layout[1][-1]) - 1
 
+    def where(self, position: int) -> str:
+        files, starts = self._layout
+        i = int(np.searchsorted(starts, position, side="right")) - 1
+        return f"token {position} of the data, byte {position - int(starts[i])} of {files[i]}"
+
     def read(self, start: int, count: int) -> np.ndarray:
         files, starts = self._layout
         end, chunks = start + count, []
@@ -274,6 +287,9 @@ class TokenFile(TokenWindows):
     def n_tokens(self) -> int:
         return self._n_tokens
 
+    def where(self, position: int) -> str:
+        return f"token {position} of {self.path}"
+
     def read(self, start: int, count: int) -> np.ndarray:
         fs, file = self._filesystem
         dtype = STREAM_DTYPES[self.dtype]
@@ -320,24 +336,43 @@ def held_out_split(dataset, fraction: float) -> tuple[SampleRange, SampleRange]:
     return SampleRange(dataset, 0, n - held_out), SampleRange(dataset, n - held_out, n)
 
 
-def source_format(config: TrainConfig, path: str, declared: str | None = None) -> str:
-    """The format ``path`` is read as: as declared (a source's own, else ``data.format``), or
-    for ``auto`` by its extension, a save_to_disk directory's ``state.json`` or the Megatron
-    index beside a ``.bin`` or a prefix."""
-    chosen = declared or config.data.format
-    if chosen != "auto":
-        return chosen
-    name = path.rstrip("/")
+def format_by_extension(path: str) -> str | None:
+    """The format a file's extension names (its URL's query string aside), if any."""
+    name = url_name(path).rstrip("/")
     for suffixes, found in (((".parquet",), "parquet"), ((".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson"), "jsonl"),
                             ((".idx",), "megatron")):
         if name.endswith(suffixes):
             return found
-    fs, local = url_to_fs(name, **config.checkpoint.storage_options().for_url(path))
+    return None
+
+
+def source_format(config: TrainConfig, path: str, declared: str | None = None) -> str:
+    """The format ``path`` is read as: as declared (a source's own, else ``data.format``), or
+    for ``auto`` by its extension, a save_to_disk directory's ``state.json``, the Megatron
+    index beside a ``.bin`` or a prefix, or else the extension of every file it matches (a
+    directory, a glob), all alike."""
+    chosen = declared or config.data.format
+    if chosen != "auto":
+        return chosen
+    found = format_by_extension(path)
+    if found:
+        return found
+    storage_options = config.checkpoint.storage_options().for_url(path)
+    fs, local = url_to_fs(path.rstrip("/"), **storage_options)
     if fs.exists(pair_urls(local)[1]):  # a .bin or a prefix with its Megatron index beside it
         return "megatron"
-    if name.endswith(".bin"):
+    if url_name(path).endswith(".bin"):
         return "tokens"
-    return "arrow" if fs.exists(f"{local}/state.json") else "text"
+    if fs.exists(f"{local}/state.json"):
+        return "arrow"
+    formats: dict[str, str] = {}  # each format found, and the first file found in it
+    for file in list_files(path, storage_options)[1]:
+        formats.setdefault(format_by_extension(file) or "text", file)
+    if len(formats) > 1:
+        (one, first), (other, second) = list(formats.items())[:2]
+        raise DataError(f"{path} holds {one} ({first}) and {other} ({second}); give files of one format (a glob "
+                        "such as *.jsonl picks them), or set data.format")
+    return next(iter(formats))
 
 
 def file_dataset(config: TrainConfig, path: str, declared: str | None = None) -> TokenWindows:
@@ -369,11 +404,12 @@ def file_dataset(config: TrainConfig, path: str, declared: str | None = None) ->
                            max_document_bytes=data.max_document_bytes) for url in urls]
     else:
         fs, found = list_files(path, storage_options)
-        columnar = chosen == "parquet" or (chosen == "chat" and path.rstrip("/").endswith(".parquet"))
-        reader = ParquetFile if columnar else JsonlFile
-        files = [reader(fs.unstrip_protocol(file), data.text_column, chat=chosen == "chat",
-                        storage_options=storage_options, max_document_bytes=data.max_document_bytes)
-                 for file in found]
+        files = []
+        for file in found:  # conversations are in JSONL or Parquet, each file as its extension says
+            columnar = chosen == "parquet" or (chosen == "chat" and format_by_extension(file) == "parquet")
+            files.append((ParquetFile if columnar else JsonlFile)(
+                fs.unstrip_protocol(file), data.text_column, chat=chosen == "chat", storage_options=storage_options,
+                max_document_bytes=data.max_document_bytes))
     tokenizer = tokenizer_for(data.tokenizer, data.max_document_bytes, data.chat_template_timeout_s)
     packed = PackedDocuments(files, tokenizer, data.seq_len, data.document_masking, kept)
     packed.build_index()
