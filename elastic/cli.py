@@ -230,6 +230,7 @@ def linger_for_scrapes(events: list[dict], seconds: float, sleep=time.sleep) -> 
 
 def run_prepare(args: argparse.Namespace) -> int:
     from elastic.prepare import BYTE_VOCABULARY, HuggingFaceTokenizer, prepare_tokens
+    from elastic.setup.config import padded_vocab_size
 
     tokenizer = HuggingFaceTokenizer.load(args.tokenizer) if args.tokenizer else None
     eos = args.eos if args.eos is not None or tokenizer is None else tokenizer.eos
@@ -237,7 +238,7 @@ def run_prepare(args: argparse.Namespace) -> int:
                             progress=not args.quiet)
     vocabulary = BYTE_VOCABULARY if tokenizer is None else tokenizer.vocab_size
     needed = max(vocabulary, (result.max_token or 0) + 1)
-    vocab_size = -(-needed // 64) * 64  # scaling.tp must divide it: a multiple of 64 suits any tp
+    vocab_size = padded_vocab_size(needed)
     print(redact_credentials(
         f"wrote {result.tokens} {result.dtype} tokens to {result.output}; to train on it, in the config file:\n"
         f'[data]\npath = "{result.output}"\nformat = "tokens"\ntoken_dtype = "{result.dtype}"\n'

@@ -116,23 +116,10 @@ class HuggingFaceTokenizer:
 
     @classmethod
     def load(cls, name_or_path: str, named_by: str = "--tokenizer") -> HuggingFaceTokenizer:
-        """``named_by``: the flag or field that names it, for the errors."""
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ConfigError(f"{named_by} needs HuggingFace transformers: pip install 'elastic-trainer[tokenizer]'") \
-                from None
-        try:
-            # Never the tokenizer's own code: said outright, transformers does not leave it to a
-            # prompt on the terminal (answering y there ran the directory's Python).
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{named_by} {name_or_path!r}: {' '.join(str(error).split())}") from None
-        if tokenizer.init_kwargs.get("auto_map"):
-            # Loaded without its code, it may not split text as its authors' code does.
-            raise ConfigError(f"{named_by} {name_or_path!r} is a tokenizer of its own code (auto_map), which "
-                              "this product never runs; give a tokenizer that transformers ships")
-        return cls(tokenizer)
+        """``named_by``: the flag or field that names it, for the errors (``load_tokenizer``'s)."""
+        from elastic.data.tokenizing import load_tokenizer
+
+        return cls(load_tokenizer(name_or_path, named_by))
 
     @property
     def vocab_size(self) -> int:

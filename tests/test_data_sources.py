@@ -196,12 +196,14 @@ def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything
     settings["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (remote / "tokenizer_config.json").write_text(json.dumps(settings))
     (remote / "tokenization_evil.py").write_text("raise SystemExit('remote code ran')\n")
-    with pytest.raises(ConfigError, match=r"data.path: tokenizer .*remote-tokenizer.* asks to run its own code"):
+    with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer '.*remote-tokenizer': asks to run its "
+                                          r"own code"):
         config_of({"path": write_jsonl(tmp_path / "ok.jsonl", good), "tokenizer": str(remote)})
     settings["tokenizer_class"] = "EvilTokenizer"  # and one that cannot load without it
     (remote / "tokenizer_config.json").write_text(json.dumps(settings))
-    with pytest.raises(ConfigError, match=r"data.path: tokenizer .*remote-tokenizer.* cannot be loaded without "
-                                          r"running its own code"):
+    with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer '.*remote-tokenizer': cannot be loaded "
+                                          r"without running its own code"):
+
         config_of({"path": str(tmp_path / "ok.jsonl"), "tokenizer": str(remote)})
     with pytest.raises(ConfigError, match=r"data.sources.0.weight"):
         config_of({"sources": [{"path": str(tmp_path / "ok.jsonl"), "weight": 0}]})
@@ -338,6 +340,133 @@ def test_a_ray_dataset_of_no_rows_is_refused_in_one_line(tmp_path):
     with pytest.raises(DataError, match=rf"^{directory}: the Ray dataset given has no rows, so nothing was written to "
                                         r"train on; give a dataset with rows$"):
         materialize(NoRows(), directory, {})
+
+
+def test_a_tokenizer_past_model_vocab_size_is_refused_at_preflight_and_an_unset_vocab_size_follows_it(tmp_path,
+                                                                                                       tokenizer):
+    data = {"path": write_jsonl(tmp_path / "d.jsonl", [{"text": text} for text in DOCUMENTS[:200]]),
+            "tokenizer": tokenizer, "seq_len": SEQ_LEN}
+    # refused before the data is read (it is not there): named by the tokenizer and the vocabulary, not data.path
+    with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer '.*': has 300 tokens, more than "
+                                          r"model.vocab_size 256: .*; set model.vocab_size = 320 \(at least 300\), "
+                                          r"or leave it unset to take the tokenizer's$"):
+        build_config({"data": {**data, "path": str(tmp_path / "missing.jsonl")}, "model": {"vocab_size": 256}})
+    with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer .* set model.vocab_size = 320 \(at least "
+                                          r"300\) over model.preset tiny's$"):
+        build_config({"data": data, "model": {"preset": "tiny"}})
+    followed = build_config({"data": data})
+    assert followed.model.vocab_size == 320  # a multiple of 64: any power-of-two scaling.tp divides it
+    assert int(max(default_datasets(followed, followed.model.vocab_size)[0][0])) < 320
+    assert build_config({"data": data, "scaling": {"tp": 2}, "model": {"vocab_size": 512}}).model.vocab_size == 512
+
+
+def test_a_tokenizer_that_is_not_there_is_refused_at_once_naming_data_tokenizer(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    from elastic.data.tokenizing import hub_unreachable
+
+    data = {"path": write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat"}] * 40)}
+    with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer '.*nowhere': the directory does not "
+                                          r"exist; give the directory a tokenizer was saved in"):
+        config_of({**data, "tokenizer": str(tmp_path / "nowhere")})
+    # A Hub id on a host where the Hub does not answer: read from the local cache alone, not retried for a minute.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for variable in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                     "all_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    hub_unreachable.cache_clear()
+    began = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer 'elastic-tests/no-such-tokenizer': no "
+                                              r"such directory, and the Hub id was not found in the local Hub cache "
+                                              r"\(.*\), the Hub being out of reach \(127.0.0.1:\d+: Connection "
+                                              r"refused\); download it"):
+            config_of({**data, "tokenizer": "elastic-tests/no-such-tokenizer"})
+    finally:
+        hub_unreachable.cache_clear()
+        closed.close()
+    assert time.monotonic() - began < 10
+
+
+def tokenizer_with_template(directory, tokenizer: str, template: str) -> str:
+    import shutil
+
+    shutil.copytree(tokenizer, directory)
+    (directory / "chat_template.jinja").write_text(template)
+    return str(directory)
+
+
+# The test tokenizer's template, with an assistant's tool calls rendered after its content
+TOOLS_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}{{ call.function.name }}({{ call.function.arguments | tojson }})"
+    "{% endfor %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_text_the_tokenizer_cannot_take_is_refused_naming_its_document(tmp_path, tokenizer):
+    """Half of a UTF-16 pair (JSON's lone "\ud800") fails the tokenizer's whole batch with a
+    TypeError: refused naming the document, wherever the text comes from (the files' readers
+    refuse it in a text too, by their line)."""
+    from elastic.data.tokenizing import tokenizer_for
+
+    encoder = tokenizer_for(tokenizer, max_document_bytes=2**20, chat_template_timeout_s=10)
+    with pytest.raises(ConfigError, match=r"^d.jsonl line 8: the text holds '\\ud800', half of a UTF-16 pair"):
+        encoder.encode(["the cat", "a \ud800 b"], lambda row: f"d.jsonl line {row + 1}", 6)
+    # in a tool call, which the template renders into the text the tokenizer takes
+    tools = tokenizer_with_template(tmp_path / "tools", tokenizer, TOOLS_TEMPLATE)
+    call = {"type": "function", "function": {"name": "find", "arguments": {"q": "\ud800"}}}
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "where"},
+                                                            {"role": "assistant", "content": "", "tool_calls": [call]}]}])
+    refused_in_one_line({"path": chat, "format": "chat", "tokenizer": tools},
+                        r"c\.jsonl line 1: the text holds '\\ud800', half of a UTF-16 pair")
+
+
+def test_chat_tool_calls_train_where_the_template_renders_them_and_are_refused_where_it_does_not(tmp_path,
+                                                                                                 tokenizer):
+    from transformers import AutoTokenizer
+
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    rows = [{"messages": [{"role": "user", "content": "the cat sees"},
+                          {"role": "assistant", "content": "", "tool_calls": [call]}]}] * 12
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+    refused_in_one_line({"path": path, "format": "chat", "tokenizer": tokenizer},
+                        r"tools\.jsonl line 1: message 1's tool_calls are not in what the chat template of "
+                        r"data.tokenizer '.*' renders, so its turn would train without them")
+    tools = tokenizer_with_template(tmp_path / "tools", tokenizer, TOOLS_TEMPLATE)
+    dataset = train_set({"path": path, "format": "chat", "tokenizer": tools})
+    trained = [token for index in range(len(dataset)) for token, label in
+               zip(dataset[index]["input_ids"][1:].tolist(), dataset[index]["labels"][1:].tolist())
+               if label != IGNORE_INDEX]
+    turn = 'weather({"city": "Paris"})</s>'  # the assistant's content is the call alone
+    assert AutoTokenizer.from_pretrained(tools).decode(trained).startswith(turn * 2)
+
+
+def test_chat_windows_without_an_assistant_token_are_counted_and_refused_when_all_are(tmp_path, tokenizer, caplog):
+    from transformers import AutoTokenizer
+
+    prompts = [" ".join(DOCUMENTS[i : i + 1 + i % 4]) for i in range(24)]  # some longer than a window
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": prompt, "completion": "a dog"} for prompt in prompts])
+    with caplog.at_level("WARNING", logger="elastic.data.packing"):
+        dataset = train_set({"path": path, "format": "chat", "tokenizer": tokenizer})
+    untrained = sum(bool((dataset[i]["labels"][1:] == IGNORE_INDEX).all()) for i in range(len(dataset)))
+    assert 0 < untrained < len(dataset)
+    assert f"{untrained} of the {len(dataset)} windows of file://{path} (data.seq_len {SEQ_LEN} tokens) hold no " \
+           "assistant token to train on" in caplog.text
+    # one conversation whose answer lies past the last whole window: no window to train on
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    prompt = " ".join(DOCUMENTS[:3])
+    seq_len = len(hf(prompt, add_special_tokens=False)["input_ids"]) - 1
+    lone = write_jsonl(tmp_path / "lone.jsonl", [{"prompt": prompt, "completion": "a dog"}])
+    refused_in_one_line({"path": lone, "format": "chat", "tokenizer": tokenizer, "seq_len": seq_len},
+                        rf"lone\.jsonl: none of its 1 windows of data.seq_len {seq_len} tokens holds an assistant "
+                        r"token to train on \(the prompts fill them\), so every step would train on nothing")
 
 
 def test_a_mixture_on_s3_and_local_disk_reads_by_range(tmp_path, tokenizer, s3_server):

@@ -559,7 +559,7 @@ def test_prepare_with_a_huggingface_tokenizer_from_a_local_directory(tmp_path, c
     assert "vocab_size = 64  # at least 11" in capsys.readouterr().out
     assert main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
                      str(tmp_path / "missing")]) == 2
-    assert "--tokenizer" in capsys.readouterr().err
+    assert f"--tokenizer '{tmp_path / 'missing'}': the directory does not exist" in capsys.readouterr().err
 
     # A directory whose tokenizer is its own code (an auto_map): refused, the code never run,
     # whatever a terminal would have answered.

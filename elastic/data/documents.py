@@ -88,6 +88,24 @@ class Chat:
 Document = str | np.ndarray | Chat
 
 
+def _tool_calls(message: dict, where: str, turn: int) -> dict:
+    """A message's ``tool_calls``, kept for the chat template to render (the tokenizer refuses a
+    template that leaves them out); a message's other fields are not trained on."""
+    calls = message.get("tool_calls")
+    if not calls:  # a Parquet table's messages have every message's fields, None where one has none
+        return {}
+    if not isinstance(calls, list):
+        raise DataError(f"{where}: message {turn}'s tool_calls is {type(calls).__name__}, not a list of calls; give "
+                        "them as a list")
+    return {"tool_calls": calls}
+
+
+def _message_size(message: dict) -> int:
+    """A message's text in bytes, its tool calls as JSON."""
+    calls = message.get("tool_calls")
+    return len(message["content"].encode()) + (len(json.dumps(calls, default=str).encode()) if calls else 0)
+
+
 class DocumentFile(Recipe):
     """One file's documents. ``column`` names the text (or token-id) column; ``chat`` reads
     conversations instead. A document over ``max_document_bytes`` is refused before it is
@@ -184,8 +202,10 @@ class DocumentFile(Recipe):
                 raise DataError(f"{where}: the conversation has no assistant turn to train on")
             for message in messages:
                 self._text(message["content"], row)
-            self._check_size(sum(len(m["content"].encode()) for m in messages), row, "the conversation's text holds")
-            return Chat(where, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
+            kept = [{"role": m["role"], "content": m["content"], **_tool_calls(m, where, turn)}
+                    for turn, m in enumerate(messages)]
+            self._check_size(sum(map(_message_size, kept)), row, "the conversation's text holds")
+            return Chat(where, messages=kept)
         prompt, completion = row_value.get("prompt"), row_value.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
             self._text(prompt, row)

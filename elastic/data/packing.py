@@ -29,7 +29,7 @@ import numpy as np
 from elastic.data.digests import content_identities
 from elastic.data.documents import DataError, DocumentFile
 from elastic.data.kept import KeptFiles
-from elastic.data.tokenizing import ByteTokens, HuggingFaceTokens
+from elastic.data.tokenizing import IGNORE_INDEX, ByteTokens, HuggingFaceTokens
 from elastic.data.windows import TokenWindows
 
 log = logging.getLogger("elastic.data.packing")
@@ -111,12 +111,21 @@ class PackedDocuments(TokenWindows):
         if self.kept is not None and self._restore(name):
             _BUILT[key] = (self.files, self.lengths)
             return
-        began, lengths = time.perf_counter(), []
+        began, lengths, trained, at = time.perf_counter(), [], [], 0
         for file in self.files:
-            counts = [len(ids) for batch in file.scan() for ids, _ in self.tokenizer.encode(batch)]
+            counts = []
+            for batch in file.scan():
+                for ids, labels in self.tokenizer.encode(batch, file.where, len(counts)):
+                    if labels is not None:  # the windows it gives a target to train on
+                        targets = at + np.flatnonzero(labels != IGNORE_INDEX)
+                        trained.append(np.unique((targets[targets > 0] - 1) // self.seq_len))
+                    counts.append(len(ids))
+                    at += len(ids)
             if not counts:
                 raise DataError(f"{file.url} holds no documents; remove it from the data or fill it")
             lengths.append(np.array(counts, dtype=np.int32))
+        if trained:
+            self._check_trained(np.unique(np.concatenate(trained)), at)
         self.lengths = lengths
         if self.kept is not None:
             self._keep(name)
@@ -125,6 +134,23 @@ class PackedDocuments(TokenWindows):
             _BUILT.pop(next(iter(_BUILT)))
         log.info("indexed %d documents, %d tokens, in %d files in %.1f s", sum(map(len, lengths)),
                  int(sum(int(c.sum()) for c in lengths)), len(self.files), time.perf_counter() - began)
+
+    def _check_trained(self, trained: np.ndarray, n_tokens: int) -> None:
+        """Conversations' windows (their targets: a window's tokens after its first) without an
+        assistant token, whose loss is 0 and gradient none: said, and refused if every window
+        is one. ``trained``: the windows with one, in order."""
+        windows = (n_tokens - 1) // self.seq_len
+        untrained = windows - int(np.searchsorted(trained, windows))
+        if not untrained or windows < 1:
+            return
+        data = self.files[0].url if len(self.files) == 1 else f"{len(self.files)} files from {self.files[0].url}"
+        if untrained == windows:
+            raise DataError(f"{data}: none of its {windows} windows of data.seq_len {self.seq_len} tokens holds an "
+                            "assistant token to train on (the prompts fill them), so every step would train on "
+                            "nothing; raise data.seq_len, or shorten the prompts")
+        log.warning("%d of the %d windows of %s (data.seq_len %d tokens) hold no assistant token to train on (the "
+                    "prompts fill them): they take their share of each step and train nothing; raise data.seq_len, "
+                    "or shorten the prompts", untrained, windows, data, self.seq_len)
 
     def _keep(self, name: str) -> None:
         """Write the index beside the run's checkpoints."""
@@ -220,7 +246,8 @@ class PackedDocuments(TokenWindows):
             run_stop = doc + 1
             while run_stop < min(stop, int(file_starts[file + 1])) and documents[run_stop] is None:
                 run_stop += 1
-            encoded = self.tokenizer.encode(self.files[file].read(row, row + run_stop - doc))
+            encoded = self.tokenizer.encode(self.files[file].read(row, row + run_stop - doc), self.files[file].where,
+                                            row)
             for offset, (tokens, labels) in enumerate(encoded):
                 if len(tokens) != self.lengths[file][row + offset]:
                     raise DataError(f"{self.files[file].where(row + offset)} tokenizes to {len(tokens)} tokens, the "

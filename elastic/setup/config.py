@@ -11,6 +11,7 @@ the ways a run gets its config. A problem is reported as
 from __future__ import annotations
 
 import difflib
+import math
 import reprlib
 import string
 from typing import Annotated, Any, Literal, get_args
@@ -39,6 +40,16 @@ WEEK_S = 7 * DAY_S
 MAX_TP = 64
 MAX_STEPS = 1_000_000_000
 _RUN_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_.")
+# model.vocab_size, where this project chooses it, is a multiple of this: every tp that is a
+# power of two up to MAX_TP divides it, and GPU kernels take its tiles whole.
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(tokens: int, tp: int = 1) -> int:
+    """The least ``model.vocab_size`` that holds ``tokens`` ids, a multiple of
+    ``VOCAB_MULTIPLE`` and of ``tp`` (``scaling.tp`` splits the vocabulary)."""
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    return -(-tokens // multiple) * multiple
 
 
 def _takes_bool(annotation) -> bool:

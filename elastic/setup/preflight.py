@@ -19,7 +19,7 @@ from typing import Any
 
 from checkpointing.manifest import CorruptCheckpoint
 from checkpointing.storage import check_writable, in_ray_runtime_directory
-from elastic.setup.config import TrainConfig, invalid_config, parse_config
+from elastic.setup.config import TrainConfig, invalid_config, padded_vocab_size, parse_config
 from elastic.setup.config_files import merge, read_config_file
 from elastic.setup.errors import ConfigError
 
@@ -38,6 +38,8 @@ def preflight(config: TrainConfig) -> TrainConfig:
             "an absolute path outside it that every node reaches (or s3://...), and --run-name"]))
     if config.model.init_from:
         config = with_pretrained_fields(config)
+    if config.data.tokenizer:  # after init_from, whose model may give model.vocab_size
+        config = with_tokenizer_vocabulary(config)
     # Here, not at the top: the dataset brings torch, and a config refused for its shape never
     # gets here, so its refusal need not wait for torch.
     from elastic.setup.dataset import check_readable
@@ -73,6 +75,34 @@ def check_metrics_address(host: str, port: int) -> None:
         raise ConfigError(invalid_config([f"metrics: cannot listen on {host}:{port} ({error.strerror or error}); "
                                           "free the port or give another (metrics.port; 0 takes any free one), "
                                           "and a host of this machine (metrics.host)"])) from None
+
+
+def with_tokenizer_vocabulary(config: TrainConfig) -> TrainConfig:
+    """``config``, its ``model.vocab_size`` the tokenizer's where the config leaves it unset
+    (``len``: its added tokens too; padded, ``padded_vocab_size``). A tokenizer of more tokens
+    than a ``model.vocab_size`` given is refused here, before the data is read: its ids past
+    the embedding would stop the run at the first window that holds one."""
+    from elastic.data.tokenizing import load_tokenizer
+
+    name, model = config.data.tokenizer, config.model
+    try:
+        tokens = len(load_tokenizer(name, "data.tokenizer"))
+    except ConfigError as error:
+        raise ConfigError(invalid_config([str(error)])) from None
+    padded = padded_vocab_size(tokens, config.scaling.tp)
+    if "vocab_size" not in model.model_fields_set:
+        return parse_config({**config.model_dump(exclude_unset=True),
+                             "model": {**model.model_dump(exclude_unset=True), "vocab_size": padded}})
+    if tokens <= model.vocab_size:
+        return config
+    if model.init_from:
+        fix = "name the tokenizer model.init_from's model was trained with"
+    else:
+        fix = f"set model.vocab_size = {padded} (at least {tokens})" + (
+            f" over model.preset {model.preset}'s" if model.preset else ", or leave it unset to take the tokenizer's")
+    raise ConfigError(invalid_config([f"data.tokenizer {name!r}: has {tokens} tokens, more than model.vocab_size "
+                                      f"{model.vocab_size}: its ids from {model.vocab_size} on have no embedding; "
+                                      f"{fix}"]))
 
 
 def with_pretrained_fields(config: TrainConfig) -> TrainConfig:
