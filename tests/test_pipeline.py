@@ -45,7 +45,7 @@ from workers.pipeline import (
 )
 from workers.failures import failure_outcome
 from workers.rank_spec import RankSpec
-from workers.step_transaction import ActivityTracker, DriverSignals
+from workers.control_surface import ActivityTracker, DriverSignals
 from workers.train_step import accumulate_gradients, collate, evaluate_loss, token_cross_entropy
 from workers.world import World
 

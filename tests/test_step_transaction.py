@@ -28,14 +28,8 @@ from elastic.testing.gloo_ranks import rank_processes
 from workers.failures import CollectiveFailed
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
-from workers.step_transaction import (
-    ActivityTracker,
-    Committed,
-    Discarded,
-    DriverSignals,
-    NO_FAULTS,
-    StepTransaction,
-)
+from workers.control_surface import NO_FAULTS, ActivityTracker, DriverSignals
+from workers.step_transaction import Committed, Discarded, StepTransaction
 from workers.train_step import Batch, TokenLoss, accumulate_gradients, collate, token_cross_entropy
 from workers.world import World
 

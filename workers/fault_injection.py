@@ -1,4 +1,4 @@
-"""The rank's side of fault injection: the ``FaultPlan`` (``workers.step_transaction``) of the
+"""The rank's side of fault injection: the ``FaultPlan`` (``workers.control_surface``) of the
 runs whose specs carry faults or straggler noise (``elastic.core.faults``).
 
 A rank fires its run's faults as the run's first step starts; some act at once (a kill, a
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from elastic.core.faults import InjectedFault, InjectedSegmentSpec
 from elastic.core.protocol import SegmentSpec
 from workers.integrity import flip_bit
-from workers.step_transaction import NO_FAULTS, FaultPlan
+from workers.control_surface import NO_FAULTS, FaultPlan
 from workers.world import World
 
 

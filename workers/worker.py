@@ -57,7 +57,8 @@ from workers.keyed_store import KeyedStore
 from workers.context_parallel import ContextShare
 from workers.pipeline import pipeline_micro_batches, stage_model
 from workers.rank_spec import RankSpec
-from workers.step_transaction import Discarded, DriverSignals, ActivityTracker, FaultPlan, StepTransaction
+from workers.control_surface import ActivityTracker, DriverSignals, FaultPlan
+from workers.step_transaction import Discarded, StepTransaction
 from workers.train_step import Batch
 from workers.world import World
 
