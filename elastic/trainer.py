@@ -36,7 +36,9 @@ from elastic.stop_signals import StopOnSignals, StoppedBeforeStart, second_signa
 from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
+from elastic.core.data_plan import DataCursor
 from elastic.core.topology import Topology
+from elastic.data.mixture import Mixture
 from elastic.data.ray_dataset import is_ray_dataset
 from elastic.setup.dataset import data_identity, ray_dataset_source
 from elastic.fleet.ray_connection import connect_ray
@@ -349,8 +351,19 @@ class ElasticTrainer:
             steps=[StepEntry.of(result) for result in steps],
             events=events.events,
             exit=str(exit_reason),
+            source_samples=self._source_samples(controller),
         )
         return RunSummary.model_validate(summary.written())  # what the file will hold: redacted
+
+    def _source_samples(self, controller: Controller | None) -> dict[str, int]:
+        """The samples each source of a mixture gave this leg's committed steps, from the data plan
+        alone: the cursor the leg started from and the one it stands at."""
+        mixture = self.hooks.dataset
+        if controller is None or not isinstance(mixture, Mixture):
+            return {}
+        started = DataCursor(**controller.resume.manifest.cursor) if controller.resume else DataCursor()
+        trained = mixture.trained_before(controller.history.cursor) - mixture.trained_before(started)
+        return dict(zip(mixture.names, trained.tolist()))
 
     def _save_summary(self, summary: RunSummary) -> tuple[str | None, RunSummary]:
         """Write the summary, and return where with what it says; a failed write fails the

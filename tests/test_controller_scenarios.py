@@ -735,7 +735,8 @@ def test_every_sample_of_every_source_of_a_mixture_is_trained_once_across_a_kill
         tmp_path, s3_server):
     """A Parquet source on S3 and a JSONL source on local disk, mixed 2:1: the ledger of the
     mixture's samples, mapped to each source's own, never trains a source's sample twice in
-    one pass over that source."""
+    one pass over that source, nor passes one by; the data plan's cursor alone tells how many
+    of each were trained."""
     pq = pytest.importorskip("pyarrow.parquet")
     import json
 
@@ -752,6 +753,7 @@ def test_every_sample_of_every_source_of_a_mixture_is_trained_once_across_a_kill
     mixture = default_datasets(build_config({
         "data": {"seq_len": 64, "sources": [{"path": s3_server.url("a.parquet"), "weight": 2},
                                             {"path": str(tmp_path / "b.jsonl"), "weight": 1}]},
+        "global_batch": 8, "seed": 3,  # the scenario's
         "checkpoint": {"s3_endpoint_url": s3_server.endpoint_url}}))[0]
     dataset_len = len(mixture)
     first = Scenario(tmp_path, groups=3, shard=2, steps=24, checkpoint_every=6, capacity=3, dataset_len=dataset_len)
@@ -776,10 +778,15 @@ def test_every_sample_of_every_source_of_a_mixture_is_trained_once_across_a_kill
             drawn.setdefault((source, source_pass), []).append(sample)
     assert max(epoch for epoch, _ in history) >= 2  # the mixture went round more than twice
     assert {source for source, _ in drawn} == {0, 1}
+    under_way = max(epoch for epoch, _ in history)  # the epochs before it are whole
     for (source, source_pass), samples in drawn.items():
         assert len(samples) == len(set(samples)), f"source {source}, pass {source_pass}: a sample trained twice"
+        size = mixture.sizes[source]
+        if (source_pass + 1) * size <= under_way * mixture.counts[source]:  # the pass lies in whole epochs
+            assert len(samples) == size, f"source {source}, pass {source_pass}: samples passed by"
     trained = [sum(len(samples) for (s, _), samples in drawn.items() if s == source) for source in (0, 1)]
     assert abs(trained[0] / sum(trained) - 2 / 3) < 0.05
+    assert mixture.trained_before(resumed.controller.history.cursor).tolist() == trained
 
 
 def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_memory(tmp_path):

@@ -154,7 +154,8 @@ def test_a_mixture_keeps_every_sample_of_every_source_once_until_it_repeats(tmp_
                                      {"path": jsonl, "weight": 3}], "tokenizer": tokenizer})
     sizes = mixture.sizes.tolist()
     assert abs(mixture.counts[1] - 0.75 * len(mixture)) <= 1 and sum(mixture.counts) == len(mixture)
-    assert sizes[1] - 1 <= mixture.counts[1] <= sizes[1]  # the source that runs out first sets the epoch
+    # the source that runs out first sets the epoch, whole global batches of it
+    assert len(mixture) % mixture.global_batch == 0 and sizes[1] - mixture.global_batch < mixture.counts[1] <= sizes[1]
     assert mixture.counts[0] < sizes[0]
     drawn: list[list[int]] = [[], []]
     for epoch in range(4):
@@ -170,6 +171,98 @@ def test_a_mixture_keeps_every_sample_of_every_source_once_until_it_repeats(tmp_
         tail = samples[len(samples) - len(samples) % size :]
         assert len(set(tail)) == len(tail)
     assert mixture.identity()["data.sources"] == f"{tmp_path / 'a.parquet'} x1; {jsonl} x3"
+
+
+def token_source(path, samples: int) -> str:
+    """A token file of ``samples`` windows."""
+    np.random.default_rng(samples).integers(0, VOCAB, samples * SEQ_LEN + 1).astype("<u2").tofile(path)
+    return str(path)
+
+
+def test_a_mixture_trains_every_sample_of_every_source_once_a_pass_and_passes_none_by(tmp_path):
+    """Sources of 246 and 248 samples at 1:3 and a global batch of 8: the data plan skips an
+    epoch's tail shorter than a batch, so the mixture's epoch is whole batches, and each pass
+    over each source trains all of it once; the plan's cursor alone says how many of each."""
+    from elastic.core.data_plan import DataCursor, take_global_batch
+
+    sources = [{"path": token_source(tmp_path / "a.bin", 246), "weight": 1},
+               {"path": token_source(tmp_path / "b.bin", 248), "weight": 3}]
+    mixture = train_set({"sources": sources}, global_batch=8)
+    assert mixture.sizes.tolist() == [246, 248]
+    drawn: dict[tuple[int, int], list[int]] = {}  # (source, its own pass) -> its samples trained
+    cursor = DataCursor()
+    for _ in range(6 * len(mixture) // 8):  # six mixture epochs, resumable at any step from its cursor
+        indices, cursor = take_global_batch(cursor, len(mixture), 8, mixture.seed)
+        view = at_epoch(mixture, cursor.epoch)
+        for index in indices.tolist():
+            source, source_pass, sample = view.locate(index)
+            drawn.setdefault((source, source_pass), []).append(sample)
+    for source, size in enumerate(mixture.sizes.tolist()):
+        passes = sorted(source_pass for s, source_pass in drawn if s == source)
+        assert passes == list(range(len(passes))) and len(passes) >= 2
+        for source_pass in passes[:-1]:  # the last is under way
+            assert sorted(drawn[source, source_pass]) == list(range(size)), (source, source_pass)
+        assert len(set(drawn[source, passes[-1]])) == len(drawn[source, passes[-1]])
+    trained = [sum(len(samples) for (s, _), samples in drawn.items() if s == source) for source in (0, 1)]
+    assert mixture.trained_before(cursor).tolist() == trained
+
+
+def test_a_mixture_refuses_a_weight_that_trains_its_source_never_or_a_source_listed_twice(tmp_path):
+    a, b = token_source(tmp_path / "a.bin", 100), token_source(tmp_path / "b.bin", 100)
+    with pytest.raises(ConfigError, match=r"^invalid config: data.sources\[0\].weight=1e-06: its share of the "
+                                          r"mixture's epoch of 96 samples rounds to none, so .*a.bin would never be "
+                                          r"trained; give it a weight of at least 0.011, or drop the source$"):
+        train_set({"sources": [{"path": a, "weight": 1e-6}, {"path": b}]}, global_batch=8)
+    assert train_set({"sources": [{"path": a, "weight": 0.011}, {"path": b}]}, global_batch=8).counts.min() >= 1
+    # weights near the float's largest: their sum is no float, their shares are
+    assert train_set({"sources": [{"path": a, "weight": 1e308}, {"path": b, "weight": 1e308}]},
+                     global_batch=8).counts.tolist() == [100, 100]
+    with pytest.raises(ConfigError, match=r"^invalid config: data: sources\[0\] and sources\[2\] both read "
+                                          r".*a.bin: each of its samples would train twice a pass; list it once, "
+                                          r"with the two weights added \(3\)$"):
+        config_of({"sources": [{"path": a}, {"path": b}, {"path": a, "weight": 2}]})
+    with pytest.raises(ConfigError, match=r"^invalid config: data.sources: the mixture gives 6 samples before a "
+                                          r"source would repeat, fewer than global_batch=8; lower global_batch"):
+        train_set({"sources": [{"path": token_source(tmp_path / "c.bin", 3)}, {"path": b}]}, global_batch=8)
+
+
+def test_each_source_reads_its_own_column_and_the_summary_counts_what_each_gave(tmp_path):
+    """One Parquet file's two columns as two sources, 7:3: each reads its own text_column, else
+    data.text_column; the leg's samples of each, from the data plan's cursors alone, are what
+    the plan gave, close to 7:3."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from elastic.core.data_plan import DataCursor, take_global_batch
+    from elastic.trainer import ElasticTrainer
+    from tests.tiny import tiny_config
+
+    qa = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"question": DOCUMENTS[:400], "answer": DOCUMENTS[400:800]}), qa)
+    config = tiny_config(tmp_path, data__sources=[{"path": str(qa), "weight": 7, "text_column": "question"},
+                                                  {"path": str(qa), "weight": 3}],
+                         data__text_column="answer", data__seq_len=SEQ_LEN, model__vocab_size=VOCAB)
+    trainer = ElasticTrainer(config, model_fn=lambda: None)
+    mixture = trainer.hooks.dataset
+    for source, column in enumerate(("question", "answer")):
+        alone = train_set({"path": str(qa), "text_column": column})
+        assert mixture.sizes[source] == len(alone)
+        np.testing.assert_array_equal(mixture.sources[source][3].numpy(), alone[3].numpy())
+    assert mixture.names == [f"{qa} (column question)", str(qa)]
+
+    cursor, given = DataCursor(), np.zeros(2, dtype=np.int64)
+    for step in range(3 * len(mixture) // config.global_batch):
+        if step == 20:
+            started = cursor  # the leg resumed from here
+        indices, cursor = take_global_batch(cursor, len(mixture), config.global_batch, config.seed)
+        if step >= 20:
+            view = at_epoch(mixture, cursor.epoch)
+            for index in indices.tolist():
+                given[view.locate(index).source] += 1
+    leg = SimpleNamespace(resume=SimpleNamespace(manifest=SimpleNamespace(cursor=asdict(started))),
+                          history=SimpleNamespace(cursor=cursor))
+    assert trainer._source_samples(leg) == dict(zip(mixture.names, given.tolist()))
+    assert abs(given[0] / given.sum() - 0.7) < 0.01
 
 
 def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything_starts(tmp_path, tokenizer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -296,6 +297,24 @@ def test_a_run_of_several_legs_keeps_every_leg_and_the_report_adds_them_up(tmp_p
     [aside] = (tmp_path / "run").glob("summary-unreadable-*.json")
     assert aside.read_text() == "{not json"
 
+
+
+def test_a_mixtures_samples_by_source_add_up_over_the_legs_and_the_report_prints_their_shares(tmp_path, capsys):
+    import fsspec
+
+    from elastic.outputs.run_record import earlier_legs, with_history, write_summary
+
+    fs = fsspec.filesystem("file")
+    directory = str(tmp_path / "run")
+    for samples in ({"s3://b/a.parquet": 700, "/data/b.jsonl": 300}, {"s3://b/a.parquet": 70, "/data/b.jsonl": 30}):
+        leg = RunSummary.model_validate({**make_summary(), "source_samples": samples})
+        write_summary(fs, directory, with_history(leg, earlier_legs(fs, directory, "demo-run")))
+    assert RunSummary.read((tmp_path / "run" / "summary.json").read_text()).run_total.source_samples == {
+        "s3://b/a.parquet": 770, "/data/b.jsonl": 330}
+    assert main([directory, "--output", str(tmp_path / "timeline.png")]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^s3://b/a.parquet +770 +70.0%$", printed, re.MULTILINE)
+    assert re.search(r"^/data/b.jsonl +330 +30.0%$", printed, re.MULTILINE)
 
 # ------------------------------------------------------------------- what the timeline draws
 

@@ -3,7 +3,7 @@
 ``report(run)`` reads ``<storage>/<run-name>/summary.json`` (a local path or any fsspec URL)
 through its schema (``RunSummary``), checks that the time breakdown adds up to the wall time,
 and draws every leg's timeline (``timeline_figure``). ``main`` is the ``elastic report RUN
-[--output PNG]`` command.
+[--output PNG]`` command; for a mixture it also prints each source's samples.
 """
 
 from __future__ import annotations
@@ -76,6 +76,18 @@ def format_breakdown(breakdown: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def format_sources(samples: dict[str, int]) -> str:
+    """An aligned text table of a mixture's sources: samples trained, and their share of all,
+    to hold against the weights."""
+    total = sum(samples.values())
+    width = max(len("source"), *(len(name) for name in samples))
+    lines = [f"{'source':<{width}}  {'samples':>10}  {'share':>7}"]
+    for name, count in samples.items():
+        share = f"{100.0 * count / total:6.1f}%" if total else "    n/a"
+        lines.append(f"{name:<{width}}  {count:>10}  {share:>7}")
+    return "\n".join(lines)
+
+
 def _default_output(run: str, summary: RunSummary) -> str:
     summary_path = _summary_path(run)
     fs, stripped = fsspec.core.url_to_fs(summary_path)
@@ -95,7 +107,10 @@ def report(run: str, output: str | None = None) -> tuple[str, dict[str, float]]:
 
     The PNG goes to ``output`` if given, else ``timeline.png`` in the run directory when it is
     local, else ``<run>-timeline.png`` in the current directory."""
-    summary = load_summary(run)
+    return _report(run, load_summary(run), output)
+
+
+def _report(run: str, summary: RunSummary, output: str | None) -> tuple[str, dict[str, float]]:
     breakdown = goodput_breakdown(over_every_leg(summary))
     path = output if output is not None else _default_output(run, summary)
     plot_timeline(whole_run(summary), path)
@@ -115,11 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "directory, <run>-timeline.png in the current directory for remote runs)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        path, breakdown = report(args.run, args.output)
+        summary = load_summary(args.run)
+        path, breakdown = _report(args.run, summary, args.output)
     except (FileNotFoundError, ValueError) as err:
         print(f"elastic report: error: {redact_credentials(str(err))}", file=sys.stderr)
         return 1
     print(format_breakdown(breakdown))
+    samples = summary.run_total.source_samples if summary.run_total else summary.source_samples
+    if samples:
+        print(format_sources(samples))
     print(f"timeline: {path}")
     return 0
 

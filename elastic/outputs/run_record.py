@@ -44,9 +44,12 @@ def with_history(summary: RunSummary, earlier: list[RunSummary]) -> RunSummary:
     """This leg's ``summary`` with the legs before it, and the whole run's totals."""
     legs = [*earlier, summary]
     breakdown: dict[str, float] = {}
+    sources: dict[str, int] = {}
     for leg in legs:
         for category, seconds in leg.time_breakdown.items():
             breakdown[category] = breakdown.get(category, 0.0) + seconds
+        for source, samples in leg.source_samples.items():
+            sources[source] = sources.get(source, 0) + samples
     total = RunTotal(
         legs=len(legs),
         wall_s=breakdown.get("wall_s", 0.0),
@@ -56,6 +59,7 @@ def with_history(summary: RunSummary, earlier: list[RunSummary]) -> RunSummary:
         steps_discarded=sum(leg.steps_discarded for leg in legs),
         steps_rolled_back=sum(leg.steps_rolled_back for leg in legs),
         exits=[leg.exit for leg in legs],
+        source_samples=sources,
     )
     return summary.model_copy(update={"leg": len(legs), "run_total": total, "earlier_legs": earlier})
 

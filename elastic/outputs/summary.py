@@ -89,6 +89,7 @@ class RunTotal(Schema):
     steps_discarded: int
     steps_rolled_back: int
     exits: list[str | None]
+    source_samples: dict[str, int] = {}
 
 
 class RunSummary(Schema):
@@ -116,6 +117,9 @@ class RunSummary(Schema):
     steps: list[StepEntry] = []
     events: list[dict[str, Any]] = []  # every event, as EventLog recorded it
     exit: str | None = None  # the leg's Exit line
+    # A mixture's samples from each source (data.sources' paths) in the leg's committed steps,
+    # as the data plan gave them; {} for one source
+    source_samples: dict[str, int] = {}
     leg: int = 1
     run_total: RunTotal | None = None
     earlier_legs: list[RunSummary] = []

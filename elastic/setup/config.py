@@ -309,11 +309,19 @@ class DataSource(Section):
     weight: PositiveFloat = 1.0
     # None: data.format
     format: DataFormat | None = None
+    # None: data.text_column
+    text_column: str | None = Field(None, min_length=1)
 
     @field_validator("path")
     @classmethod
     def _path_absolute(cls, path: str) -> str:
         return absolute_url(refuse_credentials(path))
+
+    @property
+    def name(self) -> str:
+        """How the run names it (data identity, summary): its path, and the column it reads when
+        it gives its own, which tells two sources of one file apart."""
+        return self.path if self.text_column is None else f"{self.path} (column {self.text_column})"
 
 
 class DataConfig(Section):
@@ -396,6 +404,18 @@ class DataConfig(Section):
     def training_sources(self) -> list[DataSource]:
         """The training data as sources: data.path is a source of weight 1."""
         return list(self.sources) or ([DataSource(path=self.path)] if self.path else [])
+
+    @model_validator(mode="after")
+    def _sources_distinct(self) -> DataConfig:
+        read: dict[tuple, int] = {}  # what a source reads, and the first source that reads it
+        for i, source in enumerate(self.sources):
+            what = (source.path, source.format or self.format, source.text_column or self.text_column)
+            first = read.setdefault(what, i)
+            if first != i:
+                raise ValueError(f"sources[{first}] and sources[{i}] both read {source.path}: each of its samples "
+                                 "would train twice a pass; list it once, with the two weights added "
+                                 f"({self.sources[first].weight + source.weight:g})")
+        return self
 
 
 class OptimizerConfig(Section):

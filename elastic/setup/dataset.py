@@ -39,12 +39,13 @@ from elastic.data.packing import PackedDocuments
 from elastic.data.ray_dataset import materialize
 from elastic.data.tokenizing import tokenizer_for
 from elastic.data.windows import TokenWindows
+from elastic.setup.config import invalid_config
 from elastic.setup.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from elastic.setup.config import TrainConfig
+    from elastic.setup.config import DataSource, TrainConfig
 
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher"]
 _VERBS = ["sees", "likes", "builds", "finds", "carries", "paints", "follows"]
@@ -430,8 +431,19 @@ def training_dataset(config: TrainConfig) -> TokenWindows | Mixture:
     sources = config.data.sources
     if not sources:
         return file_dataset(config, config.data.path)
-    datasets = [file_dataset(config, source.path, source.format) for source in sources]
-    return Mixture(datasets, [source.weight for source in sources], [source.path for source in sources], config.seed)
+    datasets = [file_dataset(read_as(config, source), source.path, source.format) for source in sources]
+    mixture = Mixture(datasets, [source.weight for source in sources], [source.name for source in sources],
+                      config.seed, config.global_batch)
+    problems = mixture.problems()
+    if problems:
+        raise ConfigError(invalid_config(problems[:1]))
+    return mixture
+
+
+def read_as(config: TrainConfig, source: DataSource) -> TrainConfig:
+    """The config a mixture's source is read with: its own text_column, where it gives one."""
+    data = config.data.model_copy(update={"text_column": source.text_column or config.data.text_column})
+    return config.model_copy(update={"data": data})
 
 
 def ray_dataset_source(config: TrainConfig, dataset, directory: str, vocab_size: int | None) -> TokenWindows:
@@ -445,14 +457,15 @@ def ray_dataset_source(config: TrainConfig, dataset, directory: str, vocab_size:
 def check_readable(config: TrainConfig) -> None:
     """Raise ValueError naming the field when the training or validation data cannot be read
     as its format, with the run's S3 settings."""
-    fields = [(f"sources[{i}].path", source.path, source.format) for i, source in enumerate(config.data.sources)]
-    fields += [(field, getattr(config.data, field), None) for field in ("path", "validation_path")]
-    for field, path, declared in fields:
+    fields = [(f"sources[{i}].path", source.path, source.format, read_as(config, source))
+              for i, source in enumerate(config.data.sources)]
+    fields += [(field, getattr(config.data, field), None, config) for field in ("path", "validation_path")]
+    for field, path, declared, reading in fields:
         if path is None:
             continue
         try:
             chosen = source_format(config, path, declared)  # once: auto probes the storage
-            dataset = file_dataset(config, path, chosen)
+            dataset = file_dataset(reading, path, chosen)
             len(dataset)  # sizes: enough data for one sample
             dataset[0]  # and it reads as the ranks will, by range
             if chosen == "tokens":
