@@ -488,11 +488,11 @@ def experts_in_process(device: torch.device, shape: argparse.Namespace) -> list[
     import statistics
 
     from bench import moe
-    from workers import model as model_code
+    from workers import experts as experts_code
 
     hidden = shape.dim * 2
     looped_calls = [0]
-    looped = model_code.looped_mm
+    looped = experts_code.looped_mm
 
     def counting_looped(*arguments):
         looped_calls[0] += 1
@@ -503,11 +503,11 @@ def experts_in_process(device: torch.device, shape: argparse.Namespace) -> list[
                              expert_hidden=hidden)
         dense = moe.config(shape, storage, ffn_hidden=hidden * shape.top_k)
         timed = 6 if device.type == "cpu" else 20
-        model_code.looped_mm = counting_looped
+        experts_code.looped_mm = counting_looped
         try:
             mixture_s = statistics.median(moe.train(mixture, timed, device=device)[3:])
         finally:
-            model_code.looped_mm = looped
+            experts_code.looped_mm = looped
         dense_s = statistics.median(moe.train(dense, timed, device=device)[3:])
     grouped_s, looped_s = moe.expert_kernels(shape, device)
     tokens = shape.batch * shape.seq_len

@@ -45,7 +45,7 @@ from elastic.core.data_plan import DataCursor, take_global_batch  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.testing.gloo_ranks import gloo_ranks  # noqa: E402
-from workers.model import (  # noqa: E402
+from workers.experts import (  # noqa: E402
     GROUP_ROWS_CUDA, RoutedLayout, balance_experts, expert_layers, expert_load, grouped_mm, looped_mm,
 )
 from workers.train_step import accumulate_gradients, collate  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 from elastic.setup.config import TrainConfig
 from elastic.core.data_plan import DataCursor, take_global_batch
 from elastic.setup.hooks import resolve_hooks
-from workers.model import RoutedLayout, balance_experts, expert_layers, expert_load
+from workers.experts import RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.train_step import accumulate_gradients, collate
 
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts model (``workers.model.MoE``): each token's output is what its own
+"""The mixture-of-experts model (``workers.experts.MoE``): each token's output is what its own
 experts compute for it alone, the grouped GEMM's padded CUDA form is the plain one, and on a
 real Ray the experts train the single process's losses through a kill, a hang, a flipped
 bit and a resume at another layout; layouts it cannot hold are refused in one line."""
@@ -21,7 +21,8 @@ from tests.test_pretrained import (
     as_trained, exports_back_bit_for_bit, first_batch_loss_of, tiny_qwen3_moe, write_checkpoint,
 )
 from tests.tiny import tiny_config
-from workers.model import MoE, ModelArgs, grouped_mm, looped_mm, set_row_shares
+from workers.experts import MoE, grouped_mm, looped_mm, set_row_shares
+from workers.model import ModelArgs
 from workers.train_step import token_cross_entropy
 
 EXPERTS = {"model__experts": 4, "model__experts_per_token": 2, "model__shared_experts": 1,
@@ -144,7 +145,7 @@ def ep_batch():
 def test_under_autocast_the_grouped_gemm_gets_weights_of_its_rows_dtype(monkeypatch):
     # A group of one bf16 rank runs its forward under autocast, which does not cover the
     # grouped GEMM: its CUDA kernel refuses bf16 rows against the fp32 weights (an H200 run).
-    import workers.model as model_code
+    import workers.experts as model_code
 
     products = []
 

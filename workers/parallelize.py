@@ -56,7 +56,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from workers.context_parallel import ContextShare
-from workers.model import GroupedExperts, MoE, Transformer
+from workers.experts import GroupedExperts, MoE
+from workers.model import Transformer
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 ActivationCheckpointing = Literal["none", "full", "selective"]

@@ -26,7 +26,8 @@ from torch import nn
 
 from elastic.core.data_plan import PADDING_INDEX, MicroBatches
 from elastic.core.topology import SINGLE_STAGE_SCHEDULES
-from workers.model import Transformer, add_micro_batch, expert_layers, set_row_shares
+from workers.experts import add_micro_batch, expert_layers, set_row_shares
+from workers.model import Transformer
 from workers.train_step import Batch, LossFn, reshard, weighted_loss
 
 # torch.distributed.pipelining's schedule classes by ``scaling.pp_schedule``: one stage per

@@ -45,6 +45,7 @@ from elastic.core.protocol import NonFinite, Phase, RankTimes, SegmentSpec, Step
 from elastic.core.topology import counts_loss
 from workers import rng
 from workers.control_surface import NO_FAULTS, ActivityTracker, ComputeTimer, DriverSignals, FaultPlan
+from workers.experts import RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.failures import (
     CollectiveAborted,
     CollectiveFailed,
@@ -55,7 +56,7 @@ from workers.failures import (
 )
 from workers.gradient_sum import GradientSum, SumTimes
 from workers.integrity import start_check
-from workers.model import ModelArgs, RoutedLayout, balance_experts, expert_layers, expert_load
+from workers.model import ModelArgs
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.train_step import (

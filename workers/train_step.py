@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map
 from elastic.core.data_plan import PADDING_INDEX
 from elastic.data.tokenizing import IGNORE_INDEX  # a label that takes no part in the loss, as HuggingFace marks it
 from workers.context_parallel import ContextShare
-from workers.model import MoE, add_micro_batch, expert_layers, set_row_shares
+from workers.experts import MoE, add_micro_batch, expert_layers, set_row_shares
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Any model, any batch: (the batch's summed loss, how many things it summed over)
