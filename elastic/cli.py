@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first end the run's lease when its record is unreadable; only when no other driver of "
                             "the run is running (needs --run-name)")
     train.add_argument("--accept-changed-data", action="store_true", default=None,
-                       help="resume although the data files changed since the checkpoint: a new epoch over them")
+                       help="resume although the data changed since the checkpoint (its files, sources, weights, "
+                            "tokenizer or columns): the data starts over from its first epoch")
     train.add_argument("--inject", help='faults, e.g. "kill:rank=3,step=7;hang:rank=2,step=22"')
     train.add_argument("--set", action="append", default=[], type=parse_setting, metavar="SECTION.FIELD=VALUE",
                        help="any config field, e.g. --set data.seq_len=256 --set optimizer.beta2=0.99 (repeatable; "

@@ -15,12 +15,12 @@ from typing import Any
 
 import ray
 
-from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint
+from checkpointing.catalog import CheckpointCatalog, NoUsableCheckpoint, Restorable
 from checkpointing.lease import LeaseLost, RunLease
 from checkpointing.pretrained import source_identity
 from checkpointing.signing import signing_key_from_environment
 from checkpointing.storage import join_url
-from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing
+from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing, latest_checkpoint
 from elastic.setup.capacity import check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity
 from elastic.setup.config import ConfigError, TrainConfig, unbalanced_experts
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
@@ -203,6 +203,7 @@ class ElasticTrainer:
             # Renewed from here: starting Ray took up to a minute on a busy machine, longer than
             # a short lease_ttl_s, which then expired before the first renewal.
             lease.keep_renewed(renewing, on_lost=lambda why: self._lease_lost(why, events, stop))
+            resume = self._resume(lease.generation, events)
             started_ray = connect_ray()
             signals.catch()  # again: ray.init puts a SIGTERM handler of its own in place
             restore_ray_messages = worker_deaths_to_log_file()
@@ -225,15 +226,8 @@ class ElasticTrainer:
             rendezvous = Rendezvous.start("127.0.0.1" if started_ray else None)
             fleet = Fleet(self.config, self.hooks, topology, rendezvous)
             checkpoints = self._checkpoints(fleet, events, ledger, topology, clock, lease)
-            resume = checkpoints.latest()
             if resume is not None:
-                check_resumable(self.config, self.run_name, resume)
-                resume = resume_over_data(self.config, self.run_name, resume, self.data_identity, events)
-                self.source_identity = check_same_source(self.run_name, resume, self.source_identity)
-                checkpoints.source_identity = self.source_identity
                 fleet.resume_from_checkpoint()
-            elif self.config.model.init_from and not self.weights_checked:  # its checkpoints were all set aside
-                check_pretrained_weights(self.config)
             checkpoints.prune()
             schedule = FaultSchedule(self.faults, topology, events, clock, self.config.stragglers.noise)
             with ProgressBar(self.config.steps, enabled=self.progress) as bar:
@@ -292,6 +286,19 @@ class ElasticTrainer:
                 self._release(lease)
                 signals.release()
         return RunResult(self.run_name, self.run_dir, summary_path, summary, final_state)
+
+    def _resume(self, generation: int, events: EventLog) -> Restorable | None:
+        """The checkpoint the run resumes from, if any, checked against this leg's settings, data
+        and weights: read from the run's storage before Ray starts, so that a refusal comes at once."""
+        resume = latest_checkpoint(self._catalog(generation), events, self.config.checkpoint.start_fresh)
+        if resume is None:
+            if self.config.model.init_from and not self.weights_checked:  # its checkpoints were all set aside
+                check_pretrained_weights(self.config)
+            return None
+        check_resumable(self.config, self.run_name, resume)
+        resume = resume_over_data(self.config, self.run_name, resume, self.data_identity, events)
+        self.source_identity = check_same_source(self.run_name, resume, self.source_identity)
+        return resume
 
     def _checkpoints(self, fleet, events, ledger, topology, clock, lease: RunLease) -> CheckpointCoordinator:
         settings = self.config.checkpoint

@@ -618,37 +618,66 @@ def test_a_chat_run_at_two_groups_of_shard_two_starts_at_transformers_own_masked
     assert abs(result.losses[0] - expected) <= 1e-4 * expected
 
 
-def test_a_resume_with_another_mixture_is_refused_unless_accepted(tmp_path, tokenizer):
-    from checkpointing.manifest import FileRecord, Manifest
-    from checkpointing.catalog import Restorable
-    from elastic.core.events import EventKind, EventLog
-    from elastic.setup.resume_checks import resume_over_data
+def test_a_resume_over_other_sources_or_weights_is_refused_before_ray_naming_the_flag_which_starts_the_data_over(
+        tmp_path, tokenizer, monkeypatch):
+    """The run's checkpoint records its data settings and files. A resume with another weight,
+    or a source's other column (its files the same), is refused in one line before Ray starts,
+    naming --accept-changed-data; with the flag, the model resumes and the data starts over from
+    its first epoch, where every source starts a pass."""
+    import hashlib
+
+    import elastic.trainer
+    from elastic.outputs.report import load_summary
+    from elastic.setup.resume_checks import config_record
     from elastic.trainer import ElasticTrainer
+    from tests.test_catalog import METADATA
     from tests.tiny import tiny_config
 
-    pq.write_table(pa.table({"text": DOCUMENTS[:300]}), tmp_path / "a.parquet", row_group_size=50)
+    class RayStarted(Exception):
+        pass
+
+    def connect_ray():
+        raise RayStarted()
+
+    monkeypatch.setattr(elastic.trainer, "connect_ray", connect_ray)
+    pq.write_table(pa.table({"text": DOCUMENTS[:300], "title": DOCUMENTS[300:600]}), tmp_path / "a.parquet",
+                   row_group_size=50)
     jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": text} for text in DOCUMENTS[300:600]])
 
-    def identity(weight: float, **settings) -> tuple:
-        config = tiny_config(tmp_path, data__sources=[{"path": str(tmp_path / "a.parquet"), "weight": weight},
-                                                      {"path": jsonl}], data__tokenizer=tokenizer,
+    def trainer(weight: float, column: str | None = None, **settings) -> ElasticTrainer:
+        source = {"path": str(tmp_path / "a.parquet"), "weight": weight} | ({"text_column": column} if column else {})
+        config = tiny_config(tmp_path, data__sources=[source, {"path": jsonl}], data__tokenizer=tokenizer,
                              model__vocab_size=VOCAB, **settings)
-        return config, ElasticTrainer(config, model_fn=lambda: None).data_identity
+        return ElasticTrainer(config, model_fn=lambda: None)
 
-    config, trained_on = identity(2.0)
-    manifest = Manifest(step=4, cursor={"epoch": 1, "position": 16}, topology={"shard": 1, "tp": 1},
-                        config_hash="h", data=trained_on, files=(FileRecord(name=".metadata", size=1, sha256="0" * 64),))
-    checkpoint = Restorable("file:///run/checkpoints/step-00000004", manifest)
-    events = EventLog(lambda: 0.0)
-    assert resume_over_data(config, "r", checkpoint, trained_on, events) is checkpoint
-    config, now = identity(1.0)
-    with pytest.raises(ConfigError, match=r"its data changed since: data.sources: .*a.parquet x2; .*b.jsonl x1 -> "
-                                          r".*a.parquet x1; .*b.jsonl x1.*--accept-changed-data"):
-        resume_over_data(config, "r", checkpoint, now, events)
-    accepted, _ = identity(1.0, checkpoint__accept_changed_data=True)
-    assert resume_over_data(accepted, "r", checkpoint, now, events).manifest.cursor == {"epoch": 2, "position": 0}
-    [event] = events.of_kind(EventKind.DATA_CHANGED)
-    assert event["files"] == ["data.sources"]
+    first = trainer(2.0)
+    catalog = first._catalog()
+    directory = tmp_path / "runs" / "test" / "checkpoints" / "step-00000004"
+    directory.mkdir(parents=True)
+    files = {}
+    for name, payload in ((".metadata", METADATA), ("__0_0.distcp", b"state")):
+        (directory / name).write_bytes(payload)
+        files[name] = (len(payload), hashlib.sha256(payload).hexdigest())
+    record = config_record(first.config)
+    for source in record["data"]["sources"]:  # as a run recorded it before a source had a column of its own
+        del source["text_column"]
+    catalog.commit(4, {"epoch": 1, "position": 16}, {"shard": 1, "tp": 1}, "h", files, {}, config=record,
+                   data=first.data_identity)
+    with pytest.raises(RayStarted):  # the same data: on to Ray
+        first.fit()
+    for (weight, column), refused in (((1.0, None), r"data.sources: .*a.parquet x2; .*b.jsonl x1 -> .*a.parquet "
+                                                    r"x1; .*b.jsonl x1; data.sources.0.weight: 2.0 -> 1.0; "),
+                                      ((2.0, "title"), r".*; data.sources.0.text_column: absent -> title; ")):
+        changed = trainer(weight, column)
+        with pytest.raises(ConfigError, match=rf"^run 'test' resumes from step 4, but its data changed since: "
+                                              rf"{refused}.*pass --accept-changed-data \(checkpoint.accept_changed_"
+                                              r"data = true\) to resume the model and start the data over") as raised:
+            changed.fit()
+        assert "\n" not in str(raised.value)
+    with pytest.raises(RayStarted):
+        trainer(1.0, checkpoint__accept_changed_data=True).fit()
+    [event] = [event for event in load_summary(first.run_dir).events if event["kind"] == "data-changed"]
+    assert event["cursor"] == {"epoch": 0, "position": 0} and "data.sources.0.weight" in event["files"]
 
 
 def test_a_ray_dataset_is_written_once_and_trains_as_that_parquet_would(ray_cluster, tmp_path, tokenizer):

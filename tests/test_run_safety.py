@@ -156,7 +156,7 @@ def test_a_resume_over_changed_data_is_refused_naming_the_file_unless_accepted(t
     accepted = tiny_config(tmp_path, data__path=str(path), data__validation_fraction=0.0, eval__every=0,
                            checkpoint__accept_changed_data=True)
     resumed = resume_over_data(accepted, "r", checkpoint, now, events)
-    assert resumed.step == 4 and resumed.manifest.cursor == {"epoch": 3, "position": 0}  # a new epoch, cleanly
+    assert resumed.step == 4 and resumed.manifest.cursor == {"epoch": 0, "position": 0}  # the data over, cleanly
     [event] = events.of_kind(EventKind.DATA_CHANGED)
     assert event["files"] == [str(path)]
 

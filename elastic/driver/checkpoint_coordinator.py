@@ -50,6 +50,16 @@ class SaveInFlight:
     loss_scale: LossScale | None = None
 
 
+def latest_checkpoint(catalog: CheckpointCatalog, events: EventLog, start_fresh: bool,
+                      at_most: int | None = None) -> Restorable | None:
+    """The newest usable checkpoint (of a step up to ``at_most``, if given), each one passed
+    over an event."""
+    def skipped(step: int, reason: str) -> None:
+        events.emit(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
+
+    return catalog.latest(on_skip=skipped, start_fresh=start_fresh, at_most=at_most)
+
+
 class CheckpointCoordinator:
     def __init__(self, catalog: CheckpointCatalog, fleet: FleetApi, events: EventLog, ledger: TimeLedger,
                  topology: Topology, config_hash: str, max_consecutive_failures: int, upload_timeout_s: float,
@@ -85,10 +95,7 @@ class CheckpointCoordinator:
 
     def latest(self, at_most: int | None = None) -> Restorable | None:
         """The newest usable checkpoint (of a step up to ``at_most``, if given)."""
-        def skipped(step: int, reason: str) -> None:
-            self.events.emit(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
-
-        return self.catalog.latest(on_skip=skipped, start_fresh=self.start_fresh, at_most=at_most)
+        return latest_checkpoint(self.catalog, self.events, self.start_fresh, at_most)
 
     def restore(self, checkpoint: Restorable, ranks: list[int]) -> tuple[Restorable, float]:
         """Load a committed checkpoint into ranks of any layout (DCP reshards); returns the

@@ -509,9 +509,10 @@ class CheckpointConfig(Section):
     # When the run has checkpoints and every one fails verification: stop (false), or move
     # them aside and train from step 0 (true).
     start_fresh: bool = False
-    # A resume whose data files changed under the same path (checkpoint manifests record
-    # each file's size and fingerprint): stop, naming them (false), or resume the model and
-    # start a new epoch over the new data (true).
+    # A resume whose data changed (checkpoint manifests record each file's size and
+    # fingerprint, and the data settings: sources, weights, tokenizer, columns): stop, naming
+    # what changed (false), or resume the model and start the data over from its first epoch
+    # (true).
     accept_changed_data: bool = False
     # One driver per run: a driver renews its lease every third of this; one that dies
     # leaves the run to the next driver this long after its last renewal.

@@ -1,6 +1,8 @@
-"""What a resume must keep: the settings its checkpoint's state and data cursor depend on
-(``check_resumable``), the data it reads (``resume_over_data``) and the weights it started
-from (``check_same_source``). Each refusal names what changed and how to go on."""
+"""What a resume must keep: the settings its checkpoint's state depends on
+(``check_resumable``), the data it reads and the settings that say what that is
+(``resume_over_data``), and the weights it started from (``check_same_source``). Each refusal
+names what changed and how to go on. They read the checkpoint's manifest alone: the run
+calls them before Ray starts."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
 # Recorded with the state (elastic export reads them back) but no part of its math: a resume
 # may differ in them (a run started before the field existed recorded none).
 NOT_IN_THE_MATH = {"model.max_position_embeddings"}
+# The settings that say what the training data is: a resume that changes them resumes over
+# changed data (``resume_over_data``), which checkpoint.accept_changed_data accepts.
+DATA_FIELDS = {"data.path", "data.sources", "data.format", "data.token_dtype", "data.tokenizer", "data.text_column",
+               "data.corpus_tokens"}
 
 
 def config_record(config: TrainConfig) -> dict:
@@ -37,25 +43,37 @@ def config_hash(config: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(config_record(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def flatten(record: dict, prefix: str = "") -> dict:
+def flatten(record: dict | list, prefix: str = "") -> dict:
+    """One key a setting; a list (data.sources) item by item, so that a field added to its
+    items since a record was written is one key absent there, not a whole list that differs."""
     flat = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
+    for key, value in record.items() if isinstance(record, dict) else enumerate(record):
+        if isinstance(value, dict | list):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
 
 
+def recorded_settings(config: TrainConfig, checkpoint: Restorable) -> tuple[dict, dict]:
+    """The settings the state depends on, flattened: (as the checkpoint recorded them, as they
+    are now). A setting added since the checkpoint was written trained it at its default value."""
+    saved = {**flatten(config_record(TrainConfig())), **flatten(checkpoint.manifest.config)}
+    return saved, flatten(config_record(config))
+
+
+def is_data_setting(key: str) -> bool:
+    return ".".join(key.split(".")[:2]) in DATA_FIELDS
+
+
 def check_resumable(config: TrainConfig, run: str, checkpoint: Restorable) -> None:
-    """Refuse a resume whose settings would change the math the checkpoint was trained with."""
+    """Refuse a resume whose settings would change the math the checkpoint was trained with;
+    what the data is, ``resume_over_data`` checks."""
     manifest = checkpoint.manifest
     if manifest.config:
-        now = flatten(config_record(config))
-        # A setting added since the checkpoint was written trained it at its default value.
-        saved = {**flatten(config_record(TrainConfig())), **flatten(manifest.config)}
+        saved, now = recorded_settings(config, checkpoint)
         keys = (saved.keys() | now.keys()) - NOT_IN_THE_MATH
-        changed = sorted(key for key in keys if saved.get(key) != now.get(key))
+        changed = sorted(key for key in keys if not is_data_setting(key) and saved.get(key) != now.get(key))
         described = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
     else:  # written before manifests recorded the settings: only the hash can tell
         changed = [] if manifest.config_hash == config_hash(config) else ["(settings not recorded)"]
@@ -77,22 +95,32 @@ def described_changes(saved: dict[str, str], now: dict[str, str], files: list[st
 
 def resume_over_data(config: TrainConfig, run: str, checkpoint: Restorable, identity: dict[str, str],
                      events: EventLog) -> Restorable:
-    """The checkpoint to resume from, given the data as it is now. Data changed under the same
-    path is refused, naming the files: the saved cursor indexes an order over other data, and
-    would skip some samples and train others twice. With ``checkpoint.accept_changed_data``
-    the model resumes and the data starts a new epoch."""
-    saved = checkpoint.manifest.data  # empty: the data was generated, or the user's own
-    changed = sorted(file for file in saved.keys() | identity.keys() if saved.get(file) != identity.get(file))
-    if not saved or not changed:
+    """The checkpoint to resume from, given the data as it is now: its files (``identity``)
+    and the settings that say what it is (other sources, weights, tokenizer, columns). Changed
+    data is refused, naming what changed: the saved cursor indexes an order over other data,
+    and would skip some samples and train others twice. With ``checkpoint.accept_changed_data``
+    the model resumes and the data starts over from its first epoch: the cursor counts epochs
+    of the data as it is, as a mixture's sources' places in their own orders follow from it."""
+    manifest = checkpoint.manifest
+    saved, now = {}, {}
+    if manifest.config:  # else check_resumable compared every setting, by the hash
+        settings = recorded_settings(config, checkpoint)
+        saved, now = ({key: value for key, value in record.items() if is_data_setting(key)} for record in settings)
+    if manifest.data:  # empty: the data was generated, or the user's own (its settings say what it is)
+        # a file's digest over the setting of the same name: the tokenizer is what it does, not its name
+        saved, now = {**saved, **manifest.data}, {**now, **identity}
+    changed = sorted(key for key in saved.keys() | now.keys() if saved.get(key) != now.get(key))
+    if not changed:
         return checkpoint
-    described = described_changes(saved, identity, changed)
+    described = described_changes(saved, now, changed)
     if not config.checkpoint.accept_changed_data:
         raise ConfigError(
             f"run {run!r} resumes from step {checkpoint.step}, but its data changed since: {described}; its data "
             "cursor would skip some samples and train others twice. Restore the data, or pass --accept-changed-data "
-            "(checkpoint.accept_changed_data = true) to resume the model with a new epoch over the data"
+            "(checkpoint.accept_changed_data = true) to resume the model and start the data over from its first "
+            "epoch"
         )
-    cursor = {"epoch": checkpoint.manifest.cursor.get("epoch", 0) + 1, "position": 0}
+    cursor = {"epoch": 0, "position": 0}
     events.emit(EventKind.DATA_CHANGED, step=checkpoint.step, files=changed, cursor=cursor)
     return replace(checkpoint, manifest=checkpoint.manifest.model_copy(update={"cursor": cursor}))
 
