@@ -51,7 +51,9 @@ def import_packages() -> None:
 def start_local_ray(**options) -> None:
     """A local Ray instance on loopback only; gloo follows the same interface. Ray 2.60 turns
     token authentication on for it and says so on every run: that notice is dropped
-    (docs/operations.md says it). Ray's usage statistics are off."""
+    (docs/operations.md says it). Ray's usage statistics are off. A ``runtime_env`` in
+    ``options`` adds to the workers' own (a benchmark's setup hook, its variables)."""
+    extra_env = options.pop("runtime_env", {})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
@@ -60,8 +62,9 @@ def start_local_ray(**options) -> None:
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         configure_logging=False,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, **installed_packages_first()},
         **{"log_to_driver": True, **options},
+        runtime_env={**installed_packages_first(), **extra_env,
+                     "env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **extra_env.get("env_vars", {})}},
     )
     try:
         ray.init(**settings)

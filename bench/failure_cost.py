@@ -1,0 +1,252 @@
+"""What one failure costs against the job's size, measured on the real product: real rank
+processes under the real driver, one rank killed mid-step, at each size in ``--ranks`` (groups
+of ``--shard`` ranks; steps paced to ``--step-s`` with the reference model's math, so that
+the ranks leave the cores free and the wall times measure the design where the processes fit
+the machine).
+
+``bench/failure_probe.py``, installed in every rank process by Ray's setup hook, writes what
+each rank did (its commits, the process groups it created, the bytes of state it handed to
+the object store, its CPU seconds); the driver's actor calls are counted in this process.
+Per size, in the window from the kill until the killed group commits again:
+
+- ``stall_s``: time in which no group committed, less one step time each gap: the step time
+  of the layout then (``degraded_step_s`` while a group is out: its samples go to the others,
+  in whole micro-batches), counted where it is over by more than half a step. The step in
+  flight at the kill is redone within it;
+- ``ranks_stopped``: the ranks whose own commits stalled so (the killed group's included);
+- ``groups_created_per_survivor``: process groups each surviving rank created (max, mean);
+- ``survivor_recovery_cpu_s``: CPU seconds each surviving rank spent beyond its steps (max);
+- ``object_store_bytes``: rank state handed to the Ray object store;
+- ``driver_calls``: actor calls the driver made;
+- ``phases``: where the time from the kill to the group whole again went (``bench/goodput.py``'s
+  ``kill_to_whole_phases``), and the run's ``recovered`` event's parts;
+- ``kill_to_commit_step_times``: kill to the next commit of any group, in step times.
+
+Also ``pairing_98304_s``: the memory tier's re-pairing after one group's loss and return at
+98,304 ranks (``elastic/simulation/driver_cost.py``). Each figure is fit to a power law in the
+job's size (``a * ranks ** b``) and the exponents printed: 0 is flat.
+
+    python bench/failure_cost.py --ranks 4,8,16 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.goodput import kill_to_whole_phases  # noqa: E402
+from elastic.core.events import EventKind  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
+
+KILL_STEP = 6
+SAMPLES_PER_RANK = 2  # one micro-batch each
+
+
+def job_config(storage: str, ranks: int, shard: int, steps: int, killed: int):
+    return build_config({
+        "run_name": f"failure-cost-{ranks}", "storage": storage, "steps": steps,
+        "global_batch": SAMPLES_PER_RANK * ranks, "micro_batch": 1, "seed": 5,
+        "scaling": {"min_groups": 1, "max_groups": ranks // shard, "shard": shard, "tp": 1, "cpus_per_rank": 0.1},
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 192},
+        "data": {"seq_len": 64, "corpus_tokens": 200_000},
+        "stragglers": {"enabled": False},
+        "checkpoint": {"every": 0},
+        "fault_tolerance": {"inject": f"kill:rank={killed},step={KILL_STEP},after=0.2", "min_deadline_s": 5.0,
+                            "first_step_deadline_s": 600},
+    })
+
+
+class DriverCalls:
+    """Every actor call this process makes, with its wall time."""
+
+    def __init__(self):
+        import ray.actor
+
+        self.times: list[float] = []
+        original = ray.actor.ActorMethod._remote
+
+        def counted(method, *args, **kwargs):
+            self.times.append(time.time())
+            return original(method, *args, **kwargs)
+
+        ray.actor.ActorMethod._remote = counted
+
+    def between(self, start: float, end: float) -> int:
+        return sum(start <= t <= end for t in self.times)
+
+
+def read_probe(directory: str) -> list[dict]:
+    lines = []
+    for path in Path(directory).glob("*.jsonl"):
+        pid = int(path.stem)
+        lines.extend({**json.loads(line), "pid": pid} for line in path.read_text().splitlines() if line)
+    return sorted(lines, key=lambda line: line["t"])
+
+
+def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCalls, probe_dir: str) -> dict:
+    from elastic import ElasticTrainer
+    from elastic.testing.paced import paced_model
+
+    for path in Path(probe_dir).glob("*.jsonl"):
+        path.unlink()
+    groups = ranks // shard
+    killed = (groups - 1) * shard  # the last group's first rank
+    killed_group = groups - 1
+    with tempfile.TemporaryDirectory() as storage:
+        config = job_config(storage, ranks, shard, steps, killed)
+        result = ElasticTrainer(config, model_fn=paced_model(config, step_s)).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    lines = read_probe(probe_dir)
+    [kill] = [line for line in lines if line["kind"] == "exit" and line["rank"] == killed]
+    killed_at = kill["t"]
+    killed_pid = kill["pid"]
+    commits = [line for line in lines if line["kind"] == "commit"]
+    # A step's commit time: the last rank to apply it (every group applies every step together).
+    step_done: dict[int, float] = {}
+    for line in commits:
+        step_done[line["step"]] = max(step_done.get(line["step"], 0.0), line["t"])
+    whole_at = min(line["t"] for line in commits
+                   if line["rank"] is not None and line["rank"] // shard == killed_group and line["t"] > killed_at)
+    before = sorted(t for step, t in step_done.items() if t < killed_at)
+    typical = statistics.median(b - a for a, b in zip(before, before[1:]))
+    done = sorted(step_done.values())
+    # Without one group the others take its samples: a paced step lasts as many forwards as
+    # its rank's micro-batches, whole ones. That longer step is the layout's, not a stall.
+    degraded = typical * math.ceil(SAMPLES_PER_RANK * groups / (groups - 1)) / SAMPLES_PER_RANK
+
+    def stalls(commit_times: list[float]) -> list[float]:
+        """Each gap between commits from the kill until the killed group's return beyond the
+        step time of the layout then, by more than half a step."""
+        window = [t for t in commit_times if killed_at - typical <= t <= whole_at]
+        window += [t for t in commit_times if t > whole_at][:1]
+        return [b - a - (typical if b >= whole_at else degraded) for a, b in zip(window, window[1:])
+                if b - a > (typical if b >= whole_at else degraded) + 0.5 * typical]
+
+    job_stalls = stalls(done)
+    survivors = {line["pid"]: line["rank"] for line in lines
+                 if line["rank"] is not None and line["rank"] // shard != killed_group and line["t"] < killed_at}
+    by_pid = defaultdict(list)
+    for line in lines:
+        by_pid[line["pid"]].append(line)
+    created, cpu = [], []
+    for pid in survivors:
+        own = by_pid[pid]
+        created.append(sum(1 for line in own if line["kind"] == "process-group" and killed_at <= line["t"] <= whole_at))
+        own_commits = [line for line in own if line["kind"] == "commit"]
+        steady = [b["cpu"] - a["cpu"] for a, b in zip(own_commits, own_commits[1:]) if b["t"] < killed_at][2:]
+        per_step = statistics.median(steady) if steady else 0.0
+        last_before = max((line for line in own_commits if line["t"] < killed_at), key=lambda line: line["t"])
+        first_after = min((line for line in own_commits if line["t"] >= whole_at), key=lambda line: line["t"],
+                          default=own_commits[-1])
+        stepped = sum(1 for line in own_commits if last_before["t"] < line["t"] <= first_after["t"])
+        cpu.append(max(0.0, first_after["cpu"] - last_before["cpu"] - stepped * per_step))
+    stopped = {rank for rank in range(ranks) if rank // shard == killed_group}
+    stopped |= {rank for pid, rank in survivors.items()
+                if stalls(sorted(line["t"] for line in by_pid[pid] if line["kind"] == "commit"))}
+    [fault] = [e for e in events if e["kind"] == EventKind.FAULT_INJECTED]
+    recovered = next((e for e in events if e["kind"] == EventKind.RECOVERED), {})
+    next_commit = min(t for t in done if t > killed_at)
+    return {
+        "groups": groups,
+        "step_s": round(typical, 4),
+        "degraded_step_s": round(degraded, 4),
+        "stall_s": round(sum(job_stalls), 3),
+        "stalls_s": [round(stall, 3) for stall in job_stalls],
+        "ranks_stopped": len(stopped),
+        "groups_created_per_survivor": {"max": max(created), "mean": round(statistics.mean(created), 2)},
+        "survivor_recovery_cpu_s": round(max(cpu), 3),
+        "object_store_bytes": sum(line.get("nbytes", 0) for line in lines
+                                  if line["kind"] == "object-store" and killed_at <= line["t"] <= whole_at),
+        "driver_calls": calls.between(killed_at, whole_at),
+        "kill_to_whole_s": round(whole_at - killed_at, 3),
+        "kill_to_commit_step_times": round((next_commit - killed_at) / typical, 2),
+        "phases": {"kill_to_whole": {key: round(value, 3) for key, value in
+                                     kill_to_whole_phases(events, fault, killed_group).items()},
+                   "recovered": {key: value for key, value in recovered.items() if key.endswith("_s")}},
+        "killed_pid": killed_pid,
+    }
+
+
+def power_law_exponent(sizes: list[int], values: list[float]) -> float | None:
+    """``b`` of the least-squares fit ``value = a * size ** b`` (None for one size, or where a value is 0)."""
+    if len(sizes) < 2 or min(values) <= 0:
+        return None
+    xs, ys = [math.log(size) for size in sizes], [math.log(value) for value in values]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def pairing_s(ranks: int = 98_304) -> float:
+    from bench.at_scale import MODELS
+    from elastic.simulation.designs import Job
+    from elastic.simulation.driver_cost import driver_cost
+
+    return driver_cost(Job(MODELS["405b"], ranks)).buddies_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="4,8,16", help="job sizes, comma-separated (multiples of --shard)")
+    parser.add_argument("--shard", type=int, default=2, help="ranks per group")
+    parser.add_argument("--step-s", type=float, default=0.6, help="each step's paced time")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    sizes = [int(size) for size in args.ranks.split(",")]
+    if any(size % args.shard or size // args.shard < 2 for size in sizes):
+        parser.error(f"--ranks: each size must be a multiple of --shard={args.shard} with two groups or more")
+
+    import ray
+
+    from elastic.fleet.ray_connection import start_local_ray
+
+    probe_dir = tempfile.mkdtemp(prefix="failure-probe-")
+    os.environ["FAILURE_PROBE_DIR"] = probe_dir
+    ray.shutdown()
+    start_local_ray(num_cpus=max(sizes) + 2, log_to_driver=False, runtime_env={
+        "env_vars": {"FAILURE_PROBE_DIR": probe_dir,
+                     "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
+        "worker_process_setup_hook": "bench.failure_probe.install"})
+    calls = DriverCalls()
+    figures = {"group_ranks": args.shard, "step_s": args.step_s, "sizes": {}}
+    try:
+        for size in sizes:
+            started = time.perf_counter()
+            figures["sizes"][str(size)] = measured = measure(size, args.shard, args.step_s, args.steps, calls,
+                                                             probe_dir)
+            print(f"{size} ranks ({time.perf_counter() - started:.0f} s): {json.dumps(measured)}", flush=True)
+    finally:
+        ray.shutdown()
+    figures["pairing_98304_s"] = pairing_s()
+    laws = {}
+    for name, read in (("stall_s", lambda m: m["stall_s"]),
+                       ("ranks_stopped", lambda m: m["ranks_stopped"]),
+                       ("groups_created_per_survivor", lambda m: m["groups_created_per_survivor"]["max"]),
+                       ("survivor_recovery_cpu_s", lambda m: m["survivor_recovery_cpu_s"]),
+                       ("object_store_bytes", lambda m: m["object_store_bytes"]),
+                       ("driver_calls", lambda m: m["driver_calls"])):
+        values = [read(figures["sizes"][str(size)]) for size in sizes]
+        laws[name] = power_law_exponent(sizes, values)
+        exponent = "n/a" if laws[name] is None else f"{laws[name]:+.2f}"
+        print(f"{name:>28}: {values} at {sizes} ranks; grows as ranks ** {exponent}")
+    figures["laws"] = laws
+    print(f"re-pairing at 98,304 ranks: {1000 * figures['pairing_98304_s']:.2f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What each rank process does around a failure, written as it happens for
+``bench/failure_cost.py``: installed in every Ray worker by Ray's setup hook, it wraps, without
+changing them, the calls that show a recovery's cost on a rank, and appends one JSON line per
+event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
+
+- ``commit``: a step the rank applied (``StepTransaction.step`` returned ``Committed``);
+- ``process-group``: a process group created (``init_process_group``, ``new_group``, or a
+  gloo / NCCL group built directly, as the cross-group groups are);
+- ``object-store``: the bytes of a rank's state handed to Ray to carry (``export_state``,
+  ``export_held``: the heal's and the memory tier's object-store roads);
+- ``exit``: the process ending itself (the injected kill).
+
+Each line has the wall time ``t``, the process's CPU seconds so far (``cpu``: every thread)
+and the rank (``rank``, once the rank has its place)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+
+_lock = threading.Lock()
+_rank: list[int | None] = [None]
+
+
+def _write(kind: str, **fields) -> None:
+    line = json.dumps({"kind": kind, "t": time.time(), "cpu": time.process_time(), "rank": _rank[0], **fields})
+    with _lock, open(os.path.join(os.environ["FAILURE_PROBE_DIR"], f"{os.getpid()}.jsonl"), "a") as out:
+        out.write(line + "\n")
+
+
+def _tensor_bytes(value) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def _counting(function, kind: str, **fields):
+    @functools.wraps(function)
+    def counted(*args, **kwargs):
+        result = function(*args, **kwargs)
+        _write(kind, **fields)
+        return result
+    return counted
+
+
+def _shipping(method):
+    @functools.wraps(method)
+    def shipped(self, *args, **kwargs):
+        state = method(self, *args, **kwargs)
+        _write("object-store", nbytes=_tensor_bytes(state), call=method.__name__)
+        return state
+    return shipped
+
+
+def install() -> None:
+    """Ray's ``worker_process_setup_hook``: runs in each worker before it takes an actor."""
+    import torch.distributed as dist
+
+    from workers import step_transaction, worker
+
+    for name in ("init_process_group", "new_group"):
+        setattr(dist, name, _counting(getattr(dist, name), "process-group", how=name))
+    for name in ("ProcessGroupGloo", "ProcessGroupNCCL"):
+        if hasattr(dist, name):
+            built = getattr(dist, name)
+            setattr(dist, name, type(name, (built,), {
+                "__init__": _counting(built.__init__, "process-group", how=name)}))
+
+    take_place = worker.RankWorker._take_place
+
+    def placed(self, spec):
+        _rank[0] = spec.global_rank
+        return take_place(self, spec)
+
+    worker.RankWorker._take_place = placed
+    for name in ("export_state", "export_held"):
+        setattr(worker.RankWorker, name, _shipping(getattr(worker.RankWorker, name)))
+
+    step = step_transaction.StepTransaction.step
+
+    def stepped(self, spec, share, *args, **kwargs):
+        outcome = step(self, spec, share, *args, **kwargs)
+        if isinstance(outcome, step_transaction.Committed):
+            _write("commit", step=outcome.record.step, group=outcome.record.group)
+        return outcome
+
+    step_transaction.StepTransaction.step = stepped
+    exit_now = os._exit
+
+    def exiting(code):
+        _write("exit")
+        exit_now(code)
+
+    os._exit = exiting
