@@ -1,46 +1,79 @@
 """A failure trace replayed against three designs of a trainer, on a simulated clock.
 
-- **This product** (``ours``): every step a transaction, so a failure costs the step it
-  struck; the failed rank's group leaves the quorum and the others keep training; the group
-  takes a warm spare (``elastic.core.spares.choose_spares`` picks it) or waits for a node,
-  rebuilds its world and heals from a live peer; a hang, a network fault or a node gone
-  silent is found by the step deadline (``elastic.core.policies.StepDeadline``), a slow GPU by the straggler detector's latency, a
-  silent corruption by the next integrity check. Each failure goes through the real
-  diagnosis and recovery plan (``elastic.core.diagnosis``, ``elastic.core.recovery``).
-- **Restart the world** (Ray Train's and torchrun's model): any failure stops every rank;
-  the job restarts from its last checkpoint, on a spare node or a replaced one, and trains
-  again what it had trained since; a hang holds it to the collective timeout.
-- **Group restart with heal** (torchft's model): the failed group restarts fresh processes
-  and heals from a live peer while the others train; a death is found by the heartbeat, a
-  hang by the manager's timeout.
+- **This product** (``ours``), on its path as it runs today: a failure discards the step in
+  flight everywhere; a hang, a NIC or a node gone silent is found by the step deadline (the
+  real ``StepDeadline`` fed the run's step times, so a group out, which slows the step, widens
+  it) or by Ray's health check; the ranks drain; every surviving rank rebuilds its cross-group
+  process groups (a driver call per rank and a communicator over the groups) while every group
+  waits; the failed rank's group takes a warm spare (``choose_spares`` picks it, and the others
+  wait up to a typical step for it) or a fresh process or a replaced node while the others
+  train; at the next boundary every group waits again while the heal copies the state through
+  the object store, and for a second regroup. A slow GPU is found by the straggler detector and
+  its group replaced; a corruption of the state a rank holds is found at the next integrity
+  check and its group healed; a compute error that enters the cross-group sum is not found. It
+  has no drain: a node taken for maintenance ends its ranks as a death does. Each failure goes
+  through the real diagnosis and recovery plan.
+- **Restart the world** in its best current form: in-memory checkpoints every 5 minutes (and
+  one when told of a maintenance or a slow GPU), a 120 s collective timeout for a hang, warm
+  spares; any failure stops every rank, the job restarts and trains again what it trained
+  since its checkpoint.
+- **Group restart** (torchft's model): a death is found by the lighthouse's heartbeat, a hang
+  by the Manager's timeout; the others reconfigure their process group and go on without the
+  failed group, which restarts, heals from a live peer and rejoins (one more reconfiguration).
 
-Every cost is a named figure in ``Costs`` with its source: measured here (``docs/benchmarks.md``)
-or assumed, said so. The replay keeps a ledger per design: time the job trained on, work it
-trained and then lost, and capacity it was down, which add up to the wall time.
+Every design finds a slow GPU with the same detector (the real one) and acts on it as on a
+planned removal. Failures during a recovery are failures like the others: a recovery is
+started over from the new failure, a heal under way is aborted and its group rebuilt. Only
+workloads with at least one sequence per data-parallel rank are replayed (``Job.fits``); the
+step is whole micro-batches of one sequence, so a group out lengthens the step to the widest
+share (with one sequence per rank, it doubles it).
+
+Every cost is a figure of ``elastic.simulation.costs``. The ledger: time trained on kept work,
+work trained and thrown away, capacity down; they add up to the wall time.
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+import math
 import random
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
+
+import numpy as np
 
 from elastic.core.diagnosis import diagnose
 from elastic.core.policies import StepDeadline
 from elastic.core.recovery import plan_recovery
 from elastic.core.spares import Spare, choose_spares
-from elastic.core.straggler_detector import DEFAULT_PATIENCE, DEFAULT_WINDOW
+from elastic.core.straggler_detector import StragglerDetector
 from elastic.core.topology import Topology
-from elastic.simulation.failure_mix import GPUS_PER_NODE, Failure, FailureKind
+from elastic.simulation.costs import DEFAULT, Costs
+from elastic.simulation.failure_mix import (
+    GPUS_PER_NODE,
+    NEEDS_HARDWARE,
+    NODES_GONE,
+    SILENT,
+    Failure,
+    FailureKind,
+)
 
 H100_BF16_FLOPS = 989e12  # dense, SXM
 STATE_BYTES_PER_PARAMETER = 12  # fp32 parameters and AdamW's two fp32 moments: what a heal copies
+SEQUENCE_TOKENS = 8192  # Llama 3's pre-training context
+BATCH_SEQUENCES = 2048  # Llama 3 405B's 16 M-token batch
+CORRUPTIONS = frozenset({FailureKind.STATE_CORRUPTION, FailureKind.COMPUTE_CORRUPTION})
+# Restart-the-world saves a checkpoint when told of a node's maintenance or a slow GPU; this
+# product and torchft have no drain (a node taken away ends its ranks as a death does), and
+# remove a group as planned only on the straggler detector's word
+NOTICED = frozenset({FailureKind.NODE_MAINTENANCE, FailureKind.JOB_MAINTENANCE, FailureKind.SLOW_GPU})
 
 
 class Design(StrEnum):
     OURS = "ours"
-    RESTART_THE_WORLD = "restart-the-world"
+    RESTART = "restart"
     GROUP_RESTART = "group-restart"
 
 
@@ -68,7 +101,7 @@ MODELS = {
 class Job:
     model: ModelShape
     gpus: int
-    global_batch_tokens: int = 16 * 2**20  # Llama 3 405B's
+    batch_sequences: int = BATCH_SEQUENCES
     mfu: float = 0.40  # Llama 3 405B's was 38 to 43 %
 
     @property
@@ -76,9 +109,26 @@ class Job:
         return self.gpus // self.model.group_gpus
 
     @property
-    def step_s(self) -> float:
-        """A step at ``mfu``: 6 FLOPs per parameter per token."""
-        return 6 * self.model.parameters * self.global_batch_tokens / (self.gpus * H100_BF16_FLOPS * self.mfu)
+    def ranks(self) -> int:
+        return self.groups * self.model.group_gpus
+
+    @property
+    def fits(self) -> bool:
+        """At least one sequence per data-parallel rank."""
+        return self.groups * self.model.shard <= self.batch_sequences
+
+    @property
+    def sequence_s(self) -> float:
+        """One sequence through one data-parallel rank at ``mfu``: 6 FLOPs per parameter per token."""
+        model = self.model
+        return 6 * model.parameters * SEQUENCE_TOKENS / (model.pp * model.tp * H100_BF16_FLOPS * self.mfu)
+
+    def step_s(self, live: int | None = None) -> float:
+        """A step with ``live`` groups (all by default): the batch apportioned over the groups,
+        a group's share over its shard positions, the widest position's sequences one
+        micro-batch each (``elastic.core.data_plan``)."""
+        share = -(-self.batch_sequences // (live or self.groups))
+        return -(-share // self.model.shard) * self.sequence_s
 
     @property
     def heal_bytes_per_gpu(self) -> float:
@@ -90,65 +140,27 @@ class Job:
         return Topology(model.shard, model.tp, self.groups, model.pp)
 
 
-@dataclass(frozen=True)
-class Costs:
-    """The figures each recovery is made of, in seconds (bandwidths in bytes per second).
-    ``SOURCES`` says where each comes from."""
-
-    regroup_s: float = 0.3
-    spare_takeover_s: float = 4.0
-    process_start_s: float = 3.5
-    world_init_s_per_rank: float = 0.002
-    heal_bandwidth: float = 25e9
-    node_replacement_s: float = 600.0
-    deadline_factor: float = 5.0
-    min_deadline_s: float = 10.0
-    integrity_every_steps: int = 10
-    memory_every_steps: int = 10
-    slowdown: float = 1.5
-    slow_gpu_lasts_s: float = 7200.0
-    world_restart_s: float = 9.0
-    checkpoint_every_s: float = 1800.0
-    checkpoint_read_per_node: float = 5e9
-    collective_timeout_s: float = 600.0
-    node_death_s: float = 30.0
-    heartbeat_s: float = 5.0
-    group_restart_s: float = 1.2
-    manager_timeout_s: float = 60.0
-
-
-SOURCES = {
-    "regroup_s": "measured: kill -> next commit 1.7-1.9 s at 1 s steps, less the step redone and the part discarded "
-                 "(bench/goodput.py, docs/benchmarks.md)",
-    "spare_takeover_s": "measured: kill -> group whole with a warm spare, 3.47 steps of 1.16 s on one H100 over gloo "
-                        "(bench/gpu_check.py, docs/benchmarks.md)",
-    "process_start_s": "measured: a fresh rank process's start, 3-4 s on CPU (docs/architecture.md, warm spares)",
-    "world_init_s_per_rank": "assumed: a communicator's bootstrap grows with its ranks, 1 s per 500 (a group's "
-                             "world; the cross-group groups, one rank per group, after every failure)",
-    "heal_bandwidth": "assumed: one 200 Gb/s NIC per GPU",
-    "node_replacement_s": "assumed: a node replaced and its pod started (KubeRay); none measured here",
-    "deadline_factor": "this product's default (fault_tolerance.deadline_factor)",
-    "min_deadline_s": "this product's default (fault_tolerance.min_deadline_s)",
-    "integrity_every_steps": "assumed setting of integrity.every",
-    "memory_every_steps": "this product's default (checkpoint.memory_every)",
-    "slowdown": "assumed: a slow GPU's step time over a healthy one's (every rank waits for it)",
-    "slow_gpu_lasts_s": "assumed: how long a slow GPU slows a job that does not detect it, until someone acts",
-    "world_restart_s": "measured: Ray Train V2's kill -> next commit, tiny job (bench/recovery.py)",
-    "checkpoint_every_s": "assumed: restart-the-world's checkpoint interval",
-    "checkpoint_read_per_node": "assumed: a node reads its shards of a checkpoint at 5 GB/s",
-    "collective_timeout_s": "torch's default NCCL timeout: how long a hang holds a job that waits for the collective",
-    "node_death_s": "assumed: Ray's health check marks a silent node dead (a few missed checks)",
-    "heartbeat_s": "measured: torchft's default heartbeat timeout, kill -> next commit 5.0 s (bench/goodput.py)",
-    "group_restart_s": "measured: torchft's kill -> group whole 6.2 s, less its 5 s heartbeat (bench/goodput.py)",
-    "manager_timeout_s": "assumed: torchft's manager timeout, which ends a hang's wait",
-}
+@functools.cache
+def straggler_detection_steps(slowdown: float) -> int:
+    """Steps the straggler detector (the real one, at its defaults) takes to flag a GPU that
+    turns ``slowdown`` times slower, in a fleet whose other ranks time alike."""
+    detector = StragglerDetector()
+    ranks = np.arange(64)
+    times = np.ones(len(ranks))
+    for step in range(detector.window):
+        detector.observe_arrays(step, ranks, times)
+    times[0] = slowdown
+    steps = 0
+    while 0 not in detector.flagged():
+        steps += 1
+        detector.observe_arrays(detector.window + steps, ranks, times)
+    return steps
 
 
 @dataclass
 class Ledger:
     """Where a design's wall time went, in seconds of the whole job: ``trained`` on work it
-    kept, ``lost`` on work it trained and then threw away, ``down`` with capacity idle
-    (groups out, the job stopped, or slowed by a slow GPU)."""
+    kept, ``lost`` on work it trained and then threw away, ``down`` with capacity idle."""
 
     wall_s: float
     trained_s: float = 0.0
@@ -157,6 +169,7 @@ class Ledger:
     failures: int = 0
     spares_short: int = 0  # failures that found no spare and waited for a node
     decisions: int = 0  # failures taken through the real diagnosis and recovery plan
+    undetected_corruptions: int = 0  # silent corruptions trained on
 
     @property
     def ettr(self) -> float:
@@ -165,37 +178,42 @@ class Ledger:
 
 
 @dataclass
-class _Outage:
-    """Capacity out from ``start_s`` to ``end_s``: ``share`` of the job (1: all of it)."""
-
-    start_s: float
-    end_s: float
-    share: float
-
-
-@dataclass
 class _Timeline:
-    outages: list[_Outage] = field(default_factory=list)
+    """The job's capacity in time: stalls (every group waiting), groups out one interval each,
+    a slow GPU slowing every rank; ``capacity`` is the job's share of its speed with that many
+    groups out."""
+
+    capacity: Callable[[int], float]
+    slowdown: float
+    stalls: list[list[float]] = field(default_factory=list)
+    outs: list[list[float]] = field(default_factory=list)
+    slows: list[list[float]] = field(default_factory=list)
     lost_s: float = 0.0
     spares_short: int = 0
     decisions: int = 0
+    undetected_corruptions: int = 0
 
-    def out(self, start_s: float, duration_s: float, share: float) -> float:
-        self.outages.append(_Outage(start_s, start_s + duration_s, share))
-        return start_s + duration_s
+    def stall(self, start_s: float, seconds: float) -> list[float]:
+        """Every group waits from ``start_s``: the interval, to be cut short if aborted."""
+        interval = [start_s, start_s + seconds]
+        self.stalls.append(interval)
+        return interval
 
     def ledger(self, wall_s: float) -> Ledger:
-        """The outages swept in time: at each moment the share out is the sum of those under
-        way, capped at the whole job."""
-        changes = sorted([(min(wall_s, o.start_s), o.share) for o in self.outages]
-                         + [(min(wall_s, o.end_s), -o.share) for o in self.outages] + [(wall_s, 0.0)])
-        up = down = share = since = 0.0
-        for at, change in changes:
-            out = min(1.0, max(0.0, share))
-            up, down = up + (at - since) * (1 - out), down + (at - since) * out
-            share, since = share + change, at
+        changes = sorted((min(wall_s, at), kind, sign)
+                         for kind, intervals in enumerate((self.stalls, self.outs, self.slows))
+                         for start, end in intervals if end > start
+                         for at, sign in ((start, 1), (end, -1)))
+        counts = [0, 0, 0]
+        up = since = 0.0
+        for at, kind, sign in changes + [(wall_s, 0, 0)]:
+            if counts[0] == 0:
+                up += (at - since) * self.capacity(counts[1]) / (self.slowdown if counts[2] else 1.0)
+            counts[kind] += sign
+            since = at
         lost = min(self.lost_s, up)  # work trained and thrown away was trained while up
-        return Ledger(wall_s, up - lost, lost, down, spares_short=self.spares_short, decisions=self.decisions)
+        return Ledger(wall_s, up - lost, lost, wall_s - up, spares_short=self.spares_short,
+                      decisions=self.decisions, undetected_corruptions=self.undetected_corruptions)
 
 
 class _Spares:
@@ -206,148 +224,351 @@ class _Spares:
         self.free = [Spare(index, ready=True, node=f"spare{index // GPUS_PER_NODE}") for index in range(gpus)]
         self.returning: list[tuple[float, list[Spare]]] = []
 
-    def take(self, ranks: list[int], node_of: Mapping[int, str], now_s: float, back_s: float) -> dict[int, int]:
+    def take(self, ranks: list[int], now_s: float, back_s: float) -> bool:
+        """Whether every rank got a spare (each picked by ``choose_spares``)."""
         self.free += [spare for at, back in self.returning if at <= now_s for spare in back]
         self.returning = [(at, back) for at, back in self.returning if at > now_s]
-        chosen = choose_spares(ranks, self.free, node_of)
+        if not self.free:
+            return False
+        chosen = choose_spares(ranks, self.free, {rank: f"node{rank // GPUS_PER_NODE}" for rank in ranks})
         taken = [spare for spare in self.free if spare.id in chosen.values()]
         self.free = [spare for spare in self.free if spare.id not in chosen.values()]
         self.returning.append((now_s + back_s, taken))
-        return chosen
-
-
-def _struck_ranks(failure: Failure) -> list[int]:
-    if failure.kind == FailureKind.NODE_LOST:
-        return list(range(failure.gpu, failure.gpu + GPUS_PER_NODE))
-    return [failure.gpu]
-
-
-def _goes_silent(kind: FailureKind) -> bool:
-    """Whether the ranks waiting on the failed one get no error and wait for a timeout: a hang,
-    a network fault, a node gone without closing its connections. A GPU lost or a process
-    crashed closes them, and its peers' collectives fail at once."""
-    return kind in (FailureKind.HANG, FailureKind.NETWORK, FailureKind.NODE_LOST)
-
-
-def _needs_hardware(kind: FailureKind) -> bool:
-    return kind in (FailureKind.GPU_LOST, FailureKind.NODE_LOST)
+        return len(chosen) == len(ranks)
 
 
 def replay(job: Job, failures: Iterable[Failure], design: Design, wall_s: float, spare_gpus: int = 0,
-           costs: Costs = Costs(), seed: int = 0) -> Ledger:
+           costs: Costs = DEFAULT, seed: int = 0) -> Ledger:
     """``failures`` (a trace over ``wall_s``) as ``design`` would live through them."""
-    rng = random.Random(seed)  # where in its step each failure strikes
-    run = {Design.OURS: _ours, Design.RESTART_THE_WORLD: _restart_the_world,
-           Design.GROUP_RESTART: _group_restart}[design]
+    if not job.fits:
+        raise ValueError(f"{job.model.name} on {job.gpus} GPUs has {job.groups * job.model.shard} data-parallel ranks "
+                         f"for {job.batch_sequences} sequences: fewer than one each")
     within = [failure for failure in failures if failure.at_s < wall_s]
-    timeline = _Timeline()
-    run(job, within, timeline, spare_gpus, costs, rng)
+    rng = random.Random(seed)  # where in its step each failure strikes
+    if design == Design.RESTART:
+        timeline = _Timeline(lambda out: 1.0, costs.slowdown)
+        _restart_the_world(job, within, timeline, spare_gpus, costs)
+    else:
+        kind = _Ours if design == Design.OURS else _GroupRestart
+        timeline = kind.timeline(job, costs)
+        kind(job, timeline, spare_gpus, costs, rng).run(within)
     ledger = timeline.ledger(wall_s)
     ledger.failures = len(within)
     return ledger
 
 
-def _ours(job, failures, timeline, spare_gpus, costs, rng) -> None:
-    topology, step_s = job.topology, job.step_s
+def _slow_gpu_s(job: Job, costs: Costs) -> float:
+    """How long a slow GPU slows every rank before the detector flags it."""
+    return straggler_detection_steps(costs.slowdown) * job.step_s() * costs.slowdown
+
+
+def _world_restart_s(job: Job, costs: Costs) -> float:
+    return (costs.world_restart_s + costs.comm_init_s(job.ranks)
+            + job.heal_bytes_per_gpu / costs.checkpoint_load_bandwidth)
+
+
+def _restart_the_world(job: Job, failures: list[Failure], timeline: _Timeline, spare_gpus: int,
+                       costs: Costs) -> None:
     spares = _Spares(spare_gpus)
-    deadline = StepDeadline(costs.deadline_factor, costs.min_deadline_s, costs.min_deadline_s)
-    deadline.record(step_s)
-    group_share = 1 / job.groups
-    heal_s = job.heal_bytes_per_gpu / costs.heal_bandwidth
-    world_s = costs.world_init_s_per_rank * job.model.group_gpus
+    restart_s = _world_restart_s(job, costs)
+    resumed_at = 0.0  # the last restart's end: checkpoints are taken from there on
     for failure in failures:
-        ranks = _struck_ranks(failure)
-        at = failure.at_s
-        if failure.kind == FailureKind.SLOW_GPU:
-            # the whole job runs at the slow GPU's pace until the detector flags it
-            detect_s = (DEFAULT_WINDOW // 2 + DEFAULT_PATIENCE) * step_s * costs.slowdown
-            at = timeline.out(at, detect_s, 1 - 1 / costs.slowdown)
-        elif failure.kind == FailureKind.SILENT_CORRUPTION:
-            # found at the next integrity check; the odd group heals from the others
-            at += rng.random() * costs.integrity_every_steps * step_s
-            timeline.out(at, heal_s + world_s, group_share)
+        at, kind = failure.at_s, failure.kind
+        if kind in CORRUPTIONS:
+            timeline.undetected_corruptions += 1
             continue
+        if kind == FailureKind.SLOW_GPU:
+            timeline.slows.append([at, at + _slow_gpu_s(job, costs)])
+            at = timeline.slows[-1][1]
+        detect_s = 0.0
+        if kind not in NOTICED:
+            if at >= resumed_at:  # trained since the last checkpoint, lost; in a restart, nothing
+                timeline.lost_s += (at - resumed_at) % costs.checkpoint_every_s
+            if kind in SILENT:
+                detect_s = min(costs.world_timeout_s, costs.node_death_s) if kind in NODES_GONE \
+                    else costs.world_timeout_s
+        wait_s = 0.0
+        if kind in NEEDS_HARDWARE or kind == FailureKind.SLOW_GPU:
+            struck = list(range(failure.gpu, min(failure.gpu + failure.gpus, job.ranks)))
+            if not spares.take(struck, at, costs.node_replacement_s):
+                timeline.spares_short += 1
+                wait_s = costs.node_replacement_s
+        resumed_at = max(resumed_at, timeline.stall(at, detect_s + wait_s + restart_s)[1])
+
+
+@dataclass
+class _Join:
+    """Groups coming back, every group waiting for them: ``heal`` then ``regroup`` stalls."""
+
+    outs: dict[int, list[float]]  # group -> its interval out of the quorum
+    heal: list[float]
+    regroup: list[float]
+
+
+class _GroupReplay:
+    """A design where a failure takes out only its groups: the events in time order (failures,
+    groups built and ready to join), what every group waits for and what only the failed
+    groups do. The subclasses price the phases."""
+
+    FAILURE, FOUND, READY, JOIN = range(4)
+
+    def __init__(self, job: Job, timeline: _Timeline, spare_gpus: int, costs: Costs, rng: random.Random):
+        self.job, self.timeline, self.costs, self.rng = job, timeline, costs, rng
+        self.topology = job.topology
+        self.spares = _Spares(spare_gpus)
+        self.out: dict[int, float] = {}  # group -> when it left the quorum
+        self.built: dict[int, int] = {}  # group -> its latest build's number (a READY of an older one is stale)
+        self.ready: set[int] = set()  # built, waiting for a boundary to join
+        self.joining: _Join | None = None
+        self.join_due = False
+        self.busy_until = 0.0  # the end of the latest stall: no boundary before it
+        self.events: list[tuple[float, int, int, object]] = []
+        self.order = 0
+
+    @classmethod
+    def timeline(cls, job: Job, costs: Costs) -> _Timeline:
+        return _Timeline(cls.capacity_of(job), costs.slowdown)
+
+    @staticmethod
+    def capacity_of(job: Job) -> Callable[[int], float]:
+        raise NotImplementedError
+
+    def push(self, at: float, kind: int, payload: object) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (at, self.order, kind, payload))
+
+    def stall(self, start_s: float, seconds: float) -> float:
+        end = self.timeline.stall(start_s, seconds)[1]
+        self.busy_until = max(self.busy_until, end)
+        return end
+
+    def run(self, failures: list[Failure]) -> None:
+        for failure in failures:
+            self.push(failure.at_s, self.FAILURE, failure)
+        while self.events:
+            at, _, kind, payload = heapq.heappop(self.events)
+            if kind == self.FAILURE:
+                self.fail(payload)
+            elif kind == self.FOUND:  # a slow GPU flagged, a corruption found: its groups replaced
+                self.committed_until(at)
+                self.replace(payload, self.groups_of(payload), at,
+                             heal_only=payload.kind == FailureKind.STATE_CORRUPTION)
+            elif kind == self.READY:
+                group, build = payload
+                if self.built.get(group) == build:
+                    self.ready.add(group)
+                    if not self.join_due:
+                        self.join_due = True
+                        self.push(self.boundary(at), self.JOIN, None)
+            else:
+                self.join(at)
+        self.timeline.outs += [[since, math.inf] for since in self.out.values()]  # still out at the end
+
+    def boundary(self, at: float) -> float:
+        """The next step boundary from ``at``: the step in flight ends first (none in a stall)."""
+        return max(at + self.rng.random() * self.job.step_s(self.live()), self.busy_until)
+
+    def live(self) -> int:
+        return self.job.groups - len(self.out)
+
+    def groups_of(self, failure: Failure) -> dict[int, list[int]]:
+        ranks = range(failure.gpu, min(failure.gpu + failure.gpus, self.job.ranks))
+        struck: dict[int, list[int]] = {}
+        for rank in ranks:
+            struck.setdefault(self.topology.group_of(rank), []).append(rank)
+        return struck
+
+    def fail(self, failure: Failure) -> None:
+        at, kind = failure.at_s, failure.kind
+        self.committed_until(at)
+        if kind == FailureKind.COMPUTE_CORRUPTION:
+            self.timeline.undetected_corruptions += 1
+        elif kind == FailureKind.STATE_CORRUPTION:
+            self.corrupted(failure)
+        elif kind == FailureKind.JOB_MAINTENANCE:  # a configuration change: every design restarts
+            self.stall(at, _world_restart_s(self.job, self.costs))
+        elif kind == FailureKind.SLOW_GPU:
+            self.timeline.slows.append([at, at + _slow_gpu_s(self.job, self.costs)])
+            self.push(self.timeline.slows[-1][1], self.FOUND, failure)
         else:
-            # the step it struck is discarded everywhere; a hang first holds it to the deadline
-            timeline.lost_s += rng.random() * step_s
-            if _goes_silent(failure.kind):
-                at = timeline.out(at, deadline.seconds(), 1.0)
-            # the survivors rebuild their cross-group process groups, one rank per group each
-            at = timeline.out(at, costs.regroup_s + costs.world_init_s_per_rank * job.groups, 1.0)
-        timeline.decisions += 1
-        group_of = {rank: topology.group_of(rank) for rank in ranks}
-        diagnosis = diagnose(dead=ranks, outcomes={}, hung=[], group_of=group_of)
-        plan = plan_recovery(diagnosis, topology, range(job.groups))
-        evicted = [eviction.rank for eviction in plan.evictions]
-        chosen = spares.take(evicted, {rank: f"node{rank // GPUS_PER_NODE}" for rank in evicted}, at,
-                             costs.node_replacement_s)
-        if len(chosen) == len(evicted):
+            self.replace(failure, self.groups_of(failure), at)
+
+    def replace(self, failure: Failure, struck: Mapping[int, list[int]], at: float, heal_only: bool = False) -> None:
+        """The struck groups out of the quorum and rebuilt; every group waits for what the design
+        makes it wait for."""
+        kind = failure.kind
+        if self.joining is not None and self.joining.heal[0] <= at < self.joining.heal[1]:
+            self.abort_join(at)
+        for group in set(struck) & (set(self.out) | self.ready):  # a group being built, struck: built again
+            self.ready.discard(group)
+            self.build(group, struck[group], kind, at, wait=False)
+        live = {group: ranks for group, ranks in struck.items() if group not in self.out}
+        if not live:
+            return
+        planned = kind == FailureKind.SLOW_GPU
+        if not planned:  # the step in flight, discarded everywhere
+            self.timeline.lost_s += self.rng.random() * self.job.step_s()
+            at = self.stall(at, self.detect_s(kind))
+        at = self.stall(at, self.leave_s(planned))
+        self.timeline.decisions += 1
+        ranks = [rank for group_ranks in live.values() for rank in group_ranks]
+        hung = ranks if kind in (FailureKind.HANG, FailureKind.NIC) else []
+        diagnosis = diagnose(dead=[] if hung else ranks, outcomes={}, hung=hung,
+                             group_of={rank: self.topology.group_of(rank) for rank in ranks})
+        plan = plan_recovery(diagnosis, self.topology, set(range(self.job.groups)) - set(self.out))
+        evicted: dict[int, list[int]] = {group: [] for group in plan.rebuilding}
+        for eviction in plan.evictions:
+            evicted[eviction.group].append(eviction.rank)
+        for group, group_ranks in evicted.items():
+            self.out[group] = failure.at_s
+            self.build(group, [] if heal_only else group_ranks, kind, at, wait=True)
+
+    def build(self, group: int, ranks: list[int], kind: FailureKind, at: float, wait: bool,
+              fresh: bool = False) -> None:
+        """``group`` rebuilt from ``at``, READY when built: its ``ranks`` replaced, or with none
+        its processes kept (``fresh``: started again)."""
+        costs = self.costs
+        on_spares = bool(ranks) and self.spares.take(ranks, at, costs.node_replacement_s)
+        if not ranks:
+            back_s = costs.process_start_s if fresh else 0.0
+        elif on_spares:
             back_s = costs.spare_takeover_s
-        elif _needs_hardware(failure.kind):
-            timeline.spares_short += 1
+        elif kind in NEEDS_HARDWARE:
+            self.timeline.spares_short += 1
             back_s = costs.node_replacement_s + costs.process_start_s
         else:
             back_s = costs.process_start_s  # a fresh process where the old one ran
-        back_s += world_s + heal_s
-        if job.groups == 1:  # no peer to heal from: the memory tier's copies, the steps since lost
-            timeline.lost_s += rng.random() * costs.memory_every_steps * step_s
-        timeline.out(at, back_s, group_share * len(plan.rebuilding))
+        back_s += (costs.comm_init_s(self.job.model.group_gpus) if ranks or fresh else 0.0) + self.group_only_s()
+        if wait and on_spares:
+            waited = self.spares_wait_s(back_s)
+            at, back_s = self.stall(at, waited), back_s - waited
+        self.built[group] = self.built.get(group, 0) + 1
+        self.push(at + back_s, self.READY, (group, self.built[group]))
+
+    def join(self, at: float) -> None:
+        self.join_due = False
+        if not self.ready:  # struck again while they waited: built again
+            return
+        groups = {group: self.out.pop(group) for group in self.ready}
+        self.ready.clear()
+        heal = self.timeline.stall(at, self.heal_s())
+        regroup = self.timeline.stall(heal[1], self.rejoin_s())
+        self.busy_until = max(self.busy_until, regroup[1])
+        outs = {group: [since, regroup[1]] for group, since in groups.items()}
+        self.timeline.outs += outs.values()
+        self.joining = _Join(outs, heal, regroup)
+
+    def abort_join(self, at: float) -> None:
+        """A failure while the groups heal: the heal fails, its groups start fresh processes
+        (``GroupKeeper.join_ready_groups``) and heal again once built."""
+        join, self.joining = self.joining, None
+        join.heal[1] = join.regroup[0] = join.regroup[1] = self.busy_until = at
+        for group, interval in join.outs.items():
+            self.out[group] = interval[0]
+            interval[1] = interval[0]
+            self.build(group, [], FailureKind.SOFTWARE, at, wait=False, fresh=True)
+
+    def committed_until(self, at: float) -> None:
+        """Steps committed up to ``at``: what a design that times them sees."""
+
+    def corrupted(self, failure: Failure) -> None:
+        self.timeline.undetected_corruptions += 1
+
+    def detect_s(self, kind: FailureKind) -> float:
+        raise NotImplementedError
+
+    def leave_s(self, planned: bool) -> float:
+        raise NotImplementedError
+
+    def spares_wait_s(self, back_s: float) -> float:
+        return 0.0
+
+    def group_only_s(self) -> float:
+        return 0.0
+
+    def heal_s(self) -> float:
+        return 0.0
+
+    def rejoin_s(self) -> float:
+        raise NotImplementedError
 
 
-def _restart_the_world(job, failures, timeline, spare_gpus, costs, rng) -> None:
-    spares = _Spares(spare_gpus)
-    nodes = job.gpus / GPUS_PER_NODE
-    load_s = STATE_BYTES_PER_PARAMETER * job.model.parameters / (nodes * costs.checkpoint_read_per_node)
-    restart_s = costs.world_restart_s + costs.world_init_s_per_rank * job.gpus + load_s
-    resumed_at = 0.0  # the last restart's end: checkpoints are taken from there on
-    for failure in failures:
-        at = max(failure.at_s, resumed_at)
-        if failure.kind == FailureKind.SILENT_CORRUPTION:
-            continue  # not found: no time lost, a corrupt model trained on
-        if failure.kind == FailureKind.SLOW_GPU:
-            timeline.out(at, costs.slow_gpu_lasts_s, 1 - 1 / costs.slowdown)
-            continue
-        timeline.lost_s += (at - resumed_at) % costs.checkpoint_every_s  # trained since the last checkpoint
-        detect_s = {FailureKind.HANG: costs.collective_timeout_s, FailureKind.NETWORK: costs.collective_timeout_s,
-                    FailureKind.NODE_LOST: costs.node_death_s}.get(failure.kind, 0.0)
-        wait_s = 0.0
-        if _needs_hardware(failure.kind):
-            ranks = _struck_ranks(failure)
-            if len(spares.take(ranks, {}, at, costs.node_replacement_s)) < len(ranks):
-                timeline.spares_short += 1
-                wait_s = costs.node_replacement_s
-        resumed_at = timeline.out(at, detect_s + wait_s + restart_s, 1.0)
+class _Ours(_GroupReplay):
+    def __init__(self, *args):
+        super().__init__(*args)
+        costs = self.costs
+        self.deadline = StepDeadline(costs.deadline_factor, costs.min_deadline_s, costs.first_step_deadline_s)
+        self.timed_until = 0.0
+
+    @staticmethod
+    def capacity_of(job: Job) -> Callable[[int], float]:
+        """A group out lengthens the step to the widest share of the batch."""
+        speeds = [job.step_s() / job.step_s(job.groups - out) for out in range(job.groups)] + [0.0]
+        return lambda out: speeds[min(out, job.groups)]
+
+    def committed_until(self, at: float) -> None:
+        step_s = self.job.step_s(self.live())
+        for _ in range(min(self.deadline.recent.maxlen, int(max(0.0, at - self.timed_until) // step_s))):
+            self.deadline.record(step_s)
+        self.timed_until = at
+
+    def detect_s(self, kind: FailureKind) -> float:
+        costs = self.costs
+        if kind not in SILENT:
+            return costs.drain_s
+        found = self.deadline.seconds() + costs.probe_s
+        return (min(found, costs.node_death_s) if kind in NODES_GONE else found) + costs.drain_s
+
+    def regroup_s(self) -> float:
+        """Every rank's cross-group groups rebuilt: a driver call per rank, a communicator over
+        the groups, the memory tier's re-pairing."""
+        costs = self.costs
+        return (costs.regroup_s + self.job.ranks / costs.driver_calls_per_s + costs.comm_init_s(self.job.groups)
+                + costs.pairing_s)
+
+    def leave_s(self, planned: bool) -> float:
+        return self.regroup_s()
+
+    def spares_wait_s(self, back_s: float) -> float:
+        """The survivors wait for a group on warm spares up to a typical step (GroupKeeper.settle)."""
+        return min(back_s, self.deadline.typical_s())
+
+    def heal_s(self) -> float:
+        return self.job.heal_bytes_per_gpu / self.costs.heal_bandwidth
+
+    def rejoin_s(self) -> float:
+        return self.regroup_s()
+
+    def corrupted(self, failure: Failure) -> None:
+        """Found when the next integrity check compares the replicas: the step discarded, the odd
+        group healed; with two groups there is no majority and the memory tier's copies come back."""
+        job, costs = self.job, self.costs
+        if job.groups <= 2:
+            self.timeline.lost_s += self.rng.random() * 2 * costs.memory_every_steps * job.step_s()
+            return
+        self.push(failure.at_s + self.rng.random() * costs.integrity_every_steps * job.step_s(self.live()),
+                  self.FOUND, failure)
 
 
-def _group_restart(job, failures, timeline, spare_gpus, costs, rng) -> None:
-    topology = job.topology
-    spares = _Spares(spare_gpus)
-    group_share = 1 / job.groups
-    heal_s = job.heal_bytes_per_gpu / costs.heal_bandwidth
-    restart_s = (costs.group_restart_s + costs.process_start_s + costs.world_init_s_per_rank * job.model.group_gpus
-                 + heal_s)
-    for failure in failures:
-        at = failure.at_s
-        if failure.kind == FailureKind.SILENT_CORRUPTION:
-            continue
-        if failure.kind == FailureKind.SLOW_GPU:
-            timeline.out(at, costs.slow_gpu_lasts_s, 1 - 1 / costs.slowdown)
-            continue
-        # the other groups commit without it once it is found (their step counts for their share),
-        # on a process group reconfigured for the new quorum
-        detect_s = costs.manager_timeout_s if failure.kind in (FailureKind.HANG, FailureKind.NETWORK) \
-            else costs.heartbeat_s  # a node gone stops its heartbeats too
-        timeline.out(at, detect_s + costs.world_init_s_per_rank * job.groups, 1.0)
-        ranks = _struck_ranks(failure)
-        wait_s = 0.0
-        if _needs_hardware(failure.kind) and len(spares.take(ranks, {}, at, costs.node_replacement_s)) < len(ranks):
-            timeline.spares_short += 1
-            wait_s = costs.node_replacement_s
-        groups = {topology.group_of(rank) for rank in ranks}
-        timeline.out(at + detect_s, wait_s + restart_s, group_share * len(groups))
+class _GroupRestart(_GroupReplay):
+    @staticmethod
+    def capacity_of(job: Job) -> Callable[[int], float]:
+        """Each group trains its own share: a group out takes its share of the work with it."""
+        return lambda out: max(0.0, 1 - out / job.groups)
 
+    def detect_s(self, kind: FailureKind) -> float:
+        costs = self.costs
+        return costs.torchft_timeout_s if kind in (FailureKind.HANG, FailureKind.NIC) else costs.torchft_heartbeat_s
 
-def cost_lines(costs: Costs = Costs()) -> list[str]:
-    """Each figure, its value and its source, for the output."""
-    return [f"{item.name} = {getattr(costs, item.name):g}: {SOURCES[item.name]}"
-            + ("" if getattr(costs, item.name) == item.default else " (replaced here)") for item in fields(costs)]
+    def reconfigure_s(self) -> float:
+        return self.costs.comm_init_s(self.job.groups)
+
+    def leave_s(self, planned: bool) -> float:
+        return self.reconfigure_s() + (0.0 if planned else self.costs.torchft_stall_s)
+
+    def group_only_s(self) -> float:
+        """The group's own restart and its heal from a peer, while the others train."""
+        return self.costs.group_restart_s + self.job.heal_bytes_per_gpu / self.costs.heal_bandwidth
+
+    def rejoin_s(self) -> float:
+        return self.reconfigure_s()
