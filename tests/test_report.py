@@ -328,7 +328,7 @@ def timeline_panels(summary: dict | Timeline) -> dict:
     titled = {ax.get_title(loc="left"): ax for ax in fig.axes}
     return {
         "rank": next(ax for title, ax in titled.items() if title.startswith("per-rank step time")),
-        "live": next(ax for title, ax in titled.items() if title.startswith("live ranks")),
+        "live": next(ax for title, ax in titled.items() if title.startswith("rank processes alive")),
         "expert": next((ax for title, ax in titled.items() if title.startswith("expert load")), None),
         "axes": fig.axes,
         "events": next((ax.get_legend() for ax in fig.axes
@@ -346,7 +346,7 @@ def drawn_at(line, t: float) -> float:
 
 
 def live_ranks_line(summary: dict | Timeline):
-    return next(line for line in timeline_panels(summary)["live"].get_lines() if line.get_label() == "live ranks")
+    return next(line for line in timeline_panels(summary)["live"].get_lines() if line.get_label() == "rank processes alive")
 
 
 def one_leg(run: str, startup_s: float, n_steps: int, exit: str, stop_signal: str | None = None,

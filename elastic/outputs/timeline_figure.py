@@ -287,11 +287,13 @@ def draw_expert_load(ax: Any, expert_loads: dict[int, tuple[list[int], list[floa
 
 
 def draw_live_ranks(ax: Any, membership, timeline: Timeline) -> None:
-    """The live ranks (solid) and the groups in the quorum (dashed) over the run."""
+    """The rank processes alive (solid) and the groups in the quorum (dashed) over the run. A
+    group out of the quorum keeps its live processes, which train nothing until it joins
+    again: the progress bar and ``elastic_live_ranks`` count the quorum's ranks."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
     topo_ranks = timeline.ranks
-    ax.step(membership.t, membership.ranks, where="post", color="#17becf", linewidth=1.8, label="live ranks")
+    ax.step(membership.t, membership.ranks, where="post", color="#17becf", linewidth=1.8, label="rank processes alive")
     ax.fill_between(membership.t, membership.ranks, step="post", color="#17becf", alpha=0.15)
     ax.set_ylim(0, max(membership.ranks + ([topo_ranks] if topo_ranks else [])) * 1.15 + 0.5)
     ax_groups = ax.twinx()
@@ -303,7 +305,7 @@ def draw_live_ranks(ax: Any, membership, timeline: Timeline) -> None:
     if topo_ranks:
         ax.axhline(topo_ranks, color="#999999", linewidth=0.8, linestyle=":")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("live ranks", color="#17becf")
+    ax.set_ylabel("rank processes alive", color="#17becf")
     wall = timeline.wall
     if wall > 2 * 3600:  # a run of days read in hours
         hours_a_tick = next(h for h in (1, 2, 3, 4, 6, 12, 24, 48, 96, 10**9) if wall / 3600 / h <= 12)
@@ -312,7 +314,7 @@ def draw_live_ranks(ax: Any, membership, timeline: Timeline) -> None:
         ax.set_xlabel("hours since run start")
     else:
         ax.set_xlabel("seconds since run start")
-    ax.set_title("live ranks (solid) and groups in the quorum (dashed)", fontsize=10, loc="left")
+    ax.set_title("rank processes alive (solid) and groups in the quorum (dashed)", fontsize=10, loc="left")
 
 
 def draw_legs(axes: Axes, timeline: Timeline) -> None:
