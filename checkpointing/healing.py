@@ -2,8 +2,9 @@
 
 Groups hold identical state, and ranks at the same ``(pp, shard, tp)`` position hold identical
 shards, so a healing rank takes its peer's local shards verbatim and re-wraps them in its
-own mesh's DTensor layout. The exported dict holds only CPU tensors and plain Python, so it
-travels through the Ray object store.
+own mesh's DTensor layout. ``local_state`` is that state as views of the rank's own tensors
+(what ``workers.state_transfer`` streams to the peer); ``export_local_state`` the same copied
+to host memory, so it travels through the Ray object store (the heal's fallback).
 """
 
 from __future__ import annotations
@@ -13,28 +14,42 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 
-def _local_copy(value: Any) -> Any:
+def _local(value: Any) -> Any:
     if isinstance(value, DTensor):
-        return value.to_local().detach().to("cpu", copy=True)
+        return value.to_local().detach()
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach()
     return value
 
 
-def export_local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The rank's local shards of its parameters and optimizer state, without a copy."""
     optim_state = optimizer.state_dict()
     return {
-        "model": [_local_copy(param) for param in model.parameters()],
+        "model": [_local(param) for param in model.parameters()],
         "optimizer": {
-            "state": {
-                index: {key: _local_copy(value) for key, value in entry.items()}
-                for index, entry in optim_state["state"].items()
-            },
+            "state": {index: {key: _local(value) for key, value in entry.items()}
+                      for index, entry in optim_state["state"].items()},
             "param_groups": optim_state["param_groups"],
         },
     }
+
+
+def export_local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``local_state`` with its tensors copied to host memory."""
+    state = local_state(model, optimizer)
+    return {
+        "model": tree_map(_host_copy, state["model"]),
+        "optimizer": {"state": tree_map(_host_copy, state["optimizer"]["state"]),
+                      "param_groups": state["optimizer"]["param_groups"]},
+    }
+
+
+def _host_copy(value: Any) -> Any:
+    return value.to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

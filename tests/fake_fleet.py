@@ -39,11 +39,12 @@ from elastic.core.protocol import (
 from elastic.core.segment_loop import RankSegmentLoop, memory_snapshot_due
 from elastic.core.spares import Spare
 from elastic.core.topology import Topology
-from elastic.fleet.api import CallFailed, Pending, RanksLost, SegmentStream
+from elastic.fleet.api import CallFailed, HealCopy, Pending, RanksLost, SegmentStream
 
 NEVER = float("inf")
 NOTICE_S = 0.05  # a peer notices a dead rank's closed connection
 RETURN_S = 0.01  # a waiting rank returns after the driver's abort
+STATE_BYTES = 1 << 20  # each rank's committed state, as a heal moves it
 
 # pickle.dumps(torch.distributed.checkpoint.metadata.Metadata(state_dict_metadata={})): the
 # metadata of an empty DCP checkpoint, as bytes, so that this module imports no torch
@@ -135,6 +136,9 @@ class FakeFleet:
         self.control_faults: dict[str, list[tuple[int, str]]] = {}
         self.hook_errors: dict[int, str] = {}  # rank -> what its hooks raise at every build (HookFailed)
         self.corrupt: set[int] = set()  # ranks whose state differs from their replicas' (a Flip)
+        # target rank -> why its rank-to-rank heal fails, the next time it heals (it then goes
+        # through the object store)
+        self.heal_fallbacks: dict[int, str] = {}
         # the memory tier: each live rank's own copies (step -> cursor, the newest two) and the
         # copies it keeps for the ranks it is buddy to (owner -> step -> cursor, the newest two)
         self.buddies: dict[int, int | None] = {}
@@ -364,11 +368,12 @@ class FakeFleet:
 
     # state
 
-    def copy_state(self, pairs) -> None:
+    def copy_state(self, pairs) -> list[HealCopy]:
         self._control("import_state")
         self.copies.extend(pairs)
         for source, target in pairs:
             (self.corrupt.add if source in self.corrupt else self.corrupt.discard)(target)
+        return [HealCopy(source, target, STATE_BYTES, self.heal_fallbacks.pop(target, None)) for source, target in pairs]
 
     def join_replicas(self, assignments) -> None:
         self._control("join_replicas")

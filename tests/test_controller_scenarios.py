@@ -25,7 +25,7 @@ from elastic.core.events import EventKind, EventLog, console_line
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed
-from tests.fake_fleet import CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
+from tests.fake_fleet import STATE_BYTES, CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
 from tests.tiny import tiny_config
 
 DATASET_LEN = 10_000
@@ -142,6 +142,9 @@ def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
     assert discarded["broken_groups"] == [0]
     assert scenario.fleet.starts.count(1) == 2 and scenario.fleet.starts.count(0) == 1  # only the dead rank restarts
     assert scenario.fleet.copies == [(2, 0), (3, 1)]  # group 0 healed from group 1, position by position
+    [healed] = scenario.kinds(EventKind.GROUP_HEALED)
+    assert (healed["rank_to_rank_bytes"], healed["object_store_bytes"]) == (2 * STATE_BYTES, 0)
+    assert scenario.kinds(EventKind.HEAL_FALLBACK) == []
     [recovered] = scenario.kinds(EventKind.RECOVERED)
     assert recovered["cause"] == "death" and recovered["step"] == 4
     assert recovered["detect_s"] == pytest.approx(0.5)
@@ -151,6 +154,21 @@ def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
     assert scenario.committed_steps() == list(range(12))  # step 3 reran once
     # the replacement started at once, so group 0 was healed before step 3 ran again
     assert scenario.live_groups_by_step() == [2] * 12
+
+
+def test_a_heal_whose_rank_to_rank_copy_fails_goes_through_the_object_store_with_its_reason(tmp_path):
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    scenario.fleet.heal_fallbacks = {1: "rank 1: ChecksumMismatch: bucket 2 of 9 arrived with checksum 7, sent with 5"}
+    assert scenario.run() == "completed"
+
+    [fallback] = scenario.kinds(EventKind.HEAL_FALLBACK)
+    assert (fallback["group"], fallback["source"], fallback["target"]) == (0, 3, 1)
+    assert "ChecksumMismatch" in fallback["reason"] and fallback["bytes"] == STATE_BYTES
+    assert console_line(fallback).startswith("rank 1 of group 0 healed through the object store")
+    [healed] = scenario.kinds(EventKind.GROUP_HEALED)
+    assert (healed["rank_to_rank_bytes"], healed["object_store_bytes"]) == (STATE_BYTES, STATE_BYTES)
+    assert scenario.committed_steps() == list(range(12))
 
 
 def test_a_hang_is_blamed_on_the_least_progressed_rank_and_its_blocked_peer_replaced(tmp_path):

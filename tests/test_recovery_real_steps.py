@@ -47,6 +47,9 @@ def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path
     assert not [e for e in events if e["kind"] == EventKind.RESTORED_FROM_CHECKPOINT]
     healed = [e for e in events if e["kind"] == EventKind.GROUP_HEALED]
     assert [(e["group"], e["source_group"]) for e in healed] == [(1, 0)]
+    # rank to rank: nothing went through the object store
+    assert healed[0]["rank_to_rank_bytes"] > 0 and healed[0]["object_store_bytes"] == 0, healed
+    assert not [e for e in events if e["kind"] == EventKind.HEAL_FALLBACK]
     assert len([e for e in events if e["kind"] == EventKind.RECOVERED]) == 1
     taken = [(e["rank"], e["spare"]) for e in events if e["kind"] == EventKind.SPARE_TAKEN]
     assert taken == ([(killed, 0)] if spares else []), taken

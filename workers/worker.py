@@ -28,11 +28,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from checkpointing.healing import export_local_state, import_local_state
+from checkpointing.healing import export_local_state, import_local_state, local_state
 from checkpointing.pretrained import load_pretrained
 from workers.model_build import first_model
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
-from workers import rng
+from workers import rng, state_transfer
 from elastic.core.data_plan import DataCursor, RankShare, rank_share
 from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import (
@@ -52,7 +52,7 @@ from elastic.core.protocol import (
 from elastic.core.segment_loop import RankSegmentLoop, SendRecords, memory_snapshot_due
 from workers.failures import describe_failure, failure_outcome, raised_in_collective
 from workers.fault_injection import InjectedFaults
-from workers.memory_tier import MemoryTier, from_wire
+from workers.memory_tier import MemoryTier, from_wire, state_bytes
 from workers.keyed_store import KeyedStore
 from workers.context_parallel import ContextShare
 from workers.pipeline import pipeline_micro_batches, stage_model
@@ -307,14 +307,28 @@ class RankWorker:
 
     # healing
 
+    def send_state(self, heal: int, targets: list[int]) -> int:
+        """Stream the committed state (between segments nothing is pending) to ``targets``, each
+        in ``receive_state`` of the same ``heal`` at once; returns the bytes sent to each."""
+        groups = [self.world.heal_pair(heal, self.spec.global_rank, target) for target in targets]
+        return state_transfer.send_state(groups, {**local_state(self.model, self.optimizer),
+                                                  "rng": rng.capture(self.spec.use_gpu)})
+
+    def receive_state(self, heal: int, source: int) -> int:
+        """Take ``source``'s committed state as it sends it (``send_state``); returns its bytes."""
+        state = state_transfer.receive_state(self.world.heal_pair(heal, source, self.spec.global_rank))
+        return self.import_state(state)
+
     def export_state(self) -> dict:
-        """Committed state: between segments nothing is pending."""
+        """Committed state in host memory, for the object store: the heal's fallback."""
         return {**export_local_state(self.model, self.optimizer), "rng": rng.capture(self.spec.use_gpu)}
 
-    def import_state(self, state: dict) -> None:
+    def import_state(self, state: dict) -> int:
+        """Load ``state``; returns its tensors' bytes."""
         import_local_state(self.model, self.optimizer, state)
         self.transaction.discard_uncommitted()
         rng.restore(state["rng"])
+        return state_bytes(state)
 
     # the memory tier
 

@@ -7,7 +7,9 @@ for the step's control traffic (the abort agreement and the vote), so neither in
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
 process group built directly on the store, outside the default world, so it can be torn
 down and rebuilt when membership changes without touching the group's own world; its prefix
-is the membership's generation, which changes exactly when the set of live groups does.
+is the membership's generation, which changes exactly when the set of live groups does. A
+heal's source and target ranks build a pair group the same way, for the one copy
+(``heal_pair``, ``workers.state_transfer``).
 
 A group whose step failed is rebuilt, and its ranks that still wait on a peer that left the
 step (a pipeline stage's receive, a TP or FSDP collective, the vote) are freed by closing the
@@ -47,15 +49,17 @@ def close_connections(groups: Iterable) -> None:
     once and closes only its own pair. A group with no gloo backend on the CPU (NCCL alone)
     is left as it is: its waits do not block this thread."""
     for group in groups:
-        me = dist.get_rank(group)
         for peer in range(group.size()):
-            if peer == me:
-                continue
-            try:
-                work = dist.irecv(torch.empty(1), group=group, group_src=peer, tag=UNMATCHED_TAG)
-                work.wait(datetime.timedelta(milliseconds=1))
-            except (RuntimeError, ValueError):  # timed out (the pairs are closed), closed already, or no gloo
-                pass
+            if peer != group.rank():
+                close_pair(group, peer)
+
+
+def close_pair(group, peer: int) -> None:
+    """Close this process's connection to ``peer`` (a rank of ``group``) as ``close_connections`` does."""
+    try:
+        group.recv([torch.empty(1)], peer, UNMATCHED_TAG).wait(datetime.timedelta(milliseconds=1))
+    except (RuntimeError, ValueError):  # timed out (the pairs are closed), closed already, or no gloo
+        pass
 
 
 class World:
@@ -139,6 +143,17 @@ class World:
                 self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
             else:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+
+    def heal_pair(self, heal: int, source: int, target: int) -> dist.ProcessGroupGloo:
+        return heal_pair(self.store, heal, source, target, self.rank.global_rank == target, self.timeout)
+
+
+def heal_pair(store: dist.Store, heal: int, source: int, target: int, is_target: bool,
+              timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """The process group of heal ``heal``'s copy from global rank ``source`` (its rank 0) into
+    ``target`` (1), on the run's store under a prefix of its own. Gloo even between GPUs: its
+    groups cost no device memory, and this one lives for one copy."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"heal{heal}/{source}-{target}/", store), int(is_target), 2, timeout)
 
 
 def group_mesh(device_type: str, pp: int, shard: int, tp: int, ep: int = 1, cp: int = 1) -> DeviceMesh:

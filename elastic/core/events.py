@@ -56,6 +56,7 @@ class EventKind(StrEnum):
     GROUP_BUILT = "group-built"
     GROUP_STARTING = "group-starting"  # a start's progress: how many of a group's new rank processes are up
     GROUP_HEALED = "group-healed"
+    HEAL_FALLBACK = "heal-fallback"  # a rank's heal went through the object store: its rank-to-rank copy failed
     GROUP_JOINED = "group-joined"
     GROUP_EVICTED = "group-evicted"
     GROUPS_REBUILT = "groups-rebuilt"
@@ -138,6 +139,9 @@ def console_line(event: Event) -> str | None:
         return f"rank {event['rank']} of group {event['group']} replaced ({event['cause']})"
     if kind == EventKind.RECOVERED:
         return f"recovered from {event['cause']} at step {step} in {event['total_s']:.1f}s"
+    if kind == EventKind.HEAL_FALLBACK:
+        return (f"rank {event['target']} of group {event['group']} healed through the object store: its copy "
+                f"from rank {event['source']} failed ({event['reason']})")
     if kind == EventKind.GROUP_JOINED:
         return f"group {event['group']} joined (generation {event['generation']})"
     if kind == EventKind.GROUP_STARTING:

@@ -80,13 +80,20 @@ class StateSources:
     def _heal_from_peers(self, groups: list[int], source_group: int) -> None:
         started = self.clock()
         sources = self.topology.global_ranks(source_group)
-        self.fleet.copy_state([
+        copies = self.fleet.copy_state([
             pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
         ])
         seconds = self.clock() - started
         self.timing.add("heal_s", seconds)
+        for copy in copies:
+            if copy.fallback:
+                self.events.emit(EventKind.HEAL_FALLBACK, group=self.topology.group_of(copy.target), source=copy.source,
+                                 target=copy.target, reason=copy.fallback, bytes=copy.bytes)
         for group in groups:
-            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4))
+            own = [copy for copy in copies if self.topology.group_of(copy.target) == group]
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=source_group, seconds=round(seconds, 4),
+                             rank_to_rank_bytes=sum(copy.rank_to_rank_bytes for copy in own),
+                             object_store_bytes=sum(copy.object_store_bytes for copy in own))
 
     def _restore(self, groups: list[int]) -> None:
         """No live peer holds the state: the memory tier's, the newest checkpoint's, or the

@@ -58,6 +58,25 @@ class Pending:
         return sorted(self.refs)
 
 
+@dataclass(frozen=True)
+class HealCopy:
+    """How one rank's committed state reached the rank it heals: rank to rank, or, when that
+    failed on either side (``fallback`` says how), through the object store."""
+
+    source: int
+    target: int
+    bytes: int
+    fallback: str | None = None
+
+    @property
+    def rank_to_rank_bytes(self) -> int:
+        return 0 if self.fallback else self.bytes
+
+    @property
+    def object_store_bytes(self) -> int:
+        return self.bytes if self.fallback else 0
+
+
 @dataclass
 class SegmentStream:
     """A segment in flight: each rank's stream of messages, until its ``SegmentEnd``."""
@@ -105,7 +124,7 @@ class FleetApi(Protocol):
     def probe(self, ranks, timeout: float) -> dict[int, RankActivity]: ...
 
     # state and checkpoints
-    def copy_state(self, pairs: list[tuple[int, int]]) -> None: ...
+    def copy_state(self, pairs: list[tuple[int, int]]) -> list[HealCopy]: ...
     def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None: ...
     def local_parameters(self, ranks) -> dict[int, list]: ...
     def set_buddies(self, buddies: dict[int, int | None]) -> None: ...

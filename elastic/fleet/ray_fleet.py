@@ -13,6 +13,8 @@ margin for the quick ones (the cross-group rebuild), ``state_timeout_s`` for tho
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable
 
 import ray
@@ -20,7 +22,7 @@ from ray import ObjectRefGenerator
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from checkpointing.manifest import UnloadableCheckpoint
-from elastic.fleet.api import CallFailed, Pending, RanksLost, SegmentStream
+from elastic.fleet.api import CallFailed, HealCopy, Pending, RanksLost, SegmentStream
 from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
@@ -40,6 +42,9 @@ from elastic.fleet.rank_processes import RankProcesses, start_error
 CONTROL_MARGIN_S = 30.0
 # A live rank answers what its memory tier holds on its control thread, in milliseconds.
 HOLDINGS_TIMEOUT_S = 2.0
+# Each heal's number, in the prefix of its pair groups on the run's store: unique while the
+# driver's process (and with it the store) lives.
+HEALS = itertools.count()
 
 
 class Fleet(RankProcesses):
@@ -215,12 +220,42 @@ class Fleet(RankProcesses):
     def state_call_s(self) -> float:
         return self.config.fault_tolerance.state_timeout_s
 
-    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each source rank's committed state into its target rank."""
-        self.results(Pending({
+    def copy_state(self, pairs: list[tuple[int, int]]) -> list[HealCopy]:
+        """Copy each source rank's committed state into its target rank, rank to rank: each
+        source streams it to all its targets at once (``RankWorker.send_state`` and
+        ``receive_state``, called together). A pair whose transfer failed on either side
+        (raised, as a checksum that did not match does, or did not answer in time) is copied
+        through the object store instead (``export_state`` → ``import_state``), and its
+        ``HealCopy.fallback`` says why. A rank whose process is gone leaves its pairs no road:
+        ``RanksLost``, as any state call."""
+        heal = next(HEALS)
+        targets: dict[int, list[int]] = {}
+        for source, target in pairs:
+            targets.setdefault(source, []).append(target)
+        sends = {source: self.actors[source].send_state.remote(heal, ranks) for source, ranks in targets.items()}
+        receives = {target: self.actors[target].receive_state.remote(heal, source) for source, target in pairs}
+        deadline = time.monotonic() + self.state_call_s
+        copies: dict[int, HealCopy] = {}
+        failed: dict[int, tuple[int, str]] = {}
+        lost: dict[int, str] = {}
+        for source, target in pairs:
+            calls = Pending({source: sends[source], target: receives[target]})
+            try:
+                received = self.results(calls, max(0.0, deadline - time.monotonic()), "receive_state")
+                copies[target] = HealCopy(source, target, received[target])
+            except RanksLost as error:
+                lost.update(dict.fromkeys(error.ranks, str(error)))
+            except CallFailed as error:
+                failed[target] = (source, str(error))
+        if lost:
+            raise RanksLost(list(lost), "; ".join(dict.fromkeys(lost.values())), "receive_state")
+        imported = self.results(Pending({
             target: self.actors[target].import_state.remote(self.actors[source].export_state.remote())
-            for source, target in pairs
-        }), self.state_call_s, "import_state")
+            for target, (source, _) in failed.items()
+        }), self.state_call_s, "import_state") if failed else {}
+        for target, (source, reason) in failed.items():
+            copies[target] = HealCopy(source, target, imported[target], fallback=reason)
+        return [copies[target] for _, target in pairs]
 
     def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None:
         """``rank -> (generation, replica rank, replica count)``: rebuild the cross-group groups."""

@@ -24,6 +24,9 @@ RECOVERY_CAUSES = (*RANK_FAILURES, Cause.INTEGRITY_MISMATCH)  # a mismatch evict
 FAILURE_CAUSES = (*RECOVERY_CAUSES, Cause.OWN_DATA, Cause.OWN_CODE)
 EVICTION_CAUSES = (*RANK_FAILURES, Cause.STUCK_IN_COLLECTIVE, Cause.STRAGGLER)
 
+# How a heal's state reached a rank: its peer's own stream, or the object store when that failed.
+RANK_TO_RANK, OBJECT_STORE = HEAL_ROADS = ("rank-to-rank", "object-store")
+
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -89,6 +92,8 @@ class Metrics:
         self.heal_seconds = Histogram(
             "elastic_heal_seconds", "State copy from a live peer into a healing group", buckets=RECOVERY_BUCKETS, **labels
         )
+        self.heal_bytes = Counter("elastic_heal_bytes", "Bytes of state healing groups received, by road", ["road"],
+                                  **labels)
         self.checkpoint_blocking_seconds = Histogram(
             "elastic_checkpoint_blocking_seconds", "Training stall per checkpoint", buckets=CHECKPOINT_BUCKETS, **labels
         )
@@ -135,6 +140,8 @@ class Metrics:
             self.straggler_mitigations.labels(action=action)
         for category in CATEGORIES:
             self.time_seconds.labels(category=category)
+        for road in HEAL_ROADS:
+            self.heal_bytes.labels(road=road)
 
         self._scored_ranks: set[int] = set()
 
@@ -155,6 +162,8 @@ class Metrics:
             self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:
             self.heal_seconds.observe(event["seconds"])
+            self.heal_bytes.labels(road=RANK_TO_RANK).inc(event["rank_to_rank_bytes"])
+            self.heal_bytes.labels(road=OBJECT_STORE).inc(event["object_store_bytes"])
         elif kind in (EventKind.RESTORED_FROM_CHECKPOINT, EventKind.RESTORED_INITIAL_STATE,
                       EventKind.RESTORED_FROM_MEMORY):
             self.steps_rolled_back.inc(event["rolled_back_steps"])
