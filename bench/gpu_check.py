@@ -21,9 +21,9 @@ Parts, in the order they run (``--only NAME[,NAME]`` runs some alone):
 - ``context``: the product's cp 2 over two ranks of one GPU against one rank, losses equal to 1e-4.
 - ``precision``: fp16 with its loss scale against bf16 on one rank (tokens/s, losses within
   5 %); CPU offload at shard 2 over two ranks of one GPU (its step, the GPU's peak memory in use).
-- ``heal_transport``: the heal's copy of a rank's state between two actors on one GPU, through
-  the object store (today's road) and over Ray Direct Transport's CUDA IPC
-  (``bench/heal_transport.py``).
+- ``heal_transport``: the heal's copy of a rank's state between two actors on one GPU: rank to
+  rank over gloo (the product's road, its buckets through host memory), through the object
+  store (its fallback) and over Ray Direct Transport's CUDA IPC (``bench/heal_transport.py``).
 - ``torchtitan``: TorchTitan's own trainer at the float8 part's 1.23 B shape
   (``bench/torchtitan_job.py``; its wheels travel through ``shared/gpu/bundle.sh``): tokens/s
   and peak memory, beside the float8 part's bf16 run of ours.
@@ -568,8 +568,9 @@ def precision(args: argparse.Namespace) -> list[Row]:
 
 
 def heal_transport(args: argparse.Namespace) -> list[Row]:
-    """The heal's copy between two actors on one GPU: the object store (today's road) against
-    Ray Direct Transport's CUDA IPC (``bench/heal_transport.py``)."""
+    """The heal's copy between two actors on one GPU: rank to rank over gloo (the product's
+    road), the object store (its fallback) and Ray Direct Transport's CUDA IPC
+    (``bench/heal_transport.py``)."""
     from bench import heal_transport as bench
 
     start_ray(args)

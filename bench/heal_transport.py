@@ -1,25 +1,29 @@
-"""The heal's copy of a rank's state from its peer, by the two roads Ray offers between two
-actors on one GPU: through the object store, as the product heals today
-(``RayFleet.copy_state``: ``import_state.remote(export_state.remote())``, the state copied to
-host memory by ``checkpointing.healing.export_local_state``), and device to device over Ray
-Direct Transport's CUDA IPC (``tensor_transport="cuda_ipc"``: the receiver maps the sender's
-memory and copies from it on the GPU).
+"""The heal's copy of a rank's state from its peer, by three roads between two actors: rank
+to rank over a gloo pair group, as the product heals (``RayFleet.copy_state``: the source's
+``send_state`` streams its committed state in checked buckets to the target's
+``receive_state``, ``workers.state_transfer``); through the object store, the product's
+fallback and its road before (``import_state.remote(export_state.remote())``, the state copied
+to host memory by ``checkpointing.healing.export_local_state``); and, on a GPU, device to
+device over Ray Direct Transport's CUDA IPC (``tensor_transport="cuda_ipc"``: the receiver
+maps the sender's memory and copies from it on the GPU).
 
 Two actors hold the same model (the reference Transformer at ``--dim``/``--layers``) with its
-AdamW state; the source's state is copied into the target by each road, ``--repeats`` times,
-and the target's state is checked equal to the source's after each. Prints each road's
-seconds and GB/s (the state's bytes over the copy's wall time), and their ratio.
+AdamW state; the source's state is copied into the target by each road, ``--repeats`` times in
+turn, and the target's state is checked equal to the source's after each. Prints each road's
+seconds and GB/s (the state's bytes over the copy's wall time, from the driver's calls to
+their answers), and each road's time over the object store's.
 
-On CPU only the object-store road runs (CUDA IPC needs a GPU): ``--device cpu`` keeps the
-script whole between GPU machines.
+On CPU (``--device cpu``) the rank-to-rank road runs against the object store (CUDA IPC needs
+a GPU). Gloo sends host memory only, so on a GPU that road copies each bucket through the host.
 
     python bench/heal_transport.py --device cuda              # the 1.23 B shape: 14.7 GB of state
-    python bench/heal_transport.py --device cpu --dim 128 --layers 2
+    python bench/heal_transport.py --device cpu --dim 640 --layers 5   # 0.30 GB of state
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -30,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 @ray.remote
@@ -49,6 +54,31 @@ class StateHolder:
             param.grad = torch.randn_like(param)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def send_state(self, heal: int, store_port: int) -> int:
+        """The product's send (``RankWorker.send_state``): the state as it lies, in buckets."""
+        from checkpointing.healing import local_state
+        from workers import rng, state_transfer
+
+        group = self._pair(heal, store_port, is_target=False)
+        return state_transfer.send_state([group], {**local_state(self.model, self.optimizer),
+                                                   "rng": rng.capture(self.device.type == "cuda")})
+
+    def receive_state(self, heal: int, store_port: int) -> float:
+        """The product's receive (``RankWorker.receive_state``); the seconds of its load."""
+        from workers import state_transfer
+
+        return self.import_state(state_transfer.receive_state(self._pair(heal, store_port, is_target=True)))
+
+    def _pair(self, heal: int, store_port: int, is_target: bool):
+        import datetime
+
+        import torch.distributed as dist
+        from workers.world import heal_pair
+
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        return heal_pair(store, heal, 0, 1, is_target, timeout)
 
     def state_bytes(self) -> int:
         from workers.memory_tier import state_bytes
@@ -120,7 +150,15 @@ def measure(dim: int, layers: int, device: str, repeats: int) -> dict:
                       for seed in (0, 1))
     size = ray.get(source.state_bytes.remote())
     print(f"{size / 1e9:.2f} GB of state on each of two actors", flush=True)
-    roads = {"object store": lambda: target.import_state.remote(source.export_state.remote())}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's store, as the driver's
+    heals = itertools.count()
+
+    def rank_to_rank() -> list:
+        heal = next(heals)
+        return [source.send_state.remote(heal, store.port), target.receive_state.remote(heal, store.port)]
+
+    roads = {"rank to rank": rank_to_rank,
+             "object store": lambda: target.import_state.remote(source.export_state.remote())}
     if device == "cuda":
         roads["CUDA IPC"] = lambda: target.import_from_device.remote(source.export_on_device.remote())
     seconds: dict[str, list[float]] = {road: [] for road in roads}
@@ -151,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.dim, args.layers, args.device, args.repeats)
     print(f"state of dim {args.dim}, {args.layers} layers with AdamW: {result['bytes'] / 1e9:.2f} GB; "
           f"every copy arrived whole: {result['whole']}")
-    for road, seconds in result["seconds"].items():
-        best = statistics.median(seconds)
-        print(f"  {road}: median {best:.3f} s, {result['bytes'] / best / 1e9:.2f} GB/s")
+    medians = {road: statistics.median(seconds) for road, seconds in result["seconds"].items()}
+    for road, median in medians.items():
+        print(f"  {road}: median {median:.3f} s, {result['bytes'] / median / 1e9:.2f} GB/s, "
+              f"{median / medians['object store']:.2f}x the object store's time")
     return 0 if result["whole"] else 1
 
 
