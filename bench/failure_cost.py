@@ -22,8 +22,11 @@ Per size, in the window from the kill until the killed group commits again:
   ``kill_to_whole_phases``), and the run's ``recovered`` event's parts;
 - ``kill_to_commit_step_times``: kill to the next commit of any group, in step times.
 
-Also ``pairing_98304_s``: the memory tier's re-pairing after one group's loss and return at
-98,304 ranks (``elastic/simulation/driver_cost.py``). Each figure is fit to a power law in the
+Also ``rank_to_rank_bytes`` (the heal's, from its ``group-healed`` event), ``pairing_98304_s``:
+the memory tier's re-pairing after one group's loss and return at 98,304 ranks
+(``elastic/simulation/driver_cost.py``), and ``heal_speedup_vs_object_store``: one rank's state
+(``--heal-dim``, ``--heal-layers``; 0.31 GB by default) copied rank to rank against through the
+object store, in the same run (``bench/heal_transport.py``). Each figure is fit to a power law in the
 job's size (``a * ranks ** b``) and the exponents printed: 0 is flat.
 
     python bench/failure_cost.py --ranks 4,8,16 --json OUT
@@ -45,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import heal_transport  # noqa: E402
 from bench.goodput import kill_to_whole_phases  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
@@ -169,6 +173,7 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
         "survivor_recovery_cpu_s": round(max(cpu), 3),
         "object_store_bytes": sum(line.get("nbytes", 0) for line in lines
                                   if line["kind"] == "object-store" and killed_at <= line["t"] <= whole_at),
+        "rank_to_rank_bytes": sum(e.get("rank_to_rank_bytes", 0) for e in events if e["kind"] == EventKind.GROUP_HEALED),
         "driver_calls": calls.between(killed_at, whole_at),
         "kill_to_whole_s": round(whole_at - killed_at, 3),
         "kill_to_commit_step_times": round((next_commit - killed_at) / typical, 2),
@@ -202,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=int, default=2, help="ranks per group")
     parser.add_argument("--step-s", type=float, default=0.6, help="each step's paced time")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--heal-dim", type=int, default=640, help="the heal's timed state: the model's dim "
+                        "(640 with 5 layers: 0.31 GB with AdamW)")
+    parser.add_argument("--heal-layers", type=int, default=5)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.ranks.split(",")]
@@ -227,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             figures["sizes"][str(size)] = measured = measure(size, args.shard, args.step_s, args.steps, calls,
                                                              probe_dir)
             print(f"{size} ranks ({time.perf_counter() - started:.0f} s): {json.dumps(measured)}", flush=True)
+        heal = heal_transport.measure(args.heal_dim, args.heal_layers, "cpu", repeats=3)
     finally:
         ray.shutdown()
+    medians = {road: statistics.median(seconds) for road, seconds in heal["seconds"].items()}
+    figures["heal_bytes"] = heal["bytes"]
+    figures["heal_speedup_vs_object_store"] = medians["object store"] / medians["rank to rank"]
+    figures["kill_to_commit_step_times"] = max(size["kill_to_commit_step_times"] for size in figures["sizes"].values())
     figures["pairing_98304_s"] = pairing_s()
     laws = {}
     for name, read in (("stall_s", lambda m: m["stall_s"]),
@@ -243,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>28}: {values} at {sizes} ranks; grows as ranks ** {exponent}")
     figures["laws"] = laws
     print(f"re-pairing at 98,304 ranks: {1000 * figures['pairing_98304_s']:.2f} ms")
+    print(f"the heal of {heal['bytes'] / 1e9:.2f} GB rank to rank: {figures['heal_speedup_vs_object_store']:.2f}x "
+          f"the object store's speed (every copy whole: {heal['whole']})")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

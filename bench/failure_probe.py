@@ -65,7 +65,7 @@ def install() -> None:
     """Ray's ``worker_process_setup_hook``: runs in each worker before it takes an actor."""
     import torch.distributed as dist
 
-    from workers import step_transaction, worker
+    from workers import step_contributions, step_transaction, worker
 
     for name in ("init_process_group", "new_group"):
         setattr(dist, name, _counting(getattr(dist, name), "process-group", how=name))
@@ -89,7 +89,7 @@ def install() -> None:
 
     def stepped(self, spec, share, *args, **kwargs):
         outcome = step(self, spec, share, *args, **kwargs)
-        if isinstance(outcome, step_transaction.Committed):
+        if isinstance(outcome, step_contributions.Committed):
             _write("commit", step=outcome.record.step, group=outcome.record.group)
         return outcome
 
