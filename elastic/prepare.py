@@ -23,8 +23,8 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
 from checkpointing.storage import absolute_url, check_protocol
+from elastic.data.streams import TOKEN_DTYPES, list_files
 from elastic.setup.errors import ConfigError
-from elastic.setup.dataset import TOKEN_DTYPES, list_files
 
 CHUNK = 1 << 20
 PROGRESS_FROM_BYTES = 8 << 20  # smaller inputs finish before a bar would tell anything

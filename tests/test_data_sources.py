@@ -419,6 +419,31 @@ def test_format_auto_is_the_files_a_directory_or_glob_matches_and_a_urls_path(tm
     assert source_format(parse_config({"data": {"path": signed}}), signed) == "jsonl"
 
 
+def test_lines_a_format_added_as_a_reader_and_one_registry_entry_trains_a_document_a_line(tmp_path, tokenizer):
+    """``lines`` is ``elastic/data/text_lines.py`` and one entry of ``elastic/data/formats.py``:
+    the config takes it, a line is a document (its end none of it, a blank line none at all),
+    plain or compressed; auto still reads a ``.txt`` as text; a line not UTF-8 is refused in
+    one line naming it."""
+    documents = [*DOCUMENTS[:300], "un café ☕ à emporter"]
+    text = "\n".join(documents[:100]) + "\n\n  \n" + "\r\n".join(documents[100:]) + "\n"
+    (tmp_path / "d.txt").write_text(text)
+    (tmp_path / "d.txt.gz").write_bytes(gzip.compress(text.encode()))
+
+    def expected(stream: np.ndarray) -> np.ndarray:
+        return np.stack([stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range((len(stream) - 1) // SEQ_LEN)])
+
+    raw = np.frombuffer("".join(document + "\n" for document in documents).encode(), dtype=np.uint8)
+    for name in ("d.txt", "d.txt.gz"):
+        dataset = pickle.loads(pickle.dumps(train_set({"path": str(tmp_path / name), "format": "lines"})))
+        np.testing.assert_array_equal(windows(dataset), expected(raw), err_msg=name)
+    packed = train_set({"path": str(tmp_path / "d.txt"), "format": "lines", "tokenizer": tokenizer})
+    np.testing.assert_array_equal(windows(packed), expected(packed_stream(tokenizer, documents)))
+    assert train_set({"path": str(tmp_path / "d.txt")})[0].tolist() == list(text.encode()[: SEQ_LEN + 1])
+    (tmp_path / "bad.txt").write_bytes(b"fine\n\n\xff\xfe\n")
+    refused_in_one_line({"path": str(tmp_path / "bad.txt"), "format": "lines"},
+                        r"bad.txt line 3: the line is not UTF-8; re-encode the file as UTF-8")
+
+
 def test_a_ray_dataset_of_no_rows_is_refused_in_one_line(tmp_path):
     from elastic.data.ray_dataset import materialize
 

@@ -8,7 +8,8 @@ import fsspec
 import pytest
 import torch
 
-from elastic.setup.dataset import GeneratedCorpus, TextFiles, generate_corpus, resolve_text_files
+from elastic.data.streams import TextFiles, resolve_text_files
+from elastic.setup.dataset import GeneratedCorpus, generate_corpus
 from elastic.testing.memory import reset_peak_rss, rss_bytes
 
 

@@ -19,9 +19,8 @@ from checkpointing.storage import StorageOptions
 from elastic.cli import main
 from elastic.setup.config import ConfigError
 from elastic.core.data_plan import DataCursor, take_global_batch
-from elastic.setup.dataset import (
-    GeneratedCorpus, SampleRange, TextFiles, TokenFile, default_datasets, generate_corpus,
-)
+from elastic.data.streams import TextFiles, TokenFile
+from elastic.setup.dataset import GeneratedCorpus, SampleRange, default_datasets, generate_corpus
 from elastic.setup.hooks import resolve_hooks
 from elastic.setup.preflight import build_config
 from elastic.prepare import prepare_tokens
@@ -71,7 +70,7 @@ def test_a_token_file_pickles_as_a_recipe_and_reads_after_many_maps(tmp_path, mo
     tokens = random_tokens(50_000, "uint16")
     dataset = TokenFile(write_tokens(tmp_path / "t.bin", tokens, "uint16"), 16)
     expected = windows(tokens, 16)
-    monkeypatch.setattr(elastic.setup.dataset, "_WINDOWS_PER_MAP", 5)  # the file is mapped afresh every 5 windows
+    monkeypatch.setattr(elastic.data.streams, "_WINDOWS_PER_MAP", 5)  # the file is mapped afresh every 5 windows
     assert_same_samples(dataset, expected, range(0, len(expected), 97))
     shipped = pickle.dumps(dataset)
     assert len(shipped) < 1024, len(shipped)

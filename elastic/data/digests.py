@@ -73,3 +73,16 @@ def _read(kept: KeptFiles) -> dict[str, dict]:
         return {}
     return {file: entry for file, entry in record.items() if isinstance(entry, dict)
             and isinstance(entry.get("stamp"), str) and isinstance(entry.get("identity"), str)}
+
+
+def data_identity(dataset) -> dict[str, str]:
+    """Each file of a dataset read from files, and its size and digest; empty for the generated
+    corpus (its settings say what it is) and for a dataset of the user's own. Redacted: it is
+    stored in every manifest, and a presigned URL's signature is no part of what the data is."""
+    identity = getattr(dataset, "identity", None)
+    redacted: dict[str, list[str]] = {}
+    for file, what in (identity() if callable(identity) else {}).items():
+        # URLs that differ only in a secret (?key=a, ?key=b) share a name: it keeps each one's identity
+        redacted.setdefault(redact_credentials(str(file)), []).append(redact_credentials(str(what)))
+    return {file: "; ".join(identities) for file, identities in redacted.items()}
+

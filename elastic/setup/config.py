@@ -25,7 +25,8 @@ from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
 from elastic.core.topology import SINGLE_STAGE_SCHEDULES
-from elastic.setup.errors import ConfigError
+from elastic.data.formats import FORMATS
+from elastic.setup.errors import ConfigError, invalid_config
 from elastic.setup.presets import PRESETS
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -298,7 +299,8 @@ class ModelConfig(Section):
         return (self.expert_hidden or self.ffn_hidden) * self.shared_experts
 
 
-DataFormat = Literal["auto", "text", "tokens", "parquet", "jsonl", "arrow", "megatron", "chat"]
+# auto, or a format of elastic.data.formats (each entry says what it reads)
+DataFormat = Literal[("auto", *FORMATS)]
 
 
 class DataSource(Section):
@@ -329,19 +331,17 @@ class DataConfig(Section):
     # Several sources mixed by weight, instead of data.path: [[data.sources]] tables of path
     # and weight. Every sample of each is trained once before any of it repeats.
     sources: list[DataSource] = Field(default_factory=list, max_length=256)
-    # text: bytes are tokens; tokens: a flat binary of token_dtype (elastic prepare writes one);
-    # parquet, jsonl (.gz, .zst) and arrow (a HuggingFace dataset's save_to_disk directory):
-    # documents in data.text_column, tokenized by data.tokenizer and packed; megatron: a
-    # .bin/.idx pair; chat: JSONL or Parquet conversations (messages, or prompt and
-    # completion), trained on the assistant's tokens only. auto: by the path's extension
-    # (.bin, .parquet, .jsonl, .jsonl.gz, .jsonl.zst, .idx; a URL's query string aside), a
-    # save_to_disk directory, else by the extensions of the files it matches (a directory, a
-    # glob: all alike), text when they name none.
+    # How the files are read: a format of elastic.data.formats, whose table says what each
+    # reads (token ids as they lie, or documents in data.text_column, tokenized by
+    # data.tokenizer and packed), or auto: by the path's suffix (a URL's query string aside),
+    # else by what the storage holds there (a Megatron pair, a .bin, a save_to_disk
+    # directory), else by the suffixes of the files it matches (a directory, a glob: all
+    # alike), text when they name none.
     # Applies to validation_path too.
     format: DataFormat = "auto"
     token_dtype: Literal["uint16", "uint32"] = "uint16"
-    # A HuggingFace tokenizer (a directory, or a Hub id) for parquet, jsonl, arrow and chat
-    # documents; never runs a tokenizer's own code. None: UTF-8 bytes are the tokens.
+    # A HuggingFace tokenizer (a directory, or a Hub id) for a format of documents; never
+    # runs a tokenizer's own code. None: UTF-8 bytes are the tokens.
     tokenizer: str | None = None
     # the column (Parquet, Arrow) or field (JSONL) that holds each document: text, or token ids
     text_column: str = Field("text", min_length=1)
@@ -840,12 +840,6 @@ def intended_key(location: tuple) -> str | None:
             if isinstance(nested, type) and issubclass(nested, BaseModel) and name in nested.model_fields:
                 return f"{key}.{name}"
     return None
-
-
-def invalid_config(problems: list[str]) -> str:
-    """The message for a config's problems, each ``<field>: <what is wrong>; <the fix>``."""
-    # One problem, one line: the line a terminal or a job's log shows first.
-    return "invalid config:" + ("\n  " if len(problems) > 1 else " ") + "\n  ".join(problems)
 
 
 def parse_config(values: dict[str, Any]) -> TrainConfig:

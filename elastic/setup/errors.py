@@ -10,3 +10,9 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(redact_credentials(str(message)))
+
+
+def invalid_config(problems: list[str]) -> str:
+    """The message for a config's problems, each ``<field>: <what is wrong>; <the fix>``."""
+    # One problem, one line: the line a terminal or a job's log shows first.
+    return "invalid config:" + ("\n  " if len(problems) > 1 else " ") + "\n  ".join(problems)
