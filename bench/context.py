@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from elastic.core.topology import Topology  # noqa: E402
 from elastic.setup.config import ModelConfig  # noqa: E402
 from elastic.setup.memory_estimate import activation_bytes  # noqa: E402
 from elastic.testing.gloo_ranks import gloo_ranks  # noqa: E402
@@ -44,7 +45,7 @@ from workers.world import group_mesh  # noqa: E402
 
 def rank(rank_index: int, args: argparse.Namespace, cp: int) -> tuple[float, int, int]:
     """(median step seconds, activation bytes saved by one forward, of which CPU biases)."""
-    mesh = group_mesh("cpu", pp=1, shard=1, tp=1, cp=cp)
+    mesh = group_mesh("cpu", Topology(shard=1, tp=1, cp=cp))
     shape = ModelArgs(vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=8,
                       ffn_hidden=4 * args.dim, max_seq_len=args.seq)
     tokens = torch.randint(0, 4096, (1, args.seq + 1), generator=torch.Generator().manual_seed(1))

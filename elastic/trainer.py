@@ -37,7 +37,6 @@ from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
 from elastic.core.goodput import TimeLedger
 from elastic.core.data_plan import DataCursor
-from elastic.core.topology import Topology
 from elastic.data.mixture import Mixture
 from elastic.data.ray_dataset import is_ray_dataset
 from elastic.setup.dataset import data_identity, ray_dataset_source
@@ -128,7 +127,8 @@ class ElasticTrainer:
         self.keep_final_state = keep_final_state
         scaling = self.config.scaling
         self.faults = resolve_random_targets(
-            parse_faults(self.config.fault_tolerance.inject), self.config.seed, scaling.max_groups, scaling.ranks_per_group
+            parse_faults(self.config.fault_tolerance.inject), self.config.seed, scaling.max_groups,
+            scaling.topology.ranks_per_group,
         )
         try:
             self.dataset_len = len(self.hooks.dataset)
@@ -219,7 +219,7 @@ class ElasticTrainer:
                 events.emit(EventKind.METRICS_SERVING, address=f"{self.config.metrics.host}:{port}")
             events.listeners += [metrics.on_event, *self.on_event]
             scaling = self.config.scaling
-            topology = Topology(scaling.shard, scaling.tp, scaling.max_groups, scaling.pp, scaling.ep, scaling.cp)
+            topology = scaling.topology
             injects = bool(self.faults) or self.config.stragglers.noise > 0
             # A Ray this driver started is this machine's alone: its ranks reach the store on
             # loopback (Ray's own node address is the routable one even then).
@@ -338,8 +338,8 @@ class ElasticTrainer:
             run=self.run_name,
             config={**self.config.model_dump(mode="json"), "run_name": self.run_name},  # a generated name too
             init_from=self.source_identity,
-            topology=TopologyEntry(groups=groups, pp=scaling.pp, shard=scaling.shard, cp=scaling.cp, tp=scaling.tp,
-                                   ranks=groups * scaling.ranks_per_group),
+            topology=TopologyEntry(groups=groups, ranks=groups * scaling.topology.ranks_per_group,
+                                   **scaling.topology.degrees()),
             resumed_from_step=controller.resume.step if controller and controller.resume else None,
             first_step=history.first_step,
             steps_committed=len(losses),

@@ -37,7 +37,7 @@ def test_topology_numbers_ranks_by_group_then_stage_then_shard_then_cp_then_tp()
     assert topology.position_of(rank) == (0, 1, 2, 0) and topology.shard_index(rank) == 1
     assert [topology.counts_loss(r) for r in topology.global_ranks(0)] == [True, False, False, True, False, False]
     assert [topology.stream_of(r) for r in topology.global_ranks(0)] == ["0", "0", "0", "1", "1", "1"]
-    assert topology.record() == {"pp": 1, "shard": 2, "cp": 1, "tp": 3, "max_groups": 4}
+    assert topology.record() == {"pp": 1, "shard": 2, "cp": 1, "tp": 3, "ep": 1, "max_groups": 4}
 
     staged = Topology(shard=2, tp=2, max_groups=2, pp=3)
     assert staged.ranks_per_group == 12

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from elastic.core.topology import Topology
 from workers.context_parallel import ContextShare
 from workers.experts import GroupedExperts, MoE
 from workers.model import Transformer
@@ -324,9 +325,18 @@ class Parallelize:
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
-    expert_parallel: bool = False  # the experts split over the ep ranks, dispatched to by all-to-all
+    # A Parallelize built by hand: the experts split over the ep ranks, dispatched to by
+    # all-to-all. Where ``layout`` is given, it decides (``splits_experts``).
+    expert_parallel: bool = False
     reshard_after_forward: bool = True  # ZeRO-3 (True) or ZeRO-2 (False): scaling.reshard_after_forward
     offload: bool = False  # FSDP2's CPUOffloadPolicy: compute.offload
+    layout: Topology | None = None  # the run's layout (scaling.topology), read for whether the experts split
+
+    @property
+    def splits_experts(self) -> bool:
+        """Whether the experts are split over the ep ranks: the layout's word where given (the
+        mesh cannot tell ``ep == shard`` from ``ep == 1``), else ``expert_parallel``."""
+        return self.layout.expert_parallel if self.layout is not None else self.expert_parallel
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
@@ -354,7 +364,7 @@ class Parallelize:
                 autocast_forward(model, mesh.device_type, dtype)
             return model
         policy = mixed_precision_policy(dtype)
-        experts = split_experts(model, mesh, policy) if self.expert_parallel else set()
+        experts = split_experts(model, mesh, policy) if self.splits_experts else set()
         fully_shard_model(model, shard_mesh, blocks, policy, ignored=experts,
                           reshard_after_forward=self.reshard_after_forward,
                           offload=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if self.offload else None)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from checkpointing.pretrained import PretrainedSource
 from checkpointing.storage import StorageOptions
-from elastic.core.topology import Position
+from elastic.core.topology import Position, Topology
 from workers.pipeline import PipelineLayout
 
 
@@ -41,8 +41,14 @@ class RankSpec:
     cp_index: int = 0
 
     @property
+    def layout(self) -> Topology:
+        """Its group's layout (one group's: the numbering inside it, its mesh), as the driver's
+        ``Topology`` gives it."""
+        return Topology(self.shard, self.tp, pp=self.pipeline.pp, ep=self.ep, cp=self.cp)
+
+    @property
     def ranks_per_group(self) -> int:
-        return self.pipeline.pp * self.shard * self.cp * self.tp
+        return self.layout.ranks_per_group
 
     @property
     def nccl(self) -> bool:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elastic.core.topology import Topology
 from workers.rank_spec import RankSpec
 
 
@@ -101,7 +102,7 @@ class World:
             timeout=self.timeout,
         )
         device_type = "cuda" if rank.use_gpu else "cpu"
-        self.mesh = group_mesh(device_type, rank.pipeline.pp, rank.shard, rank.tp, rank.ep, rank.cp)
+        self.mesh = group_mesh(device_type, rank.layout)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.ranks_per_group > 1 else None
         return self.mesh
@@ -156,19 +157,15 @@ def heal_pair(store: dist.Store, heal: int, source: int, target: int, is_target:
     return dist.ProcessGroupGloo(dist.PrefixStore(f"heal{heal}/{source}-{target}/", store), int(is_target), 2, timeout)
 
 
-def group_mesh(device_type: str, pp: int, shard: int, tp: int, ep: int = 1, cp: int = 1) -> DeviceMesh:
-    """The group's mesh: ``(pp, shard, tp)``; with context parallelism, ``(pp, shard, cp, tp)``
-    with ``shard_cp`` flattened from the middle two, over which FSDP2 shards (TorchTitan's
-    ``dp_shard_cp``: the cp ranks hold different tokens, so their gradients add up like the
-    shard ranks'); with experts split over fewer ranks than the
-    shard dimension (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard``
-    flattened from the middle two: the experts split over ``ep`` and sharded by FSDP2 over
-    ``expert_shard``, the rest of the model over ``shard``: a shard rank's block is
-    ``shard_index // ep``, its place in it ``shard_index % ep`` (``elastic.core.topology``)."""
-    if cp > 1:
-        mesh = init_device_mesh(device_type, (pp, shard, cp, tp), mesh_dim_names=("pp", "shard", "cp", "tp"))
-        mesh["shard", "cp"]._flatten("shard_cp")
-        return mesh
+def group_mesh(device_type: str, layout: Topology) -> DeviceMesh:
+    """The group's mesh as its layout lays it out (``Topology.mesh_shape``: its dimensions, by
+    name, and those flattened from others, such as ``shard_cp`` with context parallelism and
+    ``shard`` with experts split over fewer ranks than the shard dimension)."""
+    shape = layout.mesh_shape()
+    mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.names)
+    for name, spanned in shape.flattened.items():
+        mesh[spanned]._flatten(name)
+    return mesh
     if not 1 < ep < shard:
         return init_device_mesh(device_type, (pp, shard, tp), mesh_dim_names=("pp", "shard", "tp"))
     mesh = init_device_mesh(device_type, (pp, shard // ep, ep, tp), mesh_dim_names=("pp", "expert_shard", "ep", "tp"))

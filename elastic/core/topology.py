@@ -1,7 +1,15 @@
 """The layout of a run: replica groups of ``pp x shard x cp x tp`` ranks, numbered globally.
 
-The one owner of the rank <-> (group, pipeline index, shard index, cp index, tp index)
-formulas: a group's ranks are consecutive, and inside a group the tp index varies fastest,
+The one owner of the parallel layout: its degrees (``pp``, ``shard``, ``cp``, ``tp``, and
+``ep``, which splits the shard dimension), every formula over them (the ranks of a group, the
+ranks FSDP2 shards over, whether the experts are split), the group's mesh (its dimensions,
+by name, and those flattened from others: ``workers.world.group_mesh`` only builds it), the
+numbering and the record a checkpoint and a summary keep. The config builds it
+(``ScalingConfig.topology``); a rank reads its group's from what it is started with
+(``workers.rank_spec.RankSpec.layout``).
+
+The rank <-> (group, pipeline index, shard index, cp index, tp index) formulas: a group's
+ranks are consecutive, and inside a group the tp index varies fastest,
 then the cp index, then the shard index, then the pipeline stage, so a group rank doubles as
 the rank's bundle index in its group's placement group (TP neighbours packed together, then
 context-parallel ones) and as its rank in the group's world. The ``cp`` ranks of a shard
@@ -41,6 +49,15 @@ def counts_loss(position: Position, pp: int) -> bool:
     return position.pp == pp - 1 and position.tp == 0
 
 
+class MeshShape(NamedTuple):
+    """A group's device mesh: its dimensions' sizes and names, slowest first, and the
+    dimensions flattened from others (the flattened one's name to the names it spans)."""
+
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+    flattened: dict[str, tuple[str, ...]]
+
+
 @dataclass(frozen=True)
 class Topology:
     shard: int
@@ -53,6 +70,56 @@ class Topology:
     @property
     def ranks_per_group(self) -> int:
         return self.pp * self.shard * self.cp * self.tp
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards a group's parameters over (1: none, the model unwrapped)."""
+        return self.shard * self.cp * self.tp
+
+    @property
+    def parameter_shards(self) -> int:
+        """The pieces FSDP2 cuts each parameter (of a tp rank's part) into: ``shard x cp``."""
+        return self.shard * self.cp
+
+    @property
+    def sequence_shards(self) -> int:
+        """The pieces sequence parallelism cuts a sequence into: each cp rank's share, cut
+        again over its tp ranks."""
+        return self.cp * self.tp
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether a mixture's experts are split over the ``ep`` shard ranks, dispatched to by
+        all-to-all (``workers.parallelize.split_experts``)."""
+        return self.ep > 1
+
+    @property
+    def experts_held_whole(self) -> bool:
+        """Whether each shard rank holds its split experts whole (``ep == shard``), which FSDP2
+        then leaves alone; below it FSDP2 shards them over the ``shard / ep`` blocks."""
+        return self.expert_parallel and self.ep == self.shard
+
+    def group_dimensions(self) -> dict[str, int]:
+        """A group's dimensions by name, whose product is its ranks (cp where it splits sequences)."""
+        return {"pp": self.pp, "shard": self.shard, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
+
+    def mesh_shape(self) -> MeshShape:
+        """The group's mesh: ``(pp, shard, tp)``; with context parallelism, ``(pp, shard, cp, tp)``
+        with ``shard_cp`` flattened from the middle two, over which FSDP2 shards (TorchTitan's
+        ``dp_shard_cp``: the cp ranks hold different tokens, so their gradients add up like the
+        shard ranks'); with experts split over fewer ranks than the shard dimension
+        (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard`` flattened from the
+        middle two: the experts split over ``ep`` and sharded by FSDP2 over ``expert_shard``,
+        the rest of the model over ``shard``: a shard rank's block is ``shard_index // ep``, its
+        place in it ``shard_index % ep``. At ``ep == shard`` the mesh is ``(pp, shard, tp)``, the
+        experts split over ``shard`` (``expert_parallel`` tells it from ``ep == 1``)."""
+        if self.cp > 1:
+            return MeshShape((self.pp, self.shard, self.cp, self.tp), ("pp", "shard", "cp", "tp"),
+                             {"shard_cp": ("shard", "cp")})
+        if not 1 < self.ep < self.shard:
+            return MeshShape((self.pp, self.shard, self.tp), ("pp", "shard", "tp"), {})
+        return MeshShape((self.pp, self.shard // self.ep, self.ep, self.tp), ("pp", "expert_shard", "ep", "tp"),
+                         {"shard": ("expert_shard", "ep")})
 
     @property
     def max_ranks(self) -> int:
@@ -96,4 +163,8 @@ class Topology:
 
     def record(self) -> dict[str, int]:
         """What a checkpoint manifest says of the layout that wrote it."""
-        return {"pp": self.pp, "shard": self.shard, "cp": self.cp, "tp": self.tp, "max_groups": self.max_groups}
+        return {**self.degrees(), "max_groups": self.max_groups}
+
+    def degrees(self) -> dict[str, int]:
+        """A group's degrees by name, ``ep`` (a split of ``shard``) with them."""
+        return {"pp": self.pp, "shard": self.shard, "cp": self.cp, "tp": self.tp, "ep": self.ep}

@@ -22,7 +22,7 @@ class StragglerWatch:
         self.mitigation = (
             # with the experts split over ranks, a rank holding a hot expert is slow by its data
             StragglerMitigation(config.stragglers, config.global_batch, events, clock,
-                                slow_by_data=config.scaling.ep > 1)
+                                slow_by_data=topology.expert_parallel)
             if config.stragglers.enabled else None
         )
         self.pending = NO_ACTIONS  # decided at a commit, applied at the next boundary

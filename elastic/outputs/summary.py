@@ -68,13 +68,15 @@ class StepEntry(Schema):
 
 
 class TopologyEntry(Schema):
-    """The layout at the leg's end: live groups of pp x shard x cp x tp ranks."""
+    """The layout at the leg's end: live groups of pp x shard x cp x tp ranks, the experts
+    split over blocks of ep shard ranks (``elastic.core.topology.Topology.record``)."""
 
     groups: int = 0
     pp: int = 1
     shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # absent from the summaries written before it: 1
     ranks: int = 0
 
 

@@ -25,10 +25,11 @@ def groups_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, flo
     scaling = config.scaling
     for resource, per_rank in scaling.per_rank_resources():
         available = cluster_resources.get(resource, 0.0)
-        fit = int(available / (per_rank * scaling.ranks_per_group) + 1e-9)
+        fit = int(available / (per_rank * scaling.topology.ranks_per_group) + 1e-9)
         if fit < scaling.max_groups:
-            group = spelled_product(scaling.group_dimensions())
-            return (f"scaling.max_groups = {scaling.max_groups} groups of {group} = {scaling.ranks_per_group} ranks, "
+            group = spelled_product(scaling.topology.group_dimensions())
+            return (f"scaling.max_groups = {scaling.max_groups} groups of {group} = "
+                    f"{scaling.topology.ranks_per_group} ranks, "
                     f"but the cluster has room for "
                     f"{fit} ({available:g} {resource} at {resource.lower()}s_per_rank={per_rank:g}): "
                     f"the other {scaling.max_groups - fit} wait for capacity, started only if the cluster grows; "
@@ -42,7 +43,7 @@ def spares_beyond_capacity(config: TrainConfig, cluster_resources: dict[str, flo
     scaling = config.scaling
     if not scaling.spares:
         return None
-    ranks = scaling.max_groups * scaling.ranks_per_group
+    ranks = scaling.max_groups * scaling.topology.ranks_per_group
     for resource, per_rank in scaling.per_rank_resources():
         room = int((cluster_resources.get(resource, 0.0) - ranks * per_rank) / per_rank + 1e-9)
         if room < scaling.spares:
@@ -64,13 +65,14 @@ def check_capacity(config: TrainConfig, cluster_resources: dict[str, float]) -> 
         raise ConfigError(f"compute.offload with scaling.max_groups={scaling.max_groups} on GPUs: the groups sum "
                           "their gradients over NCCL on the device, and offloaded gradients live on the host; train "
                           "one group (scaling.max_groups = 1) or without offload")
-    needed_ranks = scaling.min_groups * scaling.ranks_per_group
+    needed_ranks = scaling.min_groups * scaling.topology.ranks_per_group
     for resource, per_rank in scaling.per_rank_resources():
         available = cluster_resources.get(resource, 0.0)
         needed = needed_ranks * per_rank
         if needed > available + 1e-9:
+            dimensions = {"min_groups": scaling.min_groups, **scaling.topology.group_dimensions()}
             raise ConfigError(
-                f"scaling: {spelled_product({'min_groups': scaling.min_groups, **scaling.group_dimensions()})} "
+                f"scaling: {spelled_product(dimensions)} "
                 f"= {needed_ranks} ranks need {needed:g} {resource} at "
                 f"{resource.lower()}s_per_rank={per_rank:g}, but the cluster has {available:g}; "
                 f"lower the layout or {resource.lower()}s_per_rank, or add nodes"

@@ -24,7 +24,7 @@ from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
-from elastic.core.topology import SINGLE_STAGE_SCHEDULES
+from elastic.core.topology import SINGLE_STAGE_SCHEDULES, Topology
 from elastic.data.formats import FORMATS
 from elastic.setup.errors import ConfigError, invalid_config
 from elastic.setup.presets import PRESETS
@@ -132,7 +132,7 @@ class ScalingConfig(Section):
         if self.pp_schedule in SINGLE_STAGE_SCHEDULES and self.stages_per_rank != 1:
             raise ValueError(f"pp_schedule={self.pp_schedule!r} runs one stage per rank, not pp_stages_per_rank="
                              f"{self.stages_per_rank}; set pp_stages_per_rank = 1 or pp_schedule = 'Interleaved1F1B'")
-        if self.pp > 1 and self.pp_schedule == "InterleavedZeroBubble" and self.shard * self.tp > 1:
+        if self.pp > 1 and self.pp_schedule == "InterleavedZeroBubble" and (self.shard > 1 or self.tp > 1):
             # Its separate weight-gradient pass: measured off by 1e-2 from one process at shard 2
             # or tp 2 (tests/test_pipeline.py), exact with neither.
             raise ValueError(f"pp_schedule='InterleavedZeroBubble' computes wrong weight gradients with FSDP2 or TP "
@@ -169,17 +169,10 @@ class ScalingConfig(Section):
         return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
 
     @property
-    def ranks_per_group(self) -> int:
-        return self.pp * self.shard * self.cp * self.tp
-
-    def group_dimensions(self) -> dict[str, int]:
-        """A group's dimensions by name, whose product is its ranks (cp where it splits sequences)."""
-        return {"pp": self.pp, "shard": self.shard, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
-
-    @property
-    def fsdp_ranks(self) -> int:
-        """The ranks FSDP2 shards a group's parameters over (1: none, the model unwrapped)."""
-        return self.shard * self.cp * self.tp
+    def topology(self) -> Topology:
+        """The layout these settings give (``elastic.core.topology``, the one owner of its
+        formulas: the ranks of a group, the ranks FSDP2 shards over, the mesh)."""
+        return Topology(self.shard, self.tp, self.max_groups, self.pp, self.ep, self.cp)
 
 
 class RopeScaling(Section):
@@ -637,7 +630,7 @@ class TrainConfig(Section):
                     f"scaling.tp={tp} does not divide {field}={size}; choose tp in {fitting} "
                     f"or change {field} to a multiple of {tp} (nearest: {nearest})"
                 )
-        if self.scaling.ep > 1:
+        if self.scaling.topology.expert_parallel:
             self._check_expert_parallel()
         obstacles = self._sequence_parallel_obstacles() if self.scaling.sequence_parallel and tp > 1 else []
         if obstacles:
@@ -696,10 +689,10 @@ class TrainConfig(Section):
 
     def _check_offload(self) -> None:
         scaling = self.scaling
-        if scaling.fsdp_ranks == 1:
+        if scaling.topology.fsdp_ranks == 1:
             raise ValueError("compute.offload needs FSDP2, which a group of one rank (shard = tp = 1) does not use; "
                              "raise scaling.shard or unset compute.offload")
-        if scaling.ep > 1:
+        if scaling.topology.expert_parallel:
             raise ValueError(f"compute.offload with scaling.ep={scaling.ep}: the split experts are not FSDP2's to "
                              "offload; set scaling.ep = 1 or unset compute.offload")
 
@@ -730,7 +723,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:
         scaling = self.scaling
-        check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups, scaling.ranks_per_group)
+        check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups,
+                      scaling.topology.ranks_per_group)
         return self
 
     def _sequence_parallel_obstacles(self) -> list[str]:
@@ -749,7 +743,8 @@ class TrainConfig(Section):
             share = f"data.seq_len={seq_len}" if cp == 1 else f"a cp rank's share of data.seq_len={seq_len} ({seq_len // cp})"
             obstacles.append(
                 f"scaling.sequence_parallel needs {share} divisible by scaling.tp={tp}; "
-                f"change seq_len to a multiple of {tp * cp} or set scaling.sequence_parallel = false"
+                f"change seq_len to a multiple of {self.scaling.topology.sequence_shards} or set "
+                "scaling.sequence_parallel = false"
             )
         return obstacles
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from elastic.core.topology import Topology
+
 # Only a type: the arithmetic reads a model section's fields, and needs no pydantic to do it.
 if TYPE_CHECKING:
     from elastic.setup.config import ModelConfig
@@ -178,10 +180,11 @@ def memory_per_rank(
     tokens = micro_batch * seq_len // cp
     layers = _stage_layers(model, pp)
     block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
-    shard_parameters = (root + layers * block) / (shard * cp)
+    layout = Topology(shard, tp, pp=pp, ep=ep, cp=cp)
+    shard_parameters = (root + layers * block) / layout.parameter_shards
     # FSDP2 gathers a layer's experts that a rank computes: every expert at ep 1, the rank's
     # own 1 / ep of them below ep = shard, none at ep = shard (each rank holds its own whole)
-    gathered_experts = 0.0 if ep == shard > 1 else 1 / ep
+    gathered_experts = 0.0 if layout.experts_held_whole else 1 / ep
     routed_weights = _routed_expert_parameters(model) - model.dim * model.experts
     gathered_block = block - routed_weights * (1 - gathered_experts)
     output_projection = model.vocab_size * model.dim // tp
@@ -221,7 +224,7 @@ def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int, pp: int = 1
     position of a layout); a checkpoint's staging arena holds one more.
     """
     parameters = _root_parameters(model, tp, pp) + _stage_layers(model, pp) * _block_parameters(model, tp)
-    state = 3 * FP32_BYTES * parameters / (shard * cp)
+    state = 3 * FP32_BYTES * parameters / Topology(shard, tp, pp=pp, cp=cp).parameter_shards
     memory = {"state": state / GIB, "memory_tier": 4 * state / GIB, "staging": state / GIB}
     memory["total"] = memory["memory_tier"] + memory["staging"]
     return memory

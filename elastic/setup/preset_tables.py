@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic.core.topology import Topology
 from elastic.setup.config import ModelConfig, parse_config
 from elastic.setup.memory_estimate import H100_BUDGET_GIB, host_memory_per_rank, memory_per_rank, parameter_count
 from elastic.setup.presets import PRESETS
@@ -26,8 +27,12 @@ class Layout:
     cp: int = 1  # each sequence split over this many ranks
 
     @property
+    def topology(self) -> Topology:
+        return Topology(self.shard, self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+
+    @property
     def dimensions(self) -> str:
-        shard = f"{self.shard} (ep {self.ep})" if self.ep > 1 else f"{self.shard}"
+        shard = f"{self.shard} (ep {self.ep})" if self.topology.expert_parallel else f"{self.shard}"
         return f"{self.pp} × {shard} × {self.cp} × {self.tp}"
 
 
@@ -105,19 +110,18 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             "micro_batch": layout.micro_batch,
             # as many micro-batches per rank as stages: the fewest a pipeline takes
             "global_batch": layout.micro_batch * layout.shard * layout.pp,
-            "scaling": {"min_groups": 1, "max_groups": 1, "shard": layout.shard, "tp": layout.tp, "pp": layout.pp,
-                        "ep": layout.ep, "cp": layout.cp,
+            "scaling": {"min_groups": 1, "max_groups": 1, **layout.topology.degrees(),
                         **({} if layout.sequence_parallel is None else {"sequence_parallel": layout.sequence_parallel})},
             "model": {"preset": layout.preset},
             "data": {"seq_len": layout.seq_len},
             "compute": {"precision": "bf16", "activation_checkpointing": layout.activation_checkpointing},
         })
         memory = memory_per_rank(
-            config.model, shard=config.scaling.shard, tp=config.scaling.tp, seq_len=config.data.seq_len,
+            config.model, **config.scaling.topology.degrees(), seq_len=config.data.seq_len,
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
-            sequence_parallel=config.sequence_parallel, pp=config.scaling.pp, ep=config.scaling.ep,
-            reshard_after_forward=config.scaling.reshards_after_forward, cp=config.scaling.cp,
+            sequence_parallel=config.sequence_parallel,
+            reshard_after_forward=config.scaling.reshards_after_forward,
         )
         states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         fits = "yes" if memory["total"] <= H100_BUDGET_GIB else "no"
