@@ -147,6 +147,14 @@ def test_the_layers_below_the_config_do_not_import_it():
     assert imported_after(below, ("elastic.setup.config",)) == []
 
 
+def test_the_ranks_run_only_the_core_and_the_data_of_the_driver_package():
+    graph = import_graph()
+    ranks_side = [module for module in graph if module.split(".")[0] in ("workers", "checkpointing")]
+    reached = {target for module in ranks_side for target in graph[module]
+               if target.startswith("elastic.") and not target.startswith(("elastic.core", "elastic.data"))}
+    assert reached == set(), f"the ranks' side imports {sorted(reached)}"
+
+
 def test_every_name_imported_from_the_project_is_there():
     """Each ``from <project module> import <name>`` anywhere in the tree, those inside functions
     too (a benchmark's, a test's), names something its module has: a moved function breaks
