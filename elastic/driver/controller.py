@@ -153,8 +153,7 @@ class Controller:
         self.deadline = StepDeadline(ft.deadline_factor, ft.min_deadline_s, ft.first_step_deadline_s)
         self.failures = FailurePolicy(ft.max_recoveries)
         self.divergence = DivergencePolicy(config.optimizer.max_nonfinite_steps)
-        collector = OutcomeCollector(fleet, self.topology, self.deadline, events, clock)
-        self.watch = SegmentWatch(collector)
+        self.watch = SegmentWatch(collector := OutcomeCollector(fleet, self.topology, self.deadline, events, clock))
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
         self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale)
@@ -412,26 +411,19 @@ class Controller:
                                    loss_scale=self.history.loss_scale)
 
     def finish(self, reason: Exit) -> Exit:
+        """The run's end: the last committed step checkpointed within the grace period, or
+        ``reason`` marks the final checkpoint missed (never, when checkpoints are off)."""
         self.stragglers.close()
-        if self.save_final(reason):
-            return reason
-        return replace(reason, final_checkpoint_missed_at=self.history.step)
-
-    def save_final(self, reason: Exit) -> bool:
-        """Checkpoint the last committed step within the grace period; returns whether the
-        final checkpoint is committed (always, when checkpoints are off)."""
         if self.checkpoints is None:
-            return True
+            return reason
         grace_s = self.config.checkpoint.grace_s
-        committed = False
         if self.membership.live_groups():
             with self.ledger.timing("checkpoint_stall"):
-                committed = self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
-                                                    self.clock() + grace_s, loss_scale=self.history.loss_scale)
-        if not committed:
-            self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=str(reason),
-                             grace_s=grace_s)
-        return committed
+                if self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
+                                           self.clock() + grace_s, loss_scale=self.history.loss_scale):
+                    return reason
+        self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=str(reason), grace_s=grace_s)
+        return replace(reason, final_checkpoint_missed_at=self.history.step)
 
     def final_state(self) -> dict[Position, list]:
         """Committed local parameter shards of the first live group, by position."""
