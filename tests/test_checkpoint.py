@@ -115,7 +115,7 @@ def test_resume_into_another_topology_through_s3(ray_cluster, tmp_path, s3_serve
     config = tiny_config(tmp_path, groups=1, tp=2, steps=16, checkpoint__every=5, **storage)
     resumed = ElasticTrainer(config).fit()
     assert resumed.ok and resumed.summary["resumed_from_step"] == 10
-    assert resumed.summary["topology"] == {"groups": 1, "pp": 1, "shard": 1, "cp": 1, "tp": 2, "ranks": 2}
+    assert resumed.summary["topology"] == {"groups": 1, "pp": 1, "shard": 1, "cp": 1, "tp": 2, "ep": 1, "ranks": 2}
     assert continues_reference(resumed, config, 10)
 
 

@@ -309,7 +309,7 @@ def test_faults_in_either_stage_commit_the_single_process_losses_and_read_nothin
     result = ElasticTrainer(config, model_fn=paced_model(config, 0.1), split_fn=split_transformer).fit()
     summary = result.summary
     assert result.ok, (result.exit, [e for e in summary["events"] if "checkpoint" not in e["kind"]])
-    assert summary["topology"] == {"groups": 2, "pp": 2, "shard": 1, "cp": 1, "tp": 1, "ranks": 4}
+    assert summary["topology"] == {"groups": 2, "pp": 2, "shard": 1, "cp": 1, "tp": 1, "ep": 1, "ranks": 4}
     failed = sorted((event["step"], event["rank"], event["cause"]) for event in events_of(summary, "rank-failed"))
     assert failed == [(3, 0, "death"), (6, 3, "hang"), (12, 1, "death"), (12, 3, "death")]
     [found] = events_of(summary, "integrity-mismatch")

@@ -25,7 +25,7 @@ def test_losses_match_single_process_reference(ray_cluster, tmp_path, reference,
     config = tiny_config(tmp_path, groups=groups, min_groups=groups, shard=shard, tp=tp, steps=STEPS)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
-    assert result.summary["topology"] == {"groups": groups, "pp": 1, "shard": shard, "cp": 1, "tp": tp,
+    assert result.summary["topology"] == {"groups": groups, "pp": 1, "shard": shard, "cp": 1, "tp": tp, "ep": 1,
                                          "ranks": groups * shard * tp}
     assert max_relative_difference(result.losses, reference) <= 1e-4
     assert result.summary["steps_committed"] == STEPS
