@@ -81,19 +81,25 @@ def load_hooks(pickled_hooks: bytes):
                           "(ray job submit --working-dir, or runtime_env py_modules)") from error
 
 
+def rank_device(use_gpu: bool) -> torch.device:
+    """The device this process's rank computes on, set up for it."""
+    if not use_gpu:
+        torch.set_num_threads(1)
+        return CPU
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    # A timed-out NCCL collective aborts its communicator and raises here, instead of the
+    # watchdog killing the process (mode 1): the driver, not NCCL, decides who is evicted,
+    # and a rank that timed out waiting on a dead peer is not the culprit.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    return device
+
+
 class RankWorker:
     def __init__(self, spec: RankSpec, pickled_hooks: bytes):
         self.pickled_hooks = pickled_hooks
         self.hooks = None  # loaded by the first build (a spare's, ahead by ``warm``)
-        self.device = torch.device("cuda", 0) if spec.use_gpu else CPU
-        if spec.use_gpu:
-            torch.cuda.set_device(self.device)
-            # A timed-out NCCL collective aborts its communicator and raises here, instead of
-            # the watchdog killing the process (mode 1): the driver, not NCCL, decides who is
-            # evicted, and a rank that timed out waiting on a dead peer is not the culprit.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        else:
-            torch.set_num_threads(1)
+        self.device = rank_device(spec.use_gpu)
         self.store = KeyedStore(dist.TCPStore(
             spec.store_host, spec.store_port, is_master=False,
             timeout=datetime.timedelta(seconds=spec.collective_timeout_s), wait_for_workers=False,
