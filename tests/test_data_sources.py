@@ -296,7 +296,6 @@ def test_bad_data_is_refused_in_one_line_naming_the_file_and_row_before_anything
     (remote / "tokenizer_config.json").write_text(json.dumps(settings))
     with pytest.raises(ConfigError, match=r"^invalid config: data.tokenizer '.*remote-tokenizer': cannot be loaded "
                                           r"without running its own code"):
-
         config_of({"path": str(tmp_path / "ok.jsonl"), "tokenizer": str(remote)})
     with pytest.raises(ConfigError, match=r"data.sources.0.weight"):
         config_of({"sources": [{"path": str(tmp_path / "ok.jsonl"), "weight": 0}]})
