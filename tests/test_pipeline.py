@@ -25,6 +25,7 @@ from elastic.core.data_plan import PADDING_INDEX
 from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.core.protocol import Failure
+from elastic.core.topology import Topology
 from elastic.testing.gloo_ranks import START_METHOD, gloo_ranks, rank_processes
 from elastic.testing.loopback import free_port
 from elastic.testing.paced import paced_model
@@ -233,8 +234,9 @@ def leave_the_step(rank: int, port: int, shape: tuple[int, int, int], leaving: i
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     layout = PipelineLayout(pp, "1F1B", 1, MICRO_BATCH)
     spec = RankSpec(global_rank=rank, group=0, group_rank=rank, shard_index=rank // tp % shard, tp_index=rank % tp,
-                    shard=shard, tp=tp, seed=0, use_gpu=False, store_host="127.0.0.1", store_port=port,
-                    store_secret="00", collective_timeout_s=600, pipeline=layout, pp_index=rank // (shard * tp))
+                    layout=Topology(shard, tp, pp=pp), seed=0, use_gpu=False, store_host="127.0.0.1",
+                    store_port=port, store_secret="00", collective_timeout_s=600, pipeline=layout,
+                    pp_index=rank // (shard * tp))
     dist.barrier()  # every rank through the first world's rendezvous before the group's own replaces it
     world = World(spec, store)
     mesh = world.join_group(world_build=0)

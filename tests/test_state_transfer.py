@@ -72,7 +72,7 @@ def bits(model: Model, optimizer: torch.optim.Optimizer) -> list:
 
 def heal_world(rank: int, store_path: str) -> World:
     global_rank = SOURCE if rank == 0 else TARGET
-    spec = RankSpec(global_rank=global_rank, group=rank, group_rank=0, shard_index=0, tp_index=0, shard=1, tp=1,
+    spec = RankSpec(global_rank=global_rank, group=rank, group_rank=0, shard_index=0, tp_index=0, layout=Topology(1, 1),
                     seed=0, use_gpu=False, store_host="", store_port=0, store_secret="00",
                     collective_timeout_s=TIMEOUT_S)
     return World(spec, dist.FileStore(store_path, 2))

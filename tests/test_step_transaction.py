@@ -24,6 +24,7 @@ from checkpointing.healing import export_local_state
 from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import SegmentSpec
+from elastic.core.topology import Topology
 from elastic.testing.gloo_ranks import rank_processes
 from workers.failures import CollectiveFailed
 from workers.gradient_sum import GradientSum
@@ -139,7 +140,7 @@ def take_step(transaction: StepTransaction, step: int, batches: list[Batch], rec
 
 def rank_spec(rank: int, group: int, group_rank: int, shard: int, port: int) -> RankSpec:
     return RankSpec(global_rank=rank, group=group, group_rank=group_rank, shard_index=group_rank, tp_index=0,
-                    shard=shard, tp=1, seed=0, use_gpu=False, store_host="127.0.0.1", store_port=port,
+                    layout=Topology(shard, 1), seed=0, use_gpu=False, store_host="127.0.0.1", store_port=port,
                     store_secret="00", collective_timeout_s=TIMEOUT_S)
 
 

@@ -21,8 +21,7 @@ class RankSpec:
     group_rank: int  # its rank in the group's world (see elastic.core.topology)
     shard_index: int
     tp_index: int
-    shard: int
-    tp: int
+    layout: Topology  # the run's layout (``elastic.core.topology``): its degrees, the numbering, the group's mesh
     seed: int
     use_gpu: bool
     store_host: str
@@ -36,15 +35,7 @@ class RankSpec:
     pipeline: PipelineLayout = PipelineLayout()
     pp_index: int = 0  # its place along the group's pipeline
     pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
-    ep: int = 1  # the shard ranks a mixture's experts are split over (elastic.core.topology)
-    cp: int = 1  # the ranks each sequence is split over (workers.context_parallel)
     cp_index: int = 0
-
-    @property
-    def layout(self) -> Topology:
-        """Its group's layout (one group's: the numbering inside it, its mesh), as the driver's
-        ``Topology`` gives it."""
-        return Topology(self.shard, self.tp, pp=self.pipeline.pp, ep=self.ep, cp=self.cp)
 
     @property
     def ranks_per_group(self) -> int:

@@ -116,7 +116,7 @@ class StepTransaction:
         self._rng_before_step: rng.RngState | None = None
         # What each feature adds to the step (``workers.step_contributions``), in the order of
         # their slots in the two rows: the cross-group sum's keeps the order it always had.
-        self.step_loss = StepLoss(counts_loss(rank.position, rank.pipeline.pp))
+        self.step_loss = StepLoss(counts_loss(rank.position, rank.layout.pp))
         self.agreement = Agreement(signals)
         self.integrity = IntegrityCheck(rank.group, rank.position, model, optimizer, device)
         self.gradient_norm = GradientNorm(model, world.mesh_coordinate)

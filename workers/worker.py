@@ -255,7 +255,7 @@ class RankWorker:
             share, batches = upcoming, upcoming_batches
 
     def _share(self, spec: SegmentSpec, step: int, cursor: DataCursor) -> RankShare:
-        share = rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.shard)
+        share = rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.layout.shard)
         return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, self.spec.pipeline))
 
     def _prefetch(self, share: RankShare) -> Future:
@@ -267,9 +267,9 @@ class RankWorker:
         """What this rank computes of ``batch``: under context parallelism, its chunks of the
         sequences (the cp ranks of a shard position read the same rows)."""
         spec = self.spec
-        if spec.cp == 1:
+        if spec.layout.cp == 1:
             return batch
-        return batch.context_share(ContextShare(spec.cp, spec.cp_index, batch.targets.shape[1]))
+        return batch.context_share(ContextShare(spec.layout.cp, spec.cp_index, batch.targets.shape[1]))
 
     def _held_records(self, loop: RankSegmentLoop) -> Iterator[GroupRecords]:
         held = loop.held()
