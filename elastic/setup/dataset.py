@@ -137,7 +137,9 @@ def check_readable(config: TrainConfig) -> None:
             if check:
                 check(dataset, reading_of(reading, path))
         except OSError as error:
-            raise ValueError(f"data.{field}: {error}; give a readable file, glob or fsspec URL") from None
+            # A transport's error (a refused connection) names the host, not what was read.
+            where = "" if str(path) in str(error) else f"{path}: "
+            raise ValueError(f"data.{field}: {where}{error}; give a readable file, glob or fsspec URL") from None
         except ValueError as error:
             raise ValueError(f"data.{field}: {error}") from None
 
