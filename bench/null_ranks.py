@@ -42,7 +42,6 @@ from elastic.core.data_plan import rank_share  # noqa: E402
 from elastic.core.protocol import (  # noqa: E402
     BuildOutcome, GroupRecords, RankActivity, RankTimes, SegmentEnd, SegmentRecords, StepRecord,
 )
-from elastic.core.topology import Topology  # noqa: E402
 from elastic.fleet.ray_connection import start_local_ray  # noqa: E402
 
 RANKS_PER_GROUP = 4
@@ -82,7 +81,7 @@ class NullRank:
 
     def run(self, spec):
         me = self.spec
-        topology = Topology(me.shard, me.tp)
+        topology = me.layout
         # the steps at which real ranks' first ranks agree to gather, about once per interval
         every = max(1, round(spec.records_interval_s / self.step_s))
         leads_group = me.group_rank == 0
@@ -92,7 +91,7 @@ class NullRank:
         run_starts = self.run_start(spec.attempt)
         for step in range(spec.first_step, spec.stop_step):
             started = time.perf_counter()
-            share = rank_share(spec, step, cursor, me.group, me.shard_index, me.shard)
+            share = rank_share(spec, step, cursor, me.group, me.shard_index, me.layout.shard)
             time.sleep(max(0.0, run_starts + (step - spec.first_step + 1) * self.step_s - time.time()))
             wall = time.perf_counter() - started
             for group, records in held.items():
