@@ -115,7 +115,6 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
     lines = read_probe(probe_dir)
     [kill] = [line for line in lines if line["kind"] == "exit" and line["rank"] == killed]
     killed_at = kill["t"]
-    killed_pid = kill["pid"]
     commits = [line for line in lines if line["kind"] == "commit"]
     # A step's commit time: the last rank to apply it (every group applies every step together).
     step_done: dict[int, float] = {}
@@ -135,8 +134,8 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
         step time of the layout then, by more than half a step."""
         window = [t for t in commit_times if killed_at - typical <= t <= whole_at]
         window += [t for t in commit_times if t > whole_at][:1]
-        return [b - a - (typical if b >= whole_at else degraded) for a, b in zip(window, window[1:])
-                if b - a > (typical if b >= whole_at else degraded) + 0.5 * typical]
+        gaps = [(b - a, typical if b >= whole_at else degraded) for a, b in zip(window, window[1:])]
+        return [gap - step for gap, step in gaps if gap > step + 0.5 * typical]
 
     job_stalls = stalls(done)
     survivors = {line["pid"]: line["rank"] for line in lines
@@ -180,7 +179,6 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
         "phases": {"kill_to_whole": {key: round(value, 3) for key, value in
                                      kill_to_whole_phases(events, fault, killed_group).items()},
                    "recovered": {key: value for key, value in recovered.items() if key.endswith("_s")}},
-        "killed_pid": killed_pid,
     }
 
 
@@ -188,9 +186,7 @@ def power_law_exponent(sizes: list[int], values: list[float]) -> float | None:
     """``b`` of the least-squares fit ``value = a * size ** b`` (None for one size, or where a value is 0)."""
     if len(sizes) < 2 or min(values) <= 0:
         return None
-    xs, ys = [math.log(size) for size in sizes], [math.log(value) for value in values]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return statistics.linear_regression([math.log(size) for size in sizes], [math.log(value) for value in values]).slope
 
 
 def pairing_s(ranks: int = 98_304) -> float:

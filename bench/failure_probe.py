@@ -21,6 +21,8 @@ import os
 import threading
 import time
 
+from workers.memory_tier import state_bytes
+
 _lock = threading.Lock()
 _rank: list[int | None] = [None]
 
@@ -29,18 +31,6 @@ def _write(kind: str, **fields) -> None:
     line = json.dumps({"kind": kind, "t": time.time(), "cpu": time.process_time(), "rank": _rank[0], **fields})
     with _lock, open(os.path.join(os.environ["FAILURE_PROBE_DIR"], f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line + "\n")
-
-
-def _tensor_bytes(value) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
-    return 0
 
 
 def _counting(function, kind: str, **fields):
@@ -56,7 +46,7 @@ def _shipping(method):
     @functools.wraps(method)
     def shipped(self, *args, **kwargs):
         state = method(self, *args, **kwargs)
-        _write("object-store", nbytes=_tensor_bytes(state), call=method.__name__)
+        _write("object-store", nbytes=state_bytes(state), call=method.__name__)
         return state
     return shipped
 
