@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.setup.config import ModelConfig  # noqa: E402
 from elastic.setup.memory_estimate import activation_bytes  # noqa: E402
 from workers.model import ModelArgs, Transformer  # noqa: E402
 from workers.parallelize import tensor_parallelize_transformer, wrap_blocks  # noqa: E402
@@ -164,10 +163,9 @@ def bubble_rank(rank: int, init_file: str, micro_batches: int, args, result_path
 
 
 def estimated_activations(args, sequence_parallel: bool) -> float:
-    shape = model_args(args)
-    model = ModelConfig(vocab_size=VOCAB, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
-                        n_kv_heads=shape.n_kv_heads, ffn_hidden=shape.ffn_hidden)
-    return activation_bytes(model, tp=2, tokens=args.batch * args.seq, compute=4, activation_checkpointing=False,
+    # ModelArgs is the model's shape (elastic.core.model_shape), which the estimate reads
+    return activation_bytes(model_args(args), tp=2, tokens=args.batch * args.seq, compute=4,
+                            activation_checkpointing=False,
                             sequence_parallel=sequence_parallel)
 
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from checkpointing.huggingface import HuggingFaceLayout  # noqa: E402
+from checkpointing.huggingface import layout_of  # noqa: E402
 from checkpointing.pretrained import PretrainedSource, load_pretrained  # noqa: E402
 from checkpointing.storage import StorageOptions  # noqa: E402
 from elastic.export import huggingface_model  # noqa: E402
@@ -93,8 +93,7 @@ def rank(index: int, world: tuple[int, int], directory: str | None, args: ModelA
     def build(args: ModelArgs, directory: str | None):
         load = None
         if directory is not None:
-            source = PretrainedSource(directory, HuggingFaceLayout(args.n_layers, args.n_heads, args.n_kv_heads,
-                                                                   args.tie_embeddings))
+            source = PretrainedSource(directory, layout_of(args))
             load = lambda model: load_pretrained(model, source, StorageOptions(), dist.group.WORLD)  # noqa: E731
         return first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
                            torch.device("cpu"), load)[0]

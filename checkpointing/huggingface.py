@@ -39,6 +39,7 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, Storag
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
 
 from checkpointing.storage import regular_file
+from elastic.core.model_shape import ModelShape
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -47,17 +48,17 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class HuggingFaceLayout:
-    """What the name table depends on: the reference model's layers, heads and tying, its
-    query-key norms and its experts, which make it one of four HuggingFace families
-    (``model_type``)."""
+    """What the name table depends on, of the model's shape (``layout_of`` takes it from
+    ``elastic.core.model_shape.ModelShape``): its layers, heads and tying, its query-key norms
+    and its experts, which make it one of four HuggingFace families (``model_type``)."""
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
     tie_embeddings: bool
-    experts: int = 0
-    dense_layers: int = 0  # the first layers', feed-forwards without experts
-    qk_norm: bool = False
+    experts: int
+    dense_layers: int  # the first layers', feed-forwards without experts
+    qk_norm: bool
 
     @property
     def model_type(self) -> str:
@@ -161,79 +162,80 @@ def huggingface_state(state: dict[str, torch.Tensor], layout: HuggingFaceLayout)
     return out
 
 
-def layout_of(fields: dict[str, Any]) -> HuggingFaceLayout:
-    """The name table of a model whose ``model`` section (or ``ModelArgs``) has ``fields``."""
-    return HuggingFaceLayout(fields["n_layers"], fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"],
-                       fields["tie_embeddings"], fields.get("experts") or 0, fields.get("dense_layers") or 0,
-                       bool(fields.get("qk_norm")))
+def layout_of(shape: ModelShape) -> HuggingFaceLayout:
+    """The name table of a model of ``shape`` (a ``model`` section's, or ``ModelArgs``)."""
+    return HuggingFaceLayout(shape.n_layers, shape.n_heads, shape.kv_heads, shape.tie_embeddings, shape.experts,
+                             shape.dense_layers, shape.qk_norm)
 
 
-def family_obstacle(fields: dict[str, Any]) -> str | None:
-    """Why no HuggingFace family computes what the reference model with ``fields`` does, or
+def family_obstacle(shape: ModelShape) -> str | None:
+    """Why no HuggingFace family computes what the reference model of ``shape`` does, or
     None: experts are Mixtral's (no query-key norms: every layer, all normalised) or
     Qwen3-MoE's, and neither has shared experts, sigmoid scores or a routing bias."""
-    if not fields.get("experts"):
+    if not shape.experts:
         return None
     differing = [name for name, theirs in (("shared_experts", 0), ("router_scores", "softmax"),
-                                           ("expert_bias_rate", 0.0)) if fields.get(name, theirs) != theirs]
-    if not fields.get("qk_norm"):  # Mixtral's
+                                           ("expert_bias_rate", 0.0)) if getattr(shape, name) != theirs]
+    if not shape.qk_norm:  # Mixtral's
         differing += [name for name, theirs in (("dense_layers", 0), ("normalize_top_k", True))
-                      if fields.get(name, theirs) != theirs]
+                      if getattr(shape, name) != theirs]
     if not differing:
         return None
     return (f"experts are written as Mixtral's (every layer, no query-key norms) or Qwen3-MoE's (with them), "
             f"neither of which has this run's {', '.join(f'model.{name}' for name in differing)}")
 
 
-def config_json(fields: dict[str, Any], max_seq_len: int) -> dict:
-    """``config.json`` of a model whose ``model`` section (or ``ModelArgs``) has ``fields``,
-    trained on sequences of ``max_seq_len``; its family is ``layout_of(fields).model_type``
-    (``family_obstacle`` says first whether one holds it)."""
-    scaling = fields.get("rope_scaling")
-    heads, kv_heads = fields["n_heads"], fields.get("n_kv_heads") or fields["n_heads"]
-    model_type = layout_of(fields).model_type
-    experts, expert_hidden = fields.get("experts") or 0, fields.get("expert_hidden") or fields["ffn_hidden"]
+def config_json(shape: ModelShape, max_seq_len: int, max_position_embeddings: int | None = None) -> dict:
+    """``config.json`` of a model of ``shape`` (a ``model`` section's, or ``ModelArgs``), trained
+    on sequences of ``max_seq_len``, made for ``max_position_embeddings`` (the ``model``
+    section's, where the run started from a source that says); its family is
+    ``layout_of(shape).model_type`` (``family_obstacle`` says first whether one holds it)."""
+    scaling = shape.rope_scaling
+    heads, kv_heads = shape.n_heads, shape.kv_heads
+    model_type = layout_of(shape).model_type
+    experts, expert_hidden = shape.experts, shape.expert_width
     family = {
-        "llama": {"intermediate_size": fields["ffn_hidden"], "mlp_bias": False},
-        "mixtral": {"num_local_experts": experts, "num_experts_per_tok": fields.get("experts_per_token"),
+        "llama": {"intermediate_size": shape.ffn_hidden, "mlp_bias": False},
+        "mixtral": {"num_local_experts": experts, "num_experts_per_tok": shape.experts_per_token,
                     "intermediate_size": expert_hidden, "output_router_logits": False,
                     "router_jitter_noise": 0.0, "sliding_window": None},
-        "qwen3": {"intermediate_size": fields["ffn_hidden"], "use_sliding_window": False, "sliding_window": None},
-        "qwen3_moe": {"num_experts": experts, "num_experts_per_tok": fields.get("experts_per_token"),
-                      "intermediate_size": fields["ffn_hidden"], "moe_intermediate_size": expert_hidden,
-                      "decoder_sparse_step": 1, "mlp_only_layers": list(range(fields.get("dense_layers") or 0)),
-                      "norm_topk_prob": bool(fields.get("normalize_top_k", True)), "output_router_logits": False,
+        "qwen3": {"intermediate_size": shape.ffn_hidden, "use_sliding_window": False, "sliding_window": None},
+        "qwen3_moe": {"num_experts": experts, "num_experts_per_tok": shape.experts_per_token,
+                      "intermediate_size": shape.ffn_hidden, "moe_intermediate_size": expert_hidden,
+                      "decoder_sparse_step": 1, "mlp_only_layers": list(range(shape.dense_layers)),
+                      "norm_topk_prob": shape.normalize_top_k, "output_router_logits": False,
                       "use_sliding_window": False, "sliding_window": None},
     }[model_type]
     return {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
         **family,
-        "vocab_size": fields["vocab_size"],
-        "hidden_size": fields["dim"],
-        "num_hidden_layers": fields["n_layers"],
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.dim,
+        "num_hidden_layers": shape.n_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": fields.get("head_dim") or fields["dim"] // heads,
+        "head_dim": shape.head_width,
         "hidden_act": "silu",
         # The length the model is made for, which HuggingFace bounds generation with: the
         # source's when the run started from one (its config.json's), or the length the run
         # trained on where that is longer.
-        "max_position_embeddings": max(max_seq_len, fields.get("max_position_embeddings") or max_seq_len),
-        "rms_norm_eps": fields["norm_eps"],
-        "rope_theta": fields["rope_theta"],
+        "max_position_embeddings": max(max_seq_len, max_position_embeddings or max_seq_len),
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
         "rope_scaling": None if scaling is None else {
-            "rope_type": "llama3", "factor": scaling["factor"], "low_freq_factor": scaling["low_freq_factor"],
-            "high_freq_factor": scaling["high_freq_factor"],
-            "original_max_position_embeddings": scaling["original_max_len"]},
-        "tie_word_embeddings": fields["tie_embeddings"],
+            "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_len},
+        "tie_word_embeddings": shape.tie_embeddings,
         "attention_bias": False,
     }
 
 
 def model_fields(config: dict) -> dict[str, Any]:
     """The ``model`` section's fields of a HuggingFace Llama, Mixtral, Qwen3 or Qwen3-MoE
-    ``config.json``; ValueError names what the reference model cannot compute, or a field
+    ``config.json`` (``elastic.core.model_shape.ModelShape``'s, those it gives, and
+    ``max_position_embeddings``); ValueError names what the reference model cannot compute, or a field
     that is not what the family's is."""
     if not isinstance(config, dict):
         raise ValueError(f"{CONFIG_NAME} holds a {type(config).__name__}, not a JSON object")

@@ -39,7 +39,7 @@ def pretrained_source(model, options: StorageOptions) -> PretrainedSource | None
     if not model.init_from:
         return None
     if is_huggingface(model.init_from):
-        return PretrainedSource(model.init_from, layout_of(model.model_dump()))
+        return PretrainedSource(model.init_from, layout_of(model.shape))
     run, step = run_and_step(model.init_from)
     return PretrainedSource(join_url(run, CHECKPOINTS_DIR, step_dir_name(step)), None)
 

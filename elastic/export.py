@@ -112,8 +112,7 @@ def huggingface_model(state: dict[str, torch.Tensor], args: ModelArgs,
     """The reference model's state under HuggingFace Llama's names, and its ``config.json``.
     ``max_position_embeddings``: the ``model`` section's, the source model's when the run
     started from one (``ModelArgs`` hold only the length the run trained on)."""
-    fields = asdict(args) | {"max_position_embeddings": max_position_embeddings}
-    return huggingface_state(state, layout_of(fields)), config_json(fields, args.max_seq_len)
+    return huggingface_state(state, layout_of(args)), config_json(args, args.max_seq_len, max_position_embeddings)
 
 
 def later_steps_passed_over(catalog: CheckpointCatalog, exported_step: int) -> tuple[PassedOver, ...]:
@@ -245,7 +244,7 @@ def export_checkpoint(run: str, output: str, step: int | None = None,
         if not reference:
             raise ConfigError("--format huggingface: the run trained a custom model, not the reference Transformer; "
                               "export --format native and load it with your model's load_state_dict")
-        obstacle = family_obstacle(asdict(args))
+        obstacle = family_obstacle(args)
         if obstacle:
             raise ConfigError(f"--format huggingface: {obstacle}; export --format native")
         state, config = huggingface_model(state, args,

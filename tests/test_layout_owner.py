@@ -1,6 +1,7 @@
 """The parallel layout has one owner, ``elastic.core.topology.Topology``: no other module
 computes a formula over the layout's degrees (``ranks_per_group`` and the like), each reads it
-from the owner. Read from the source with ``ast``, importing nothing, like ``test_imports``."""
+from the owner. The model's shape likewise has one, ``elastic.core.model_shape.ModelShape`` (below).
+Read from the source with ``ast``, importing nothing, like ``test_imports``."""
 
 import ast
 from pathlib import Path
@@ -103,3 +104,76 @@ def test_the_config_builds_the_layout_the_default_parallelize_reads():
     assert config.scaling.topology == Topology(shard=2, tp=1, max_groups=config.scaling.max_groups, ep=2)
     assert default_parallelize(config).splits_experts
     assert not default_parallelize(parse_config({"scaling": {"shard": 2, "tp": 1}})).splits_experts
+
+
+# The model's shape has one owner too, ``elastic.core.model_shape.ModelShape``: its fields, their
+# defaults and bounds, and the rules derived from them. The config's model section is built from
+# its fields, ModelArgs is one, and HuggingFace's config.json is read into them and written
+# from one: no other class restates the fields with defaults of its own, and no call copies
+# them one by one from one record into another.
+SHAPE_OWNER = ROOT / "elastic" / "core" / "model_shape.py"
+
+
+def shape_listings(source: str, path: str = "<source>") -> list[tuple[int, list[str]]]:
+    """Each class that declares two or more of the shape's fields with defaults of its own (or as a
+    Protocol's properties), and each call that copies three or more of them field by field
+    (``dim=model.dim, ...``), by line."""
+    from elastic.core.model_shape import SHAPE_FIELDS
+
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.ClassDef):
+            names = [statement.target.id for statement in node.body
+                     if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                     and statement.target.id in SHAPE_FIELDS and statement.value is not None]
+            # a Protocol's properties, one per field
+            names += [statement.name for statement in node.body if isinstance(statement, ast.FunctionDef)
+                      and statement.name in SHAPE_FIELDS and "property" in map(_name, statement.decorator_list)]
+            if len(names) >= 2:
+                found.append((node.lineno, names))
+        elif isinstance(node, ast.Call):
+            names = [keyword.arg for keyword in node.keywords if keyword.arg in SHAPE_FIELDS
+                     and isinstance(keyword.value, ast.Attribute) and keyword.value.attr == keyword.arg]
+            if len(names) >= 3:
+                found.append((node.lineno, names))
+    return found
+
+
+def test_the_check_sees_the_shape_restated_however_spelled():
+    assert shape_listings("class Args:\n    dim: int = 64\n    n_layers: int = 2\n") == [(1, ["dim", "n_layers"])]
+    assert shape_listings("ModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, max_seq_len=8)") == [
+        (1, ["dim", "n_layers", "n_heads"])]
+    assert shape_listings("ModelArgs(dim=64, n_layers=2, n_heads=4)") == []  # a shape's values, not its fields
+    assert shape_listings("class Windows:\n    vocab_size: int = 0\n") == []  # one field of its own
+    protocol = "class Args(Protocol):\n    @property\n    def dim(self) -> int: ...\n    @property\n    def experts(self): ..."
+    assert shape_listings(protocol) == [(1, ["dim", "experts"])]
+
+
+def test_no_module_but_the_owner_restates_the_model_shape():
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == SHAPE_OWNER:
+                continue
+            listings = shape_listings(path.read_text(), str(path))
+            if listings:
+                found[str(path.relative_to(ROOT))] = listings
+    assert not found, f"read these from elastic.core.model_shape.ModelShape instead: {found}"
+
+
+def test_the_config_the_model_and_huggingface_read_the_owners_fields():
+    from dataclasses import fields
+
+    from checkpointing.huggingface import model_fields
+    from elastic.core.model_shape import SHAPE_FIELDS, ModelShape
+    from elastic.setup.config import ModelConfig
+    from workers.model import ModelArgs
+
+    section = ModelConfig()
+    assert set(ModelConfig.model_fields) == {*SHAPE_FIELDS, "max_position_embeddings", "init_from", "preset"}
+    assert section.shape == ModelShape()  # the same defaults
+    assert [spec.name for spec in fields(ModelArgs)] == [*SHAPE_FIELDS, "max_seq_len"]
+    qwen3_moe = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 16, "mlp_only_layers": [0]}
+    assert set(model_fields(qwen3_moe)) <= {*SHAPE_FIELDS, "max_position_embeddings"}

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from checkpointing.huggingface import INDEX_NAME, HuggingFaceLayout, layout_of
+from checkpointing.huggingface import INDEX_NAME, layout_of
 from checkpointing.pretrained import PretrainedSource, load_pretrained
 from checkpointing.storage import StorageOptions
 from elastic import ElasticTrainer
@@ -69,7 +69,7 @@ def loading_rank(rank: int, directory: str, args: ModelArgs = ARGS) -> tuple[dic
     # As a rank builds: on the meta device, sharded, then allocated and read slice by slice.
     model, _ = first_model(lambda: Transformer(args), lambda model: (Parallelize()(model, mesh), []),
                            torch.device("cpu"), lambda model: read.append(load_pretrained(
-                               model, PretrainedSource(directory, layout_of(asdict(args))), StorageOptions(),
+                               model, PretrainedSource(directory, layout_of(args)), StorageOptions(),
                                dist.group.WORLD)))
     whole = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
              for name, tensor in model.state_dict().items()}
@@ -137,7 +137,7 @@ def test_a_trained_qwen3_loads_as_the_model_transformers_computes_and_exports_as
     theirs.save_pretrained(source)
     args = model_args(tiny_config(tmp_path, model__init_from=str(source)))
     ours = Transformer(args)
-    load_pretrained(ours, PretrainedSource(str(source), layout_of(asdict(args))), StorageOptions(), None)
+    load_pretrained(ours, PretrainedSource(str(source), layout_of(args)), StorageOptions(), None)
     tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len + 1), generator=torch.Generator().manual_seed(3))
     assert_computes_the_same(theirs, ours, tokens)
     for whole, _ in gloo_ranks(loading_rank, WORLD, str(tmp_path / "init"), str(source), args):
@@ -155,7 +155,7 @@ def unloadable_rank(rank: int, directory: str) -> str:
     from checkpointing.pretrained import PretrainedUnloadable
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "tp"))
-    layout = HuggingFaceLayout(ARGS.n_layers, ARGS.n_heads, ARGS.n_kv_heads, ARGS.tie_embeddings)
+    layout = layout_of(ARGS)
     try:
         first_model(lambda: Transformer(ARGS), lambda model: (Parallelize()(model, mesh), []), torch.device("cpu"),
                     lambda model: load_pretrained(model, PretrainedSource(directory, layout), StorageOptions(),
@@ -352,7 +352,7 @@ def test_weights_that_are_not_finite_are_refused_as_they_load_naming_the_tensor_
 
     source = tmp_path / "llama"
     write_checkpoint(source, sharded=True)
-    layout = layout_of(asdict(ARGS))
+    layout = layout_of(ARGS)
     bad = {"model.layers.1.mlp.down_proj.weight": float("nan"), "model.layers.0.self_attn.q_proj.weight": float("inf")}
     for name, value in bad.items():
         def spoiled(theirs, tensor):

@@ -7,48 +7,21 @@ shared experts'.
 
 Parallelism is applied from outside (``workers.parallelize``: FSDP2 shards the stacks along
 the experts; expert parallelism sets ``GroupedExperts.dispatch_group``). This module imports
-nothing of the model's: it reads the model's arguments through ``ExpertArgs``.
+nothing of the model's: it reads the model's shape (``elastic.core.model_shape.ModelShape``, of
+which ``workers.model.ModelArgs`` is one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-
-class ExpertArgs(Protocol):
-    """What the experts read of the model's arguments (``workers.model.ModelArgs``, whose
-    module builds on this one: a Protocol, so this one does not import it back)."""
-
-    @property
-    def dim(self) -> int: ...
-    @property
-    def ffn_hidden(self) -> int: ...
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def experts(self) -> int: ...
-    @property
-    def experts_per_token(self) -> int: ...
-    @property
-    def expert_hidden(self) -> int: ...
-    @property
-    def shared_experts(self) -> int: ...
-    @property
-    def router_scores(self) -> str: ...
-    @property
-    def normalize_top_k(self) -> bool: ...
-    @property
-    def expert_bias_rate(self) -> float: ...
-    @property
-    def aux_loss_weight(self) -> float: ...
-    def has_experts(self, layer: int) -> bool: ...
+from elastic.core.model_shape import ModelShape
 
 
 class FeedForward(nn.Module):
@@ -171,9 +144,9 @@ class MoE(nn.Module):
     parameters (the heal, the memory tier, the integrity check, checkpoints) carries it; it
     changes only through ``balance_experts``, when a step commits."""
 
-    def __init__(self, args: ExpertArgs, layer: int):
+    def __init__(self, args: ModelShape, layer: int):
         super().__init__()
-        hidden = args.expert_hidden or args.ffn_hidden
+        hidden = args.expert_width
         self.layer = layer  # its number in the whole model, which the step records name its load by
         self.top_k, self.scores, self.normalize_top_k = args.experts_per_token, args.router_scores, args.normalize_top_k
         self.router = nn.Linear(args.dim, args.experts, bias=False)
@@ -288,7 +261,7 @@ class RoutedLayout:
     experts: int  # each one's
 
     @classmethod
-    def of(cls, args: ExpertArgs) -> RoutedLayout:
+    def of(cls, args: ModelShape) -> RoutedLayout:
         return cls(tuple(layer for layer in range(args.n_layers) if args.has_experts(layer)), args.experts)
 
     @classmethod

@@ -15,66 +15,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastic.core.model_shape import ModelShape, RopeScaling
 from workers.context_parallel import ContextShare, context_attention
 from workers.experts import FeedForward, MoE
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in a HuggingFace config), which
-    stretches a model trained at ``original_max_len`` positions to longer contexts:
-    wavelengths longer than ``original_max_len / low_freq_factor`` are stretched by
-    ``factor``, those shorter than ``original_max_len / high_freq_factor`` kept, and those
-    between blended smoothly."""
+class ModelArgs(ModelShape):
+    """What the reference model is built from: the model's shape (``elastic.core.model_shape``,
+    the one owner of its fields and defaults) and the sequence length RoPE is computed for.
+    Unset widths are resolved here: ``n_kv_heads`` to ``n_heads``, ``head_dim`` to
+    ``dim // n_heads`` (``model_args.json`` holds them resolved), ``expert_hidden`` to 0
+    (``ffn_hidden``'s)."""
 
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    head_dim: int = 0  # each attention head's width; 0: dim // n_heads (Qwen3's is its own)
-    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key, before RoPE
-    ffn_hidden: int = 192
     max_seq_len: int = 64
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    # A mixture of experts in place of the feed-forward of every layer from ``dense_layers``
-    # on (0 experts: a dense model): each token routed to ``experts_per_token`` of ``experts``
-    # SwiGLU experts of width ``expert_hidden``, plus ``shared_experts`` every token passes.
-    experts: int = 0
-    experts_per_token: int = 2
-    expert_hidden: int = 0  # 0: ffn_hidden
-    shared_experts: int = 0
-    dense_layers: int = 0
-    router_scores: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
-    # the chosen experts' weights scaled to sum to one (Qwen3-MoE's norm_topk_prob; Mixtral's
-    # and DeepSeek-V3's always are)
-    normalize_top_k: bool = True
-    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that choose
-    # the experts, moved by this much a step against each expert's load (0: no bias)
-    expert_bias_rate: float = 0.0
-    # DeepSeek-V3's sequence-wise balance loss, this much of it in the gradient (0: none)
-    aux_loss_weight: float = 0.0
 
     def __post_init__(self):
-        if isinstance(self.rope_scaling, dict):  # as model_args.json holds it
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        super().__post_init__()
+        object.__setattr__(self, "n_kv_heads", self.kv_heads)
+        object.__setattr__(self, "head_dim", self.head_width)
+        object.__setattr__(self, "expert_hidden", self.expert_hidden or 0)
 
-    def has_experts(self, layer: int) -> bool:
-        return self.experts > 0 and layer >= self.dense_layers
+    @classmethod
+    def of_shape(cls, shape: ModelShape, max_seq_len: int) -> ModelArgs:
+        return cls(**shape.fields(), max_seq_len=max_seq_len)
 
 
 def rope_frequencies(head_dim: int, seq_len: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -14,14 +14,16 @@ import difflib
 import math
 import reprlib
 import string
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from checkpointing.storage import StorageOptions, absolute_url, refuse_credentials
 from elastic.core.faults import check_targets, parse_faults
 from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
+from elastic.core.model_shape import SHAPE_FIELDS, ModelShape, ShapeRules
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
 from elastic.core.topology import SINGLE_STAGE_SCHEDULES, Topology
@@ -177,7 +179,7 @@ class ScalingConfig(Section):
 
 class RopeScaling(Section):
     """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in a HuggingFace config; see
-    ``workers.model.RopeScaling``)."""
+    ``elastic.core.model_shape.RopeScaling``)."""
 
     factor: Annotated[float, Field(ge=1)]
     low_freq_factor: PositiveFloat = 1.0
@@ -192,49 +194,26 @@ class RopeScaling(Section):
         return self
 
 
-class ModelConfig(Section):
-    vocab_size: PositiveInt = Field(256, le=2**20)
-    dim: PositiveInt = Field(64, le=2**16)
-    n_layers: PositiveInt = Field(2, le=1024)
-    n_heads: PositiveInt = Field(4, le=1024)
-    n_kv_heads: PositiveInt | None = Field(None, le=1024)
-    # each attention head's width (unset: dim / n_heads; Qwen3's is its own)
-    head_dim: PositiveInt | None = Field(None, le=4096)
-    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key, before RoPE
-    ffn_hidden: PositiveInt = Field(192, le=2**18)
-    tie_embeddings: bool = False
-    norm_eps: PositiveFloat = 1e-5  # RMSNorm's epsilon
-    rope_theta: PositiveFloat = 10000.0  # RoPE's base: Llama 3's is 500000
-    rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's frequency scaling; None: none
+def _shape_section() -> type[Section]:
+    """The ``model`` section's fields of the model's shape: ``elastic.core.model_shape.ModelShape``'s,
+    each with its default and validated within its bounds (``rope_scaling`` as the section above)."""
+    hints = get_type_hints(ModelShape)
+    return create_model("ModelShapeFields", __base__=Section, **{
+        name: (RopeScaling | None if name == "rope_scaling" else hints[name], Field(spec.default, **spec.metadata))
+        for name, spec in SHAPE_FIELDS.items()})
+
+
+# The model's shape (elastic.core.model_shape.ModelShape: the fields, their defaults, bounds and
+# derived rules are the owner's), where its weights start from and how it was named.
+class ModelConfig(_shape_section(), ShapeRules):
     # The sequence length the model is made for (HuggingFace's max_position_embeddings), from
     # model.init_from's config.json; elastic export writes it back (data.seq_len where longer).
     # The model computes RoPE for data.seq_len whatever it says.
     max_position_embeddings: PositiveInt | None = Field(None, le=2**24)
-    # Mixture of experts (workers.model.MoE) in place of the feed-forward of every layer from
-    # dense_layers on; 0 experts: a dense model. expert_hidden: each expert's width (unset:
-    # ffn_hidden); router_scores: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3).
-    experts: NonNegativeInt = Field(0, le=4096)
-    experts_per_token: PositiveInt = Field(2, le=64)
-    expert_hidden: PositiveInt | None = Field(None, le=2**18)
-    shared_experts: NonNegativeInt = Field(0, le=64)
-    dense_layers: NonNegativeInt = Field(0, le=1024)
-    router_scores: Literal["softmax", "sigmoid"] = "softmax"
-    # the chosen experts' weights scaled to sum to one (Qwen3-MoE's norm_topk_prob)
-    normalize_top_k: bool = True
-    # DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias moves by this
-    # much a step against its load, from the tokens every rank and group routed (0: off;
-    # DeepSeek-V3 used 0.001)
-    expert_bias_rate: NonNegativeFloat = Field(0.0, le=1.0)
-    # DeepSeek-V3's sequence-wise balance loss, this much of it added to the gradient (the
-    # recorded loss leaves it out; 0: none; DeepSeek-V3 used 0.0001)
-    aux_loss_weight: NonNegativeFloat = Field(0.0, le=1.0)
-    # on the embeddings and each block's residual branches; draws from the rank's generators,
-    # which steps, heals and checkpoints carry (workers.rng)
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     # The weights a new run starts from: a HuggingFace Llama, Mixtral, Qwen3 or Qwen3-MoE
     # directory (config.json and safetensors) or another run (RUN or RUN@STEP, weights only);
-    # it gives the fields above
-    # (elastic.setup.preflight). A resume starts from the run's own checkpoints, never from it.
+    # it gives the shape's fields (elastic.setup.preflight). A resume starts from the run's own
+    # checkpoints, never from it.
     init_from: str | None = None
     # A named shape from elastic.setup.presets under the fields given here. Left out of dumps: the
     # fields it filled are recorded, so a resume compares the shape however it was spelled.
@@ -283,13 +262,8 @@ class ModelConfig(Section):
         return self
 
     @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def shared_width(self) -> int:
-        """The shared experts' one SwiGLU's width (``workers.model.MoE``)."""
-        return (self.expert_hidden or self.ffn_hidden) * self.shared_experts
+    def shape(self) -> ModelShape:
+        return ModelShape.of(self.model_dump(include=set(SHAPE_FIELDS)))
 
 
 # auto, or a format of elastic.data.formats (each entry says what it reads)

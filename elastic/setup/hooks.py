@@ -20,7 +20,7 @@ from elastic.data.mixture import at_epoch
 from elastic.setup.config import TrainConfig
 from elastic.setup.dataset import default_datasets
 from elastic.setup.errors import ConfigError
-from workers.model import ModelArgs, RopeScaling, Transformer
+from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
 from workers.pipeline import SplitFn, split_transformer
 from workers.train_step import (IGNORE_INDEX, Batch, BatchLossFn, MicroBatchLoss, SampleLoss, TokenLoss, collate,
@@ -81,32 +81,8 @@ class TrainHooks:
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
-    model = config.model
-    return ModelArgs(
-        vocab_size=model.vocab_size,
-        dim=model.dim,
-        n_layers=model.n_layers,
-        n_heads=model.n_heads,
-        n_kv_heads=model.kv_heads,
-        head_dim=model.head_dim or 0,
-        qk_norm=model.qk_norm,
-        ffn_hidden=model.ffn_hidden,
-        max_seq_len=config.data.seq_len,
-        norm_eps=model.norm_eps,
-        rope_theta=model.rope_theta,
-        rope_scaling=RopeScaling(**model.rope_scaling.model_dump()) if model.rope_scaling else None,
-        tie_embeddings=model.tie_embeddings,
-        dropout=model.dropout,
-        experts=model.experts,
-        experts_per_token=model.experts_per_token,
-        expert_hidden=model.expert_hidden or 0,
-        shared_experts=model.shared_experts,
-        dense_layers=model.dense_layers,
-        router_scores=model.router_scores,
-        normalize_top_k=model.normalize_top_k,
-        expert_bias_rate=model.expert_bias_rate,
-        aux_loss_weight=model.aux_loss_weight,
-    )
+    """The reference model's arguments: the config's model shape, RoPE computed for ``data.seq_len``."""
+    return ModelArgs.of_shape(config.model.shape, max_seq_len=config.data.seq_len)
 
 
 def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
