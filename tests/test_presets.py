@@ -10,6 +10,7 @@ import torch
 
 import elastic.trainer
 from elastic.cli import build_parser, main, train_overrides
+from elastic.core.topology import Topology
 from elastic.setup.config import ConfigError, ModelConfig
 from elastic.setup.hooks import model_args
 from elastic.setup.preset_tables import host_memory_table, memory_table, shapes_table
@@ -118,12 +119,12 @@ def test_activation_estimate_counts_what_autograd_saves(dtype, qwen3):
 
 def test_zero_2_holds_every_blocks_gathered_weights_and_offload_holds_no_state_on_the_device():
     model = ModelConfig(preset="llama3-8b")
-    layout = dict(shard=8, tp=1, seq_len=4096, micro_batch=1)
-    zero_3 = memory_per_rank(model, **layout)
-    zero_2 = memory_per_rank(model, **layout, reshard_after_forward=False)
+    layout, batch = Topology(shard=8, tp=1), dict(seq_len=4096, micro_batch=1)
+    zero_3 = memory_per_rank(model, layout, **batch)
+    zero_2 = memory_per_rank(model, layout, **batch, reshard_after_forward=False)
     gathered_block = 2 * 218_112_000 / 2**30  # a Llama 3 8B block's weights in bf16
     assert zero_2["unsharded"] - zero_3["unsharded"] == pytest.approx((model.n_layers - 2) * gathered_block, rel=1e-3)
-    offloaded = memory_per_rank(model, **layout, offload=True)
+    offloaded = memory_per_rank(model, layout, **batch, offload=True)
     assert offloaded["parameters"] == offloaded["gradients"] == offloaded["optimizer"] == 0
     assert offloaded["total"] == pytest.approx(zero_3["total"] - zero_3["parameters"] - zero_3["gradients"]
                                                - zero_3["optimizer"])
@@ -131,14 +132,15 @@ def test_zero_2_holds_every_blocks_gathered_weights_and_offload_holds_no_state_o
 
 def test_shards_split_the_states_and_logits_stay_whole():
     model = ModelConfig(preset="llama3-8b")
-    whole = memory_per_rank(model, shard=1, tp=1, seq_len=4096, micro_batch=1)
-    split = memory_per_rank(model, shard=8, tp=4, seq_len=4096, micro_batch=1)
+    whole = memory_per_rank(model, Topology(shard=1, tp=1), seq_len=4096, micro_batch=1)
+    split = memory_per_rank(model, Topology(shard=8, tp=4), seq_len=4096, micro_batch=1)
     for state in ("parameters", "gradients", "optimizer"):
         assert split[state] == pytest.approx(whole[state] / 32, rel=1e-3)
     assert split["logits"] == whole["logits"]
     # TP splits attention and feed-forward activations, not the norms'.
     assert whole["activations"] / 4 < split["activations"] < whole["activations"]
-    checkpointed = memory_per_rank(model, shard=8, tp=4, seq_len=4096, micro_batch=1, activation_checkpointing=True)
+    checkpointed = memory_per_rank(model, Topology(shard=8, tp=4), seq_len=4096, micro_batch=1,
+                                   activation_checkpointing=True)
     assert checkpointed["activations"] < split["activations"] / 8
     assert split["total"] == pytest.approx(sum(value for name, value in split.items() if name != "total"))
 

@@ -12,9 +12,14 @@ from typing import TYPE_CHECKING, Literal
 
 from elastic.core.topology import Topology
 
-# Only a type: the arithmetic reads a model section's fields, and needs no pydantic to do it.
+# Only a type: the arithmetic reads the model's shape, its fields and the rules the owner
+# derives from them (elastic.core.model_shape.ShapeRules), from a ModelShape (ModelArgs too) or
+# a model section alike, and needs no pydantic to do it.
 if TYPE_CHECKING:
+    from elastic.core.model_shape import ModelShape
     from elastic.setup.config import ModelConfig
+
+    Shape = ModelShape | ModelConfig
 
 FP32_BYTES = 4
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
@@ -25,25 +30,21 @@ H100_GIB = 81_559 / 1024
 H100_BUDGET_GIB = 0.9 * H100_GIB
 
 
-def _head_dim(model: ModelConfig) -> int:
-    return model.head_dim or model.dim // model.n_heads
-
-
-def _routed_expert_parameters(model: ModelConfig) -> int:
+def _routed_expert_parameters(model: Shape) -> int:
     """A block of experts' routed experts and router: whole on every TP rank (TP ranks route
     the same tokens to the same experts; expert parallelism splits them over shard ranks)."""
-    return 3 * model.dim * (model.expert_hidden or model.ffn_hidden) * model.experts + model.dim * model.experts
+    return 3 * model.dim * model.expert_width * model.experts + model.dim * model.experts
 
 
-def _block_parameters(model: ModelConfig, tp: int, experts: bool | None = None) -> int:
+def _block_parameters(model: Shape, tp: int, experts: bool | None = None) -> int:
     """One transformer block's parameters on one TP rank: projections split, norms, routed
     experts and router whole. A block of experts (by default the largest block the model
     has): every expert's SwiGLU, the shared experts' and the router."""
-    head_dim = _head_dim(model)
+    head_dim = model.head_width
     attention = 2 * model.dim * (model.n_heads + model.kv_heads) * head_dim
     routed = 0
     if model.experts if experts is None else experts:
-        feed_forward = 3 * model.dim * (model.expert_hidden or model.ffn_hidden) * model.shared_experts
+        feed_forward = 3 * model.dim * model.expert_width * model.shared_experts
         routed = _routed_expert_parameters(model)
     else:
         feed_forward = 3 * model.dim * model.ffn_hidden
@@ -51,19 +52,19 @@ def _block_parameters(model: ModelConfig, tp: int, experts: bool | None = None) 
     return (attention + feed_forward) // tp + routed + norms
 
 
-def _root_parameters(model: ModelConfig, tp: int, pp: int = 1) -> int:
+def _root_parameters(model: Shape, tp: int, pp: int = 1) -> int:
     """The embedding, the output projection unless tied, and the final norm, on one TP rank;
     with pipeline stages, what the first or the last stage holds of them (one projection)."""
     projections = 1 if model.tie_embeddings or pp > 1 else 2
     return projections * model.vocab_size * model.dim // tp + model.dim
 
 
-def _stage_layers(model: ModelConfig, pp: int) -> int:
+def _stage_layers(model: Shape, pp: int) -> int:
     """The blocks of the largest pipeline stage (``workers.pipeline.layers_of_stage``)."""
     return -(-model.n_layers // pp)
 
 
-def parameter_count(model: ModelConfig) -> int:
+def parameter_count(model: Shape) -> int:
     dense = model.dense_layers if model.experts else model.n_layers
     return (_root_parameters(model, tp=1) + dense * _block_parameters(model, tp=1, experts=False)
             + (model.n_layers - dense) * _block_parameters(model, tp=1, experts=True))
@@ -90,7 +91,7 @@ def _norm_and_projection_input_bytes(dim: int, compute: int, tp: int, sequence_p
     return (norm - compute * dim) / tp + compute * dim
 
 
-def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_parallel: bool) -> float:
+def _layer_activation_bytes(model: Shape, tp: int, compute: int, sequence_parallel: bool) -> float:
     """Per token, what one transformer block saves for backward.
 
     The norms see the whole hidden state on every TP rank, or their share of the sequence
@@ -100,23 +101,22 @@ def _layer_activation_bytes(model: ModelConfig, tp: int, compute: int, sequence_
     matrix; SwiGLU saves w1's and w3's outputs, silu's output and their product. RoPE saves
     only its cos/sin buffer.
     """
-    attention = 4 * compute * model.n_heads * _head_dim(model) + FP32_BYTES * model.n_heads
+    attention = 4 * compute * model.n_heads * model.head_width + FP32_BYTES * model.n_heads
     if model.qk_norm:
         # each head's query and key normed over its own width; the norm's output is what RoPE
         # took without it, counted above
-        head_dim = _head_dim(model)
+        head_dim = model.head_width
         attention += (model.n_heads + model.kv_heads) * (_norm_activation_bytes(head_dim, compute) - compute * head_dim)
     # a token passes through its routed experts (whole on every TP rank) and the shared ones
     # (split like a dense feed-forward): SwiGLU's four per expert
-    expert_hidden = model.expert_hidden or model.ffn_hidden
-    split_width = expert_hidden * model.shared_experts if model.experts else model.ffn_hidden
-    routed = 4 * compute * expert_hidden * model.experts_per_token if model.experts else 0
+    split_width = model.shared_width if model.experts else model.ffn_hidden
+    routed = 4 * compute * model.expert_width * model.experts_per_token if model.experts else 0
     norms = 2 * _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
     return norms + (attention + 4 * compute * split_width) / tp + routed
 
 
 def activation_bytes(
-    model: ModelConfig, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool,
+    model: Shape, *, tp: int, tokens: int, compute: int, activation_checkpointing: bool,
     sequence_parallel: bool = False, layers: int | None = None, gathered_tokens: int = 0,
 ) -> float:
     """What one micro-batch's forward saves for backward, logits and loss aside, over
@@ -131,7 +131,7 @@ def activation_bytes(
     outside_blocks = _norm_and_projection_input_bytes(model.dim, compute, tp, sequence_parallel)
     layer = _layer_activation_bytes(model, tp, compute, sequence_parallel)
     if gathered_tokens:
-        heads_width = model.n_heads * _head_dim(model) / tp
+        heads_width = model.n_heads * model.head_width / tp
         layer += (gathered_tokens / tokens * 2 + 1) * compute * heads_width
     if model.dropout:
         # A one-byte mask per element (CUDA's fused dropout): the embedding's, and each
@@ -145,22 +145,19 @@ def activation_bytes(
 
 
 def memory_per_rank(
-    model: ModelConfig,
+    model: Shape,
+    layout: Topology,
     *,
-    shard: int,
-    tp: int,
     seq_len: int,
     micro_batch: int,
     precision: Literal["bf16", "fp32"] = "bf16",
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
-    pp: int = 1,
-    ep: int = 1,
     reshard_after_forward: bool = True,
     offload: bool = False,
-    cp: int = 1,
 ) -> dict[str, float]:
-    """GiB one rank holds at the peak of a training step, by what holds it, and the total.
+    """GiB one rank holds at the peak of a training step on ``layout`` (its degrees; the
+    number of groups does not count), by what holds it, and the total.
     With context parallelism (``cp`` > 1) a rank computes ``1 / cp`` of each sequence's tokens
     and holds the keys and values of the rest in every block, and FSDP2 shards over
     ``shard x cp``.
@@ -176,15 +173,15 @@ def memory_per_rank(
     projections; the first stage keeps ``pp`` micro-batches' activations in flight and the
     last the logits, counted here as if one rank held both (high again).
     """
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
     compute = COMPUTE_BYTES[precision]
     tokens = micro_batch * seq_len // cp
     layers = _stage_layers(model, pp)
     block, root = _block_parameters(model, tp), _root_parameters(model, tp, pp)
-    layout = Topology(shard, tp, pp=pp, ep=ep, cp=cp)
     shard_parameters = (root + layers * block) / layout.parameter_shards
     # FSDP2 gathers a layer's experts that a rank computes: every expert at ep 1, the rank's
     # own 1 / ep of them below ep = shard, none at ep = shard (each rank holds its own whole)
-    gathered_experts = 0.0 if layout.experts_held_whole else 1 / ep
+    gathered_experts = 0.0 if layout.experts_held_whole else 1 / layout.ep
     routed_weights = _routed_expert_parameters(model) - model.dim * model.experts
     gathered_block = block - routed_weights * (1 - gathered_experts)
     output_projection = model.vocab_size * model.dim // tp
@@ -215,16 +212,18 @@ def memory_per_rank(
     return memory
 
 
-def host_memory_per_rank(model: ModelConfig, *, shard: int, tp: int, pp: int = 1, cp: int = 1) -> dict[str, float]:
-    """GiB of host memory one rank holds for its committed state's copies, by what holds it.
+def host_memory_per_rank(model: Shape, layout: Topology) -> dict[str, float]:
+    """GiB of host memory one rank holds for its committed state's copies on ``layout``, by what
+    holds it.
 
     The committed state is the fp32 parameters and AdamW's two fp32 moments of the rank's
     shard, of ``shard x cp`` (the generators add bytes). The memory tier keeps two copies of it (the newest two
     snapshots) and two of the state of the rank it is buddy to (the same size at every
     position of a layout); a checkpoint's staging arena holds one more.
     """
+    tp, pp = layout.tp, layout.pp
     parameters = _root_parameters(model, tp, pp) + _stage_layers(model, pp) * _block_parameters(model, tp)
-    state = 3 * FP32_BYTES * parameters / Topology(shard, tp, pp=pp, cp=cp).parameter_shards
+    state = 3 * FP32_BYTES * parameters / layout.parameter_shards
     memory = {"state": state / GIB, "memory_tier": 4 * state / GIB, "staging": state / GIB}
     memory["total"] = memory["memory_tier"] + memory["staging"]
     return memory

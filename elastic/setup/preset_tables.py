@@ -117,7 +117,7 @@ def memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
             "compute": {"precision": "bf16", "activation_checkpointing": layout.activation_checkpointing},
         })
         memory = memory_per_rank(
-            config.model, **config.scaling.topology.degrees(), seq_len=config.data.seq_len,
+            config.model, config.scaling.topology, seq_len=config.data.seq_len,
             micro_batch=config.micro_batch, precision=config.compute.precision,
             activation_checkpointing=config.compute.activation_checkpointing == "full",
             sequence_parallel=config.sequence_parallel,
@@ -147,8 +147,7 @@ def host_memory_table(layouts: list[Layout] = DOC_LAYOUTS) -> str:
         if key in seen:
             continue
         seen.add(key)
-        memory = host_memory_per_rank(ModelConfig(preset=layout.preset), shard=layout.shard, tp=layout.tp,
-                                      pp=layout.pp, cp=layout.cp)
+        memory = host_memory_per_rank(ModelConfig(preset=layout.preset), layout.topology)
         lines.append(
             f"| `{layout.preset}` | {layout.pp} × {layout.shard} × {layout.cp} × {layout.tp} | {memory['state']:.2f} "
             f"| {memory['memory_tier']:.2f} "
