@@ -97,6 +97,8 @@ def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[st
     healed, joined = first(EventKind.GROUP_HEALED, group=group), first(EventKind.GROUP_JOINED, group=group)
     if not (failed and built and joined):
         return {}
+    if healed and healed.get("overlapped"):  # caught up while every group stepped: no wait for the copy
+        healed = None
     heal_s = healed["seconds"] if healed else 0.0
     heal_started = (healed["t"] - heal_s) if healed else joined["t"]
     return {"detect_s": failed["t"] - fault["t"], "start_s": built.get("start_s", 0.0),

@@ -78,7 +78,7 @@ class StateHolder:
 
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        return heal_pair(store, heal, 0, 1, is_target, timeout)
+        return heal_pair(store, f"heal{heal}", 0, 1, is_target, timeout)
 
     def state_bytes(self) -> int:
         from workers.memory_tier import state_bytes

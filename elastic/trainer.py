@@ -244,7 +244,7 @@ class ElasticTrainer:
                     bar.skip_to(resume.step)
                 exit_reason = controller.run()
             if self.keep_final_state:
-                final_state = controller.final_state()
+                final_state = controller.groups.final_state()
         except (TrainingStopped, CheckpointsFailing, NoUsableCheckpoint, LeaseLost) as error:
             exit_reason = Exit(Ending.STOPPED, str(error))
             log.error("%s", redact_credentials(str(error)))

@@ -25,6 +25,7 @@ from elastic.core.memory_tier import Holdings, MemoryRestore
 from elastic.core.protocol import (
     EvalRequest,
     GroupRecords,
+    HealReceipt,
     NonFinite,
     Phase,
     RECORD_MESSAGES,
@@ -84,6 +85,14 @@ class CollectiveError:
 
 
 @dataclass(frozen=True)
+class CopyFailed:
+    """A joining rank's catch-up copy fails: it ends the step failed, holding no state."""
+
+    rank: int
+    why: str
+
+
+@dataclass(frozen=True)
 class Flip:
     """A bit flips in the rank's state as the step starts: no error, only the integrity
     check's fingerprints tell."""
@@ -139,6 +148,9 @@ class FakeFleet:
         # target rank -> why its rank-to-rank heal fails, the next time it heals (it then goes
         # through the object store)
         self.heal_fallbacks: dict[int, str] = {}
+        # target rank -> why its catch-up's copy fails, the next time it catches up (its group
+        # then builds again and heals at the boundary)
+        self.catch_up_failures: dict[int, str] = {}
         # the memory tier: each live rank's own copies (step -> cursor, the newest two) and the
         # copies it keeps for the ranks it is buddy to (owner -> step -> cursor, the newest two)
         self.buddies: dict[int, int | None] = {}
@@ -285,6 +297,11 @@ class FakeFleet:
         self.segments.append(specs)
         self.aborted_at = None
         spec = next(iter(specs.values()))
+        if spec.catch_up is not None:  # the copies start with the segment, one per joining rank
+            pairs = sorted((source, target) for target, source in spec.catch_up.sources.items())
+            self.copies.extend(pairs)
+            for source, target in pairs:
+                (self.corrupt.add if source in self.corrupt else self.corrupt.discard)(target)
         self.segment = FakeSegment(self, spec, sorted(specs))
         return SegmentStream(spec.attempt, dict.fromkeys(specs))
 
@@ -474,7 +491,25 @@ class FakeSegment:
         self.step = spec.first_step
         self.cursor = spec.cursor
         self.over = False  # ended or failed: no further step starts
+        # The joining ranks' copies land within the first step: they report them at their ends,
+        # and one whose copy fails ends the first step failed, its group broken.
+        sources = spec.catch_up.sources if spec.catch_up is not None else {}
+        failing = {target: fleet.catch_up_failures.pop(target)
+                   for target in sources if target in fleet.catch_up_failures}
+        self.healed = {target: HealReceipt(source, STATE_BYTES, 0.0, 0) for target, source in sources.items()
+                       if target not in failing}
+        if failing:
+            fleet.faults.setdefault(self.step, []).extend(CopyFailed(target, why) for target, why in failing.items())
         self._start_step(fleet.clock())
+
+    def _end(self, rank: int, step: int, failure: RankOutcome | None = None, **found) -> SegmentEnd:
+        return SegmentEnd(rank, step, failure, healed=self.healed.get(rank), **found)
+
+    @property
+    def planning(self) -> SegmentSpec:
+        """The spec the step in hand is planned and checked by (the joining groups' shares empty
+        until they caught up)."""
+        return self.loops[self.groups[0]].planning()
 
     def _start_step(self, now: float) -> None:
         """Step ``self.step`` starts at ``now``: its end time, or the messages of its fault."""
@@ -496,7 +531,7 @@ class FakeSegment:
     def _integrity_check(self, step: int) -> dict[int, IntegrityMismatch]:
         """What the ranks at each position find as the step begins, by rank: a corrupt rank's
         fingerprint differs from its replicas'."""
-        if len(self.groups) < 2 or not check_due(step, self.spec.integrity_every):
+        if len(self.groups) < 2 or not check_due(step, self.planning.integrity_every):
             return {}
         found = {}
         for position in {self.topology.position_of(rank) for rank in self.fleet.corrupt & set(self.ranks)}:
@@ -520,7 +555,7 @@ class FakeSegment:
                 for peer in peers:
                     blocked = peer in fault.blocks
                     finals.setdefault(peer, Call(NEVER if blocked else now + fault.after_s + NOTICE_S,
-                                                 (peer, SegmentEnd(peer, step, RankOutcome(
+                                                 (peer, self._end(peer, step, RankOutcome(
                                                      peer, step, error="Connection closed by peer",
                                                      failure="collective", group_broken=True))),
                                                  waits_for_release=blocked))
@@ -532,11 +567,14 @@ class FakeSegment:
                     fleet.in_flight[peer] = Call(NEVER, activity=RankActivity(peer, step, Phase.COMPUTE, 0, 2, 0.0))
                     finals[peer] = Call(NEVER, (peer, None))
             elif isinstance(fault, CollectiveError):
-                finals[fault.rank] = Call(self.ends_at, (fault.rank, SegmentEnd(fault.rank, step, RankOutcome(
+                finals[fault.rank] = Call(self.ends_at, (fault.rank, self._end(fault.rank, step, RankOutcome(
                     fault.rank, step, error="RuntimeError: bad collective"))))
+            elif isinstance(fault, CopyFailed):
+                finals[fault.rank] = Call(self.ends_at, (fault.rank, self._end(fault.rank, step, RankOutcome(
+                    fault.rank, step, error=f"HealFailed: {fault.why}", failure="no-state", group_broken=True))))
         for rank in self.ranks:  # in the cross-group all-reduce until the abort
             if rank not in finals and rank not in targets:
-                finals[rank] = Call(NEVER, (rank, SegmentEnd(rank, step, RankOutcome(
+                finals[rank] = Call(NEVER, (rank, self._end(rank, step, RankOutcome(
                     rank, step, error="CollectiveAborted: aborted by the driver", failure="released"))),
                     waits_for_abort=True)
         for group, loop in self.loops.items():  # a first rank that lives sends what it holds first
@@ -555,7 +593,8 @@ class FakeSegment:
         if fleet.nonfinite.get(step) or self.mismatches:
             self._discard(step, at)
             return
-        plan = rank_share(spec, step, self.cursor, self.groups[0], 0, self.topology.shard)
+        stepping = self.planning
+        plan = rank_share(stepping, step, self.cursor, self.groups[0], 0, self.topology.shard)
         norm = (fleet.grad_sq_norm * self.topology.ranks_per_group) ** 0.5
         pause = self.pause_at is not None and self.pause_at <= at
         decided = {}  # each group's first rank's decision: every group's sees the same step, pause and records due
@@ -577,11 +616,11 @@ class FakeSegment:
                               for group, send in sent.items())
         self.cursor = plan.next_cursor
         self.step += 1
-        if memory_snapshot_due(spec, self.step):
+        if memory_snapshot_due(stepping, self.step):
             fleet.snapshot([rank for rank in self.ranks if rank in fleet.alive_ranks], self.step, self.cursor)
         if decided[self.groups[0]].segment_ends:
             self.over = True
-            self.queue.extend(Call(at, (rank, SegmentEnd(rank, self.step))) for rank in self.ranks)
+            self.queue.extend(Call(at, (rank, self._end(rank, self.step))) for rank in self.ranks)
             fleet.in_flight = {rank: Call(NEVER, activity=RankActivity(rank, step, Phase.DONE, 0, 9, 0.0))
                                for rank in self.ranks}
 
@@ -594,12 +633,12 @@ class FakeSegment:
             if records:
                 self.queue.append(Call(at, (self.topology.global_ranks(group)[0], GroupRecords(group, records))))
         if self.mismatches:
-            self.queue.extend(Call(at, (rank, SegmentEnd(rank, step, integrity=self.mismatches.get(rank))))
+            self.queue.extend(Call(at, (rank, self._end(rank, step, integrity=self.mismatches.get(rank))))
                               for rank in self.ranks)
             return
         self.fleet.nonfinite[step] -= 1
         nonfinite = NonFinite(step, math.nan, math.nan)
-        self.queue.extend(Call(at, (rank, SegmentEnd(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
+        self.queue.extend(Call(at, (rank, self._end(rank, step, nonfinite=nonfinite))) for rank in self.ranks)
 
     def advance(self, now: float) -> None:
         while not self.over and self.ends_at <= now:

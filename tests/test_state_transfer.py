@@ -23,7 +23,7 @@ from workers.world import World
 from tests.tiny import tiny_config
 
 SOURCE, TARGET = 3, 7  # global ranks
-HEAL = 1
+HEAL = "heal1"
 # Small buckets, so the state's few kilobytes make many: a tensor cut across several, small
 # tensors packed into one, sizes that are not whole int64 words.
 BUCKET_BYTES = 512

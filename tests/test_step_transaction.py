@@ -10,7 +10,7 @@ import math
 import pickle
 import traceback
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import pytest
@@ -26,7 +26,10 @@ from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import SegmentSpec
 from elastic.core.topology import Topology
 from elastic.testing.gloo_ranks import rank_processes
+from workers import rng
+from workers.catch_up import CatchingUp
 from workers.failures import CollectiveFailed
+from workers.state_transfer import receive_state, send_state
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
 from workers.control_surface import NO_FAULTS, ActivityTracker, DriverSignals
@@ -183,6 +186,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     counting = SentBeforeWaiting(transaction.gradient_sum)
     result = take_step(transaction, 0, rank_batches(rank, 0), faults=counting)
     yield "buckets sent in backward", (result, counting.sent, len(transaction.gradient_sum.buckets))
+    yield "a joining rank catches up", catch_up(rank, spec, world)
 
     # one group of two ranks
     spec = rank_spec(rank, group=0, group_rank=rank, shard=2, port=port)
@@ -197,6 +201,42 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     transaction, _ = new_transaction(spec, world)
     yield "one rank's sum fails", take_step(transaction, 0, rank_batches(rank, 0),
                                             faults=FailingCrossGroupSum() if rank == 0 else NO_FAULTS)
+
+
+def catch_up(rank: int, spec: RankSpec, world: World) -> dict:
+    """Rank 1 joins with other weights and takes no samples; rank 0 trains every sample with
+    Adam and sends its state of step 0 once it has committed step 1. Rank 1 sums zeros and
+    keeps the committed updates meanwhile; the state lands before its step 2, where it loads
+    it and applies the kept steps and that one."""
+    torch.manual_seed(MODEL_SEED + rank)  # rank 1's weights are not rank 0's
+    model = TinyModel()
+    signals = DriverSignals()
+    transaction = StepTransaction(spec, world, model, torch.optim.Adam(model.parameters(), lr=0.05),
+                                  TokenLoss(token_cross_entropy), torch.device("cpu"), ActivityTracker(), signals)
+    signals.begin(RUN)
+    torch.manual_seed(TRAINING_SEED)
+    copying = ThreadPoolExecutor(max_workers=1)
+    if rank == 1:
+        received = copying.submit(lambda: receive_state(world.heal_pair("catch-up-test", 0, 1)))
+        arriving = Future()
+        transaction.joining.begin(CatchingUp(arriving, source=0))
+    else:
+        state = {**export_local_state(model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
+    caught_up = []
+    for step in range(3):
+        batches = rank_batches(0, step) + rank_batches(1, step) if rank == 0 else []
+        result = take_step(transaction, step, batches)
+        assert isinstance(result.outcome, Committed), result.raised
+        caught_up.append(result.outcome.caught_up)
+        if step == 1 and rank == 0:
+            copying.submit(lambda: send_state([world.heal_pair("catch-up-test", 0, 1)], state))
+        if step == 1 and rank == 1:
+            arrived = received.result(TIMEOUT_S)
+            arriving.set_result((arrived, 0))
+    copying.shutdown()
+    return {"caught_up": caught_up, "receipt": transaction.joining.take_receipt(),
+            "holds_state": transaction.joining.holds_state,
+            "state": export_local_state(model, transaction.optimizer)}
 
 
 def rank_main(rank: int, port: int, results) -> None:
@@ -314,3 +354,17 @@ def test_a_held_out_loss_leaves_the_shards_a_peer_heals_from(results):
     for before, after in scenario(results, "a held-out loss"):
         assert [tuple(local.shape) for local in after["model"]] == [tuple(local.shape) for local in before["model"]]
         assert all(torch.equal(x, y) for x, y in zip(after["model"], before["model"]))
+
+
+def test_a_joining_rank_that_caught_up_holds_its_replicas_state_bit_for_bit(results):
+    """It kept steps 0 and 1 while its state was on the way, then loaded step 0's and applied
+    the three as the live rank did: its weights and Adam's moments are the live rank's exactly."""
+    live, joined = scenario(results, "a joining rank catches up")
+    assert live["caught_up"] == joined["caught_up"] == [False, False, True]  # both learn it in step 2's vote
+    assert live["receipt"] is None and joined["receipt"].caught_up_steps == 2 and joined["receipt"].source == 0
+    assert joined["holds_state"]
+    for got, expected in zip(joined["state"]["model"], live["state"]["model"]):
+        assert torch.equal(got, expected)
+    for index, moments in live["state"]["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(joined["state"]["optimizer"]["state"][index][key], value), key

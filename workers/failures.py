@@ -42,6 +42,11 @@ class CollectiveTimedOut(RuntimeError):
     """A peer did not join the cross-group all-reduce before the step's deadline."""
 
 
+class HealFailed(RuntimeError):
+    """A joining rank's copy of the state failed (``workers.catch_up``): it holds no state, and
+    its group builds again (``Failure.NO_STATE``)."""
+
+
 class CollectiveFailed(RuntimeError):
     """The cross-group all-reduce failed while this rank waited on it (a peer or the transport)."""
 
@@ -147,6 +152,8 @@ def classify(error: BaseException, phase: Phase) -> Failure:
         return Failure.RELEASED
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return Failure.OWN_COMPUTE
+    if isinstance(error, HealFailed):
+        return Failure.NO_STATE
     if raised_in_collective(error):
         return Failure.COLLECTIVE
     if phase == Phase.DATA:  # storage may recover; the data or the dataset's code will not

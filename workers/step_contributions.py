@@ -26,7 +26,11 @@ import torch
 from elastic.core.gradient_clipping import global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
 from elastic.core.loss_scale import LossScale
-from elastic.core.protocol import NonFinite, RankTimes, SegmentSpec, StepRecord
+from elastic.core.protocol import HealReceipt, NonFinite, RankTimes, SegmentSpec, StepRecord
+from checkpointing.healing import import_local_state
+from workers import rng
+from workers.catch_up import CatchingUp, KeptUpdate
+from workers.gradient_sum import local_gradient
 from workers.control_surface import DriverSignals
 from workers.experts import RoutedLayout, balance_experts, expert_layers, expert_load
 from workers.integrity import PendingCheck, start_check
@@ -44,6 +48,7 @@ class Committed:
     record: StepRecord
     pause: bool  # the ranks agreed to stop after it
     records_due: bool  # the groups' first ranks send the segment's records after it
+    caught_up: bool = True  # every joining rank of the segment holds the run's state after it
 
 
 @dataclass(frozen=True)
@@ -312,8 +317,18 @@ class ExpertBalance(Contribution):
         self.routed = tuple(map(sum, zip(*(ballot["routed_tokens"] for ballot in ballots))))
 
     def on_commit(self, record: StepRecord) -> StepRecord:
-        balance_experts(self.held, self.layout, self.routed)
+        self.replay(self.routed)
         return replace(record, expert_load=expert_load(self.layout, self.routed))
+
+    def idle(self) -> None:
+        """A step this rank routes nothing in (it catches up): its counts are zeros."""
+        for layer in self.held:
+            layer.step_routed.zero_()
+
+    def replay(self, routed: Sequence[float]) -> None:
+        """The bias's move at a commit whose sums were ``routed``: a joining rank catching up
+        applies a kept step's as every replica did."""
+        balance_experts(self.held, self.layout, routed)
 
 
 def routed_layout(model: torch.nn.Module, stages: Sequence[torch.nn.Module], held: Sequence) -> RoutedLayout:
@@ -322,3 +337,78 @@ def routed_layout(model: torch.nn.Module, stages: Sequence[torch.nn.Module], hel
     expert layers it holds (it has no stages with experts: each would count its own)."""
     args = getattr(stages[0] if stages else model, "args", None)
     return RoutedLayout.of(args) if isinstance(args, ModelArgs) else RoutedLayout.of_held(held)
+
+
+class JoiningRank(Contribution):
+    """A joining rank's catch-up (``workers.catch_up``) in the steps of its first segment, and
+    whether every joining rank holds the run's state after a step. A joining rank counts
+    itself in the sums while its state has not landed as the sum begins, and keeps the step's
+    update instead of applying it; in the step the state landed by, it loads the state and
+    applies what it kept, then the step. The vote adds every position's count, so every rank
+    of every group learns at the same step that the joining groups take their shares from the
+    next."""
+
+    cross_group_slots = ballot_slots = {"catching_up": 1}
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert_balance: ExpertBalance,
+                 apply: Callable[[float, float], None]):
+        self.model, self.optimizer, self.expert_balance, self.apply = model, optimizer, expert_balance, apply
+        self.trained = [param for param in model.parameters() if param.requires_grad]
+        self.catching_up: CatchingUp | None = None  # this rank's catch-up, while it lasts
+        self.completes = False  # this rank loads the state and applies what it kept in this step
+        self.everyone_caught_up = True
+        self.holds_state = True  # False from a catch-up's start until it is done
+        self.healed: HealReceipt | None = None  # its catch-up, done, until the segment's end reports it
+
+    def begin(self, catching_up: CatchingUp | None) -> None:
+        """This rank joins at the segment's first step (None: it does not)."""
+        if catching_up is not None:
+            self.catching_up, self.holds_state = catching_up, False
+
+    def summand(self) -> Values:
+        self.completes = self.catching_up is not None and self.catching_up.arrived()
+        return {"catching_up": [float(self.catching_up is not None and not self.completes)]}
+
+    def ballot(self, sums: Values) -> Values:
+        return sums
+
+    def after_vote(self, ballots: list[Values]) -> None:
+        self.everyone_caught_up = sum(ballot["catching_up"][0] for ballot in ballots) == 0
+
+    def commit(self, lr_scale: float, grad_scale: float, routed: tuple[float, ...]) -> bool:
+        """The step's summed update, committed: returns whether this rank applies it now as every
+        replica does (else it keeps it, its gradients zeroed, until its state lands)."""
+        if self.catching_up is None:
+            return True
+        update = KeptUpdate([local_gradient(param).clone() for param in self.trained], lr_scale, grad_scale, routed)
+        if not self.completes:
+            self.catching_up.keep(update)
+            self.optimizer.zero_grad(set_to_none=False)
+            return False
+        self.catch_up()
+        self._write_gradients(update.gradients)
+        return True
+
+    def catch_up(self) -> None:
+        """Load the state of the segment's first step and apply the kept updates in order, as
+        every replica applied them (at the segment's end, for a rank still catching up: it waits
+        for its state). Raises what the copy raised; the rank then holds no state."""
+        catching_up, self.catching_up = self.catching_up, None
+        if catching_up is None:
+            return
+        state, nbytes = catching_up.state()
+        import_local_state(self.model, self.optimizer, state)
+        rng.restore(state["rng"])
+        for kept in catching_up.kept:
+            self._write_gradients(kept.gradients)
+            self.apply(kept.lr_scale, kept.grad_scale)
+            self.expert_balance.replay(kept.routed)
+        self.healed, self.holds_state = catching_up.receipt(nbytes), True
+
+    def take_receipt(self) -> HealReceipt | None:
+        receipt, self.healed = self.healed, None
+        return receipt
+
+    def _write_gradients(self, gradients: list[torch.Tensor]) -> None:
+        for param, gradient in zip(self.trained, gradients):
+            local_gradient(param).copy_(gradient)

@@ -45,7 +45,17 @@ import torch.distributed as dist
 
 from elastic.core.data_plan import RankShare, token_rescale
 from elastic.core.gradient_clipping import clip_coefficient
-from elastic.core.protocol import NonFinite, Phase, RankTimes, SegmentSpec, StepRecord
+from elastic.core.protocol import (
+    GroupRecords,
+    NonFinite,
+    Phase,
+    RankTimes,
+    SegmentRecords,
+    SegmentSpec,
+    StepRecord,
+    record_row,
+)
+from elastic.core.segment_loop import SendRecords
 from elastic.core.topology import counts_loss
 from workers import rng
 from workers.control_surface import NO_FAULTS, ActivityTracker, ComputeTimer, DriverSignals, FaultPlan
@@ -68,6 +78,7 @@ from workers.step_contributions import (
     ExpertBalance,
     GradientNorm,
     IntegrityCheck,
+    JoiningRank,
     LossScaling,
     RowLayout,
     StepLoss,
@@ -123,9 +134,10 @@ class StepTransaction:
         self.timing = Timing()
         self.expert_balance = ExpertBalance(model, stages, first_of_tp_row=rank.tp_index == 0)
         self.loss_scaling = LossScaling()
+        self.joining = JoiningRank(model, optimizer, self.expert_balance, self._apply)
         self.contributions: tuple[Contribution, ...] = (self.step_loss, self.agreement, self.integrity,
                                                         self.gradient_norm, self.timing, self.expert_balance,
-                                                        self.loss_scaling)
+                                                        self.loss_scaling, self.joining)
         self.sum_layout = RowLayout({part: part.cross_group_slots for part in self.contributions})
         self.ballot_layout = RowLayout({part: part.ballot_slots for part in self.contributions})
 
@@ -152,8 +164,11 @@ class StepTransaction:
         self.activity.set(step, Phase.DATA)
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
-        self.step_loss.share, self.step_loss.counted, compute_s = self._compute(step, on_device, share.global_tokens,
-                                                                                faults)
+        if self.joining.catching_up is not None:
+            self.step_loss.share, self.step_loss.counted, compute_s = self._idle(step, deadline)
+        else:
+            self.step_loss.share, self.step_loss.counted, compute_s = self._compute(step, on_device,
+                                                                                    share.global_tokens, faults)
         comm_started = time.perf_counter()
         self.activity.set(step, Phase.REPLICATE)
         sum_error, sum_times = None, SumTimes(0.0, 0.0)
@@ -204,6 +219,20 @@ class StepTransaction:
         loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch,
                                                  self.expert_balance.held, scale)
         return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
+
+    def _idle(self, step: int, deadline: float) -> tuple[float, float, float]:
+        """A joining rank's share while it catches up: no samples, zeros in the sums. One that
+        kept as many updates as it may waits for its state first."""
+        self.activity.set(step, Phase.COMPUTE)
+        self._rng_before_step = rng.capture(self.rank.use_gpu)
+        catching_up = self.joining.catching_up
+        catching_up.check()
+        if catching_up.must_wait():
+            catching_up.state(max(0.0, deadline - time.perf_counter()))
+        self.expert_balance.idle()
+        if self.world.replicate_group is not None:
+            self.gradient_sum.start(self.world.replicate_group)
+        return 0.0, 0, 0.0
 
     def _sum_across_groups(self, deadline: float, faults: FaultPlan,
                            backward_ended: float) -> tuple[SumTimes, dict[Contribution, Values]]:
@@ -256,13 +285,16 @@ class StepTransaction:
                 discarded = part.on_discard(discarded)
             return discarded
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
-        self._apply(spec.schedule.factor(share.step), clip_scale * rescale / scale)
+        lr_scale, grad_scale = spec.schedule.factor(share.step), clip_scale * rescale / scale
+        if self.joining.commit(lr_scale, grad_scale, self.expert_balance.routed):
+            self._apply(lr_scale, grad_scale)
+        self._rng_before_step = None
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             times=(), counted=self.step_loss.counted_tokens)  # times: ``Timing``'s
         for part in self.contributions:
             record = part.on_commit(record)
-        return Committed(record, self.agreement.pause, self.agreement.records_due)
+        return Committed(record, self.agreement.pause, self.agreement.records_due, self.joining.everyone_caught_up)
 
     def at_micro_batch(self, step: int, index: int) -> None:
         """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
@@ -332,6 +364,17 @@ class StepTransaction:
             compute_s = self.compute_timer.seconds()
         self.activity.set(step, Phase.DONE)
         return loss_share, counted, compute_s
+
+    def records_message(self, send: SendRecords, deadline: float) -> GroupRecords | SegmentRecords | None:
+        """What the group's first rank sends of its records: gathered, every group's, from the
+        segment's first group (None from the others); else, or when the gather fails, its group's own."""
+        own = GroupRecords(self.rank.group, send.records)
+        if not send.gathered:
+            return own
+        rows = self.gather_across_groups([record_row(record) for record in send.records], deadline)
+        if rows is None:  # a peer group is gone: the group's own steps still reach the driver
+            return own
+        return SegmentRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
 
     def gather_across_groups(self, rows: list[list[float]], deadline: float) -> np.ndarray | None:
         """The ``rows`` of this position's rank in every group, ``[replica rank, row, value]``; None when

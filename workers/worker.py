@@ -21,7 +21,7 @@ import time
 import warnings
 from functools import partial
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import ray
@@ -33,7 +33,7 @@ from checkpointing.pretrained import load_pretrained
 from workers.model_build import first_model
 from checkpointing.rank_io import RankCheckpointIO, UploadResult
 from workers import rng, state_transfer
-from elastic.core.data_plan import DataCursor, RankShare, rank_share
+from elastic.core.data_plan import DataCursor
 from elastic.core.memory_tier import Holdings
 from elastic.core.protocol import (
     BuildOutcome,
@@ -45,21 +45,19 @@ from elastic.core.protocol import (
     RankOutcome,
     SegmentEnd,
     SegmentMessage,
-    SegmentRecords,
     SegmentSpec,
-    record_row,
 )
-from elastic.core.segment_loop import RankSegmentLoop, SendRecords, memory_snapshot_due
+from elastic.core.segment_loop import RankSegmentLoop, memory_snapshot_due
 from workers.failures import describe_failure, failure_outcome, raised_in_collective
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire, state_bytes
 from workers.keyed_store import KeyedStore
-from workers.context_parallel import ContextShare
-from workers.pipeline import pipeline_micro_batches, stage_model
+from workers.pipeline import stage_model
 from workers.rank_spec import RankSpec
+from workers.catch_up import begin_copies
+from workers.step_feed import StepFeed
 from workers.control_surface import ActivityTracker, DriverSignals, FaultPlan
 from workers.step_transaction import Discarded, StepTransaction
-from workers.train_step import Batch
 from workers.world import World
 
 CPU = torch.device("cpu")
@@ -107,7 +105,9 @@ class RankWorker:
         self.model = None
         self.optimizer = None
         self.transaction: StepTransaction | None = None  # the steps on the model its group built
+        self.feed: StepFeed | None = None  # the data of its steps
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
+        self.copies = ThreadPoolExecutor(max_workers=2, thread_name_prefix="catch-up")  # a catch-up's copies
         self.activity = ActivityTracker()
         self.signals = DriverSignals()
         self._take_place(spec)
@@ -201,6 +201,7 @@ class RankWorker:
             raise HookFailed(describe_failure(error)) from error
         self.transaction = StepTransaction(spec, self.world, self.model, self.optimizer, self.hooks.micro_loss,
                                            self.device, self.activity, self.signals, stages)
+        self.feed = StepFeed(spec, self.hooks, self.loader)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index, stage=spec.pp_index))
         self.activity.count_entries_of(self.model)
         return BuildOutcome(spec.global_rank, time.perf_counter() - started, ray_node_ip())
@@ -219,73 +220,68 @@ class RankWorker:
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
         self.signals.begin(spec.attempt)
         try:
+            if spec.catch_up is not None:
+                self.transaction.joining.begin(begin_copies(
+                    self.copies, spec.catch_up, f"catch-up{spec.attempt}", self.spec.global_rank, self.world,
+                    self.export_state, state_bytes))
             yield from self._steps(spec, faults)
         finally:
             self.signals.end()
 
     def _steps(self, spec: SegmentSpec, faults: FaultPlan) -> Iterator[SegmentMessage]:
         loop = RankSegmentLoop(spec, leads_group=self.spec.group_rank == 0, now=time.perf_counter())
-        share = self._share(spec, spec.first_step, spec.cursor)
-        batches = self._prefetch(share)
+        stepping = loop.planning()  # the spec the step in hand was planned by
+        share = self.feed.share(stepping, spec.first_step, spec.cursor)
+        batches = self.feed.prefetch(share)
         while True:
-            upcoming = self._share(spec, share.step + 1, share.next_cursor) if share.step + 1 < spec.stop_step else None
-            upcoming_batches = self._prefetch(upcoming) if upcoming is not None else None
+            planned_caught_up = loop.caught_up
+            upcoming = (self.feed.share(loop.planning(), share.step + 1, share.next_cursor)
+                        if share.step + 1 < spec.stop_step else None)
+            upcoming_batches = self.feed.prefetch(upcoming) if upcoming is not None else None
             try:
-                outcome = self.transaction.step(spec, share, batches, loop.step_starts(time.perf_counter()), faults)
+                outcome = self.transaction.step(stepping, share, batches, loop.step_starts(time.perf_counter()), faults)
             except Exception as error:  # the step is discarded; the driver decides who is evicted
                 yield from self._held_records(loop)
-                yield SegmentEnd(self.spec.global_rank, share.step, self._failed(share.step, error))
+                yield self._end(share.step, self._failed(share.step, error))
                 return
             if isinstance(outcome, Discarded):
                 yield from self._held_records(loop)
-                yield SegmentEnd(self.spec.global_rank, share.step, nonfinite=outcome.nonfinite,
-                                 integrity=outcome.integrity)
+                yield self._end(share.step, nonfinite=outcome.nonfinite, integrity=outcome.integrity)
                 return
-            if memory_snapshot_due(spec, share.step + 1):
+            if memory_snapshot_due(stepping, share.step + 1):
                 self.memory.snapshot(share.step + 1, share.next_cursor, self.model, self.optimizer,
                                      rng.capture(self.spec.use_gpu))
-            after = loop.committed(outcome.record, outcome.pause, outcome.records_due, time.perf_counter())
+            after = loop.committed(outcome.record, outcome.pause, outcome.records_due, time.perf_counter(),
+                                   outcome.caught_up)
             if after.send is not None:
-                message = self._records_message(after.send, time.perf_counter() + spec.deadline_s)
+                message = self.transaction.records_message(after.send, time.perf_counter() + spec.deadline_s)
                 if message is not None:
                     yield message
             if after.segment_ends:
-                yield SegmentEnd(self.spec.global_rank, share.step + 1)
+                yield self._end(share.step + 1)
                 return
-            share, batches = upcoming, upcoming_batches
+            if upcoming is not None and loop.caught_up != planned_caught_up:  # the joining groups take shares now
+                upcoming = self.feed.share(loop.planning(), upcoming.step, share.next_cursor)
+                upcoming_batches = self.feed.prefetch(upcoming)
+            stepping, share, batches = loop.planning(), upcoming, upcoming_batches
 
-    def _share(self, spec: SegmentSpec, step: int, cursor: DataCursor) -> RankShare:
-        share = rank_share(spec, step, cursor, self.spec.group, self.spec.shard_index, self.spec.layout.shard)
-        return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, self.spec.pipeline))
-
-    def _prefetch(self, share: RankShare) -> Future:
-        """Read the step's samples on the loader thread while the current step computes."""
-        return self.loader.submit(lambda: [self._own_part(self.hooks.micro_batch(mb, CPU, epoch=share.epoch))
-                                           for mb in share.micro_batches])
-
-    def _own_part(self, batch: Batch) -> Batch:
-        """What this rank computes of ``batch``: under context parallelism, its chunks of the
-        sequences (the cp ranks of a shard position read the same rows)."""
-        spec = self.spec
-        if spec.layout.cp == 1:
-            return batch
-        return batch.context_share(ContextShare(spec.layout.cp, spec.cp_index, batch.targets.shape[1]))
+    def _end(self, next_step: int, failure: RankOutcome | None = None, **found) -> SegmentEnd:
+        """The rank's ``SegmentEnd``. A joining rank still catching up first waits for its state
+        and applies what it kept (every step it kept is committed); one the state cannot reach
+        holds none, and ends failed with its group broken."""
+        try:
+            self.transaction.joining.catch_up()
+        except Exception as error:  # noqa: BLE001 - reported as the rank's failure
+            failure = failure or failure_outcome(self.spec.global_rank, next_step, error, self.activity.phase)
+        if not self.transaction.joining.holds_state:
+            failure = replace(failure, group_broken=True)
+        return SegmentEnd(self.spec.global_rank, next_step, failure, healed=self.transaction.joining.take_receipt(),
+                          **found)
 
     def _held_records(self, loop: RankSegmentLoop) -> Iterator[GroupRecords]:
         held = loop.held()
         if held:
             yield GroupRecords(self.spec.group, held)
-
-    def _records_message(self, send: SendRecords, deadline: float) -> SegmentMessage | None:
-        """What the group's first rank sends of its records: gathered, every group's, from the
-        segment's first group (None from the others); else, or when the gather fails, its group's own."""
-        own = GroupRecords(self.spec.group, send.records)
-        if not send.gathered:
-            return own
-        rows = self.transaction.gather_across_groups([record_row(record) for record in send.records], deadline)
-        if rows is None:  # a peer group is gone: the group's own steps still reach the driver
-            return own
-        return SegmentRecords.from_rows(send.records, rows) if self.world.replica_rank == 0 else None
 
     def _failed(self, step: int, error: Exception) -> RankOutcome:
         outcome = failure_outcome(self.spec.global_rank, step, error, self.activity.phase)
@@ -299,8 +295,7 @@ class RankWorker:
         self.signals.begin(request.attempt)
         try:
             self.activity.set(request.step, Phase.DATA)
-            batches = [self._own_part(self.hooks.micro_batch(mb, self.device, held_out=True))
-                       for mb in pipeline_micro_batches(request.micro_batches, self.spec.pipeline)]
+            batches = self.feed.held_out(request.micro_batches, self.device)
             data_s = time.perf_counter() - started
             share, counted, compute_s = self.transaction.held_out_loss(request.step, batches, request.global_tokens)
             return RankOutcome(self.spec.global_rank, request.step, loss_share=share,
@@ -316,13 +311,13 @@ class RankWorker:
     def send_state(self, heal: int, targets: list[int]) -> int:
         """Stream the committed state (between segments nothing is pending) to ``targets``, each
         in ``receive_state`` of the same ``heal`` at once; returns the bytes sent to each."""
-        groups = [self.world.heal_pair(heal, self.spec.global_rank, target) for target in targets]
+        groups = [self.world.heal_pair(f"heal{heal}", self.spec.global_rank, target) for target in targets]
         return state_transfer.send_state(groups, {**local_state(self.model, self.optimizer),
                                                   "rng": rng.capture(self.spec.use_gpu)})
 
     def receive_state(self, heal: int, source: int) -> int:
         """Take ``source``'s committed state as it sends it (``send_state``); returns its bytes."""
-        state = state_transfer.receive_state(self.world.heal_pair(heal, source, self.spec.global_rank))
+        state = state_transfer.receive_state(self.world.heal_pair(f"heal{heal}", source, self.spec.global_rank))
         return self.import_state(state)
 
     def export_state(self) -> dict:

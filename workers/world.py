@@ -145,16 +145,16 @@ class World:
             else:
                 self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
 
-    def heal_pair(self, heal: int, source: int, target: int) -> dist.ProcessGroupGloo:
-        return heal_pair(self.store, heal, source, target, self.rank.global_rank == target, self.timeout)
+    def heal_pair(self, copy: str, source: int, target: int) -> dist.ProcessGroupGloo:
+        return heal_pair(self.store, copy, source, target, self.rank.global_rank == target, self.timeout)
 
 
-def heal_pair(store: dist.Store, heal: int, source: int, target: int, is_target: bool,
+def heal_pair(store: dist.Store, copy: str, source: int, target: int, is_target: bool,
               timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
-    """The process group of heal ``heal``'s copy from global rank ``source`` (its rank 0) into
-    ``target`` (1), on the run's store under a prefix of its own. Gloo even between GPUs: its
-    groups cost no device memory, and this one lives for one copy."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"heal{heal}/{source}-{target}/", store), int(is_target), 2, timeout)
+    """The process group of the copy named ``copy`` (a heal's, a catch-up's) from global rank
+    ``source`` (its rank 0) into ``target`` (1), on the run's store under a prefix of its own.
+    Gloo even between GPUs: its groups cost no device memory, and this one lives for one copy."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{copy}/{source}-{target}/", store), int(is_target), 2, timeout)
 
 
 def group_mesh(device_type: str, layout: Topology) -> DeviceMesh:
@@ -165,9 +165,4 @@ def group_mesh(device_type: str, layout: Topology) -> DeviceMesh:
     mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.names)
     for name, spanned in shape.flattened.items():
         mesh[spanned]._flatten(name)
-    return mesh
-    if not 1 < ep < shard:
-        return init_device_mesh(device_type, (pp, shard, tp), mesh_dim_names=("pp", "shard", "tp"))
-    mesh = init_device_mesh(device_type, (pp, shard // ep, ep, tp), mesh_dim_names=("pp", "expert_shard", "ep", "tp"))
-    mesh["expert_shard", "ep"]._flatten("shard")
     return mesh

@@ -79,7 +79,7 @@ def diagnose(
     culprits = {rank: Cause.DEATH for rank in dead}
     culprits.update({rank: Cause.HANG for rank in hung if rank not in culprits})
     for rank, outcome in outcomes.items():
-        if not outcome.ok and not outcome.blames_peers and rank not in culprits:
+        if not outcome.ok and not outcome.blames_peers and outcome.failure != Failure.NO_STATE and rank not in culprits:
             culprits[rank] = {Failure.OWN_DATA: Cause.OWN_DATA, Failure.OWN_CODE: Cause.OWN_CODE}.get(outcome.failure,
                                                                                           Cause.OWN_ERROR)
     broken = {group_of[rank] for rank in culprits}

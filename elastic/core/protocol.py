@@ -14,7 +14,7 @@ at boundaries and failures only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import chain
 from typing import NamedTuple
@@ -34,6 +34,23 @@ def describe_error(error: BaseException | str, limit: int = ERROR_CHARS) -> str:
     is a traceback followed by the exception line, and that last line names the cause."""
     text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}").strip()
     return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Groups that joined the quorum at a segment's first step and take the run's state while
+    the others go on stepping: each joining rank (a key of ``sources``) receives its source's
+    committed state of that step in the background, rank to rank. Until every joining rank
+    holds it, the joining groups take no samples: they sum zeros with the others and keep each
+    committed step's summed update, then load the state and apply those updates in order
+    (``workers.catch_up``). The groups learn in a step's vote that every rank has caught up;
+    from the next step on the joining groups take their shares."""
+
+    sources: dict[int, int]  # joining global rank -> the global rank that sends it the state
+    groups: frozenset[int]  # the joining groups
+
+    def targets_of(self, source: int) -> list[int]:
+        return sorted(target for target, sent_by in self.sources.items() if sent_by == source)
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,20 @@ class SegmentSpec:
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
     memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)
     loss_scale: LossScale | None = None  # fp16's, at first_step; None: no loss scaling
+    catch_up: CatchUp | None = None  # groups taking the state while the others step
 
     @property
     def groups(self) -> tuple[int, ...]:
         return tuple(sorted(self.group_weights))
+
+    def while_catching_up(self) -> SegmentSpec:
+        """The spec the ranks step by while the joining groups catch up: their shares are empty,
+        and no step checks the replicas or copies the state to host memory (the joining ranks
+        do not hold it yet)."""
+        joining = self.catch_up.groups if self.catch_up is not None else frozenset()
+        return replace(self, group_weights={group: 0.0 if group in joining else weight
+                                            for group, weight in self.group_weights.items()},
+                       integrity_every=0, memory_every=0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,9 @@ class Failure(StrEnum):
     OWN_CODE = "own-code"  # raised by the user's code itself, not as a RuntimeError: the same on any process
     COLLECTIVE = "collective"
     RELEASED = "released"
+    # A joining rank the run's state could not reach (its catch-up's copy failed): its group
+    # builds again; neither it nor a peer of the step is to blame.
+    NO_STATE = "no-state"
 
     @property
     def blames_peers(self) -> bool:
@@ -260,18 +290,32 @@ class NonFinite:
 
 
 @dataclass(frozen=True)
+class HealReceipt:
+    """A joining rank's catch-up (``CatchUp``), done: the bytes it received from ``source``, the
+    seconds from the segment's start until it held the state of the step it stands at, and the
+    committed steps it applied after loading the state."""
+
+    source: int
+    bytes: int
+    seconds: float
+    caught_up_steps: int
+
+
+@dataclass(frozen=True)
 class SegmentEnd:
     """How a rank's segment ended: ``next_step`` is the first step it has not committed;
     ``failure`` the outcome of the step that failed, ``None`` when the segment paused;
     ``nonfinite`` the step it discarded as not finite, where the segment stopped on one;
     ``integrity`` what its position's replicas disagreed about, where the segment stopped on a
-    mismatch (ranks at positions that agreed end on the same step with ``None``)."""
+    mismatch (ranks at positions that agreed end on the same step with ``None``); ``healed``, a
+    joining rank's catch-up (a joining rank that could not catch up ends failed, its group broken)."""
 
     global_rank: int
     next_step: int
     failure: RankOutcome | None = None
     nonfinite: NonFinite | None = None
     integrity: IntegrityMismatch | None = None
+    healed: HealReceipt | None = None  # a joining rank's catch-up in this segment
 
 
 SegmentMessage = GroupRecords | SegmentRecords | SegmentEnd

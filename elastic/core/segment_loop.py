@@ -14,7 +14,10 @@ what the ranks do:
 - after a failed or discarded step, a group's first rank sends the records it holds, then
   every rank its ``SegmentEnd``;
 - at steps that are multiples of ``memory_every``, every rank copies its committed state
-  into host memory.
+  into host memory (not a joining rank still catching up: it does not hold the state yet);
+- in a segment with a catch-up (``CatchUp``), every rank plans the steps' shares with the
+  joining groups' empty until the vote of a step says every joining rank holds the state, and
+  from the next step with the segment's weights.
 
 Plain data in, decisions out; the time is passed in.
 """
@@ -58,6 +61,11 @@ class RankSegmentLoop:
         self.sent_in = -1  # the records interval last sent in (by its steps' starts), counted from the segment's start
         self.step_interval = 0  # the records interval the step in progress started in
         self.records: list[StepRecord] = []
+        self.caught_up = spec.catch_up is None  # every joining rank holds the state, as the votes said
+
+    def planning(self) -> SegmentSpec:
+        """The spec the rank plans its next step's share from."""
+        return self.spec if self.caught_up else self.spec.while_catching_up()
 
     def _interval(self, now: float) -> int:
         return int((now - self.started) / self.spec.records_interval_s)
@@ -69,9 +77,12 @@ class RankSegmentLoop:
         self.step_interval = self._interval(now)
         return self.leads_group and self.step_interval > self.sent_in
 
-    def committed(self, record: StepRecord, pause: bool, records_due: bool, now: float) -> AfterCommit:
-        """The step of ``record`` committed at ``now``; ``pause`` and ``records_due``: what the
-        ranks agreed in its vote and cross-group sum."""
+    def committed(self, record: StepRecord, pause: bool, records_due: bool, now: float,
+                  caught_up: bool = True) -> AfterCommit:
+        """The step of ``record`` committed at ``now``; ``pause``, ``records_due`` and
+        ``caught_up`` (every joining rank holds the state after it): what the ranks agreed in its
+        vote and cross-group sum."""
+        self.caught_up = self.caught_up or caught_up
         if self.leads_group:  # every rank of the group decided the same record
             self.records.append(replace(record, step_s=now - self.lap))
         self.lap = now

@@ -37,7 +37,6 @@ from elastic.core.data_plan import group_weights
 from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
 from elastic.core.exits import Ending, Exit
-from elastic.core.topology import Position
 from elastic.core.faults import FaultSchedule
 from elastic.core.goodput import TimeLedger
 from elastic.core.membership import GroupStage, Membership
@@ -200,7 +199,9 @@ class Controller:
                         self.groups.rebuild_replicas()
                     if self.straggler_actions_ready():
                         self.groups.apply_straggler_actions(self.stragglers.take())
-                    self.groups.settle(self.deadline.typical_s())
+                    self.groups.settle(self.deadline.typical_s(), overlap_heal=not self.eval_due())
+                    if self.groups.start_failed():  # the run does not step next: joined groups heal now
+                        self.state_sources.heal_pending_now()
                 if self.groups.start_failed():
                     return AtBoundary()
                 return Evaluating() if self.eval_due() else Stepping()
@@ -251,13 +252,14 @@ class Controller:
         self.pause_requested = False
         self.charged_until = started
         outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
+        not_caught_up = self.state_sources.caught_up(spec.first_step, outcome.healed)
         settled = max(outcome.committed_until, self.charged_until)
         self.ledger.charge("committed", settled - self.charged_until)
         discarded = outcome.failure is not None or outcome.nonfinite is not None
         self.ledger.charge("discarded" if discarded else "committed", self.clock() - settled)
-        if outcome.failure is not None:
-            return Recovering(outcome.failure.diagnosis, FailedWork.STEP, outcome.committed_until,
-                              outcome.failure.seen_at)
+        if outcome.failure is not None or not_caught_up:  # a joining group that holds no state reported failing
+            failure = outcome.failure or FailureSeen(Diagnosis({}, not_caught_up, {}), self.clock())
+            return Recovering(failure.diagnosis, FailedWork.STEP, outcome.committed_until, failure.seen_at)
         if outcome.nonfinite is not None:  # every rank discarded it: tried again from the same state
             step = outcome.nonfinite
             self.history.discard_nonfinite(step)
@@ -279,6 +281,7 @@ class Controller:
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
             deadline_s=self.deadline.seconds(), records_interval_s=RECORDS_INTERVAL_S, loss_scale=self.history.loss_scale,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
+            catch_up=self.state_sources.take_catch_up(),
         )
 
     def next_boundary(self) -> int:
@@ -379,6 +382,8 @@ class Controller:
                 self.groups.rebuild(group)
         if diagnosis.corrupt:
             diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.verified_step)
+        # groups joined to catch up that no segment saw catch up hold no state
+        diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | self.state_sources.unconfirmed())
         plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
         if failure.failed in (FailedWork.STEP, FailedWork.EVALUATION):  # what failed is said before what it costs
             self.events.emit(
@@ -425,8 +430,3 @@ class Controller:
         self.events.emit(EventKind.FINAL_CHECKPOINT_MISSED, step=self.history.step, reason=str(reason), grace_s=grace_s)
         return replace(reason, final_checkpoint_missed_at=self.history.step)
 
-    def final_state(self) -> dict[Position, list]:
-        """Committed local parameter shards of the first live group, by position."""
-        _, ranks = self.groups.saving_group()
-        shards = self.fleet.local_parameters(ranks)
-        return {self.topology.position_of(rank): shards[rank] for rank in ranks}

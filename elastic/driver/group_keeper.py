@@ -20,6 +20,7 @@ from elastic.core.events import EventKind
 from elastic.core.memory_tier import BuddyPairing
 from elastic.core.membership import Broken, Built, GroupStage, Placed, Started
 from elastic.core.policies import ScalingPolicy
+from elastic.core.topology import Position
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
 from elastic.driver.run_context import RunContext
@@ -157,12 +158,18 @@ class GroupKeeper:
         """What the waiting groups have reached: it changes while any of them moves on."""
         return tuple((group, stage, self.started.get(group)) for group, stage in self.membership.waiting_groups().items())
 
-    def join_ready_groups(self) -> bool:
+    def join_ready_groups(self, overlap_heal: bool = False) -> bool:
+        """Join the groups built; ``overlap_heal``: the run steps next, so they may take the
+        state while it does (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
         if not ready:
             return False
+        live = self.membership.live_groups()
+        # Below the minimum the live groups were not stepping: the groups heal first and the
+        # steps keep their split (a model that draws random numbers draws them as it would have).
+        overlap_heal = overlap_heal and not self.scaling.below_minimum(len(live))
         try:
-            self.state_sources.load(ready, self.membership.live_groups())
+            self.state_sources.load(ready, live, overlap_heal)
         except FleetError:
             for group in ready:  # what they hold now is unknown: build them afresh
                 self.membership.apply(group, Broken())
@@ -200,19 +207,20 @@ class GroupKeeper:
             self.reserve_group()
         self.spares.tend(bool(self.membership.live_groups()), self.history.step)
 
-    def settle(self, wait_for_spares_s: float = 0.0) -> None:
+    def settle(self, wait_for_spares_s: float = 0.0, overlap_heal: bool = False) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
         (returns early when a group failed to start: the controller recovers first).
 
         A group coming back on warm spares is built in well under a step: it is waited for,
         up to ``wait_for_spares_s``, rather than leave the survivors to start a step alone
-        at twice its time and keep the group waiting at the boundary until it ends."""
+        at twice its time and keep the group waiting at the boundary until it ends.
+        ``overlap_heal``: the run steps next, so groups that join may catch up as it does."""
         self.grow()
         waited_from = progressed_at = self.clock()
         reached = self.progress()
         while not self._failed_starts:
             self.advance_groups()
-            self.join_ready_groups()
+            self.join_ready_groups(overlap_heal)
             live = len(self.membership.live_groups())
             coming = (bool(self.on_spares & set(self.membership.groups))
                       and self.clock() - waited_from < wait_for_spares_s)
@@ -238,6 +246,12 @@ class GroupKeeper:
         """The live group whose ranks save checkpoints (and report the final state), and its ranks."""
         group = self.membership.live_groups()[0]
         return group, self.topology.ranks_of([group])
+
+    def final_state(self) -> dict[Position, list]:
+        """Committed local parameter shards of the saving group, by position."""
+        _, ranks = self.saving_group()
+        shards = self.fleet.local_parameters(ranks)
+        return {self.topology.position_of(rank): shards[rank] for rank in ranks}
 
     # on the way out
 

@@ -23,12 +23,21 @@ so every live group holds the same state when the next segment starts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from elastic.core.diagnosis import diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
-from elastic.core.protocol import GroupRecords, NonFinite, RankOutcome, SegmentEnd, SegmentRecords, SegmentSpec, StepRecord
+from elastic.core.protocol import (
+    GroupRecords,
+    HealReceipt,
+    NonFinite,
+    RankOutcome,
+    SegmentEnd,
+    SegmentRecords,
+    SegmentSpec,
+    StepRecord,
+)
 from elastic.fleet.api import FleetApi, SegmentStream
 from elastic.driver.outcome_collector import ABORT_SETTLE_S, FailureSeen, OutcomeCollector, receive_into
 
@@ -50,6 +59,7 @@ class SegmentOutcome:
     failure: FailureSeen | None  # None: the segment paused at next_step as planned or asked
     committed_until: float  # clock time of the last committed step (or of the segment's start)
     nonfinite: NonFinite | None = None  # the segment stopped on a step whose loss or norm was not finite
+    healed: dict[int, HealReceipt] = field(default_factory=dict)  # the joining ranks' catch-ups, by rank
 
 
 class SegmentInbox:
@@ -71,6 +81,7 @@ class SegmentInbox:
         self.committed_until = started  # when the last was
         self.nonfinite: NonFinite | None = None
         self.mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
+        self.healed: dict[int, HealReceipt] = {}
 
     def file(self, arrived) -> list[tuple[int, RankOutcome | None]]:
         """File the records among the messages that arrived and hand on the steps now
@@ -95,6 +106,8 @@ class SegmentInbox:
                 self.nonfinite = self.nonfinite or message.nonfinite
                 if message.integrity is not None:
                     self.mismatches[message.integrity.position] = message.integrity
+                if message.healed is not None:
+                    self.healed[rank] = message.healed
                 message = message.failure or RankOutcome(rank, message.next_step)
             finals.append((rank, message))
         self.commit_complete()
@@ -172,9 +185,10 @@ class SegmentWatch:
             if not failed:
                 between()
         if not failed and inbox.mismatches:
-            return self.integrity_failed(list(inbox.mismatches.values()), inbox.next, inbox.committed_until)
+            return replace(self.integrity_failed(list(inbox.mismatches.values()), inbox.next, inbox.committed_until),
+                           healed=inbox.healed)
         if not failed:
-            return SegmentOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite)
+            return SegmentOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite, inbox.healed)
         if inbox.only_victims_reported(hung):
             # Only victims have reported so far. A peer that died tells it through its own
             # stream, which the wait on first ranks skipped: read every stream for that long.
@@ -201,7 +215,8 @@ class SegmentWatch:
         while inbox.next < reached:  # steps a healthy group committed that a broken one never reported
             inbox.commit_next()
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | behind)
-        return SegmentOutcome(inbox.next, replace(failure, diagnosis=diagnosis), inbox.committed_until)
+        return SegmentOutcome(inbox.next, replace(failure, diagnosis=diagnosis), inbox.committed_until,
+                              healed=inbox.healed)
 
     def integrity_failed(self, mismatches: list[IntegrityMismatch], next_step: int,
                          committed_until: float) -> SegmentOutcome:

@@ -1,7 +1,10 @@
 """Where a group's training state comes from when it joins the quorum, and which step the run
 then stands at. In order of preference:
 
-1. a live group (a peer): its ranks copy their state to the joining groups' ranks;
+1. a live group (a peer): its ranks copy their state to the joining groups' ranks, rank to
+   rank. Where the next thing the run does is step, the joining groups join at once and
+   catch up while every group steps (``CatchUp``: the live groups never wait for the copy);
+   else, and for a group whose catch-up failed, the copy is made at the boundary;
 2. with no group live, the memory tier: the newest step every joining rank's copy is held
    for in host memory (its own or its buddy's);
 3. the newest committed checkpoint;
@@ -26,6 +29,7 @@ from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind
 from elastic.core.loss_scale import restored_loss_scale
 from elastic.core.memory_tier import plan_memory_restore
+from elastic.core.protocol import CatchUp, HealReceipt
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.driver.run_context import RunContext
 from elastic.driver.stopped import TrainingStopped
@@ -45,16 +49,75 @@ class StateSources:
         # After an integrity mismatch: the newest step a restore may take the state from (a
         # later checkpoint may hold the corruption). None: the newest checkpoint.
         self.trusted_until: int | None = None
+        self.pending: CatchUp | None = None  # joined, catching up in the next segment
+        self.catching_up: CatchUp | None = None  # handed to the segment in flight, until its end
+        self.source_group: dict[int, int] = {}  # a catching-up group's source
+        self.heal_at_boundary: set[int] = set()  # groups whose catch-up failed: healed at the boundary next
 
-    def load(self, groups: list[int], live: tuple[int, ...]) -> None:
+    def load(self, groups: list[int], live: tuple[int, ...], overlap: bool = False) -> None:
         """Give ``groups``, on their way into the quorum, the run's state (nothing to give
-        before the first committed step: every group built holds the initial state)."""
+        before the first committed step: every group built holds the initial state).
+        ``overlap``: the run steps next, so they may catch up while it does."""
         if self.history.has_state:
-            if live:
+            if live and overlap and not self.heal_at_boundary & set(groups):
+                self._catch_up(groups, live[0])
+            elif live:
                 self._heal_from_peers(groups, live[0])
             else:
                 self._restore(groups)
         self.trusted_until = None
+
+    def _catch_up(self, groups: list[int], source_group: int) -> None:
+        sources = self.topology.global_ranks(source_group)
+        pairs = {target: source for group in groups
+                 for source, target in zip(sources, self.topology.global_ranks(group))}
+        pending = self.pending or CatchUp({}, frozenset())
+        self.pending = CatchUp({**pending.sources, **pairs}, pending.groups | set(groups))
+        self.source_group.update(dict.fromkeys(groups, source_group))
+
+    def take_catch_up(self) -> CatchUp | None:
+        """The catch-up the next segment carries (``CatchUp``): the groups joined since the last."""
+        self.catching_up, self.pending = self.pending, None
+        return self.catching_up
+
+    def heal_pending_now(self) -> None:
+        """The run does not step next: the groups joined to catch up are healed now instead."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._heal_from_peers(sorted(pending.groups), self.source_group[min(pending.groups)])
+
+    def caught_up(self, first_step: int, healed: dict[int, HealReceipt]) -> frozenset[int]:
+        """The segment from ``first_step`` that carried the catch-up ended, with the joining ranks' ``healed``
+        receipts: each group all of whose ranks caught up is healed; returns the others (they
+        hold no state: their groups build again, and heal at the boundary next)."""
+        catch_up, self.catching_up = self.catching_up, None
+        if catch_up is None:
+            return frozenset()
+        failed = set()
+        for group in sorted(catch_up.groups):
+            receipts = [healed.get(rank) for rank in self.topology.global_ranks(group)]
+            if None in receipts:
+                failed.add(group)
+                continue
+            # Said when the segment ends, where the receipts travel: ``caught_up_at`` is the
+            # step from which the group took its share, ``seconds`` the copy's from the segment's start.
+            caught_up_steps = max(receipt.caught_up_steps for receipt in receipts)
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=self.source_group.pop(group),
+                             seconds=round(max(receipt.seconds for receipt in receipts), 4),
+                             rank_to_rank_bytes=sum(receipt.bytes for receipt in receipts), object_store_bytes=0,
+                             overlapped=True, caught_up_steps=caught_up_steps,
+                             caught_up_at=first_step + caught_up_steps + 1)
+        self.heal_at_boundary |= failed
+        return frozenset(failed)
+
+    def unconfirmed(self) -> frozenset[int]:
+        """Groups joined to catch up whose catch-up no segment confirmed (a control call failed
+        first): they hold no state."""
+        groups = set()
+        for catch_up in (self.pending, self.catching_up):
+            groups |= catch_up.groups if catch_up is not None else set()
+        self.pending = self.catching_up = None
+        return frozenset(groups)
 
     def after_mismatch(self, diagnosis: Diagnosis, verified_step: int) -> Diagnosis:
         """Replicas disagreed: no state after ``verified_step`` (the last check passed) is
@@ -84,6 +147,7 @@ class StateSources:
             pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
         ])
         seconds = self.clock() - started
+        self.heal_at_boundary -= set(groups)
         self.timing.add("heal_s", seconds)
         for copy in copies:
             if copy.fallback:

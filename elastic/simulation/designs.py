@@ -454,7 +454,7 @@ class _GroupReplay:
         heal = self.timeline.stall(at, self.heal_s())
         regroup = self.timeline.stall(heal[1], self.rejoin_s())
         self.busy_until = max(self.busy_until, regroup[1])
-        outs = {group: [since, regroup[1]] for group, since in groups.items()}
+        outs = {group: [since, regroup[1] + self.catch_up_s()] for group, since in groups.items()}
         self.timeline.outs += outs.values()
         self.joining = _Join(outs, heal, regroup)
 
@@ -487,6 +487,11 @@ class _GroupReplay:
         return 0.0
 
     def heal_s(self) -> float:
+        """The heal every group waits for."""
+        return 0.0
+
+    def catch_up_s(self) -> float:
+        """The heal the joining groups take while every group steps: they stay out for it."""
         return 0.0
 
     def rejoin_s(self) -> float:
@@ -533,7 +538,9 @@ class _Ours(_GroupReplay):
         """The survivors wait for a group on warm spares up to a typical step (GroupKeeper.settle)."""
         return min(back_s, self.deadline.typical_s())
 
-    def heal_s(self) -> float:
+    def catch_up_s(self) -> float:
+        """The joining groups take the state rank to rank while every group steps
+        (``elastic.core.protocol.CatchUp``): nobody waits for the copy."""
         return self.job.heal_bytes_per_gpu / self.costs.heal_bandwidth
 
     def rejoin_s(self) -> float:
