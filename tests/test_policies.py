@@ -1,6 +1,6 @@
 """Control-plane policies on plain data and a fake clock."""
 
-from elastic.core.policies import ScalingPolicy
+from elastic.core.policies import ScalingPolicy, catch_up_pays
 
 
 def test_a_group_evicted_as_a_straggler_is_not_regrown_until_its_cooldown_ends():
@@ -17,3 +17,14 @@ def test_the_ceiling_never_drops_below_the_minimum():
     scaling.hold_back_one(until=100.0)
     assert scaling.wants_more(1, now=0.0)
     assert not scaling.wants_more(2, now=0.0)
+
+
+def test_a_catch_up_pays_where_the_copy_outlasts_the_joining_groups_share_of_the_steps_it_spans():
+    # unmeasured: catch up, what a large state needs
+    assert catch_up_pays(None, 1.0, live=1, joining=1)
+    # a copy of 10 ms against 1 s steps: the live groups would take a half step's samples for it
+    assert not catch_up_pays(0.01, 1.0, live=1, joining=1)
+    # a copy of 30 s: at 7 live groups and 1 joining, an eighth of the rate for 30 steps, 3.75 s
+    assert catch_up_pays(30.0, 1.0, live=7, joining=1)
+    # one group of two joining: half the rate for the copy's whole steps, against all of it
+    assert catch_up_pays(2.5, 1.0, live=1, joining=1) and not catch_up_pays(0.4, 1.0, live=1, joining=1)

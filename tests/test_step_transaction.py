@@ -232,7 +232,7 @@ def catch_up(rank: int, spec: RankSpec, world: World) -> dict:
             copying.submit(lambda: send_state([world.heal_pair("catch-up-test", 0, 1)], state))
         if step == 1 and rank == 1:
             arrived = received.result(TIMEOUT_S)
-            arriving.set_result((arrived, 0))
+            arriving.set_result((arrived, 0, 0.0))
     copying.shutdown()
     return {"caught_up": caught_up, "receipt": transaction.joining.take_receipt(),
             "holds_state": transaction.joining.holds_state,

@@ -49,7 +49,6 @@ class CatchingUp:
     def __init__(self, arriving: Future, source: int):
         self.arriving = arriving
         self.source = source
-        self.started = time.perf_counter()
         self.kept: list[KeptUpdate] = []
 
     def arrived(self) -> bool:
@@ -69,9 +68,9 @@ class CatchingUp:
         step: it keeps a copy of its gradients per step, so only so many."""
         return len(self.kept) >= MAX_KEPT_UPDATES
 
-    def state(self, timeout: float | None = None) -> tuple[dict, int]:
-        """The state of the segment's first step, as it landed, and its bytes; raises what the
-        copy raised (``HealFailed``), or ``TimeoutError`` after ``timeout``."""
+    def state(self, timeout: float | None = None) -> tuple[dict, int, float]:
+        """The state of the segment's first step, as it landed, its bytes and the copy's
+        seconds; raises what the copy raised (``HealFailed``), or ``TimeoutError`` after ``timeout``."""
         try:
             return self.arriving.result(timeout)
         except TimeoutError:
@@ -80,8 +79,8 @@ class CatchingUp:
             raise HealFailed(f"the state from rank {self.source} did not arrive: {type(error).__name__}: {error}") \
                 from error
 
-    def receipt(self, nbytes: int) -> HealReceipt:
-        return HealReceipt(self.source, nbytes, time.perf_counter() - self.started, len(self.kept))
+    def receipt(self, nbytes: int, seconds: float) -> HealReceipt:
+        return HealReceipt(self.source, nbytes, seconds, len(self.kept))
 
 
 def begin_copies(pool: ThreadPoolExecutor, catch_up: CatchUp, name: str, rank: int, world: World,
@@ -97,8 +96,9 @@ def begin_copies(pool: ThreadPoolExecutor, catch_up: CatchUp, name: str, rank: i
         return None
     source = catch_up.sources[rank]
 
-    def receive() -> tuple[dict, int]:
+    def receive() -> tuple[dict, int, float]:
+        started = time.perf_counter()
         state = receive_state(world.heal_pair(name, source, rank))
-        return state, nbytes(state)
+        return state, nbytes(state), time.perf_counter() - started
 
     return CatchingUp(pool.submit(receive), source)

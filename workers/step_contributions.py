@@ -396,14 +396,14 @@ class JoiningRank(Contribution):
         catching_up, self.catching_up = self.catching_up, None
         if catching_up is None:
             return
-        state, nbytes = catching_up.state()
+        state, nbytes, seconds = catching_up.state()
         import_local_state(self.model, self.optimizer, state)
         rng.restore(state["rng"])
         for kept in catching_up.kept:
             self._write_gradients(kept.gradients)
             self.apply(kept.lr_scale, kept.grad_scale)
             self.expert_balance.replay(kept.routed)
-        self.healed, self.holds_state = catching_up.receipt(nbytes), True
+        self.healed, self.holds_state = catching_up.receipt(nbytes, seconds), True
 
     def take_receipt(self) -> HealReceipt | None:
         receipt, self.healed = self.healed, None

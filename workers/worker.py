@@ -223,7 +223,7 @@ class RankWorker:
             if spec.catch_up is not None:
                 self.transaction.joining.begin(begin_copies(
                     self.copies, spec.catch_up, f"catch-up{spec.attempt}", self.spec.global_rank, self.world,
-                    self.export_state, state_bytes))
+                    self._host_state, state_bytes))
             yield from self._steps(spec, faults)
         finally:
             self.signals.end()
@@ -322,6 +322,9 @@ class RankWorker:
 
     def export_state(self) -> dict:
         """Committed state in host memory, for the object store: the heal's fallback."""
+        return self._host_state()
+
+    def _host_state(self) -> dict:
         return {**export_local_state(self.model, self.optimizer), "rng": rng.capture(self.spec.use_gpu)}
 
     def import_state(self, state: dict) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +19,19 @@ def segment_boundary(step: int, steps: int, every: tuple[int, ...], fault_step: 
     if fault_step is not None:
         stops.append(fault_step)
     return max(step + 1, min(stops))
+
+
+def catch_up_pays(copy_s: float | None, step_s: float, live: int, joining: int) -> bool:
+    """Whether groups joining take the state while the live groups step (``CatchUp``) rather
+    than at the boundary, every group waiting. Waiting costs the whole job the copy's
+    ``copy_s``; catching up costs it the joining groups' share of the step rate for the whole
+    steps the copy lasts (one at least: the live groups take their samples). ``copy_s``: how
+    long the run's last copy took, None before it has one (the catch-up then, which is what
+    a large state needs); ``step_s``: a typical step, 0 before one is timed."""
+    if copy_s is None or step_s <= 0:
+        return True
+    steps = max(1, math.ceil(copy_s / step_s))
+    return steps * step_s * joining / (live + joining) < copy_s
 
 
 class StepDeadline:

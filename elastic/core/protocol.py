@@ -292,8 +292,7 @@ class NonFinite:
 @dataclass(frozen=True)
 class HealReceipt:
     """A joining rank's catch-up (``CatchUp``), done: the bytes it received from ``source``, the
-    seconds from the segment's start until it held the state of the step it stands at, and the
-    committed steps it applied after loading the state."""
+    copy's seconds, and the committed steps it applied after loading the state."""
 
     source: int
     bytes: int

@@ -19,7 +19,7 @@ from elastic.core.diagnosis import Cause, Diagnosis, merged
 from elastic.core.events import EventKind
 from elastic.core.memory_tier import BuddyPairing
 from elastic.core.membership import Broken, Built, GroupStage, Placed, Started
-from elastic.core.policies import ScalingPolicy
+from elastic.core.policies import ScalingPolicy, catch_up_pays
 from elastic.core.topology import Position
 from elastic.core.protocol import describe_error
 from elastic.core.straggler_mitigation import StragglerActions, StragglerMitigation
@@ -158,16 +158,17 @@ class GroupKeeper:
         """What the waiting groups have reached: it changes while any of them moves on."""
         return tuple((group, stage, self.started.get(group)) for group, stage in self.membership.waiting_groups().items())
 
-    def join_ready_groups(self, overlap_heal: bool = False) -> bool:
-        """Join the groups built; ``overlap_heal``: the run steps next, so they may take the
-        state while it does (``state_sources``)."""
+    def join_ready_groups(self, overlap_heal: bool = False, step_s: float = 0.0) -> bool:
+        """Join the groups built; ``overlap_heal``: the run steps next (a typical step of
+        ``step_s``), so they may take the state while it does (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
         if not ready:
             return False
         live = self.membership.live_groups()
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
-        overlap_heal = overlap_heal and not self.scaling.below_minimum(len(live))
+        overlap_heal = (overlap_heal and not self.scaling.below_minimum(len(live))
+                        and catch_up_pays(self.state_sources.copy_s, step_s, len(live), len(ready)))
         try:
             self.state_sources.load(ready, live, overlap_heal)
         except FleetError:
@@ -207,12 +208,12 @@ class GroupKeeper:
             self.reserve_group()
         self.spares.tend(bool(self.membership.live_groups()), self.history.step)
 
-    def settle(self, wait_for_spares_s: float = 0.0, overlap_heal: bool = False) -> None:
+    def settle(self, step_s: float = 0.0, overlap_heal: bool = False) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
         (returns early when a group failed to start: the controller recovers first).
 
         A group coming back on warm spares is built in well under a step: it is waited for,
-        up to ``wait_for_spares_s``, rather than leave the survivors to start a step alone
+        up to a typical step (``step_s``), rather than leave the survivors to start a step alone
         at twice its time and keep the group waiting at the boundary until it ends.
         ``overlap_heal``: the run steps next, so groups that join may catch up as it does."""
         self.grow()
@@ -220,10 +221,10 @@ class GroupKeeper:
         reached = self.progress()
         while not self._failed_starts:
             self.advance_groups()
-            self.join_ready_groups(overlap_heal)
+            self.join_ready_groups(overlap_heal, step_s)
             live = len(self.membership.live_groups())
             coming = (bool(self.on_spares & set(self.membership.groups))
-                      and self.clock() - waited_from < wait_for_spares_s)
+                      and self.clock() - waited_from < step_s)
             if live and not self.scaling.below_minimum(live) and not coming:
                 return
             if self.progress() != reached:  # a group moved on: the wait is for capacity, not progress

@@ -53,6 +53,7 @@ class StateSources:
         self.catching_up: CatchUp | None = None  # handed to the segment in flight, until its end
         self.source_group: dict[int, int] = {}  # a catching-up group's source
         self.heal_at_boundary: set[int] = set()  # groups whose catch-up failed: healed at the boundary next
+        self.copy_s: float | None = None  # how long the run's last copy from a peer took
 
     def load(self, groups: list[int], live: tuple[int, ...], overlap: bool = False) -> None:
         """Give ``groups``, on their way into the quorum, the run's state (nothing to give
@@ -100,10 +101,11 @@ class StateSources:
                 failed.add(group)
                 continue
             # Said when the segment ends, where the receipts travel: ``caught_up_at`` is the
-            # step from which the group took its share, ``seconds`` the copy's from the segment's start.
+            # step from which the group took its share, ``seconds`` its slowest copy's.
             caught_up_steps = max(receipt.caught_up_steps for receipt in receipts)
+            self.copy_s = max(receipt.seconds for receipt in receipts)
             self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=self.source_group.pop(group),
-                             seconds=round(max(receipt.seconds for receipt in receipts), 4),
+                             seconds=round(self.copy_s, 4),
                              rank_to_rank_bytes=sum(receipt.bytes for receipt in receipts), object_store_bytes=0,
                              overlapped=True, caught_up_steps=caught_up_steps,
                              caught_up_at=first_step + caught_up_steps + 1)
@@ -147,6 +149,7 @@ class StateSources:
             pair for group in groups for pair in zip(sources, self.topology.global_ranks(group))
         ])
         seconds = self.clock() - started
+        self.copy_s = seconds
         self.heal_at_boundary -= set(groups)
         self.timing.add("heal_s", seconds)
         for copy in copies:
