@@ -16,7 +16,7 @@ from elastic.cli import main
 from elastic.setup.hooks import resolve_hooks
 from elastic.setup.errors import ConfigError
 from elastic.testing.losses import max_relative_difference
-from tests.reference import reference_run, reference_trace
+from tests.reference import reference_trace
 from tests.test_pretrained import (
     as_trained, exports_back_bit_for_bit, first_batch_loss_of, tiny_qwen3_moe, write_checkpoint,
 )
@@ -184,20 +184,21 @@ def test_experts_split_over_the_ranks_give_each_token_and_each_expert_what_one_p
 
 
 @pytest.mark.parametrize("layout", [
-    {"scaling__pp": 2},
+    # pp 2 alone: its 1F1B schedule is pp2-ep2-balanced's, its stages' whole experts interleaved's
     {"scaling__pp": 2, "shard": 2, "scaling__ep": 2, **BALANCED},
     {"scaling__pp": 2, "scaling__pp_stages_per_rank": 2, "scaling__pp_schedule": "Interleaved1F1B",
      "compute__activation_checkpointing": "full", "model__n_layers": 4, **BALANCED},
     {"shard": 2, "scaling__ep": 2, "tp": 2, **BALANCED},
-    {"shard": 4, "scaling__ep": 2, **BALANCED},
+    # shard 4 with ep 2, balanced, each rank's experts sharded along the experts: the last leg
+    # of the faults-and-resumes test below, its losses and loads the single process's
     {"shard": 4, "scaling__ep": 2, "model__experts": 2, "model__experts_per_token": 1},
     # Every block a mixture of experts: the dense block's compile (a third of the test's time)
     # is tests/test_training.py's compiled run's.
     {"shard": 2, "scaling__ep": 2, "compute__compile": True, "model__dense_layers": 0, **BALANCED},
     {"shard": 2, "tp": 2, "scaling__sequence_parallel": False, "model__qk_norm": True, "model__head_dim": 16,
      "model__normalize_top_k": False},
-], ids=["pp2", "pp2-ep2-balanced", "interleaved-checkpointed-balanced", "ep2-tp2-balanced",
-        "shard4-ep2-balanced", "shard4-ep2-experts-sharded-by-rows", "ep2-compiled-balanced",
+], ids=["pp2-ep2-balanced", "interleaved-checkpointed-balanced", "ep2-tp2-balanced",
+        "shard4-ep2-experts-sharded-by-rows", "ep2-compiled-balanced",
         "shard2-tp2-no-sp-qwen3"])
 def test_experts_in_pipeline_stages_and_tensor_parallel_rows_train_the_single_process_losses(
         ray_cluster, tmp_path, layout):
@@ -238,50 +239,6 @@ def test_layouts_and_shapes_the_experts_cannot_hold_are_refused_in_one_line(tmp_
         tiny_config(tmp_path, model__init_from=str(tmp_path / "llama"), **EXPERTS)
 
 
-def test_balanced_experts_train_the_single_process_losses_through_a_kill_a_hang_a_flip_and_a_resume(
-        ray_cluster, tmp_path):
-    """Two groups of shard 2 (FSDP2 shards the expert stacks along the experts), neither
-    training without the other, the experts balanced by DeepSeek-V3's bias and its balance
-    loss (each sequence's in the gradient, weighted by its share of the loss): a rank killed, a
-    rank hung, a bit flipped in one (found by the integrity check, both groups back to a
-    verified state). The bias moves only when a step commits, by the tokens every rank of
-    every group routed: the integrity check, which reads it as it reads every parameter, finds
-    the groups' copies equal at every other check. Then the run resumes from its checkpoint
-    as one group of one rank. Every committed loss, and every weight and bias exported after
-    it, is the single process's."""
-    first, steps = 9, 13
-    inject = "kill:rank=1,step=2;hang:rank=2,step=4;flip:rank=3,step=6"
-    balanced = {**EXPERTS, **BALANCED}
-    config = tiny_config(tmp_path, groups=2, min_groups=2, shard=2, steps=first, checkpoint__every=first,
-                         integrity__every=3, fault_tolerance__inject=inject, fault_tolerance__min_deadline_s=3.0,
-                         fault_tolerance__deadline_factor=4.0, **balanced)
-    result = ElasticTrainer(config).fit()
-    assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
-    failed = sorted((e["step"], e["rank"], e["cause"]) for e in result.summary["events"] if e["kind"] == "rank-failed")
-    assert failed == [(2, 1, "death"), (4, 2, "hang")]
-    assert [e["step"] for e in result.summary["events"] if e["kind"] == "integrity-mismatch"] == [6]
-    resumed = ElasticTrainer(tiny_config(tmp_path, steps=steps, **balanced)).fit()
-    assert resumed.ok, resumed.exit
-    assert resumed.summary["resumed_from_step"] == first
-    trace = reference_trace(config, steps)
-    reference, parameters = trace.losses, trace.params
-    assert max_relative_difference(result.losses + resumed.losses, reference) <= 1e-5
-    # each step's load, from the tokens every rank of every group routed: the one process's
-    recorded = [step["expert_load"] for step in result.summary["steps"] + resumed.summary["steps"]]
-    assert recorded == [{str(layer): load for layer, load in loads.items()} for loads in trace.expert_loads]
-    assert all(load >= 1.0 for loads in recorded for load in loads.values())
-    # Out whole, in the model's own names: the single process's weights; HuggingFace's names
-    # are a dense Llama's, refused in one line.
-    assert main(["export", resumed.run_dir, "--output", str(tmp_path / "native")]) == 0
-    exported = load_file(tmp_path / "native" / "model.safetensors")
-    names = [name for name, _ in resolve_hooks(config).model_fn().named_parameters()]
-    assert exported["layers.1.feed_forward.experts.w1"].shape == (4, 48, 32)
-    assert exported["layers.1.feed_forward.expert_bias"].abs().sum() > 0  # it moved, step by step
-    for name, parameter in zip(names, parameters, strict=True):
-        torch.testing.assert_close(exported[name], parameter, rtol=1e-4, atol=1e-5, msg=name)
-    assert main(["export", resumed.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2
-
-
 def tiny_mixtral(transformers):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -313,14 +270,21 @@ def test_a_tiny_moe_saved_by_transformers_trains_from_its_loss_and_exports_back_
 
 def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_and_resumes_at_another_ep(
         ray_cluster, tmp_path):
-    """Two groups of shard 2 with the experts split over each group's two ranks (ep 2), the
-    bias balancing them: a rank killed, a bit flipped, a rank hung (its peer waits in the
-    all-to-all: the hung one is the culprit), then both copies of one rank's experts killed at
-    once (the memory tier restores them; no checkpoint is read). Saved at ep 2, resumed at ep 1
-    (FSDP2 shards the experts), saved again and resumed at shard 4 with ep 2 (FSDP2 shards each
-    rank's experts over the two blocks of ep ranks), a rank killed there: DCP reshards the
-    experts by name, and every committed loss is the single process's."""
-    balanced = {**EXPERTS, "model__expert_bias_rate": 0.01, "model__router_scores": "sigmoid"}
+    """Two groups of shard 2 with the experts split over each group's two ranks (ep 2), neither
+    training without the other, the experts balanced by DeepSeek-V3's bias and its balance loss
+    (each sequence's in the gradient, weighted by its share of the loss): a rank killed, a bit
+    flipped (found by the integrity check, which reads the bias as it reads every parameter), a
+    rank hung (its peer waits in the all-to-all: the hung one is the culprit), then both copies
+    of one rank's experts killed at once (the memory tier restores them; no checkpoint is read).
+    The bias moves only when a step commits, by the tokens every rank of every group routed.
+    Saved at ep 2, resumed at ep 1 (FSDP2 shards the experts), saved again and resumed at shard
+    4 with ep 2 (FSDP2 shards each rank's experts over the two blocks of ep ranks), a rank
+    killed there: DCP reshards the experts by name. Every committed loss and each step's load,
+    and every weight and bias exported after it, is the single process's.
+
+    (One run for what were two: the same faults on two groups of shard 2 at ep 1, resumed as
+    one rank, proved nothing this one does not: ep 1 at shard 2 is its second leg.)"""
+    balanced = {**EXPERTS, **BALANCED}
     # The hang replaces rank 2, rank 1's buddy, and its copies go with it. A rank sends a
     # snapshot once its buddy has the one before: by step 10, the snapshot of step 8 has gone
     # out, so the buddy surely holds step 6's. (At step 6, only step 4's had been sent, and it
@@ -331,12 +295,13 @@ def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_an
                   "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
             (14, {}),
             (18, {"shard": 4, "scaling__ep": 2, "fault_tolerance__inject": "kill:rank=2,step=16"})]
-    losses = []
+    losses, records = [], []
     for stop, layout in legs:
         config = tiny_config(tmp_path, steps=stop, **{"shard": 2, "checkpoint__every": 2, **balanced, **layout})
         result = ElasticTrainer(config).fit()
         assert result.ok, (result.exit, [e for e in result.summary["events"] if "checkpoint" not in e["kind"]])
         losses += result.losses
+        records += result.summary["steps"]
         if layout.get("groups"):
             events = result.summary["events"]
             failed = sorted((e["step"], e["rank"], e["cause"]) for e in events if e["kind"] == "rank-failed")
@@ -346,5 +311,19 @@ def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_an
             assert "restored-from-memory" in kinds and "restored-from-checkpoint" not in kinds
         if layout.get("shard") == 4:
             assert [(e["step"], e["rank"]) for e in result.summary["events"] if e["kind"] == "rank-failed"] == [(16, 2)]
-    reference, _ = reference_run(config, 18)
-    assert max_relative_difference(losses, reference) <= 1e-5
+    trace = reference_trace(config, 18)
+    assert max_relative_difference(losses, trace.losses) <= 1e-5
+    # each step's load, from the tokens every rank of every group routed: the one process's
+    recorded = [step["expert_load"] for step in records]
+    assert recorded == [{str(layer): load for layer, load in loads.items()} for loads in trace.expert_loads]
+    assert all(load >= 1.0 for loads in recorded for load in loads.values())
+    # Out whole from the ep 2 checkpoint, in the model's own names: the single process's
+    # weights; HuggingFace's names are a dense Llama's, refused in one line.
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "native")]) == 0
+    exported = load_file(tmp_path / "native" / "model.safetensors")
+    names = [name for name, _ in resolve_hooks(config).model_fn().named_parameters()]
+    assert exported["layers.1.feed_forward.experts.w1"].shape == (4, 48, 32)
+    assert exported["layers.1.feed_forward.expert_bias"].abs().sum() > 0  # it moved, step by step
+    for name, parameter in zip(names, trace.params, strict=True):
+        torch.testing.assert_close(exported[name], parameter, rtol=1e-4, atol=1e-5, msg=name)
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "hf"), "--format", "huggingface"]) == 2

@@ -20,7 +20,9 @@ def reference(tmp_path_factory):
 
 
 # Two groups of shard 2, and 1, 2 and 4 groups against each other at 1e-5: tests/test_training_recipe.py.
-@pytest.mark.parametrize("groups,shard,tp", [(1, 2, 1), (1, 1, 2), (2, 1, 2)])
+# Two groups of tp 2 at 1e-5, before and after both copies of a TP position are killed:
+# tests/test_faults.py's sequence-parallel test.
+@pytest.mark.parametrize("groups,shard,tp", [(1, 2, 1), (1, 1, 2)])
 def test_losses_match_single_process_reference(ray_cluster, tmp_path, reference, groups, shard, tp):
     config = tiny_config(tmp_path, groups=groups, min_groups=groups, shard=shard, tp=tp, steps=STEPS)
     result = ElasticTrainer(config).fit()
