@@ -85,25 +85,65 @@ def test_the_record_names_every_degree_with_ep():
 
 
 def test_the_mesh_names_its_dimensions_and_the_flattened_ones():
-    assert Topology(shard=2, tp=2, pp=2).mesh_shape() == ((2, 2, 2), ("pp", "shard", "tp"), {})
-    assert Topology(shard=2, tp=1, cp=2).mesh_shape() == (
-        (1, 2, 2, 1), ("pp", "shard", "cp", "tp"), {"shard_cp": ("shard", "cp")})
-    assert Topology(shard=4, tp=1, ep=2).mesh_shape() == (
-        (1, 2, 2, 1), ("pp", "expert_shard", "ep", "tp"), {"shard": ("expert_shard", "ep")})
-    # ep == shard: the mesh of ep == 1; the layout tells them apart
+    names = ("pp", "expert_shard", "ep", "cp", "tp")
+    flattened = {"shard": ("expert_shard", "ep"), "shard_cp": ("expert_shard", "ep", "cp")}
+    assert Topology(shard=2, tp=2, pp=2).mesh_shape() == ((2, 2, 1, 1, 2), names, flattened)
+    assert Topology(shard=2, tp=1, cp=2).mesh_shape() == ((1, 2, 1, 2, 1), names, flattened)
+    assert Topology(shard=4, tp=1, ep=2).mesh_shape() == ((1, 2, 2, 1, 1), names, flattened)
+    # ep == shard: no longer the mesh of ep == 1
     at_shard, unsplit = Topology(shard=2, tp=1, ep=2), Topology(shard=2, tp=1)
-    assert at_shard.mesh_shape() == unsplit.mesh_shape()
-    assert at_shard.expert_parallel and not unsplit.expert_parallel
+    assert at_shard.mesh_shape() == ((1, 1, 2, 1, 1), names, flattened)
+    assert unsplit.mesh_shape() == ((1, 2, 1, 1, 1), names, flattened)
 
 
-def test_the_config_builds_the_layout_the_default_parallelize_reads():
+LAYOUTS = [Topology(shard=1, tp=1), Topology(shard=2, tp=2, pp=2), Topology(shard=2, tp=1, cp=2),
+           Topology(shard=4, tp=2, ep=2), Topology(shard=2, tp=1, ep=2), Topology(shard=4, tp=1, ep=4, pp=2),
+           Topology(shard=8, tp=1, ep=1), Topology(shard=2, tp=2, cp=2, pp=2)]
+
+
+def test_every_degree_reads_back_from_the_mesh_alone():
+    """A parallelize_fn reads each degree from the group's mesh (``mesh[name].size()``), at degree
+    1 and at ``ep == shard`` too: the mesh's dimensions, flattened or not, give the layout's
+    degrees, the ranks FSDP2 shards over and the group's ranks."""
+    for layout in LAYOUTS:
+        shape = layout.mesh_shape()
+        assert {name: shape.size(name) for name in DEGREES} == layout.degrees(), layout
+        assert shape.size("shard_cp") == layout.parameter_shards, layout
+        assert shape.size("expert_shard") * shape.size("ep") == layout.shard, layout
+        assert shape.size("shard_cp") * shape.size("tp") == layout.fsdp_ranks, layout
+        assert shape.size("pp") * shape.size("shard_cp") * shape.size("tp") == layout.ranks_per_group, layout
+        assert (shape.size("ep") > 1) == layout.expert_parallel, layout
+        assert (shape.size("ep") > 1 and shape.size("expert_shard") == 1) == layout.experts_held_whole, layout
+
+
+def test_the_mesh_numbers_the_ranks_as_the_layout_does():
+    """The mesh's ranks, laid out in its shape, sit at the positions ``position_of`` gives them
+    (the shard index split into its block and its place in it)."""
+    import itertools
+
+    for layout in LAYOUTS:
+        shape = layout.mesh_shape()
+        for rank, index in enumerate(itertools.product(*map(range, shape.sizes))):
+            at = dict(zip(shape.names, index))
+            position = layout.position_of(rank)
+            assert (position.pp, position.shard, position.cp, position.tp) == (
+                at["pp"], at["expert_shard"] * shape.size("ep") + at["ep"], at["cp"], at["tp"]), (layout, rank)
+
+
+def test_the_default_parallelize_reads_ep_from_the_mesh_not_the_layout():
+    """ep reaches the rank by one road, the group's mesh: ``workers.parallelize`` reads no layout."""
+    source = (ROOT / "workers" / "parallelize.py").read_text()
+    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    assert "elastic.core.topology" not in imported
+
+
+def test_the_config_builds_the_layout():
     from elastic.setup.config import parse_config
-    from elastic.setup.hooks import default_parallelize
 
     config = parse_config({"scaling": {"shard": 2, "tp": 1, "ep": 2}, "model": {"experts": 4}})
     assert config.scaling.topology == Topology(shard=2, tp=1, max_groups=config.scaling.max_groups, ep=2)
-    assert default_parallelize(config).splits_experts
-    assert not default_parallelize(parse_config({"scaling": {"shard": 2, "tp": 1}})).splits_experts
+    assert config.scaling.topology.mesh_shape().size("ep") == 2
+    assert parse_config({"scaling": {"shard": 2, "tp": 1}}).scaling.topology.mesh_shape().size("ep") == 1
 
 
 # The model's shape has one owner too, ``elastic.core.model_shape.ModelShape``: its fields, their

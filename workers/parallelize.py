@@ -2,20 +2,25 @@
 that order (TorchTitan's), to a model (or a pipeline stage of one: ``workers.pipeline``) on a replica
 group's mesh.
 
-The mesh has dimensions ``("pp", "shard", "tp")``, or ``("pp", "shard", "cp", "tp")`` with
-context parallelism (each rank computing its chunks of every sequence: ``split_sequences``,
-first, so that it holds before anything wraps the blocks); a stage is parallelized over all
-but ``pp``. Tensor parallelism follows Megatron: q/k/v and the SwiGLU gate/up projections are split
-column-wise, the attention output and down projections row-wise. The embedding is split by
-vocabulary rows and the output projection by vocabulary columns with replicated logits, so
-every TP rank computes the same loss.
+The group's mesh (``workers.world.group_mesh``) names every dimension of the layout at every
+degree: ``("pp", "expert_shard", "ep", "cp", "tp")``, with ``shard`` flattened from
+``expert_shard x ep`` and ``shard_cp`` from ``expert_shard x ep x cp``; each degree is read
+from it alone (``mesh_degree``), a dimension a mesh built by hand leaves out read as 1 (such a
+mesh names at least ``shard`` and ``tp``). With context parallelism each rank computes its
+chunks of every sequence (``split_sequences``, first, so that it holds before anything wraps
+the blocks); a stage is parallelized over all but ``pp``. Tensor parallelism follows
+Megatron: q/k/v and the SwiGLU gate/up projections are split column-wise, the attention
+output and down projections row-wise. The embedding is split by vocabulary rows and the
+output projection by vocabulary columns with replicated logits, so every TP rank computes
+the same loss.
 With sequence parallelism (TorchTitan's Llama plan) the residual stream, the norms and
 dropout between the TP regions hold only the rank's share of the sequence: each region
 all-gathers its input and reduce-scatters its output, the same bytes as one all-reduce,
 and no TP rank holds the whole sequence's activations outside attention and the MLP.
 Without it, each block needs one all-reduce forward and one backward, and the residual
 stream is replicated. FSDP2 then shards each block and the root over the ``shard``
-dimension (``shard_cp``, flattened from ``shard`` and ``cp``, with context parallelism).
+dimension (``shard_cp`` with context parallelism); with expert parallelism (``ep`` above 1)
+the experts are split over ``ep`` first (``split_experts``).
 
 Activation checkpointing is ``full`` (every block recomputed in backward) or ``selective``:
 per op (TorchTitan's policy: the outputs of attention and of every other matmul are saved,
@@ -55,7 +60,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from elastic.core.topology import Topology
 from workers.context_parallel import ContextShare
 from workers.experts import GroupedExperts, MoE
 from workers.model import Transformer
@@ -195,17 +199,26 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.register_forward_hook(leave, always_call=True)
 
 
+def mesh_degree(mesh: DeviceMesh, name: str) -> int:
+    """The size of the mesh's dimension ``name``, flattened or not (``shard``, ``shard_cp``);
+    1 where the mesh has none (a mesh built by hand, without the dimensions it does not split)."""
+    try:
+        return mesh[name].size()
+    except KeyError:
+        return 1
+
+
 def split_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> set[nn.Parameter]:
-    """Expert parallelism: each rank of the ``ep`` dimension (all of ``shard`` where the mesh
-    has none: ``workers.world.group_mesh``) keeps its own experts of each expert layer (the
-    stacks sharded along the experts, as DTensors of that dimension) and dispatches tokens to
-    the others' by all-to-all (``GroupedExperts``). Where ``ep`` is less than ``shard``, FSDP2
-    shards each rank's experts over ``expert_shard`` (along the experts where they divide
-    evenly, else along their rows, as TorchTitan does), gathering them for the layer's forward.
-    Returns the split weights FSDP2 does not hold, which the model's FSDP2 must leave alone."""
-    names = mesh.mesh_dim_names
-    ep_mesh = mesh["ep"] if "ep" in names else mesh["shard"]
-    expert_shard = mesh["expert_shard"] if "expert_shard" in names else None
+    """Expert parallelism: each rank of the ``ep`` dimension keeps its own experts of each
+    expert layer (the stacks sharded along the experts, as DTensors of that dimension) and
+    dispatches tokens to the others' by all-to-all (``GroupedExperts``). Where ``ep`` is less
+    than ``shard`` (``expert_shard`` above 1), FSDP2 shards each rank's experts over
+    ``expert_shard`` (along the experts where they divide evenly, else along their rows, as
+    TorchTitan does), gathering them for the layer's forward. Returns the split weights FSDP2
+    does not hold, which the model's FSDP2 must leave alone. A mesh built by hand without an
+    ``ep`` dimension splits them over all of ``shard``."""
+    ep_mesh = mesh["ep"] if "ep" in mesh.mesh_dim_names else mesh["shard"]
+    expert_shard = mesh["expert_shard"] if mesh_degree(mesh, "expert_shard") > 1 else None
     split = set()
     for module in model.modules():
         if isinstance(module, GroupedExperts):
@@ -325,24 +338,25 @@ class Parallelize:
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
-    # A Parallelize built by hand: the experts split over the ep ranks, dispatched to by
-    # all-to-all. Where ``layout`` is given, it decides (``splits_experts``).
+    # For a mesh built by hand that names no ``ep`` dimension: the experts split over its
+    # ``shard`` ranks. The group's mesh names ``ep``, whose size alone decides (``splits_experts``).
     expert_parallel: bool = False
     reshard_after_forward: bool = True  # ZeRO-3 (True) or ZeRO-2 (False): scaling.reshard_after_forward
     offload: bool = False  # FSDP2's CPUOffloadPolicy: compute.offload
-    layout: Topology | None = None  # the run's layout (scaling.topology), read for whether the experts split
 
-    @property
-    def splits_experts(self) -> bool:
-        """Whether the experts are split over the ep ranks: the layout's word where given (the
-        mesh cannot tell ``ep == shard`` from ``ep == 1``), else ``expert_parallel``."""
-        return self.layout.expert_parallel if self.layout is not None else self.expert_parallel
+    def splits_experts(self, mesh: DeviceMesh) -> bool:
+        """Whether the experts are split over the ep ranks: the mesh's ``ep`` dimension above 1
+        (at ``ep == shard`` too, where ``expert_shard`` is 1); ``expert_parallel`` for a mesh
+        built by hand without one."""
+        if "ep" in mesh.mesh_dim_names:
+            return mesh["ep"].size() > 1
+        return self.expert_parallel
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
             convert_to_float8(model, mesh.device_type)
-        names = mesh.mesh_dim_names
-        if "cp" in names:
+        cp = mesh_degree(mesh, "cp")
+        if cp > 1:
             per_op = self.activation_checkpointing == "selective" and self.selective == "op"
             split_sequences(model, mesh["cp"], causal_bias=not (self.compile or per_op))
         if mesh["tp"].size() > 1:
@@ -357,14 +371,14 @@ class Parallelize:
         if isinstance(model, Transformer):
             blocks = wrap_blocks(model, self.activation_checkpointing, self.compile, self.selective)
         dtype = compute_dtype(self.precision, mesh)
-        shard_mesh = mesh["shard_cp"] if "cp" in names else mesh["shard"]
+        shard_mesh = mesh["shard_cp"] if cp > 1 else mesh["shard"]
         if shard_mesh.size() * mesh["tp"].size() == 1:
             # FSDP2 over one rank would only add copies, hooks and per-op DTensor dispatch.
             if dtype != torch.float32:
                 autocast_forward(model, mesh.device_type, dtype)
             return model
         policy = mixed_precision_policy(dtype)
-        experts = split_experts(model, mesh, policy) if self.splits_experts else set()
+        experts = split_experts(model, mesh, policy) if self.splits_experts(mesh) else set()
         fully_shard_model(model, shard_mesh, blocks, policy, ignored=experts,
                           reshard_after_forward=self.reshard_after_forward,
                           offload=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if self.offload else None)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from elastic.core.data_plan import PADDING_INDEX
+from elastic.core.topology import MESH_FLATTENED
 from elastic.data.tokenizing import IGNORE_INDEX  # a label that takes no part in the loss, as HuggingFace marks it
 from workers.context_parallel import ContextShare
 from workers.experts import MoE, add_micro_batch, expert_layers, set_row_shares
@@ -238,23 +239,21 @@ def evaluate_loss(model: nn.Module, loss_fn: LossFn, batches: Sequence[Batch], g
     return evaluate_counted(model, TokenLoss(loss_fn), batches, global_tokens, on_micro_batch)[0]
 
 
-# A mesh dimension flattened from others (``workers.world.group_mesh``): a tensor sharded
-# along it is sharded along them, and one sharded along all of them is along it.
-FLATTENED = {"shard": ("expert_shard", "ep"), "shard_cp": ("shard", "cp")}
-
-
 def _counted_here(tensor: torch.Tensor, coordinate: dict[str, int]) -> bool:
     """Whether this rank counts ``tensor`` toward the group's gradient norm: a tensor
     replicated along a mesh dimension (or not laid out on it at all) is counted only by the
-    rank at coordinate 0 of that dimension, so every element is counted exactly once."""
+    rank at coordinate 0 of that dimension, so every element is counted exactly once. A tensor
+    sharded along a dimension flattened from others (``MESH_FLATTENED``: ``shard``,
+    ``shard_cp``) is sharded along them, and one sharded along all of them along it."""
     if not isinstance(tensor, DTensor):
         return all(index == 0 for index in coordinate.values())
     names = tensor.device_mesh.mesh_dim_names or ()
     sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
-    for whole, parts in FLATTENED.items():
+    for whole, parts in MESH_FLATTENED.items():
         if whole in sharded:
             sharded.update(parts)
-        elif sharded.issuperset(parts):
+    for whole, parts in MESH_FLATTENED.items():
+        if sharded.issuperset(parts):
             sharded.add(whole)
     return all(index == 0 for name, index in coordinate.items() if name not in sharded)
 

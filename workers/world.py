@@ -1,7 +1,7 @@
 """A rank's process groups: its replica group's world, and the replicate group across groups.
 
 Each replica group is its own torch.distributed world (the default process group, with the
-group's ``(pp, shard, tp)`` mesh on it: ``group_mesh``), rendezvousing on the driver's store under the
+group's ``(pp, expert_shard, ep, cp, tp)`` mesh on it: ``group_mesh``), rendezvousing on the driver's store under the
 prefix of its build number (one per build of any group's world), with two CPU groups beside it: one for the checkpoint upload thread, one
 for the step's control traffic (the abort agreement and the vote), so neither interleaves
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
@@ -109,9 +109,10 @@ class World:
 
     @property
     def mesh_coordinate(self) -> dict[str, int]:
-        """This rank's index on each dimension of the group's mesh, by name (``shard`` too,
-        where it is flattened from the experts' dimensions)."""
-        return {**dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate())), "shard": self.rank.shard_index}
+        """This rank's index on each dimension of the group's mesh, by name (not on those
+        flattened from them, ``shard`` and ``shard_cp``: ``workers.train_step.squared_gradient_norm``
+        reads a tensor sharded along one as sharded along the dimensions it spans)."""
+        return dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
 
     def close_connections(self) -> None:
         """Close the connections of every process group of the group's world but the
@@ -158,9 +159,9 @@ def heal_pair(store: dist.Store, copy: str, source: int, target: int, is_target:
 
 
 def group_mesh(device_type: str, layout: Topology) -> DeviceMesh:
-    """The group's mesh as its layout lays it out (``Topology.mesh_shape``: its dimensions, by
-    name, and those flattened from others, such as ``shard_cp`` with context parallelism and
-    ``shard`` with experts split over fewer ranks than the shard dimension)."""
+    """The group's mesh as its layout lays it out (``Topology.mesh_shape``: every dimension
+    named, ``(pp, expert_shard, ep, cp, tp)`` at every degree, and ``shard`` and ``shard_cp``
+    flattened from them), from which a ``parallelize_fn`` reads each degree."""
     shape = layout.mesh_shape()
     mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.names)
     for name, spanned in shape.flattened.items():

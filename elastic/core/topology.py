@@ -3,7 +3,8 @@
 The one owner of the parallel layout: its degrees (``pp``, ``shard``, ``cp``, ``tp``, and
 ``ep``, which splits the shard dimension), every formula over them (the ranks of a group, the
 ranks FSDP2 shards over, whether the experts are split), the group's mesh (its dimensions,
-by name, and those flattened from others: ``workers.world.group_mesh`` only builds it), the
+every one named at every degree, and those flattened from others: ``workers.world.group_mesh``
+only builds it, and the ranks read the degrees back from it), the
 numbering and the record a checkpoint and a summary keep. The config builds it
 (``ScalingConfig.topology``); a rank reads its group's from what it is started with
 (``workers.rank_spec.RankSpec.layout``).
@@ -22,6 +23,7 @@ a block splits the experts among its ranks, and the blocks shard each rank's exp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -49,6 +51,12 @@ def counts_loss(position: Position, pp: int) -> bool:
     return position.pp == pp - 1 and position.tp == 0
 
 
+# A group's mesh: its dimensions, slowest first, and those flattened from them (the flattened
+# one's name to the names it spans), as ``Topology.mesh_shape`` lays them out.
+MESH_DIMENSIONS = ("pp", "expert_shard", "ep", "cp", "tp")
+MESH_FLATTENED = {"shard": ("expert_shard", "ep"), "shard_cp": ("expert_shard", "ep", "cp")}
+
+
 class MeshShape(NamedTuple):
     """A group's device mesh: its dimensions' sizes and names, slowest first, and the
     dimensions flattened from others (the flattened one's name to the names it spans)."""
@@ -56,6 +64,12 @@ class MeshShape(NamedTuple):
     sizes: tuple[int, ...]
     names: tuple[str, ...]
     flattened: dict[str, tuple[str, ...]]
+
+    def size(self, name: str) -> int:
+        """The size of dimension ``name``, flattened or not: ``mesh[name].size()`` on the mesh."""
+        spanned = self.flattened.get(name, (name,))
+        sizes = dict(zip(self.names, self.sizes))
+        return math.prod(sizes[part] for part in spanned)
 
 
 @dataclass(frozen=True)
@@ -104,22 +118,21 @@ class Topology:
         return {"pp": self.pp, "shard": self.shard, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
 
     def mesh_shape(self) -> MeshShape:
-        """The group's mesh: ``(pp, shard, tp)``; with context parallelism, ``(pp, shard, cp, tp)``
-        with ``shard_cp`` flattened from the middle two, over which FSDP2 shards (TorchTitan's
-        ``dp_shard_cp``: the cp ranks hold different tokens, so their gradients add up like the
-        shard ranks'); with experts split over fewer ranks than the shard dimension
-        (``1 < ep < shard``), ``(pp, expert_shard, ep, tp)`` with ``shard`` flattened from the
-        middle two: the experts split over ``ep`` and sharded by FSDP2 over ``expert_shard``,
-        the rest of the model over ``shard``: a shard rank's block is ``shard_index // ep``, its
-        place in it ``shard_index % ep``. At ``ep == shard`` the mesh is ``(pp, shard, tp)``, the
-        experts split over ``shard`` (``expert_parallel`` tells it from ``ep == 1``)."""
-        if self.cp > 1:
-            return MeshShape((self.pp, self.shard, self.cp, self.tp), ("pp", "shard", "cp", "tp"),
-                             {"shard_cp": ("shard", "cp")})
-        if not 1 < self.ep < self.shard:
-            return MeshShape((self.pp, self.shard, self.tp), ("pp", "shard", "tp"), {})
-        return MeshShape((self.pp, self.shard // self.ep, self.ep, self.tp), ("pp", "expert_shard", "ep", "tp"),
-                         {"shard": ("expert_shard", "ep")})
+        """The group's mesh: ``(pp, expert_shard, ep, cp, tp)``, every dimension named at every
+        degree (1 included), with ``shard`` flattened from ``expert_shard x ep`` and ``shard_cp``
+        from ``expert_shard x ep x cp``, so that a ``parallelize_fn`` reads each degree from the
+        mesh alone (``mesh["ep"].size()``, ``mesh["shard"].size()``, ``mesh["cp"].size()``).
+        The shard ranks are ``shard / ep`` blocks (``expert_shard``) of ``ep`` consecutive ones
+        (a shard rank's block is ``shard_index // ep``, its place in it ``shard_index % ep``):
+        the experts split over ``ep`` (at ``ep == 1``, not split; at ``ep == shard``, over every
+        shard rank, ``expert_shard`` of size 1) and sharded by FSDP2 over ``expert_shard``, the
+        rest of the model over ``shard``, or over ``shard_cp`` with context parallelism (the cp
+        ranks hold different tokens, so their gradients add up like the shard ranks'). In
+        TorchTitan's ``ParallelDims`` names: ``shard`` is ``dp_shard``, ``shard_cp``
+        ``dp_shard_cp``, ``expert_shard`` ``dp_shard_mod_ep``; our ``ep`` lies inside
+        ``shard`` alone (no cp or tp ranks in it)."""
+        return MeshShape((self.pp, self.shard // self.ep, self.ep, self.cp, self.tp), MESH_DIMENSIONS,
+                         dict(MESH_FLATTENED))
 
     @property
     def max_ranks(self) -> int:

@@ -95,7 +95,6 @@ def default_parallelize(config: TrainConfig, tp_plan=None) -> Parallelize:
         sequence_parallel=config.sequence_parallel,
         tp_plan=tp_plan,
         float8=compute.float8,
-        layout=config.scaling.topology,
         reshard_after_forward=config.scaling.reshards_after_forward,
         offload=compute.offload,
     )
