@@ -63,8 +63,8 @@ from workers.world import World
 CPU = torch.device("cpu")
 
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-# The group's mesh names its flattened dimensions (``shard_cp``; ``shard`` over experts) on the
-# root mesh, where a user's parallelize_fn reads them too: torch 2.11 to 2.13 slice them there,
+# The group's mesh names its flattened dimensions (``shard`` over ``expert_shard`` and ``ep``;
+# ``shard_cp``) on the root mesh, where a user's parallelize_fn reads them too: torch 2.11 to 2.13 slice them there,
 # with a warning of a deprecation that none of them carries out.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
