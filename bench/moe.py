@@ -128,17 +128,17 @@ def imbalance(job, steps: int) -> float:
 def expert_parallel_rank(rank: int, args, ep: int) -> tuple[float, float]:
     """One of two gloo ranks training the MoE at ``ep``: its median step seconds, and the
     seconds of gloo's all-to-all in the profiled steps over those steps' seconds."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
+    from elastic.core.topology import Topology
     from workers.parallelize import Parallelize
+    from workers.world import group_mesh
 
     job = config(args, tempfile.mkdtemp(), ffn_hidden=args.dim * 2, experts=args.experts,
                  experts_per_token=args.top_k, expert_hidden=args.dim * 2)
     hooks = resolve_hooks(job)
     torch.manual_seed(job.seed)
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "shard", "tp"))
-    model = Parallelize(precision="fp32", expert_parallel=ep > 1)(hooks.model_fn(), mesh)
+    model = Parallelize(precision="fp32")(hooks.model_fn(), group_mesh("cpu", Topology(shard=2, tp=1, ep=ep)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cursor, seconds, profiled = DataCursor(), [], 4
     step_count = args.steps // 4 + 3 + profiled

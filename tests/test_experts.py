@@ -110,16 +110,17 @@ def test_groups_padded_for_the_cuda_kernel_and_a_matmul_per_group_give_the_group
 def expert_parallel_rank(rank: int) -> tuple[dict, dict]:
     """Rank ``rank`` of 2 with the experts split over both (expert parallelism), FSDP2 over the
     rest: its loss share on its half of a batch and its gradients, as local tensors."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from elastic.core.topology import Topology
     from workers.model import Transformer
     from workers.parallelize import Parallelize
     from workers.train_step import accumulate_gradients
+    from workers.world import group_mesh
 
     torch.manual_seed(0)
     model = Transformer(EP_ARGS)
-    Parallelize(expert_parallel=True)(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "tp")))
+    Parallelize()(model, group_mesh("cpu", Topology(shard=2, tp=1, ep=2)))
     batch = ep_batch()
     half = batch._replace(inputs=batch.inputs[rank::2], targets=batch.targets[rank::2], weights=batch.weights[rank::2])
     loss = accumulate_gradients(model, token_cross_entropy, [half], batch.weights.numel())

@@ -215,9 +215,8 @@ def split_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionP
     than ``shard`` (``expert_shard`` above 1), FSDP2 shards each rank's experts over
     ``expert_shard`` (along the experts where they divide evenly, else along their rows, as
     TorchTitan does), gathering them for the layer's forward. Returns the split weights FSDP2
-    does not hold, which the model's FSDP2 must leave alone. A mesh built by hand without an
-    ``ep`` dimension splits them over all of ``shard``."""
-    ep_mesh = mesh["ep"] if "ep" in mesh.mesh_dim_names else mesh["shard"]
+    does not hold, which the model's FSDP2 must leave alone."""
+    ep_mesh = mesh["ep"]
     expert_shard = mesh["expert_shard"] if mesh_degree(mesh, "expert_shard") > 1 else None
     split = set()
     for module in model.modules():
@@ -338,19 +337,15 @@ class Parallelize:
     sequence_parallel: bool = False
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
     float8: bool = False
-    # For a mesh built by hand that names no ``ep`` dimension: the experts split over its
-    # ``shard`` ranks. The group's mesh names ``ep``, whose size alone decides (``splits_experts``).
-    expert_parallel: bool = False
     reshard_after_forward: bool = True  # ZeRO-3 (True) or ZeRO-2 (False): scaling.reshard_after_forward
     offload: bool = False  # FSDP2's CPUOffloadPolicy: compute.offload
 
-    def splits_experts(self, mesh: DeviceMesh) -> bool:
+    @staticmethod
+    def splits_experts(mesh: DeviceMesh) -> bool:
         """Whether the experts are split over the ep ranks: the mesh's ``ep`` dimension above 1
-        (at ``ep == shard`` too, where ``expert_shard`` is 1); ``expert_parallel`` for a mesh
-        built by hand without one."""
-        if "ep" in mesh.mesh_dim_names:
-            return mesh["ep"].size() > 1
-        return self.expert_parallel
+        (at ``ep == shard`` too, where ``expert_shard`` is 1); a mesh built by hand without one
+        splits none."""
+        return mesh_degree(mesh, "ep") > 1
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.float8:
