@@ -232,11 +232,11 @@ def leave_the_step(rank: int, port: int, shape: tuple[int, int, int], leaving: i
     failure points at, and whether the group is broken."""
     pp, shard, tp = shape
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    layout = PipelineLayout(pp, "1F1B", 1, MICRO_BATCH)
     spec = RankSpec(global_rank=rank, group=0, group_rank=rank, shard_index=rank // tp % shard, tp_index=rank % tp,
                     layout=Topology(shard, tp, pp=pp), seed=0, use_gpu=False, store_host="127.0.0.1",
-                    store_port=port, store_secret="00", collective_timeout_s=600, pipeline=layout,
+                    store_port=port, store_secret="00", collective_timeout_s=600, micro_batch=MICRO_BATCH,
                     pp_index=rank // (shard * tp))
+    layout = spec.pipeline
     dist.barrier()  # every rank through the first world's rendezvous before the group's own replaces it
     world = World(spec, store)
     mesh = world.join_group(world_build=0)

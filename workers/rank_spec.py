@@ -32,10 +32,16 @@ class RankSpec:
     upload_in_process: bool = False
     replicate_dtype: str = "fp32"
     gpu_collectives: str = "nccl"  # or "gloo", where ranks share a GPU (scaling.gpu_collectives)
-    pipeline: PipelineLayout = PipelineLayout()
+    pp_schedule: str = "1F1B"  # the pipeline's schedule, its stages per rank and the rows of a micro-batch:
+    stages_per_rank: int = 1  # with the layout's pp, the ``pipeline``
+    micro_batch: int = 1
     pp_index: int = 0  # its place along the group's pipeline
     pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
     cp_index: int = 0
+
+    @property
+    def pipeline(self) -> PipelineLayout:
+        return PipelineLayout(self.layout.pp, self.pp_schedule, self.stages_per_rank, self.micro_batch)
 
     @property
     def ranks_per_group(self) -> int:

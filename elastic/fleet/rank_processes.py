@@ -22,7 +22,6 @@ from elastic.core.topology import Topology
 from elastic.fleet.api import Pending
 from elastic.fleet.rendezvous import Rendezvous
 from checkpointing.pretrained import PretrainedSource, pretrained_source
-from workers.pipeline import PipelineLayout
 from workers.rank_spec import SPARE, RankSpec
 from workers.worker import RankActor
 
@@ -40,7 +39,9 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         shard_index=position.shard,
         tp_index=position.tp,
         pp_index=position.pp,
-        pipeline=PipelineLayout(scaling.pp, scaling.pp_schedule, scaling.stages_per_rank, config.micro_batch),
+        pp_schedule=scaling.pp_schedule,
+        stages_per_rank=scaling.stages_per_rank,
+        micro_batch=config.micro_batch,
         layout=topology,
         cp_index=position.cp,
         seed=config.seed,
