@@ -82,10 +82,11 @@ class StateSources:
         return self.catching_up
 
     def heal_pending_now(self) -> None:
-        """The run does not step next: the groups joined to catch up are healed now instead."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self._heal_from_peers(sorted(pending.groups), self.source_group[min(pending.groups)])
+        """The run does not step next: the groups joined to catch up are healed now instead
+        (until the copy succeeds they stay pending: a recovery rebuilds them)."""
+        if self.pending is not None:
+            self._heal_from_peers(sorted(self.pending.groups), self.source_group[min(self.pending.groups)])
+            self.pending = None
 
     def caught_up(self, first_step: int, healed: dict[int, HealReceipt]) -> frozenset[int]:
         """The segment from ``first_step`` that carried the catch-up ended, with the joining ranks' ``healed``
