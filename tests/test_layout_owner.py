@@ -52,15 +52,15 @@ def test_the_check_sees_a_product_of_degrees_however_spelled():
     assert layout_products("a = 2 * cp") == []
 
 
+def findings(check, skip) -> dict:
+    """What ``check(source, filename)`` finds in each module of the packages but ``skip``."""
+    paths = [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py")) if path not in skip]
+    found = {str(path.relative_to(ROOT)): check(path.read_text(), str(path)) for path in paths}
+    return {path: hits for path, hits in found.items() if hits}
+
+
 def test_no_module_but_the_owner_computes_a_layout_formula():
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path == OWNER or path in ELSEWHERE:
-                continue
-            products = layout_products(path.read_text(), str(path))
-            if products:
-                found[str(path.relative_to(ROOT))] = products
+    found = findings(layout_products, {OWNER, *ELSEWHERE})
     assert not found, f"read these from elastic.core.topology.Topology instead: {found}"
 
 
@@ -190,14 +190,7 @@ def test_the_check_sees_the_shape_restated_however_spelled():
 
 
 def test_no_module_but_the_owner_restates_the_model_shape():
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path == SHAPE_OWNER:
-                continue
-            listings = shape_listings(path.read_text(), str(path))
-            if listings:
-                found[str(path.relative_to(ROOT))] = listings
+    found = findings(shape_listings, {SHAPE_OWNER})
     assert not found, f"read these from elastic.core.model_shape.ModelShape instead: {found}"
 
 
