@@ -358,12 +358,16 @@ class JoiningRank(Contribution):
         self.completes = False  # this rank loads the state and applies what it kept in this step
         self.everyone_caught_up = True
         self.holds_state = True  # False from a catch-up's start until it is done
+        # Takes no samples: its group joined at the segment's start, and the votes have not yet
+        # said that every joining rank holds the state. A rank whose own state landed first
+        # idles on with its group, applying each step: its group computes together or not at all.
+        self.idle = False
         self.healed: HealReceipt | None = None  # its catch-up, done, until the segment's end reports it
 
     def begin(self, catching_up: CatchingUp | None) -> None:
         """This rank joins at the segment's first step (None: it does not)."""
         if catching_up is not None:
-            self.catching_up, self.holds_state = catching_up, False
+            self.catching_up, self.holds_state, self.idle = catching_up, False, True
 
     def summand(self) -> Values:
         self.completes = self.catching_up is not None and self.catching_up.arrived()
@@ -374,6 +378,7 @@ class JoiningRank(Contribution):
 
     def after_vote(self, ballots: list[Values]) -> None:
         self.everyone_caught_up = sum(ballot["catching_up"][0] for ballot in ballots) == 0
+        self.idle = self.idle and not self.everyone_caught_up
 
     def commit(self, lr_scale: float, grad_scale: float, routed: tuple[float, ...]) -> bool:
         """The step's summed update, committed: returns whether this rank applies it now as every
@@ -388,6 +393,12 @@ class JoiningRank(Contribution):
         self.catch_up()
         self._write_gradients(update.gradients)
         return True
+
+    def finish(self) -> None:
+        """The segment's end: a rank still catching up waits for its state and applies what it
+        kept (raises what the copy raised); none idles on."""
+        self.idle = False
+        self.catch_up()
 
     def catch_up(self) -> None:
         """Load the state of the segment's first step and apply the kept updates in order, as

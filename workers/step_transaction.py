@@ -164,7 +164,7 @@ class StepTransaction:
         self.activity.set(step, Phase.DATA)
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
-        if self.joining.catching_up is not None:
+        if self.joining.idle:
             self.step_loss.share, self.step_loss.counted, compute_s = self._idle(step, deadline)
         else:
             self.step_loss.share, self.step_loss.counted, compute_s = self._compute(step, on_device,
@@ -226,9 +226,10 @@ class StepTransaction:
         self.activity.set(step, Phase.COMPUTE)
         self._rng_before_step = rng.capture(self.rank.use_gpu)
         catching_up = self.joining.catching_up
-        catching_up.check()
-        if catching_up.must_wait():
-            catching_up.state(max(0.0, deadline - time.perf_counter()))
+        if catching_up is not None:
+            catching_up.check()
+            if catching_up.must_wait():
+                catching_up.state(max(0.0, deadline - time.perf_counter()))
         self.expert_balance.idle()
         if self.world.replicate_group is not None:
             self.gradient_sum.start(self.world.replicate_group)

@@ -270,7 +270,7 @@ class RankWorker:
         and applies what it kept (every step it kept is committed); one the state cannot reach
         holds none, and ends failed with its group broken."""
         try:
-            self.transaction.joining.catch_up()
+            self.transaction.joining.finish()
         except Exception as error:  # noqa: BLE001 - reported as the rank's failure
             failure = failure or failure_outcome(self.spec.global_rank, next_step, error, self.activity.phase)
         if not self.transaction.joining.holds_state:

@@ -1,0 +1,128 @@
+"""A joining group's catch-up (``workers.catch_up``, ``JoiningRank``) on real gloo process
+groups and no Ray: four processes on a loopback store, a live group of two ranks (FSDP2 over
+shard 2) and a joining group of the same shape. The joining ranks' states land at different
+steps, so one of them holds the state while its group peer still waits for its own: the group
+must idle on together (its FSDP2 collectives are the whole group's) until every joining rank
+has caught up, and then hold the live group's state bit for bit."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpointing.healing import export_local_state
+from elastic.testing.gloo_ranks import rank_processes
+from tests.test_step_transaction import (
+    MODEL_SEED,
+    RUN,
+    TIMEOUT_S,
+    TRAINING_SEED,
+    TinyModel,
+    fsdp_units,
+    rank_batches,
+    rank_spec,
+    take_step,
+)
+from workers import rng
+from workers.catch_up import CatchingUp
+from workers.control_surface import ActivityTracker, DriverSignals
+from workers.state_transfer import receive_state, send_state
+from workers.step_transaction import Committed, StepTransaction
+from workers.train_step import TokenLoss, token_cross_entropy
+from workers.world import World
+
+STEPS = 3
+LANDS_AFTER = {2: 0, 3: 1}  # joining rank -> the step after whose commit its state lands
+
+
+def catching_up(rank: int, port: int) -> dict:
+    """Ranks 0 and 1 are group 0 (live, each half of every step's samples), ranks 2 and 3 group 1
+    (joining: each receives the state of step 0 from the rank at its position in group 0)."""
+    group, group_rank = divmod(rank, 2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    spec = rank_spec(rank, group=group, group_rank=group_rank, shard=2, port=port)
+    world = World(spec, store)
+    world.join_group(world_build=0)
+    world.join_replicas(generation=0, replica_rank=group, replica_size=2)
+    torch.manual_seed(MODEL_SEED + group)  # the joining group's weights are not the live one's
+    model = fsdp_units(TinyModel(), world)
+    signals = DriverSignals()
+    transaction = StepTransaction(spec, world, model, torch.optim.Adam(model.parameters(), lr=0.05),
+                                  TokenLoss(token_cross_entropy), torch.device("cpu"), ActivityTracker(), signals)
+    signals.begin(RUN)
+    torch.manual_seed(TRAINING_SEED)
+    copying = ThreadPoolExecutor(max_workers=1)
+    if group == 0:
+        state = {**export_local_state(model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
+        copying.submit(lambda: send_state([world.heal_pair("catch-up-test", rank, rank + 2)], state))
+    else:
+        received = copying.submit(lambda: receive_state(world.heal_pair("catch-up-test", rank - 2, rank)))
+        arriving = Future()
+        transaction.joining.begin(CatchingUp(arriving, source=rank - 2))
+    caught_up, idle = [], []
+    for step in range(STEPS):
+        # A joining rank is handed a share too, as a padding micro-batch would be: it must not compute it.
+        batches = rank_batches(group_rank, step) if group == 0 else rank_batches(group_rank, step)[:1]
+        result = take_step(transaction, step, batches)
+        assert isinstance(result.outcome, Committed), result.raised
+        caught_up.append(result.outcome.caught_up)
+        idle.append(transaction.joining.idle)
+        if group == 1 and step == LANDS_AFTER[rank]:
+            arriving.set_result((received.result(TIMEOUT_S), 0, 0.0))
+    copying.shutdown()
+    return {"caught_up": caught_up, "idle": idle, "receipt": transaction.joining.take_receipt(),
+            "state": export_local_state(model, transaction.optimizer)}
+
+
+def rank_main(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        results.send_bytes(pickle.dumps(("ok", catching_up(rank, port))))
+    except BaseException:  # noqa: BLE001 - the test reports it
+        results.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
+    results.close()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    context = rank_processes()
+    pipes = [context.Pipe(duplex=False) for _ in range(4)]
+    processes = [context.Process(target=rank_main, args=(rank, store.port, sender), daemon=True)
+                 for rank, (_, sender) in enumerate(pipes)]
+    for process in processes:
+        process.start()
+    answers = []
+    try:
+        for rank, (receiver, sender) in enumerate(pipes):
+            sender.close()
+            assert receiver.poll(2 * TIMEOUT_S), f"rank {rank} sent nothing"
+            status, answer = pickle.loads(receiver.recv_bytes())
+            assert status == "ok", f"rank {rank} failed:\n{answer}"
+            answers.append(answer)
+    finally:
+        for process in processes:
+            process.join(TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+    return answers
+
+
+def test_a_joining_group_idles_together_until_every_rank_caught_up_then_holds_the_live_groups_state(ranks):
+    # rank 2's state lands after step 0, rank 3's after step 1: all learn in step 2's vote
+    assert all(rank["caught_up"] == [False, False, True] for rank in ranks)
+    assert [rank["idle"] for rank in ranks[2:]] == [[True, True, False]] * 2  # rank 2 idled on in step 2
+    assert [rank["receipt"].caught_up_steps for rank in ranks[2:]] == [1, 2]
+    for joined, live in ((ranks[2], ranks[0]), (ranks[3], ranks[1])):
+        for got, expected in zip(joined["state"]["model"], live["state"]["model"]):
+            assert torch.equal(got, expected)
+        for index, moments in live["state"]["optimizer"]["state"].items():
+            for key, value in moments.items():
+                assert torch.equal(joined["state"]["optimizer"]["state"][index][key], value), key
