@@ -8,8 +8,6 @@ has caught up, and then hold the live group's state bit for bit."""
 from __future__ import annotations
 
 import datetime
-import pickle
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.healing import export_local_state
-from elastic.testing.gloo_ranks import rank_processes
+from elastic.testing.gloo_ranks import gloo_ranks
 from tests.test_step_transaction import (
     MODEL_SEED,
     RUN,
@@ -46,6 +44,7 @@ def catching_up(rank: int, port: int) -> dict:
     (joining: each receives the state of step 0 from the rank at its position in group 0)."""
     group, group_rank = divmod(rank, 2)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.barrier()  # every rank through the first world's rendezvous before the groups' own replace it
     spec = rank_spec(rank, group=group, group_rank=group_rank, shard=2, port=port)
     world = World(spec, store)
     world.join_group(world_build=0)
@@ -80,39 +79,11 @@ def catching_up(rank: int, port: int) -> dict:
             "state": export_local_state(model, transaction.optimizer)}
 
 
-def rank_main(rank: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        results.send_bytes(pickle.dumps(("ok", catching_up(rank, port))))
-    except BaseException:  # noqa: BLE001 - the test reports it
-        results.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
-    results.close()
-
-
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
+def ranks(tmp_path_factory) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    context = rank_processes()
-    pipes = [context.Pipe(duplex=False) for _ in range(4)]
-    processes = [context.Process(target=rank_main, args=(rank, store.port, sender), daemon=True)
-                 for rank, (_, sender) in enumerate(pipes)]
-    for process in processes:
-        process.start()
-    answers = []
-    try:
-        for rank, (receiver, sender) in enumerate(pipes):
-            sender.close()
-            assert receiver.poll(2 * TIMEOUT_S), f"rank {rank} sent nothing"
-            status, answer = pickle.loads(receiver.recv_bytes())
-            assert status == "ok", f"rank {rank} failed:\n{answer}"
-            answers.append(answer)
-    finally:
-        for process in processes:
-            process.join(TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-    return answers
+    return gloo_ranks(catching_up, 4, str(tmp_path_factory.mktemp("catch_up") / "init"), store.port)
 
 
 def test_a_joining_group_idles_together_until_every_rank_caught_up_then_holds_the_live_groups_state(ranks):
