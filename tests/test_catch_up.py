@@ -97,3 +97,16 @@ def test_a_joining_group_idles_together_until_every_rank_caught_up_then_holds_th
         for index, moments in live["state"]["optimizer"]["state"].items():
             for key, value in moments.items():
                 assert torch.equal(joined["state"]["optimizer"]["state"][index][key], value), key
+
+
+def test_a_state_that_has_not_landed_in_time_is_no_state_not_the_ranks_own_error():
+    """A joining rank that kept as many updates as it may waits for its state at most a step's
+    deadline: past it, it holds no state and its group rebuilds, as for a copy that failed;
+    nothing of it is blamed on the rank."""
+    from elastic.core.protocol import Failure, Phase
+    from workers.failures import HealFailed, classify
+
+    never = CatchingUp(Future(), source=0)
+    with pytest.raises(HealFailed, match="from rank 0 did not arrive: TimeoutError") as waited:
+        never.state(timeout=0.01)
+    assert classify(waited.value, Phase.COMPUTE) is Failure.NO_STATE

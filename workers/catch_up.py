@@ -70,11 +70,9 @@ class CatchingUp:
 
     def state(self, timeout: float | None = None) -> tuple[dict, int, float]:
         """The state of the segment's first step, as it landed, its bytes and the copy's
-        seconds; raises what the copy raised (``HealFailed``), or ``TimeoutError`` after ``timeout``."""
+        seconds; ``HealFailed`` when the copy raised, or has not landed after ``timeout``."""
         try:
             return self.arriving.result(timeout)
-        except TimeoutError:
-            raise
         except Exception as error:
             raise HealFailed(f"the state from rank {self.source} did not arrive: {type(error).__name__}: {error}") \
                 from error
