@@ -51,7 +51,6 @@ class StateSources:
         self.trusted_until: int | None = None
         self.pending: CatchUp | None = None  # joined, catching up in the next segment
         self.catching_up: CatchUp | None = None  # handed to the segment in flight, until its end
-        self.source_group: dict[int, int] = {}  # a catching-up group's source
         self.heal_at_boundary: set[int] = set()  # groups whose catch-up failed: healed at the boundary next
         self.copy_s: float | None = None  # how long the run's last copy from a peer took
 
@@ -74,7 +73,6 @@ class StateSources:
                  for source, target in zip(sources, self.topology.global_ranks(group))}
         pending = self.pending or CatchUp({}, frozenset())
         self.pending = CatchUp({**pending.sources, **pairs}, pending.groups | set(groups))
-        self.source_group.update(dict.fromkeys(groups, source_group))
 
     def take_catch_up(self) -> CatchUp | None:
         """The catch-up the next segment carries (``CatchUp``): the groups joined since the last."""
@@ -85,7 +83,8 @@ class StateSources:
         """The run does not step next: the groups joined to catch up are healed now instead
         (until the copy succeeds they stay pending: a recovery rebuilds them)."""
         if self.pending is not None:
-            self._heal_from_peers(sorted(self.pending.groups), self.source_group[min(self.pending.groups)])
+            groups = sorted(self.pending.groups)
+            self._heal_from_peers(groups, self._source_group(self.pending, groups[0]))
             self.pending = None
 
     def caught_up(self, first_step: int, healed: dict[int, HealReceipt]) -> frozenset[int]:
@@ -105,13 +104,17 @@ class StateSources:
             # step from which the group took its share, ``seconds`` its slowest copy's.
             caught_up_steps = max(receipt.caught_up_steps for receipt in receipts)
             self.copy_s = max(receipt.seconds for receipt in receipts)
-            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=self.source_group.pop(group),
+            self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=self._source_group(catch_up, group),
                              seconds=round(self.copy_s, 4),
                              rank_to_rank_bytes=sum(receipt.bytes for receipt in receipts), object_store_bytes=0,
                              overlapped=True, caught_up_steps=caught_up_steps,
                              caught_up_at=first_step + caught_up_steps + 1)
         self.heal_at_boundary |= failed
         return frozenset(failed)
+
+    def _source_group(self, catch_up: CatchUp, group: int) -> int:
+        """The live group ``group``'s ranks take the state from."""
+        return self.topology.group_of(catch_up.sources[self.topology.global_ranks(group)[0]])
 
     def unconfirmed(self) -> frozenset[int]:
         """Groups joined to catch up whose catch-up no segment confirmed (a control call failed
