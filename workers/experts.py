@@ -73,6 +73,12 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, 
     return out.index_select(0, place)
 
 
+def autocast_dtype(rows: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes products in on the rows' device, or the rows' own outside it."""
+    device = rows.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
+
+
 class GroupedExperts(nn.Module):
     """``experts`` SwiGLU feed-forwards, their weights stacked (expert, out, in): one grouped
     GEMM computes every expert's rows. FSDP2 shards the stacks along the experts; or, with
@@ -90,9 +96,11 @@ class GroupedExperts(nn.Module):
         """Each expert's SwiGLU over its rows: ``rows`` sorted by expert, ``counts`` per expert
         (of every expert, wherever it is held)."""
         if self.dispatch_group is None:
-            # Under autocast (a group of one rank) the rows arrive in bf16 and the weights stay
-            # fp32: autocast does not cover the grouped GEMM, whose CUDA kernel refuses the mix.
-            return self._swiglu(rows, counts, *(weight.to(rows.dtype) for weight in (self.w1, self.w2, self.w3)))
+            # Autocast (a group of one rank) does not cover the grouped GEMM, whose CUDA kernel
+            # takes bf16 alone: the rows (fp32 from the norm) and the weights go to autocast's
+            # dtype here, as autocast would take a matmul's.
+            dtype = autocast_dtype(rows)
+            return self._swiglu(rows.to(dtype), counts, *(weight.to(dtype) for weight in (self.w1, self.w2, self.w3)))
         return self._dispatched(rows, counts)
 
     def _swiglu(self, rows, counts, w1, w2, w3) -> torch.Tensor:
