@@ -209,11 +209,25 @@ def fingerprint_agreement(device: torch.device) -> tuple[bool, bool]:
         True, False, False, False]
 
 
-GLOO_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+# The last, context parallelism's all-gather with its backward (functional collectives, the
+# backward's reduce-scatter issued from autograd's device thread): cp 2 died of SIGSEGV on an H200.
+GLOO_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+            "context_all_gather_and_backward")
+
+
+def context_all_gather_and_backward(x: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    from workers.context_parallel import _all_gather_autograd
+
+    leaf = x.clone().requires_grad_()
+    _all_gather_autograd(leaf, gather_dim=0, group=dist.group.WORLD).sum().backward()
+    if leaf.grad is None or not torch.equal(leaf.grad.cpu(), torch.full((4,), 2.0)):
+        raise AssertionError(f"gradient {leaf.grad}, not the peers' count of ones")
 
 
 def gloo_op(rank: int, port: int, device: str, answers) -> None:
-    """One of two processes on one device: each collective FSDP2, TP and the sums use, over gloo."""
+    """One of two processes on one device: each collective FSDP2, TP, CP and the sums use, over gloo."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -225,7 +239,8 @@ def gloo_op(rank: int, port: int, device: str, answers) -> None:
              "broadcast": lambda: dist.broadcast(x, 0),
              "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(wide, x),
              "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x[:2], x),
-             "all_to_all_single": lambda: dist.all_to_all_single(wide[:4], x)}[name]()
+             "all_to_all_single": lambda: dist.all_to_all_single(wide[:4], x),
+             "context_all_gather_and_backward": lambda: context_all_gather_and_backward(x)}[name]()
             answers.put((rank, name, "works"))
         except Exception as error:  # noqa: BLE001 - the error is the finding
             answers.put((rank, name, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"))
@@ -542,6 +557,7 @@ def precision(args: argparse.Namespace) -> list[Row]:
         shape.precision = name if args.device == "cuda" else "fp32"
         with tempfile.TemporaryDirectory() as storage:
             runs[name] = run_product(gpu.job(shape, storage, compute_only=True))
+        print(f"{name} losses: {runs[name]['losses']}", flush=True)  # the log says where the two part
     between = largest_difference(runs["fp16"]["losses"], runs["bf16"]["losses"])
     rows = [Row(f"fp16 (dynamic loss scale) against bf16, one rank, {shape.preset}, no compile: tokens/s ratio and "
                 "committed losses", "losses within 5 % at every step",
