@@ -24,7 +24,7 @@ from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog, console_line
 from elastic.core.goodput import TimeLedger
 from elastic.core.topology import Topology
-from elastic.fleet.api import CallFailed
+from elastic.fleet.api import CallFailed, RanksLost
 from tests.fake_fleet import STATE_BYTES, CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
 from tests.tiny import tiny_config
 
@@ -858,3 +858,31 @@ def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_me
     assert (restored["step"], restored["rolled_back_steps"], sorted(restored["groups"])) == (5, 5, [0, 1, 2])
     assert scenario.fleet.copies == [] and scenario.fleet.corrupt == set() and scenario.fleet.kills == []
     assert scenario.committed_steps() == [*range(10), *range(5, 15)]
+
+
+def test_a_group_joined_to_catch_up_heals_at_once_when_another_fails_to_start_before_the_run_steps(tmp_path):
+    # Ranks 0 and 2 die in one step; their groups start again side by side. Group 0 is built
+    # and joins to catch up in the next segment, but group 2's build loses its rank first: the
+    # run recovers before it steps again, so group 0 takes its state at this boundary.
+    scenario = Scenario(tmp_path, groups=3, shard=1)
+    scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.5), Kill(rank=2, after_s=0.5)]}
+    build = scenario.fleet.build
+
+    def build_losing_rank_2_once(ranks, world_build):
+        if 2 in list(ranks) and scenario.fleet.starts.count(2) == 2:
+            scenario.fleet.alive_ranks.discard(2)
+            raise RanksLost([2], "ranks [2] died during build", "build")
+        return build(ranks, world_build)
+
+    scenario.fleet.build = build_losing_rank_2_once
+    assert scenario.run() == "completed"
+
+    [start_failed] = scenario.kinds(EventKind.GROUP_START_FAILED)
+    assert start_failed["group"] == 2
+    healed = scenario.kinds(EventKind.GROUP_HEALED)
+    assert [(e["group"], e.get("overlapped", False)) for e in healed][0] == (0, False)
+    assert scenario.fleet.copies[0] == (1, 0)  # at the boundary, from group 1, before any segment
+    catching_up = [next(iter(specs.values())).catch_up for specs in scenario.fleet.segments]
+    assert all(catch_up is None or 0 not in catch_up.groups for catch_up in catching_up)
+    assert scenario.committed_steps() == list(range(12))
+    assert scenario.live_groups_by_step()[-1] == 3
