@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,17 +77,22 @@ class DriverCalls:
     def __init__(self):
         import ray.actor
 
-        self.times: list[float] = []
+        self.times: list[tuple[float, str]] = []
         original = ray.actor.ActorMethod._remote
 
         def counted(method, *args, **kwargs):
-            self.times.append(time.time())
+            self.times.append((time.time(), method._method_name))
             return original(method, *args, **kwargs)
 
         ray.actor.ActorMethod._remote = counted
 
     def between(self, start: float, end: float) -> int:
-        return sum(start <= t <= end for t in self.times)
+        return sum(start <= t <= end for t, _ in self.times)
+
+    def by_method(self, start: float, end: float) -> dict[str, int]:
+        """The calls between ``start`` and ``end`` by the actor method called, most first."""
+        counts = Counter(name for t, name in self.times if start <= t <= end)
+        return dict(counts.most_common())
 
 
 def read_probe(directory: str) -> list[dict]:
@@ -174,6 +179,7 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
                                   if line["kind"] == "object-store" and killed_at <= line["t"] <= whole_at),
         "rank_to_rank_bytes": sum(e.get("rank_to_rank_bytes", 0) for e in events if e["kind"] == EventKind.GROUP_HEALED),
         "driver_calls": calls.between(killed_at, whole_at),
+        "driver_calls_by_method": calls.by_method(killed_at, whole_at),
         "kill_to_whole_s": round(whole_at - killed_at, 3),
         "kill_to_commit_step_times": round((next_commit - killed_at) / typical, 2),
         "phases": {"kill_to_whole": {key: round(value, 3) for key, value in

@@ -270,3 +270,16 @@ def test_one_group_lost_re_pairs_only_the_ranks_that_kept_copies_there():
     changes = pairing.update(set(range(64)) - {10}, node_of)
     assert set(changes) == set(topology.global_ranks(9))  # group 9's ranks kept their copies in group 10
     assert set(pairing.update(range(64), node_of)) == set(topology.global_ranks(9)) | set(topology.global_ranks(10))
+
+
+def test_on_one_node_a_group_lost_tells_only_the_ranks_whose_buddy_changed():
+    # Every walk passes every group when no rank is on another node: each is looked at again,
+    # but only the ranks that kept their copies in the lost group are told (a call each).
+    topology = Topology(shard=2, tp=1, max_groups=8)
+    node_of = dict.fromkeys(range(topology.max_ranks), "node")
+    pairing = BuddyPairing(topology)
+    pairing.update(range(8), node_of)
+    assert set(pairing.update(set(range(8)) - {7}, node_of)) == set(topology.global_ranks(6))
+    # group 7 back on new processes: its ranks, and the ranks whose buddies they are again
+    assert set(pairing.update(range(8), node_of, renewed=[7])) == set(topology.global_ranks(6)) | set(
+        topology.global_ranks(7))

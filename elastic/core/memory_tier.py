@@ -81,8 +81,11 @@ class BuddyPairing:
 
     def update(self, groups: Iterable[int], node_of: Mapping[int, str],
                renewed: Iterable[int] = ()) -> dict[int, int | None]:
-        """Pair the ranks of ``groups``. Returns each re-paired rank's buddy (None: none),
-        every rank of a group that joined or was renewed among them."""
+        """Pair the ranks of ``groups``. Returns the buddy (None: none) of each rank to tell:
+        every rank of a group that joined or was renewed (new processes), and each other rank
+        whose buddy changed or is one of those new processes. A rank whose walk passed a group
+        that changed but ends at the buddy it had is not told again (on one node every walk
+        passes every group, and most still end where they did)."""
         groups = sorted(set(groups))
         before = set(self.groups)
         renewed = set(renewed) & before & set(groups)
@@ -99,16 +102,18 @@ class BuddyPairing:
             for rank in self.topology.global_ranks(group):
                 self._forget(rank)
         self.groups = groups
-        for group in joined:
-            affected.update(self.topology.global_ranks(group))
+        fresh = {rank for group in joined for rank in self.topology.global_ranks(group)}
+        affected |= fresh
         live = set(groups)
         changes = {}
         for rank in sorted(rank for rank in affected if self.topology.group_of(rank) in live):
+            had = self.buddies.get(rank)
             self._forget(rank)
             buddy = self._walk(rank, node_of)
             if buddy is not None:
                 self.buddies[rank] = buddy
-            changes[rank] = buddy
+            if rank in fresh or buddy != had or buddy in fresh:
+                changes[rank] = buddy
         return changes
 
     def _next_group(self, group: int) -> int | None:
