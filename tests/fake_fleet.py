@@ -180,6 +180,7 @@ class FakeFleet:
         self.segments: list[dict[int, SegmentSpec]] = []
         self.evaluations: list[dict[int, EvalRequest]] = []
         self.pauses: list[tuple[int, float]] = []  # (run, fake time) of each pause request
+        self.paused_ranks: list[list[int]] = []  # the ranks each pause request was sent to
         self.saves: list[str] = []
         self.abandoned: list[tuple[int, ...]] = []  # the ranks of each save given up on
         self.restored_generators: list[dict] = []
@@ -325,6 +326,7 @@ class FakeFleet:
 
     def request_pause(self, ranks, attempt: int) -> None:
         self.pauses.append((attempt, self.clock()))
+        self.paused_ranks.append(list(ranks))
         if self.segment.spec.attempt == attempt:
             self.segment.pause_at = self.clock()
 

@@ -886,3 +886,16 @@ def test_a_group_joined_to_catch_up_heals_at_once_when_another_fails_to_start_be
     assert all(catch_up is None or 0 not in catch_up.groups for catch_up in catching_up)
     assert scenario.committed_steps() == list(range(12))
     assert scenario.live_groups_by_step()[-1] == 3
+
+
+def test_a_boundary_mid_segment_is_asked_of_one_rank_whatever_the_number_of_groups(tmp_path):
+    # Two groups placed of four, two more once capacity comes: the join needs a boundary. One
+    # rank is asked to pause; its flag goes through the cross-group sum and every group's vote
+    # (real ranks: every test whose groups join mid-run, such as test_elastic_grow).
+    scenario = Scenario(tmp_path, groups=4, shard=2, capacity=2)
+    scenario.controller.step_listeners.append(
+        lambda record: setattr(scenario.fleet, "capacity", 4) if record.step == 3 else None)
+    assert scenario.run() == "completed"
+    assert scenario.fleet.paused_ranks and all(len(ranks) == 1 for ranks in scenario.fleet.paused_ranks)
+    assert scenario.live_groups_by_step()[-1] == 4
+    assert scenario.committed_steps() == list(range(12))

@@ -299,7 +299,9 @@ class Controller:
             self.groups.advance_groups()
         if not self.pause_requested and self.boundary_needed():
             self.pause_requested = True
-            self.fleet.request_pause(stream.ranks, stream.attempt)
+            # One rank is told: its flag enters its position's cross-group sum and every
+            # group's vote, so every rank stops after the same step (one call at any size).
+            self.fleet.request_pause(stream.ranks[:1], stream.attempt)
 
     def boundary_needed(self) -> bool:
         return bool(
