@@ -25,7 +25,7 @@ def test_a_group_replaced_catches_up_while_the_other_steps_with_the_single_proce
         ray_cluster, tmp_path, layout):
     # min_groups 1: the surviving group goes on stepping while the killed rank's group is
     # rebuilt on the warm spare; steps paced so that the group is back well before the end.
-    steps = 16
+    steps = 10
     config = tiny_config(tmp_path, groups=2, min_groups=1, steps=steps, scaling__spares=1,
                          fault_tolerance__inject="kill:rank=0,step=2", **FAST_DETECTION, **layout)
     split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
