@@ -35,7 +35,7 @@ from elastic.core.exits import Ending, Exit
 from elastic.stop_signals import StopOnSignals, StoppedBeforeStart, second_signal_behind
 from elastic.core.events import EventKind, EventLog, redact_credentials
 from elastic.core.faults import FaultSchedule, parse_faults, resolve_random_targets
-from elastic.core.goodput import TimeLedger
+from elastic.core.goodput import TimeLedger, goodput_of
 from elastic.core.data_plan import DataCursor
 from elastic.data.mixture import Mixture
 from elastic.data.ray_dataset import is_ray_dataset
@@ -330,7 +330,8 @@ class ElasticTrainer:
     def _summary(self, controller: Controller | None, events: EventLog, ledger: TimeLedger,
                  exit_reason: Exit) -> RunSummary:
         scaling = self.config.scaling
-        wall = ledger.wall()
+        breakdown = ledger.breakdown()  # one instant: the wall, its parts and the goodput agree
+        wall = breakdown["wall_s"]
         history = controller.history if controller else RunHistory()
         groups = len(controller.membership.live_groups()) if controller else 0
         losses, evals, steps = history.losses, history.eval_results, history.step_results
@@ -353,8 +354,8 @@ class ElasticTrainer:
             last_checkpoint=controller.checkpoints.last_committed_url if controller and controller.checkpoints else None,
             wall_s=wall,
             tokens_per_s=history.tokens_committed / wall if wall > 0 else 0.0,
-            goodput=ledger.goodput(),
-            time_breakdown=ledger.breakdown(),
+            goodput=goodput_of(breakdown),
+            time_breakdown=breakdown,
             steps=[StepEntry.of(result) for result in steps],
             events=events.events,
             exit=str(exit_reason),

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from elastic.core.diagnosis import Cause
 from elastic.core.events import Event, EventKind
-from elastic.core.goodput import CATEGORIES, TimeLedger
+from elastic.core.goodput import CATEGORIES, TimeLedger, goodput_of
 from elastic.core.straggler_policy import ACTIONS
 from elastic.driver.records import StepResult
 
@@ -210,7 +210,8 @@ class Metrics:
         self.learning_rate.set(result.lr)
         self.grad_norm.set(result.grad_norm)
         self.tokens_per_second.set(result.tokens_per_s)
-        self.time_spent(ledger.goodput(), ledger.breakdown())
+        breakdown = ledger.breakdown()  # one instant: the goodput is of the same wall
+        self.time_spent(goodput_of(breakdown), breakdown)
 
     def time_spent(self, goodput: float, breakdown: dict[str, float]) -> None:
         """Goodput and the wall time by category: the ledger's after each step, and once the run
