@@ -18,21 +18,16 @@ from checkpointing.healing import export_local_state
 from elastic.testing.gloo_ranks import gloo_ranks
 from tests.test_step_transaction import (
     MODEL_SEED,
-    RUN,
     TIMEOUT_S,
-    TRAINING_SEED,
-    TinyModel,
-    fsdp_units,
+    new_transaction,
     rank_batches,
     rank_spec,
     take_step,
 )
 from workers import rng
 from workers.catch_up import CatchingUp
-from workers.control_surface import ActivityTracker, DriverSignals
 from workers.state_transfer import receive_state, send_state
-from workers.step_transaction import Committed, StepTransaction
-from workers.train_step import TokenLoss, token_cross_entropy
+from workers.step_transaction import Committed
 from workers.world import World
 
 STEPS = 3
@@ -49,16 +44,11 @@ def catching_up(rank: int, port: int) -> dict:
     world = World(spec, store)
     world.join_group(world_build=0)
     world.join_replicas(generation=0, replica_rank=group, replica_size=2)
-    torch.manual_seed(MODEL_SEED + group)  # the joining group's weights are not the live one's
-    model = fsdp_units(TinyModel(), world)
-    signals = DriverSignals()
-    transaction = StepTransaction(spec, world, model, torch.optim.Adam(model.parameters(), lr=0.05),
-                                  TokenLoss(token_cross_entropy), torch.device("cpu"), ActivityTracker(), signals)
-    signals.begin(RUN)
-    torch.manual_seed(TRAINING_SEED)
+    # the joining group's weights are not the live one's
+    transaction, _ = new_transaction(spec, world, fsdp=True, model_seed=MODEL_SEED + group, adam=True)
     copying = ThreadPoolExecutor(max_workers=1)
     if group == 0:
-        state = {**export_local_state(model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
+        state = {**export_local_state(transaction.model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
         copying.submit(lambda: send_state([world.heal_pair("catch-up-test", rank, rank + 2)], state))
     else:
         received = copying.submit(lambda: receive_state(world.heal_pair("catch-up-test", rank - 2, rank)))
@@ -76,7 +66,7 @@ def catching_up(rank: int, port: int) -> dict:
             arriving.set_result((received.result(TIMEOUT_S), 0, 0.0))
     copying.shutdown()
     return {"caught_up": caught_up, "idle": idle, "receipt": transaction.joining.take_receipt(),
-            "state": export_local_state(model, transaction.optimizer)}
+            "state": export_local_state(transaction.model, transaction.optimizer)}
 
 
 @pytest.fixture(scope="module")

@@ -153,11 +153,15 @@ def fsdp_units(model: TinyModel, world: World) -> TinyModel:
     return fully_shard(model, mesh=world.mesh["shard"])
 
 
-def new_transaction(spec: RankSpec, world: World, fsdp: bool = False) -> tuple[StepTransaction, DriverSignals]:
-    torch.manual_seed(MODEL_SEED)
+def new_transaction(spec: RankSpec, world: World, fsdp: bool = False, model_seed: int = MODEL_SEED,
+                    adam: bool = False) -> tuple[StepTransaction, DriverSignals]:
+    """A rank's transaction over the tiny model of ``model_seed``'s weights, with SGD at ``LR``
+    (or Adam, whose moments a copy of the state must carry); the training generators seeded."""
+    torch.manual_seed(model_seed)
     model = fsdp_units(TinyModel(), world) if fsdp else TinyModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05) if adam else torch.optim.SGD(model.parameters(), lr=LR)
     signals = DriverSignals()
-    transaction = StepTransaction(spec, world, model, torch.optim.SGD(model.parameters(), lr=LR), TokenLoss(token_cross_entropy),
+    transaction = StepTransaction(spec, world, model, optimizer, TokenLoss(token_cross_entropy),
                                   torch.device("cpu"), ActivityTracker(), signals)
     signals.begin(RUN)
     torch.manual_seed(TRAINING_SEED)
@@ -208,20 +212,15 @@ def catch_up(rank: int, spec: RankSpec, world: World) -> dict:
     Adam and sends its state of step 0 once it has committed step 1. Rank 1 sums zeros and
     keeps the committed updates meanwhile; the state lands before its step 2, where it loads
     it and applies the kept steps and that one."""
-    torch.manual_seed(MODEL_SEED + rank)  # rank 1's weights are not rank 0's
-    model = TinyModel()
-    signals = DriverSignals()
-    transaction = StepTransaction(spec, world, model, torch.optim.Adam(model.parameters(), lr=0.05),
-                                  TokenLoss(token_cross_entropy), torch.device("cpu"), ActivityTracker(), signals)
-    signals.begin(RUN)
-    torch.manual_seed(TRAINING_SEED)
+    # rank 1's weights are not rank 0's
+    transaction, _ = new_transaction(spec, world, model_seed=MODEL_SEED + rank, adam=True)
     copying = ThreadPoolExecutor(max_workers=1)
     if rank == 1:
         received = copying.submit(lambda: receive_state(world.heal_pair("catch-up-test", 0, 1)))
         arriving = Future()
         transaction.joining.begin(CatchingUp(arriving, source=0))
     else:
-        state = {**export_local_state(model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
+        state = {**export_local_state(transaction.model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
     caught_up = []
     for step in range(3):
         batches = rank_batches(0, step) + rank_batches(1, step) if rank == 0 else []
@@ -236,7 +235,7 @@ def catch_up(rank: int, spec: RankSpec, world: World) -> dict:
     copying.shutdown()
     return {"caught_up": caught_up, "receipt": transaction.joining.take_receipt(),
             "holds_state": transaction.joining.holds_state,
-            "state": export_local_state(model, transaction.optimizer)}
+            "state": export_local_state(transaction.model, transaction.optimizer)}
 
 
 def rank_main(rank: int, port: int, results) -> None:
