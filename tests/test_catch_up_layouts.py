@@ -13,10 +13,8 @@ from elastic.testing.losses import max_relative_difference
 from elastic.testing.paced import paced_model
 from tests.reference import reference_run
 from tests.test_experts import BALANCED, EXPERTS
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 from workers.pipeline import split_transformer
-
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
 
 
 @pytest.mark.parametrize("layout", [{"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED}],

@@ -15,7 +15,7 @@ from elastic import ElasticTrainer
 from elastic.setup.errors import ConfigError
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run, reference_trace
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 from workers.context_parallel import ContextShare
 from workers.model import ModelArgs, Transformer
 from workers.train_step import Batch, accumulate_gradients, token_cross_entropy
@@ -136,8 +136,7 @@ def test_two_groups_of_cp_2_keep_the_single_process_losses_through_faults_and_re
     # As in test_experts: by step 10 the buddy of rank 1 surely holds a snapshot of its state.
     inject = "kill:rank=1,step=1;flip:rank=3,step=2;hang:rank=2,step=4;kill:rank=1,step=10;kill:rank=3,step=10"
     legs = [(12, {"groups": 2, "min_groups": 2, "scaling__cp": 2, "fault_tolerance__inject": inject,
-                  "integrity__every": 3, "checkpoint__every": 12, "checkpoint__memory_every": 2,
-                  "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
+                  "integrity__every": 3, "checkpoint__every": 12, "checkpoint__memory_every": 2, **FAST_DETECTION}),
             (14, {}),
             (17, {"shard": 2, "scaling__cp": 2, "fault_tolerance__inject": "kill:rank=3,step=15"})]
     losses = []

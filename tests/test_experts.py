@@ -20,7 +20,7 @@ from tests.reference import reference_trace
 from tests.test_pretrained import (
     as_trained, exports_back_bit_for_bit, first_batch_loss_of, tiny_qwen3_moe, write_checkpoint,
 )
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 from workers.experts import MoE, grouped_mm, looped_mm, set_row_shares
 from workers.model import ModelArgs
 from workers.train_step import token_cross_entropy
@@ -292,8 +292,7 @@ def test_expert_parallel_groups_keep_the_single_process_losses_through_faults_an
     # may still have been on its way: then storage is the tier below.)
     inject = "kill:rank=1,step=1;flip:rank=3,step=2;hang:rank=2,step=4;kill:rank=1,step=10;kill:rank=3,step=10"
     legs = [(12, {"groups": 2, "min_groups": 2, "scaling__ep": 2, "fault_tolerance__inject": inject,
-                  "integrity__every": 3, "checkpoint__every": 12, "checkpoint__memory_every": 2,
-                  "fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}),
+                  "integrity__every": 3, "checkpoint__every": 12, "checkpoint__memory_every": 2, **FAST_DETECTION}),
             (14, {}),
             (18, {"shard": 4, "scaling__ep": 2, "fault_tolerance__inject": "kill:rank=2,step=16"})]
     losses, records = [], []

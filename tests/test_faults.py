@@ -7,9 +7,7 @@ from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run
-from tests.tiny import tiny_config
-
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
+from tests.tiny import FAST_DETECTION, tiny_config
 
 
 def failed(summary):

@@ -10,7 +10,7 @@ from elastic.core.events import EventKind
 from elastic.core.integrity import NAMED_TENSORS, check_due, compare, suspect_groups
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 from workers.integrity import fingerprints, flip_bit, state_tensors
 
 NAMES = [f"tensor{index}" for index in range(8)]
@@ -90,9 +90,6 @@ def test_the_fingerprint_of_a_tensor_does_not_depend_on_how_its_sum_is_split():
     whole = fingerprints([tensor], torch.device("cpu")).item()
     halves = fingerprints([tensor[:500], tensor[500:]], torch.device("cpu")).tolist()
     assert whole == sum(halves) % 2**32
-
-
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
 
 
 def integrity_events(summary):

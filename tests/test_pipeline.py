@@ -31,7 +31,7 @@ from elastic.testing.loopback import free_port
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 from workers.model import ModelArgs, Transformer
 from workers.parallelize import Parallelize
 from workers.pipeline import (
@@ -286,9 +286,6 @@ def test_stages_waiting_on_a_peer_that_left_the_step_are_released_as_victims(tmp
     for rank, (step, failure, group_broken) in enumerate(answers):
         assert step == 1 and group_broken, (rank, answers)
         assert Failure(failure).blames_peers == (rank != leaving), (rank, answers)
-
-
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
 
 
 def events_of(summary, kind):

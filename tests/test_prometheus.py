@@ -19,7 +19,7 @@ import yaml
 from elastic import ElasticTrainer
 from tests.test_deploy import dashboard_queries, metric_names
 from elastic.testing.loopback import free_port, wait_for
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -29,7 +29,6 @@ pytestmark = [
 ]
 
 SCRAPE_INTERVAL_S = 1
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
 
 
 class PrometheusServer:

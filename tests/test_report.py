@@ -228,10 +228,10 @@ def test_crashed_run_without_steps_still_plots(tmp_path):
 def test_report_on_a_real_run_with_a_kill(ray_cluster, tmp_path, capsys):
     from elastic import ElasticTrainer
     from elastic.cli import main as elastic_main
-    from tests.tiny import tiny_config
+    from tests.tiny import FAST_DETECTION, tiny_config
 
     config = tiny_config(tmp_path, groups=2, steps=12, fault_tolerance__inject="kill:rank=1,step=4", eval__every=6,
-                         fault_tolerance__min_deadline_s=3.0, fault_tolerance__deadline_factor=4.0)
+                         **FAST_DETECTION)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     capsys.readouterr()

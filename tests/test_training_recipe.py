@@ -12,9 +12,8 @@ from elastic.core.events import EventKind
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_trace
-from tests.tiny import tiny_config
+from tests.tiny import FAST_DETECTION, tiny_config
 
-FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
 # Clipping at 0.5 is active on every step of these runs (the tiny model's norm is ~1.3-1.6).
 CLIPPED = {"optimizer__clip_grad_norm": 0.5, "eval__every": 4}
 

@@ -4,6 +4,11 @@ from elastic.setup.config import DAY_S
 from elastic.setup.preflight import build_config
 
 
+# A hang found within seconds of tiny steps (the defaults are a real run's): for tests that
+# inject hangs and kills.
+FAST_DETECTION = {"fault_tolerance__min_deadline_s": 3.0, "fault_tolerance__deadline_factor": 4.0}
+
+
 def tiny_config(tmp_path, *, groups=1, shard=1, tp=1, steps=20, **overrides):
     values = {
         "run_name": overrides.pop("run_name", "test"),
