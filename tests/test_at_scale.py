@@ -3,15 +3,27 @@ against each publication holds within its documented tolerance; every design's l
 to the wall time; single failures cost what today's path makes them cost (the real deadline,
 two regroups and a heal every group waits for, whole micro-batches); every design finds a
 slow GPU with the same detector; a compute error in the cross-group sum is not found; the
-pessimistic column is no better than the default."""
+pessimistic column is no better than the default; FT-HSDP's rows price each failure as the
+paper's own arithmetic does."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 
-from elastic.simulation.calibration import GOAL, calibrate
+from elastic.simulation.calibration import (
+    FAULT_TOLERANT,
+    FT_HSDP_JOB,
+    FT_HSDP_MTBF_S,
+    FT_HSDP_REPLICA_OUT_S,
+    FT_HSDP_STALL_S,
+    FT_HSDP_SYNC_STALL_S,
+    GOAL,
+    SYNCHRONOUS,
+    calibrate,
+)
 from elastic.simulation.costs import DEFAULT, PESSIMISTIC, PESSIMISTIC_FAILURES
 from elastic.simulation.designs import MODELS, Design, Job, _Ours, replay, straggler_detection_steps
 from elastic.simulation.failure_mix import (
@@ -26,6 +38,7 @@ from elastic.simulation.failure_mix import (
     FailureKind,
     FailureModel,
     draw_failures,
+    draw_failures_every,
     rates_per_gpu_hour,
 )
 
@@ -40,6 +53,35 @@ def test_every_publication_is_calibrated_within_its_documented_tolerance():
         assert 0 <= row.published <= 1 and 0 <= row.modelled <= 1
         assert row.within, (row.source, row.published, row.modelled)
         assert row.tolerance == GOAL or row.gap, f"{row.source}: a wider tolerance must say why"
+
+
+def test_a_failure_every_interval_is_evenly_spaced_and_drawn_from_the_mix():
+    model = FailureModel.published(planned=False)
+    trace = draw_failures_every(98_304, DAY_S, FT_HSDP_MTBF_S, seed=4, model=model)
+    assert len(trace) == int(DAY_S // FT_HSDP_MTBF_S) - 1  # one every 18 minutes, none at the end
+    assert [failure.at_s for failure in trace] == pytest.approx(
+        [(index + 1) * FT_HSDP_MTBF_S for index in range(len(trace))])
+    assert {failure.kind for failure in trace} <= set(rates_per_gpu_hour(model))
+    assert all(failure.gpu % failure.gpus == 0 and failure.gpu + failure.gpus <= 98_304 for failure in trace)
+
+
+@pytest.mark.parametrize("design", [Design.RESTART, Design.GROUP_RESTART])
+def test_ft_hsdps_rows_charge_each_failure_what_the_papers_arithmetic_does(design):
+    """A failure every 18 minutes, none during another's recovery: synchronous, each costs its
+    10-minute stall, (18 - 10) / 18; fault-tolerant, its 3-minute stall and the failed replica,
+    one of 12, out 7 more minutes, (8 + 7 x 11/12) / 18; no work redone beyond a step."""
+    job, wall_s = FT_HSDP_JOB, DAY_S
+    assert job.groups == 12
+    trace = [Failure(FT_HSDP_MTBF_S * (index + 1), FailureKind.GPU_LOST, gpu=4096 * index % job.ranks)
+             for index in range(int(wall_s // FT_HSDP_MTBF_S) - 1)]
+    costs = SYNCHRONOUS if design == Design.RESTART else FAULT_TOLERANT
+    ledger = replay(job, trace, design, wall_s, spare_gpus=64,
+                    costs=replace(costs, checkpoint_every_s=job.step_s()))
+    per_failure_s = (FT_HSDP_SYNC_STALL_S if design == Design.RESTART
+                     else FT_HSDP_STALL_S + FT_HSDP_REPLICA_OUT_S / job.groups)
+    papers = 1 - len(trace) * per_failure_s / wall_s
+    assert ledger.ettr <= papers + 1e-9
+    assert papers - len(trace) * 2 * job.step_s() / wall_s <= ledger.ettr  # a step redone, a boundary waited
 
 
 def test_the_mix_is_llama_3s_466_interruptions_and_a_trace_follows_its_rate():

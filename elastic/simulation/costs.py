@@ -129,9 +129,11 @@ PESSIMISTIC_SOURCES = SOURCES | {
     "heal_bandwidth": "measured: the same run's first copy through the object store, 2.47 GB in 11.69 s "
                       "(bench/heal_transport.py)",
     "world_restart_s": "FT-HSDP (Salpekar et al. 2026): synchronous training's recovery stall at ~100 k GPUs, "
-                       "10 minutes",
+                       "10 minutes (a warm restart: machines allocated, NCCL's set-up, the checkpoint loaded, the "
+                       "first step)",
     "torchft_stall_s": "FT-HSDP (Salpekar et al. 2026): the job-wide stall of a fault-tolerant HSDP recovery at "
-                       "~100 k GPUs, 3 minutes, on top of detection",
+                       "~100 k GPUs, 3 minutes, its ~60 s detection among them; charged here on top of torchft's "
+                       "own detection, the worse end",
 }
 
 PESSIMISTIC_FAILURES = replace(
