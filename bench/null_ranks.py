@@ -54,7 +54,6 @@ class NullRank:
     def __init__(self, spec, pickled_pace: bytes):  # the fleet's pickled hooks: the step time, the schedule's folder
         self.spec = spec
         self.pause_run = -1
-        self.replica_rank = 0
         self.step_s, self.schedules = ray.cloudpickle.loads(pickled_pace)
 
     def node(self) -> dict:
@@ -62,10 +61,6 @@ class NullRank:
 
     def build(self, world_build: int) -> BuildOutcome:
         return BuildOutcome(self.spec.global_rank, 0.0)
-
-    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
-        self.replica_rank = replica_rank
-        return 0.0
 
     @ray.method(concurrency_group="control")
     def request_pause(self, run: int) -> None:
@@ -85,7 +80,8 @@ class NullRank:
         # the steps at which real ranks' first ranks agree to gather, about once per interval
         every = max(1, round(spec.records_interval_s / self.step_s))
         leads_group = me.group_rank == 0
-        held_groups = spec.groups if leads_group and self.replica_rank == 0 else (me.group,) if leads_group else ()
+        replica_rank = spec.groups.index(me.group)  # of the segment's cross-group groups, as a real rank enters them
+        held_groups = spec.groups if leads_group and replica_rank == 0 else (me.group,) if leads_group else ()
         held = {group: [] for group in held_groups}
         cursor = spec.cursor
         run_starts = self.run_start(spec.attempt)

@@ -394,9 +394,6 @@ class FakeFleet:
             (self.corrupt.add if source in self.corrupt else self.corrupt.discard)(target)
         return [HealCopy(source, target, STATE_BYTES, self.heal_fallbacks.pop(target, None)) for source, target in pairs]
 
-    def join_replicas(self, assignments) -> None:
-        self._control("join_replicas")
-
     # the memory tier
 
     def set_buddies(self, buddies) -> None:

@@ -574,11 +574,31 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(tmp_path
     assert restored["step"] == 4
 
 
-def test_a_death_during_the_cross_group_rebuild_replaces_only_the_dead_rank(tmp_path):
+def test_each_cross_group_rebuild_is_a_new_build_that_the_next_segment_carries_over_its_groups(tmp_path):
+    """The ranks enter the cross-group groups the segment's spec names: each rebuild a new build
+    over the groups it was made for, a boundary that changes nothing (the checkpoints) keeps
+    it, and a build the quorum changed again before any segment ran (the survivors' after the
+    kill, when the replacement joined before they stepped) is never entered: one regroup."""
+    scenario = Scenario(tmp_path, groups=3, shard=1, steps=12, checkpoint_every=3)
+    scenario.fleet.faults = {4: [Kill(rank=2, after_s=0.5)]}
+    assert scenario.run() == "completed"
+    segments = [next(iter(specs.values())) for specs in scenario.fleet.segments]
+    rebuilt = {event["build"]: tuple(event["groups"]) for event in scenario.kinds(EventKind.GROUPS_REBUILT)}
+    assert rebuilt == {1: (0, 1, 2), 2: (0, 1), 3: (0, 1, 2)}
+    assert [(spec.first_step, spec.replicas_build) for spec in segments] == [(0, 1), (3, 1), (4, 3), (6, 3), (9, 3)]
+    assert all(spec.groups == rebuilt[spec.replicas_build] for spec in segments)
+    assert scenario.committed_steps() == list(range(12))
+
+
+def test_a_death_as_the_survivors_enter_their_new_cross_group_groups_replaces_only_the_dead_rank(tmp_path):
     scenario = Scenario(tmp_path, groups=3, shard=1)
     scenario.fleet.faults = {3: [Kill(rank=0, after_s=0.5)]}
-    scenario.controller.step_listeners.append(  # armed for the survivors' rebuild after the kill
-        lambda record: record.step == 2 and scenario.fleet.control_faults.update({"join_replicas": [(2, "die")]}))
+
+    def dies_as_the_step_is_redone(event):  # the survivors enter the new build's groups as its segment starts
+        if event["kind"] == EventKind.RANK_EVICTED and event["rank"] == 0:
+            scenario.fleet.faults[3] = [Kill(rank=2, after_s=0.0)]
+
+    scenario.events.listeners.append(dies_as_the_step_is_redone)
     assert scenario.run() == "completed"
     assert [(e["rank"], e["cause"]) for e in scenario.kinds(EventKind.RANK_EVICTED)] == [(0, "death"), (2, "death")]
     assert scenario.kinds(EventKind.RESTORED_INITIAL_STATE) == []  # group 1 stayed live and healed both

@@ -98,6 +98,19 @@ from workers.world import World
 REPLICATE_POLL_S = 0.001
 
 
+class _Rendezvous:
+    """A replicate group's rendezvous (a future) waited for as a collective's work is."""
+
+    def __init__(self, joining: Future):
+        self.joining = joining
+
+    def is_completed(self) -> bool:
+        return self.joining.done()
+
+    def wait(self) -> None:
+        self.joining.result()
+
+
 class StepTransaction:
     """The steps of one rank on the model and optimizer its group built."""
 
@@ -310,6 +323,25 @@ class StepTransaction:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=self.world.control_group)
         if stop.item():
             raise StepInterrupted(f"rank {self.rank.global_rank}: step {step} interrupted before micro-batch {index}")
+
+    def enter_replicas(self, spec: SegmentSpec) -> None:
+        """Be in the cross-group groups of the segment's build (``SegmentSpec.replicas_build``),
+        over the segment's groups, before its first step: the rank rebuilds them itself,
+        touching only its own position's, with no call of the driver's; a rank that left them
+        (its step failed) or holds an older build's joins the new one. Bounded as a
+        cross-group wait is (``wait_replicate``: the driver's abort, the step's deadline); a
+        rendezvous given up is left to end on its own thread."""
+        if self.world.replicas_build == spec.replicas_build:
+            return
+        self.activity.set(spec.first_step, Phase.REPLICATE)
+        joining = self.world.joining_replicas(spec.replicas_build, spec.groups.index(self.rank.group),
+                                              len(spec.groups))
+        try:
+            self.wait_replicate(_Rendezvous(joining), time.perf_counter() + spec.deadline_s)
+        except BaseException:
+            self.world.give_up_replicas(joining)
+            raise
+        self.world.take_replicas(joining.result())
 
     def wait_replicate(self, work, deadline: float) -> None:
         """Wait until a cross-group collective has finished on the device, the driver aborts

@@ -15,7 +15,6 @@ background upload on a third, while training goes on.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 import warnings
@@ -26,7 +25,6 @@ from dataclasses import replace
 
 import ray
 import torch
-import torch.distributed as dist
 
 from checkpointing.healing import export_local_state, import_local_state, local_state
 from checkpointing.pretrained import load_pretrained
@@ -51,14 +49,13 @@ from elastic.core.segment_loop import RankSegmentLoop, memory_snapshot_due
 from workers.failures import describe_failure, failure_outcome, raised_in_collective
 from workers.fault_injection import InjectedFaults
 from workers.memory_tier import MemoryTier, from_wire, state_bytes
-from workers.keyed_store import KeyedStore
 from workers.pipeline import stage_model
 from workers.rank_spec import RankSpec
 from workers.catch_up import begin_copies
 from workers.step_feed import StepFeed
 from workers.control_surface import ActivityTracker, DriverSignals, FaultPlan
 from workers.step_transaction import Discarded, StepTransaction
-from workers.world import World
+from workers.world import World, connect_store
 
 CPU = torch.device("cpu")
 
@@ -98,10 +95,7 @@ class RankWorker:
         self.pickled_hooks = pickled_hooks
         self.hooks = None  # loaded by the first build (a spare's, ahead by ``warm``)
         self.device = rank_device(spec.use_gpu)
-        self.store = KeyedStore(dist.TCPStore(
-            spec.store_host, spec.store_port, is_master=False,
-            timeout=datetime.timedelta(seconds=spec.collective_timeout_s), wait_for_workers=False,
-        ), spec.store_secret)
+        self.store = connect_store(spec)
         self.model = None
         self.optimizer = None
         self.transaction: StepTransaction | None = None  # the steps on the model its group built
@@ -206,11 +200,6 @@ class RankWorker:
         self.activity.count_entries_of(self.model)
         return BuildOutcome(spec.global_rank, time.perf_counter() - started, ray_node_ip())
 
-    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> float:
-        started = time.perf_counter()
-        self.world.join_replicas(generation, replica_rank, replica_size)
-        return time.perf_counter() - started
-
     # the segment: steps the ranks take on their own
 
     def run(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
@@ -220,6 +209,11 @@ class RankWorker:
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
         self.signals.begin(spec.attempt)
         try:
+            try:
+                self.transaction.enter_replicas(spec)
+            except Exception as error:  # a replica gone or the driver's abort: nothing stepped
+                yield self._end(spec.first_step, self._failed(spec.first_step, error))
+                return
             if spec.catch_up is not None:
                 self.transaction.joining.begin(begin_copies(
                     self.copies, spec.catch_up, f"catch-up{spec.attempt}", self.spec.global_rank, self.world,

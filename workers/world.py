@@ -7,7 +7,8 @@ for the step's control traffic (the abort agreement and the vote), so neither in
 with the other. Across groups, ranks at the same position sum gradients over a *replicate*
 process group built directly on the store, outside the default world, so it can be torn
 down and rebuilt when membership changes without touching the group's own world; its prefix
-is the membership's generation, which changes exactly when the set of live groups does. A
+is the build number the driver gives each rebuild (``SegmentSpec.replicas_build``), and every
+rank of a segment enters that build's groups as the segment starts, over the segment's groups. A
 heal's source and target ranks build a pair group the same way, for the one copy
 (``heal_pair``, ``workers.state_transfer``).
 
@@ -20,13 +21,16 @@ connections of the group's own process groups from the rank's control thread
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic.core.topology import Topology
+from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 
 
@@ -73,6 +77,8 @@ class World:
         self.control_group = None  # None in a group of one rank: it has no one to agree with
         self.replicate_group = None  # None while the rank's position has no replica in another group
         self.replica_rank = 0
+        self.replicas_build: int | None = None  # the cross-group groups' build the rank is in
+        self._replicas_store = None  # the replicate group's own connection to the store
         # Gloo process groups given up with work in flight: gloo cannot abort a collective
         # and destroying one would block until it times out, so they are kept until the
         # process ends. NCCL groups are aborted instead. (Gloo also carries CUDA tensors, where
@@ -124,30 +130,77 @@ class World:
                           if group is not self.checkpoint_group)
 
     def leave_replicas(self) -> None:
+        self.replicas_build = None
         if self.replicate_group is not None:
             if self.rank.nccl:
                 self.replicate_group.abort()
             else:
-                self._abandoned.append(self.replicate_group)
-        self.replicate_group = None
+                self._abandoned.extend((self.replicate_group, self._replicas_store))
+        self.replicate_group = self._replicas_store = None
 
-    def join_replicas(self, generation: int, replica_rank: int, replica_size: int) -> None:
-        """(Re)build the replicate group of this rank's position: ``replica_rank`` of the
-        ``replica_size`` groups of ``generation`` (none when it is the only one)."""
+    def join_replicas(self, build: int, replica_rank: int, replica_size: int) -> None:
+        """(Re)build the replicate group of this rank's position and wait for it (``joining_replicas``)."""
+        joining = self.joining_replicas(build, replica_rank, replica_size)
+        self.take_replicas(joining.result())
+
+    def joining_replicas(self, build: int, replica_rank: int, replica_size: int) -> Future:
+        """Start (re)building the replicate group of this rank's position: ``replica_rank`` of
+        the ``replica_size`` groups of the cross-group groups' build number ``build`` (none
+        when it is the only one). The rendezvous waits for every replica, so it runs on a
+        thread of its own and the rank stays free to give it up (``give_up_replicas``); the
+        future holds the group, for ``take_replicas``."""
         self.leave_replicas()
         self.replica_rank = replica_rank
-        if replica_size > 1:
-            position = ".".join(map(str, self.rank.position))
-            store = dist.PrefixStore(f"gen{generation}/replicate{position}/", self.store)
-            if self.rank.nccl:
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = self.timeout  # the default is 10 minutes
-                self.replicate_group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
-            else:
-                self.replicate_group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+        self.replicas_build = build
+        joining: Future = Future()
+        if replica_size == 1:
+            joining.set_result(None)
+            return joining
+        position = ".".join(map(str, self.rank.position))
+
+        def rendezvous() -> None:
+            try:
+                # A connection of its own: a rendezvous given up still blocks its connection
+                # in a wait until the timeout, which would hold up every other use of a shared one.
+                connection = connect_store(self.rank)
+                store = dist.PrefixStore(f"replicas{build}/replicate{position}/", connection)
+                if self.rank.nccl:
+                    options = dist.ProcessGroupNCCL.Options()
+                    options._timeout = self.timeout  # the default is 10 minutes
+                    group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
+                else:
+                    group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+                joining.set_result((group, connection))  # torch holds only the store's C++ half: keep it
+            except BaseException as error:  # noqa: BLE001 - the waiting rank raises it
+                joining.set_exception(error)
+
+        threading.Thread(target=rendezvous, name=f"replicas{build}", daemon=True).start()
+        return joining
+
+    def take_replicas(self, joined: tuple | None) -> None:
+        """The replicate group a rendezvous formed (None: the position has no replica), with its store."""
+        self.replicate_group, self._replicas_store = joined or (None, None)
+
+    def give_up_replicas(self, joining: Future) -> None:
+        """The rank stopped waiting for ``joining``: a group it still forms is given up as one
+        with work in flight is."""
+        self.replicas_build = None
+
+        def abandon(done: Future) -> None:
+            if done.exception() is None and done.result() is not None:
+                self._abandoned.extend(done.result())
+
+        joining.add_done_callback(abandon)
 
     def heal_pair(self, copy: str, source: int, target: int) -> dist.ProcessGroupGloo:
         return heal_pair(self.store, copy, source, target, self.rank.global_rank == target, self.timeout)
+
+
+def connect_store(rank: RankSpec) -> KeyedStore:
+    """A connection to the run's rendezvous store, its keys bound to the run's secret."""
+    return KeyedStore(dist.TCPStore(rank.store_host, rank.store_port, is_master=False,
+                                    timeout=datetime.timedelta(seconds=rank.collective_timeout_s),
+                                    wait_for_workers=False), rank.store_secret)
 
 
 def heal_pair(store: dist.Store, copy: str, source: int, target: int, is_target: bool,

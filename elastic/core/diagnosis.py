@@ -91,14 +91,13 @@ def diagnose(
     return Diagnosis(culprits, frozenset(broken), errors, stuck)
 
 
-def diagnose_control_failure(*, failed_on: Iterable[int], dead: Iterable[int], left_state_intact: bool,
-                             group_of: Mapping[int, int], error: str) -> Diagnosis:
-    """A control call (heal, restore, rebuild, staging) failed on ``failed_on``: the ranks that
-    no longer answer (``dead``) are culprits, and so are the ranks it failed on, whose state is
-    now unknown, unless the call left state intact (a cross-group rebuild): then ranks that
-    waited on a dead peer are kept."""
+def diagnose_control_failure(*, failed_on: Iterable[int], dead: Iterable[int], group_of: Mapping[int, int],
+                             error: str) -> Diagnosis:
+    """A control call (heal, restore, staging) failed on ``failed_on``: the ranks that no
+    longer answer (``dead``) are culprits, and so are the ranks it failed on, whose state is
+    now unknown."""
     dead = set(dead)
-    failed = set() if dead and left_state_intact else set(failed_on) - dead
+    failed = set(failed_on) - dead
     culprits = {rank: Cause.DEATH if rank in dead else Cause.CONTROL_ERROR for rank in sorted(dead | failed)}
     return Diagnosis(culprits, frozenset(group_of[rank] for rank in culprits), dict.fromkeys(culprits, error))
 

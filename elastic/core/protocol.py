@@ -72,6 +72,9 @@ class SegmentSpec:
     schedule: LRSchedule
     clip_grad_norm: float | None
     deadline_s: float  # per step: no wait on peers outlasts it
+    # The cross-group groups' build: each rebuild the driver decides has its own, and a rank
+    # not in this one's groups (over ``groups``) enters them as the segment starts.
+    replicas_build: int = 0
     records_interval_s: float = 1.0  # the segment's records are sent about this often
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
     memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)

@@ -279,7 +279,8 @@ class Controller:
             seed=self.config.seed, micro_batch=self.config.micro_batch, seq_len=self.config.data.seq_len,
             group_weights=group_weights(self.membership.live_groups(), self.stragglers.weights),
             schedule=self.config.lr_schedule, clip_grad_norm=self.config.optimizer.clip_grad_norm,
-            deadline_s=self.deadline.seconds(), records_interval_s=RECORDS_INTERVAL_S, loss_scale=self.history.loss_scale,
+            deadline_s=self.deadline.seconds(), replicas_build=self.groups.replicas_build,
+            records_interval_s=RECORDS_INTERVAL_S, loss_scale=self.history.loss_scale,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
             catch_up=self.state_sources.take_catch_up(),
         )
@@ -356,7 +357,7 @@ class Controller:
         text = describe_error(error, 300)
         diagnosis = diagnose_control_failure(
             failed_on=error.ranks, dead=involved - self.fleet.responsive(sorted(involved)),
-            left_state_intact=error.left_state_intact, group_of={r: self.topology.group_of(r) for r in involved},
+            group_of={r: self.topology.group_of(r) for r in involved},
             error=text)
         now = self.clock()
         return Recovering(diagnosis, FailedWork.CONTROL_CALL, now, now, error=text,

@@ -50,6 +50,7 @@ class GroupKeeper:
         self.stragglers = stragglers
         self.scaling = ScalingPolicy(config.scaling.min_groups, config.scaling.max_groups)
         self.world_build = 0  # numbers each build of a group's world: its process groups' store prefix
+        self.replicas_build = 0  # numbers each build of the cross-group groups, as world_build does a world's
         self.joining_calls: dict[int, Pending] = {}  # a group's start or build calls in flight
         self.joining_since: dict[int, float] = {}
         self.stage_since: dict[int, float] = {}  # when a group's start or build call went out
@@ -185,22 +186,20 @@ class GroupKeeper:
         return True
 
     def rebuild_replicas(self, joined: Iterable[int] = ()) -> None:
-        """The cross-group process groups over the quorum's groups (and, with the memory tier,
-        a buddy for each rank of the ``joined`` groups and each rank whose buddy left)."""
+        """New cross-group process groups over the quorum's groups: a new build, which the
+        ranks enter themselves as the next segment starts (``SegmentSpec.replicas_build``), each
+        only its position's, with no call per rank; and, with the memory tier, a buddy for each
+        rank of the ``joined`` groups and each rank whose buddy left."""
         started = self.clock()
         quorum = self.membership.quorum()
-        assignments = {
-            rank: (quorum.generation, quorum.replica_rank(group), len(quorum.groups))
-            for group in quorum.groups
-            for rank in self.topology.global_ranks(group)
-        }
-        self.fleet.join_replicas(assignments)
+        self.replicas_build += 1
         if self.config.checkpoint.memory_every:
             self.fleet.set_buddies(self.pairing.update(quorum.groups, self.node_of, renewed=joined))
         seconds = self.clock() - started
         self.timing.add("rebuild_s", seconds)
-        self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, groups=list(quorum.groups),
-                         ranks=len(assignments), seconds=round(seconds, 4))
+        self.events.emit(EventKind.GROUPS_REBUILT, generation=quorum.generation, build=self.replicas_build,
+                         groups=list(quorum.groups), ranks=len(self.topology.ranks_of(quorum.groups)),
+                         seconds=round(seconds, 4))
 
     def grow(self) -> None:
         """Reserve one more group while the scaling policy wants more; start the spares missing."""

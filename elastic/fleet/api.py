@@ -24,11 +24,6 @@ class FleetError(RuntimeError):
         self.ranks = sorted(ranks)
         self.call = call  # the rank method that failed
 
-    @property
-    def left_state_intact(self) -> bool:
-        """Rebuilding cross-group process groups touches no model state."""
-        return self.call == "join_replicas"
-
 
 class RanksLost(FleetError):
     """The processes of these ranks are gone (killed, crashed, out of memory, node lost)."""
@@ -125,7 +120,6 @@ class FleetApi(Protocol):
 
     # state and checkpoints
     def copy_state(self, pairs: list[tuple[int, int]]) -> list[HealCopy]: ...
-    def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None: ...
     def local_parameters(self, ranks) -> dict[int, list]: ...
     def set_buddies(self, buddies: dict[int, int | None]) -> None: ...
     def memory_holdings(self, ranks) -> dict[int, Holdings]: ...

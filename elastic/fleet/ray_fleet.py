@@ -257,12 +257,6 @@ class Fleet(RankProcesses):
             copies[target] = HealCopy(source, target, imported[target], fallback=reason)
         return [copies[target] for _, target in pairs]
 
-    def join_replicas(self, assignments: dict[int, tuple[int, int, int]]) -> None:
-        """``rank -> (generation, replica rank, replica count)``: rebuild the cross-group groups."""
-        self.results(Pending({
-            rank: self.actors[rank].join_replicas.remote(*assignment) for rank, assignment in assignments.items()
-        }), self.quick_call_s, "join_replicas")
-
     def local_parameters(self, ranks) -> dict[int, list]:
         return self.results(self._call(ranks, "local_parameters"), self.state_call_s, "local_parameters")
 

@@ -74,7 +74,8 @@ SOURCES = {
     "regroup_s": "measured: a regroup on 4 CPU ranks over gloo, less the step redone (bench/goodput.py, "
                  "docs/benchmarks.md)",
     "driver_calls_per_s": "Ray 2.10's release microbenchmark, 1:n actor calls (async): 8,830/s; a regroup is one "
-                          "join_replicas call per rank of the job (RayFleet.join_replicas)",
+                          "call per rank of the job, the segment's start, whose spec carries the new cross-group "
+                          "groups (RayFleet.start_segment; each rank enters its own)",
     "comm_init_s_per_rank": "assumed: a communicator's bootstrap grows 1 s per 500 ranks (each cross-group group has "
                             "one rank per group; a group's world, its ranks)",
     "comm_init_s_per_rank_squared": "none by default: NCCL's quadratic set-up at scale, which NCCL PR #1789 "

@@ -4,11 +4,12 @@
   flight everywhere; a hang, a NIC or a node gone silent is found by the step deadline (the
   real ``StepDeadline`` fed the run's step times, so a group out, which slows the step, widens
   it) or by Ray's health check; the ranks drain; every surviving rank rebuilds its cross-group
-  process groups (a driver call per rank and a communicator over the groups) while every group
-  waits; the failed rank's group takes a warm spare (``choose_spares`` picks it, and the others
-  wait up to a typical step for it) or a fresh process or a replaced node while the others
-  train; at the next boundary every group waits again while the heal copies the state through
-  the object store, and for a second regroup. A slow GPU is found by the straggler detector and
+  process groups as the next segment starts (the segment's start a driver call per rank, and a
+  communicator over the groups) while every group waits; the failed rank's group takes a warm
+  spare (``choose_spares`` picks it, and the others wait up to a typical step for it) or a fresh
+  process or a replaced node while the others train; at the next boundary every group waits
+  for a second regroup, and the joining group takes the state rank to rank while every group
+  steps (the catch-up), out until it lands. A slow GPU is found by the straggler detector and
   its group replaced; a corruption of the state a rank holds is found at the next integrity
   check and its group healed; a compute error that enters the cross-group sum is not found. It
   has no drain: a node taken for maintenance ends its ranks as a death does. Each failure goes
@@ -525,8 +526,9 @@ class _Ours(_GroupReplay):
         return (min(found, costs.node_death_s) if kind in NODES_GONE else found) + costs.drain_s
 
     def regroup_s(self) -> float:
-        """Every rank's cross-group groups rebuilt: a driver call per rank, a communicator over
-        the groups, the memory tier's re-pairing."""
+        """Every rank's cross-group groups rebuilt: a driver call per rank (the segment's start,
+        whose spec carries the new groups), a communicator over the groups, the memory tier's
+        re-pairing."""
         costs = self.costs
         return (costs.regroup_s + self.job.ranks / costs.driver_calls_per_s + costs.comm_init_s(self.job.groups)
                 + costs.pairing_s)

@@ -1,0 +1,93 @@
+"""A segment's ranks enter its cross-group groups themselves (``StepTransaction.enter_replicas``),
+with no call of the driver's: two processes on a loopback store, two groups of one rank. A
+rendezvous whose replica never comes ends at the driver's abort or at the step's deadline,
+as a cross-group wait does (the rank is a victim, not a culprit), and leaves the rank free
+to enter the next build with its replica."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch.distributed as dist
+
+from elastic.core.protocol import Failure, Phase
+from elastic.testing.gloo_ranks import gloo_ranks
+from tests.test_step_transaction import RUN, TIMEOUT_S, new_transaction, rank_batches, rank_spec, segment_spec, take_step
+from workers.failures import classify
+from workers.step_transaction import Committed
+from workers.world import World
+
+ABORT_AFTER_S = 0.3
+
+
+def entering(rank: int, port: int) -> dict:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    spec = rank_spec(rank, group=rank, group_rank=0, shard=1, port=port)
+    world = World(spec, store)
+    world.join_group(world_build=rank)  # each group its own world of one rank
+    transaction, signals = new_transaction(spec, world)
+    found: dict = {}
+    transaction.enter_replicas(replace(segment_spec(), replicas_build=1))
+    found["replica_rank"] = world.replica_rank
+    entered = world.replicate_group
+    transaction.enter_replicas(replace(segment_spec(), replicas_build=1))  # already in it: nothing rebuilt
+    found["kept_its_group"] = world.replicate_group is entered
+    result = take_step(transaction, 0, rank_batches(rank, 0))
+    found["first_loss"] = result.outcome.record.loss if isinstance(result.outcome, Committed) else result.raised
+    dist.barrier()
+    if rank == 0:  # rank 1 never enters build 2 or 3: the driver aborts the one, the deadline ends the other
+        timer = threading.Timer(ABORT_AFTER_S, signals.request_abort, args=(RUN,))
+        timer.start()
+        found["aborted"] = gave_up(transaction, replace(segment_spec(), replicas_build=2))
+        timer.join()
+        signals.begin(RUN + 1)
+        found["timed_out"] = gave_up(transaction, replace(segment_spec(), replicas_build=3, deadline_s=ABORT_AFTER_S))
+        found["left"] = (world.replicas_build, world.replicate_group)
+        signals.begin(RUN)
+    dist.barrier()
+    transaction.enter_replicas(replace(segment_spec(), replicas_build=4))
+    result = take_step(transaction, 1, rank_batches(rank, 1))
+    found["after_loss"] = result.outcome.record.loss if isinstance(result.outcome, Committed) else result.raised
+    return found
+
+
+def gave_up(transaction, spec) -> tuple[str, str, float]:
+    """What entering ``spec``'s build raised, its kind, and how long the rank waited."""
+    started = time.perf_counter()
+    try:
+        transaction.enter_replicas(spec)
+    except Exception as error:  # noqa: BLE001 - the test reads which
+        return type(error).__name__, classify(error, Phase.REPLICATE).value, time.perf_counter() - started
+    return "nothing", "", time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return gloo_ranks(entering, 2, str(tmp_path_factory.mktemp("replicas") / "init"), store.port)
+
+
+def test_the_ranks_enter_the_segments_build_once_and_sum_across_it(ranks):
+    assert [found["replica_rank"] for found in ranks] == [0, 1]
+    assert all(found["kept_its_group"] for found in ranks)
+    # one cross-group sum: both replicas commit the same loss
+    assert isinstance(ranks[0]["first_loss"], float) and ranks[0]["first_loss"] == ranks[1]["first_loss"]
+
+
+def test_a_rendezvous_whose_replica_never_comes_ends_at_the_abort_or_the_deadline_as_a_victims_wait(ranks):
+    aborted, kind, waited = ranks[0]["aborted"]
+    assert (aborted, kind) == ("CollectiveAborted", Failure.RELEASED.value)
+    assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 5
+    timed_out, kind, waited = ranks[0]["timed_out"]
+    assert (timed_out, kind) == ("CollectiveTimedOut", Failure.RELEASED.value)
+    assert ABORT_AFTER_S <= waited < ABORT_AFTER_S + 5
+    assert ranks[0]["left"] == (None, None)  # in no build: the next segment's is entered whole
+
+
+def test_after_a_rendezvous_given_up_both_ranks_enter_the_next_build_and_sum_again(ranks):
+    assert isinstance(ranks[0]["after_loss"], float) and ranks[0]["after_loss"] == ranks[1]["after_loss"]
