@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.healing import export_local_state
-from elastic.testing.gloo_ranks import gloo_ranks
+from elastic.testing.gloo_ranks import gloo_ranks, loopback_store
 from tests.test_step_transaction import (
     MODEL_SEED,
     TIMEOUT_S,
@@ -71,8 +71,7 @@ def catching_up(rank: int, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    store = loopback_store(TIMEOUT_S)
     return gloo_ranks(catching_up, 4, str(tmp_path_factory.mktemp("catch_up") / "init"), store.port)
 
 

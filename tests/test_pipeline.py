@@ -26,7 +26,7 @@ from elastic.setup.errors import ConfigError
 from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.core.protocol import Failure
 from elastic.core.topology import Topology
-from elastic.testing.gloo_ranks import START_METHOD, gloo_ranks, rank_processes
+from elastic.testing.gloo_ranks import START_METHOD, gloo_ranks, loopback_store, rank_processes
 from elastic.testing.loopback import free_port
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
@@ -279,8 +279,7 @@ def test_stages_waiting_on_a_peer_that_left_the_step_are_released_as_victims(tmp
     TP collectives, far past any settle (the collective timeout is 10 minutes). Released from
     their control threads, every one of them leaves the step, blaming a peer, its group broken:
     the driver rebuilds the group instead of replacing them."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
+    store = loopback_store(120)
     answers = gloo_ranks(leave_the_step, shape[0] * shape[1] * shape[2], str(tmp_path / "init"), store.port, shape,
                          leaving)
     for rank, (step, failure, group_broken) in enumerate(answers):

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic.core.protocol import Failure, Phase
-from elastic.testing.gloo_ranks import gloo_ranks
+from elastic.testing.gloo_ranks import gloo_ranks, loopback_store
 from tests.test_step_transaction import RUN, TIMEOUT_S, new_transaction, rank_batches, rank_spec, segment_spec, take_step
 from workers.failures import classify
 from workers.step_transaction import Committed
@@ -67,8 +67,7 @@ def gave_up(transaction, spec) -> tuple[str, str, float]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    store = loopback_store(TIMEOUT_S)
     return gloo_ranks(entering, 2, str(tmp_path_factory.mktemp("replicas") / "init"), store.port)
 
 

@@ -25,7 +25,7 @@ from elastic.core.data_plan import DataCursor, RankShare
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.protocol import SegmentSpec
 from elastic.core.topology import Topology
-from elastic.testing.gloo_ranks import rank_processes
+from elastic.testing.gloo_ranks import loopback_store, rank_processes
 from workers import rng
 from workers.catch_up import CatchingUp
 from workers.failures import CollectiveFailed
@@ -253,8 +253,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict[str, StepResult]]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    store = loopback_store(TIMEOUT_S)
     context = rank_processes()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
     ranks = [context.Process(target=rank_main, args=(rank, store.port, sender), daemon=True)

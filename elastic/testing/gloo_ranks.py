@@ -9,6 +9,7 @@ about 3 CPU-seconds each time, which the suite paid for every rank of every such
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import pickle
@@ -56,6 +57,13 @@ def gloo_ranks(target: Callable[..., Any], world: int, init_file: str, *args, wa
     for process in processes:
         process.join(30)
     return answers
+
+
+def loopback_store(timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store on loopback for a test's ranks (keep it while they run): each reaches
+    it at its ``port``, as a rank reaches the run's store."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _answer(target, rank: int, world: int, init_file: str, args: tuple, connection) -> None:
