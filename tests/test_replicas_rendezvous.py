@@ -2,7 +2,8 @@
 with no call of the driver's: two processes on a loopback store, two groups of one rank. A
 rendezvous whose replica never comes ends at the driver's abort or at the step's deadline,
 as a cross-group wait does (the rank is a victim, not a culprit), and leaves the rank free
-to enter the next build with its replica."""
+to enter the next build with its replica. A rank whose step failed closes its connections
+as it leaves (``World.fail_replicas``), so its replica's wait ends at once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ import torch.distributed as dist
 
 from elastic.core.protocol import Failure, Phase
 from elastic.testing.gloo_ranks import gloo_ranks, loopback_store
-from tests.test_step_transaction import RUN, TIMEOUT_S, new_transaction, rank_batches, rank_spec, segment_spec, take_step
+from tests.test_step_transaction import (
+    RUN,
+    TIMEOUT_S,
+    FailingCrossGroupSum,
+    new_transaction,
+    rank_batches,
+    rank_spec,
+    segment_spec,
+    take_step,
+)
+from workers.control_surface import NO_FAULTS
 from workers.failures import classify
 from workers.step_transaction import Committed
 from workers.world import World
@@ -38,7 +49,6 @@ def entering(rank: int, port: int) -> dict:
     found["kept_its_group"] = world.replicate_group is entered
     result = take_step(transaction, 0, rank_batches(rank, 0))
     found["first_loss"] = result.outcome.record.loss if isinstance(result.outcome, Committed) else result.raised
-    dist.barrier()
     if rank == 0:  # rank 1 never enters build 2 or 3: the driver aborts the one, the deadline ends the other
         timer = threading.Timer(ABORT_AFTER_S, signals.request_abort, args=(RUN,))
         timer.start()
@@ -48,10 +58,18 @@ def entering(rank: int, port: int) -> dict:
         found["timed_out"] = gave_up(transaction, replace(segment_spec(), replicas_build=3, deadline_s=ABORT_AFTER_S))
         found["left"] = (world.replicas_build, world.replicate_group)
         signals.begin(RUN)
-    dist.barrier()
     transaction.enter_replicas(replace(segment_spec(), replicas_build=4))
     result = take_step(transaction, 1, rank_batches(rank, 1))
     found["after_loss"] = result.outcome.record.loss if isinstance(result.outcome, Committed) else result.raised
+    # rank 1's step fails before its cross-group sum, and it leaves as a failed rank does
+    started = time.perf_counter()
+    result = take_step(transaction, 2, rank_batches(rank, 2), faults=FailingCrossGroupSum() if rank == 1 else NO_FAULTS)
+    if rank == 1:
+        world.fail_replicas()
+        store.wait(["replica-ended"])  # alive meanwhile: its process's end would close the connections too
+    else:
+        store.set("replica-ended", "")
+    found["failed"] = (result.raised, time.perf_counter() - started)
     return found
 
 
@@ -90,3 +108,11 @@ def test_a_rendezvous_whose_replica_never_comes_ends_at_the_abort_or_the_deadlin
 
 def test_after_a_rendezvous_given_up_both_ranks_enter_the_next_build_and_sum_again(ranks):
     assert isinstance(ranks[0]["after_loss"], float) and ranks[0]["after_loss"] == ranks[1]["after_loss"]
+
+
+def test_a_failed_ranks_closed_connections_end_its_replicas_wait_at_once_not_at_the_deadline(ranks):
+    """``World.fail_replicas``: the failure reaches the other group with no call of the driver's
+    (its wait would otherwise last the step's deadline, 60 s here)."""
+    assert ranks[1]["failed"][0] == "CollectiveFailed"
+    raised, waited = ranks[0]["failed"]
+    assert raised == "CollectiveFailed" and waited < TIMEOUT_S / 4

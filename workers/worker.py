@@ -279,7 +279,7 @@ class RankWorker:
 
     def _failed(self, step: int, error: Exception) -> RankOutcome:
         outcome = failure_outcome(self.spec.global_rank, step, error, self.activity.phase)
-        self.world.leave_replicas()
+        self.world.fail_replicas()
         self.activity.set(step, Phase.FAILED)
         return outcome
 

@@ -123,11 +123,21 @@ class World:
     def close_connections(self) -> None:
         """Close the connections of every process group of the group's world but the
         checkpoint upload's (a save a broken group started is abandoned by the driver, not
-        here) and the replicate group (its waits already end at the driver's abort): the
-        ranks waiting in them raise. The world is unusable afterwards; the next build
+        here) and the replicate group (not the world's: the rank's failed step closed it,
+        ``fail_replicas``): the ranks waiting in them raise. The world is unusable afterwards; the next build
         replaces it."""
         close_connections(group for group in list(dist.distributed_c10d._world.pg_map)
                           if group is not self.checkpoint_group)
+
+    def fail_replicas(self) -> None:
+        """Leave the replicate group as a rank whose step failed: its connections closed first
+        (gloo's), so a replica waiting on this rank, or about to send to it, raises at once
+        rather than at the driver's abort or the step's deadline (a rank still computing learns
+        it from the abort, between micro-batches). NCCL's communicators are aborted instead,
+        which tells no peer."""
+        if self.replicate_group is not None and not self.rank.nccl:
+            close_connections([self.replicate_group])
+        self.leave_replicas()
 
     def leave_replicas(self) -> None:
         self.replicas_build = None
