@@ -17,7 +17,8 @@ Per size, in the window from the kill until the killed group commits again:
 - ``groups_created_per_survivor``: process groups each surviving rank created (max, mean);
 - ``survivor_recovery_cpu_s``: CPU seconds each surviving rank spent beyond its steps (max);
 - ``object_store_bytes``: rank state handed to the Ray object store;
-- ``driver_calls``: actor calls the driver made;
+- ``driver_calls``: actor calls the driver made, and the keys it set in the run's store to end an
+  attempt (its abort);
 - ``phases``: where the time from the kill to the group whole again went (``bench/goodput.py``'s
   ``kill_to_whole_phases``), and the run's ``recovered`` event's parts;
 - ``kill_to_commit_step_times``: kill to the next commit of any group, in step times.
@@ -72,19 +73,28 @@ def job_config(storage: str, ranks: int, shard: int, steps: int, killed: int):
 
 
 class DriverCalls:
-    """Every actor call this process makes, with its wall time."""
+    """Every actor call this process makes, with its wall time, and each key it sets in the run's
+    store to end an attempt (the abort: ``end_attempt``, one write whatever the ranks)."""
 
     def __init__(self):
         import ray.actor
 
+        from elastic.fleet.rendezvous import Rendezvous
+
         self.times: list[tuple[float, str]] = []
         original = ray.actor.ActorMethod._remote
+        end_attempt = Rendezvous.end_attempt
 
         def counted(method, *args, **kwargs):
             self.times.append((time.time(), method._method_name))
             return original(method, *args, **kwargs)
 
+        def counted_end(rendezvous, attempt):
+            self.times.append((time.time(), "end_attempt (store)"))
+            return end_attempt(rendezvous, attempt)
+
         ray.actor.ActorMethod._remote = counted
+        Rendezvous.end_attempt = counted_end
 
     def between(self, start: float, end: float) -> int:
         return sum(start <= t <= end for t, _ in self.times)

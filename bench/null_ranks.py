@@ -67,10 +67,6 @@ class NullRank:
         self.pause_run = run
 
     @ray.method(concurrency_group="control")
-    def abort_step(self, attempt: int) -> None:
-        self.pause_run = attempt
-
-    @ray.method(concurrency_group="control")
     def probe(self) -> RankActivity:
         return RankActivity(self.spec.global_rank, 0, "compute", 0, 0, 0.0)
 

@@ -372,7 +372,7 @@ class FakeFleet:
             del pending.refs[rank]
         return arrived
 
-    def abort_step(self, ranks, attempt: int) -> None:
+    def end_attempt(self, attempt: int) -> None:
         self.aborted_at = self.clock()
 
     def release_step(self, ranks, attempt: int) -> None:

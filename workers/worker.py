@@ -55,6 +55,7 @@ from workers.catch_up import begin_copies
 from workers.step_feed import StepFeed
 from workers.control_surface import ActivityTracker, DriverSignals, FaultPlan
 from workers.step_transaction import Discarded, StepTransaction
+from workers.attempt_watch import AttemptWatch
 from workers.world import World, connect_store
 
 CPU = torch.device("cpu")
@@ -104,6 +105,7 @@ class RankWorker:
         self.copies = ThreadPoolExecutor(max_workers=2, thread_name_prefix="catch-up")  # a catch-up's copies
         self.activity = ActivityTracker()
         self.signals = DriverSignals()
+        self.attempt_watch = AttemptWatch(partial(connect_store, spec), self.signals)
         self._take_place(spec)
 
     def _take_place(self, spec: RankSpec) -> None:
@@ -119,15 +121,6 @@ class RankWorker:
     @ray.method(concurrency_group="control")
     def probe(self) -> RankActivity:
         return self.activity.read(self.spec.global_rank)
-
-    @ray.method(concurrency_group="control")
-    def abort_step(self, attempt: int) -> None:
-        """Give up on the step dispatched as ``attempt``: stop at the next micro-batch boundary the
-        group agrees on, or at the cross-group all-reduce, whichever comes first. A rank computing
-        its own share is healthy: it ends its micro-batch, so its group keeps its committed state
-        and stays a source to heal from. A rank stuck inside its group's FSDP or TP collectives
-        cannot leave on its own: the driver then releases it (``release_step``)."""
-        self.signals.request_abort(attempt)
 
     @ray.method(concurrency_group="control")
     def release_step(self, attempt: int) -> None:
@@ -208,6 +201,7 @@ class RankWorker:
         yields its ``SegmentEnd`` last."""
         faults = self.injected_faults.plan(spec, self.model)  # fired now, as the first step starts
         self.signals.begin(spec.attempt)
+        self.attempt_watch.watch(spec.attempt)
         try:
             try:
                 self.transaction.enter_replicas(spec)
@@ -287,6 +281,7 @@ class RankWorker:
         """The held-out loss of the committed state over the request's samples."""
         started = time.perf_counter()
         self.signals.begin(request.attempt)
+        self.attempt_watch.watch(request.attempt)
         try:
             self.activity.set(request.step, Phase.DATA)
             batches = self.feed.held_out(request.micro_batches, self.device)

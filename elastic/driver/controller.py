@@ -251,7 +251,10 @@ class Controller:
         stream = self.fleet.start_segment(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
         self.pause_requested = False
         self.charged_until = started
-        outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
+        try:
+            outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
+        finally:
+            self.fleet.end_attempt(spec.attempt)
         not_caught_up = self.state_sources.caught_up(spec.first_step, outcome.healed)
         settled = max(outcome.committed_until, self.charged_until)
         self.ledger.charge("committed", settled - self.charged_until)

@@ -41,7 +41,10 @@ class Evaluation:
                               global_tokens, attempt, deadline_s)
             for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
         })
-        outcomes, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
+        try:
+            outcomes, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
+        finally:
+            self.fleet.end_attempt(attempt)
         elapsed = self.clock() - started
         self.ledger.charge("evaluation" if failure is None else "discarded", elapsed)
         if failure is not None:

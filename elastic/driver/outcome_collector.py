@@ -160,5 +160,5 @@ class OutcomeCollector:
         for rank in hung:
             self.fleet.kill(rank)
         waiting = set(unfinished) - set(hung)
-        self.fleet.abort_step(sorted(waiting), attempt)
+        self.fleet.end_attempt(attempt)
         return waiting

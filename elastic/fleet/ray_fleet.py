@@ -190,10 +190,9 @@ class Fleet(RankProcesses):
                 arrived.append((rank, None))
         return arrived
 
-    def abort_step(self, ranks, attempt: int) -> None:
-        for rank in ranks:
-            if rank in self.actors:
-                self.actors[rank].abort_step.remote(attempt)
+    def end_attempt(self, attempt: int) -> None:
+        """One key in the run's store, whatever the number of ranks (``workers.attempt_watch``)."""
+        self.rendezvous.end_attempt(attempt)
 
     def release_step(self, ranks, attempt: int) -> None:
         for rank in ranks:

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import ray
 import torch.distributed as dist
 
+from workers.attempt_watch import attempt_over_key
+from workers.keyed_store import KeyedStore
+
 
 @dataclass
 class Rendezvous:
@@ -43,3 +46,8 @@ class Rendezvous:
     @property
     def port(self) -> int:
         return self.store.port
+
+    def end_attempt(self, attempt: int) -> None:
+        """Set ``attempt``'s key, as the ranks read it (bound to the run's secret): every rank
+        still in it stops, and every rank's watch of it ends (``workers.attempt_watch``)."""
+        KeyedStore(self.store, self.secret).set(attempt_over_key(attempt), "")

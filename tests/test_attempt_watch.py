@@ -1,0 +1,72 @@
+"""The driver's abort as one key in the run's store (``workers.attempt_watch``): the driver's
+``Rendezvous`` sets it, a rank's watch turns it into its abort, on a real loopback store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastic.fleet.rendezvous import Rendezvous
+from workers import attempt_watch
+from workers.attempt_watch import AttemptWatch
+from workers.control_surface import DriverSignals
+from workers.keyed_store import KeyedStore
+
+
+@pytest.fixture
+def rendezvous() -> Rendezvous:
+    return Rendezvous.start("127.0.0.1")
+
+
+def rank_side(rendezvous: Rendezvous) -> tuple[AttemptWatch, DriverSignals]:
+    signals = DriverSignals()
+    connect = lambda: KeyedStore(dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False,  # noqa: E731
+                                               wait_for_workers=False), rendezvous.secret)
+    return AttemptWatch(connect, signals), signals
+
+
+def aborted_within(signals: DriverSignals, seconds: float) -> bool:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        if signals.abort_requested():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_drivers_one_key_aborts_the_attempt_a_rank_is_in(rendezvous):
+    watch, signals = rank_side(rendezvous)
+    signals.begin(3)
+    watch.watch(3)
+    assert not aborted_within(signals, 0.2)
+    rendezvous.end_attempt(3)
+    assert aborted_within(signals, 2.0)
+
+
+def test_an_attempts_key_set_after_it_ended_aborts_nothing_after_it(rendezvous, monkeypatch):
+    monkeypatch.setattr(attempt_watch, "TICK_S", 0.1)
+    watch, signals = rank_side(rendezvous)
+    signals.begin(3)
+    watch.watch(3)
+    signals.end()
+    signals.begin(4)
+    watch.watch(4)
+    time.sleep(0.3)  # the watch of attempt 3 looked once more and left
+    assert [thread.name for thread in threading.enumerate() if thread.name == "attempt3"] == []
+    rendezvous.end_attempt(3)
+    assert not aborted_within(signals, 0.3)
+    rendezvous.end_attempt(4)
+    assert aborted_within(signals, 2.0)
+
+
+def test_a_key_without_the_runs_secret_is_not_the_attempts(rendezvous):
+    """A client that reaches the store but lacks the secret cannot abort the run."""
+    watch, signals = rank_side(rendezvous)
+    signals.begin(3)
+    watch.watch(3)
+    dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, wait_for_workers=False).set(
+        attempt_watch.attempt_over_key(3), "")
+    assert not aborted_within(signals, 0.3)
