@@ -43,7 +43,7 @@ def catching_up(rank: int, port: int) -> dict:
     spec = rank_spec(rank, group=group, group_rank=group_rank, shard=2, port=port)
     world = World(spec, store)
     world.join_group(world_build=0)
-    world.join_replicas(build=0, replica_rank=group, replica_size=2)
+    world.take_replicas(world.joining_replicas(0, group, 2).result())
     # the joining group's weights are not the live one's
     transaction, _ = new_transaction(spec, world, fsdp=True, model_seed=MODEL_SEED + group, adam=True)
     copying = ThreadPoolExecutor(max_workers=1)

@@ -124,8 +124,8 @@ class World:
         """Close the connections of every process group of the group's world but the
         checkpoint upload's (a save a broken group started is abandoned by the driver, not
         here) and the replicate group (not the world's: the rank's failed step closed it,
-        ``fail_replicas``): the ranks waiting in them raise. The world is unusable afterwards; the next build
-        replaces it."""
+        ``fail_replicas``): the ranks waiting in them raise. The world is unusable afterwards;
+        the next build replaces it."""
         close_connections(group for group in list(dist.distributed_c10d._world.pg_map)
                           if group is not self.checkpoint_group)
 
@@ -147,11 +147,6 @@ class World:
             else:
                 self._abandoned.extend((self.replicate_group, self._replicas_store))
         self.replicate_group = self._replicas_store = None
-
-    def join_replicas(self, build: int, replica_rank: int, replica_size: int) -> None:
-        """(Re)build the replicate group of this rank's position and wait for it (``joining_replicas``)."""
-        joining = self.joining_replicas(build, replica_rank, replica_size)
-        self.take_replicas(joining.result())
 
     def joining_replicas(self, build: int, replica_rank: int, replica_size: int) -> Future:
         """Start (re)building the replicate group of this rank's position: ``replica_rank`` of
