@@ -123,11 +123,6 @@ class DriverSignals:
             action()
             return True
 
-    def in_attempt(self, attempt: int) -> bool:
-        """``attempt`` is the one in progress."""
-        with self._lock:
-            return self._running and self._attempt == attempt
-
     def request_abort(self, attempt: int) -> None:
         self._abort_attempt = attempt
         self._abort.set()

@@ -248,12 +248,12 @@ class Controller:
         started = self.clock()
         specs = dict.fromkeys(self.topology.ranks_of(spec.groups), spec)
         self.timing.stepping()
-        stream = self.fleet.start_segment(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
         self.pause_requested = False
         self.charged_until = started
         try:
+            stream = self.fleet.start_segment(self.faults.decorate(spec.first_step, specs) if self.faults else specs)
             outcome = self.watch.watch(stream, spec, self.commit, lambda: self.between_steps(stream))
-        finally:
+        finally:  # the ranks' watches of the segment end with it
             self.fleet.end_attempt(spec.attempt)
         not_caught_up = self.state_sources.caught_up(spec.first_step, outcome.healed)
         settled = max(outcome.committed_until, self.charged_until)

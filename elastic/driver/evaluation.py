@@ -35,15 +35,15 @@ class Evaluation:
         deadline_s = self.collector.deadline.seconds() * max(1.0, plan.global_samples / self.config.global_batch)
         global_tokens = plan.global_samples * self.config.data.seq_len
         started = self.clock()
-        pending = self.fleet.evaluate({
-            rank: EvalRequest(step, group_plan.micro_batches(self.topology.shard_index(rank), self.topology.shard,
-                                                             self.config.micro_batch),
-                              global_tokens, attempt, deadline_s)
-            for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
-        })
         try:
+            pending = self.fleet.evaluate({
+                rank: EvalRequest(step, group_plan.micro_batches(self.topology.shard_index(rank), self.topology.shard,
+                                                                 self.config.micro_batch),
+                                  global_tokens, attempt, deadline_s)
+                for group, group_plan in plan.groups.items() for rank in self.topology.global_ranks(group)
+            })
             outcomes, failure = self.collector.collect(pending, step, attempt, started, deadline_s)
-        finally:
+        finally:  # the ranks' watches of the evaluation end with it
             self.fleet.end_attempt(attempt)
         elapsed = self.clock() - started
         self.ledger.charge("evaluation" if failure is None else "discarded", elapsed)
