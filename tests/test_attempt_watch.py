@@ -9,8 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic.fleet.rendezvous import Rendezvous
-from workers.attempt_watch import attempt_over_key
-from workers.attempt_watch import AttemptWatch
+from workers.attempt_watch import AttemptWatch, attempt_over_key
 from workers.control_surface import DriverSignals
 from workers.keyed_store import KeyedStore
 
@@ -20,11 +19,15 @@ def rendezvous() -> Rendezvous:
     return Rendezvous.start("127.0.0.1")
 
 
-def rank_side(rendezvous: Rendezvous) -> tuple[AttemptWatch, DriverSignals]:
+def in_attempt(rendezvous: Rendezvous, attempt: int) -> tuple[AttemptWatch, DriverSignals]:
+    """A rank's signals and watch, the rank in ``attempt`` and watching for its key."""
     signals = DriverSignals()
     connect = lambda: KeyedStore(dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False,  # noqa: E731
                                                wait_for_workers=False), rendezvous.secret)
-    return AttemptWatch(connect, signals), signals
+    watch = AttemptWatch(connect, signals)
+    signals.begin(attempt)
+    watch.watch(attempt)
+    return watch, signals
 
 
 def aborted_within(signals: DriverSignals, seconds: float) -> bool:
@@ -37,9 +40,7 @@ def aborted_within(signals: DriverSignals, seconds: float) -> bool:
 
 
 def test_the_drivers_one_key_aborts_the_attempt_a_rank_is_in(rendezvous):
-    watch, signals = rank_side(rendezvous)
-    signals.begin(3)
-    watch.watch(3)
+    _, signals = in_attempt(rendezvous, 3)
     assert not aborted_within(signals, 0.2)
     rendezvous.end_attempt(3)
     assert aborted_within(signals, 2.0)
@@ -48,9 +49,7 @@ def test_the_drivers_one_key_aborts_the_attempt_a_rank_is_in(rendezvous):
 def test_a_watch_whose_key_never_came_holds_up_neither_the_next_attempt_nor_its_abort(rendezvous):
     """Attempt 3 ends without its key (a driver gone before it set it): attempt 4's watch
     waits on a connection of its own, and 3's key, set late, aborts nothing after it."""
-    watch, signals = rank_side(rendezvous)
-    signals.begin(3)
-    watch.watch(3)
+    watch, signals = in_attempt(rendezvous, 3)
     signals.end()
     signals.begin(4)
     watch.watch(4)
@@ -62,9 +61,7 @@ def test_a_watch_whose_key_never_came_holds_up_neither_the_next_attempt_nor_its_
 
 def test_a_key_without_the_runs_secret_is_not_the_attempts(rendezvous):
     """A client that reaches the store but lacks the secret cannot abort the run."""
-    watch, signals = rank_side(rendezvous)
-    signals.begin(3)
-    watch.watch(3)
+    _, signals = in_attempt(rendezvous, 3)
     dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, wait_for_workers=False).set(
         attempt_over_key(3), "")
     assert not aborted_within(signals, 0.3)
