@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.python_source import parse
+
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("elastic", "workers", "checkpointing")
 
@@ -39,7 +41,7 @@ def imported_names(module: str, path: Path) -> set[str]:
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -164,7 +166,7 @@ def test_every_name_imported_from_the_project_is_there():
     missing = []
     for root in (*PACKAGES, "tests", "bench", "examples"):
         for path in sorted((ROOT / root).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(parse(path.read_text(), str(path))):
                 if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                         and node.module.split(".")[0] in (*PACKAGES, "tests")):
                     continue

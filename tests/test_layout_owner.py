@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 from elastic.core.topology import Topology
+from tests.python_source import parse
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("elastic", "workers", "checkpointing", "bench")
@@ -34,7 +35,7 @@ def _factors(node: ast.AST) -> list[ast.AST]:
 def layout_products(source: str, path: str = "<source>") -> list[tuple[int, list[str]]]:
     """Each product of the layout's degrees alone (``pp * shard * cp * tp``, ``self.shard * self.cp``)
     in ``source``, by line: the whole of each chain of multiplications, none of its parts."""
-    tree = ast.parse(source, path)
+    tree = parse(source, path)
     inner = {id(node.left) for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)}
     found = []
     for node in ast.walk(tree):
@@ -70,7 +71,7 @@ def test_only_the_owner_defines_the_ranks_of_a_group():
         for path in sorted((ROOT / package).rglob("*.py")):
             if path == OWNER:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(parse(path.read_text(), str(path))):
                 if isinstance(node, ast.FunctionDef) and node.name == "ranks_per_group":
                     returns = [statement for statement in node.body if isinstance(statement, ast.Return)]
                     assert len(returns) == 1 and _name(returns[0].value) == "ranks_per_group", (
@@ -133,7 +134,7 @@ def test_the_mesh_numbers_the_ranks_as_the_layout_does():
 def test_the_default_parallelize_reads_ep_from_the_mesh_not_the_layout():
     """ep reaches the rank by one road, the group's mesh: ``workers.parallelize`` reads no layout."""
     source = (ROOT / "workers" / "parallelize.py").read_text()
-    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    imported = {node.module for node in ast.walk(parse(source)) if isinstance(node, ast.ImportFrom)}
     assert "elastic.core.topology" not in imported
 
 
@@ -161,7 +162,7 @@ def shape_listings(source: str, path: str = "<source>") -> list[tuple[int, list[
     from elastic.core.model_shape import SHAPE_FIELDS
 
     found = []
-    for node in ast.walk(ast.parse(source, path)):
+    for node in ast.walk(parse(source, path)):
         if isinstance(node, ast.ClassDef):
             names = [statement.target.id for statement in node.body
                      if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
