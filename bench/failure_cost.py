@@ -10,8 +10,9 @@ the object store, its CPU seconds); the driver's actor calls are counted in this
 Per size, in the window from the kill until the killed group commits again:
 
 - ``stall_s``: time in which no group committed, less one step time each gap: the step time
-  of the layout then (``degraded_step_s`` while a group is out: its samples go to the others,
-  in whole micro-batches), counted where it is over by more than half a step. The step in
+  of the layout the step ran in (``degraded_step_s`` in a step the killed group took no samples
+  in, out or catching up: its samples go to the others, in whole micro-batches; the probe
+  records each step's shares), counted where it is over by more than half a step. The step in
   flight at the kill is redone within it;
 - ``ranks_stopped``: the ranks whose own commits stalled so (the killed group's included);
 - ``groups_created_per_survivor``: process groups each surviving rank created (max, mean);
@@ -133,26 +134,31 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
     commits = [line for line in lines if line["kind"] == "commit"]
     # A step's commit time: the last rank to apply it (every group applies every step together).
     step_done: dict[int, float] = {}
+    # Whether the killed group took samples in a step: not while it is out, nor while it
+    # catches up (a joining group holds no state yet); the others take its share then.
+    killed_took_share: dict[int, bool] = {}
     for line in commits:
         step_done[line["step"]] = max(step_done.get(line["step"], 0.0), line["t"])
+        killed_took_share[line["step"]] = line["group_samples"].get(str(killed_group), 0) > 0
     whole_at = min(line["t"] for line in commits
                    if line["rank"] is not None and line["rank"] // shard == killed_group and line["t"] > killed_at)
     before = sorted(t for step, t in step_done.items() if t < killed_at)
     typical = statistics.median(b - a for a, b in zip(before, before[1:]))
     done = sorted(step_done.values())
-    # Without one group the others take its samples: a paced step lasts as many forwards as
+    # Without one group's samples the others take them: a paced step lasts as many forwards as
     # its rank's micro-batches, whole ones. That longer step is the layout's, not a stall.
     degraded = typical * math.ceil(SAMPLES_PER_RANK * groups / (groups - 1)) / SAMPLES_PER_RANK
 
-    def stalls(commit_times: list[float]) -> list[float]:
+    def stalls(commits_by_step: dict[int, float]) -> list[float]:
         """Each gap between commits from the kill until the killed group's return beyond the
-        step time of the layout then, by more than half a step."""
-        window = [t for t in commit_times if killed_at - typical <= t <= whole_at]
-        window += [t for t in commit_times if t > whole_at][:1]
-        gaps = [(b - a, typical if b >= whole_at else degraded) for a, b in zip(window, window[1:])]
-        return [gap - step for gap, step in gaps if gap > step + 0.5 * typical]
+        step time of the layout the gap's step ran in, by more than half a step."""
+        window = sorted((t, step) for step, t in commits_by_step.items() if killed_at - typical <= t <= whole_at)
+        window += sorted((t, step) for step, t in commits_by_step.items() if t > whole_at)[:1]
+        gaps = [(b - a, typical if killed_took_share[step] else degraded)
+                for (a, _), (b, step) in zip(window, window[1:])]
+        return [gap - step_time for gap, step_time in gaps if gap > step_time + 0.5 * typical]
 
-    job_stalls = stalls(done)
+    job_stalls = stalls(step_done)
     survivors = {line["pid"]: line["rank"] for line in lines
                  if line["rank"] is not None and line["rank"] // shard != killed_group and line["t"] < killed_at}
     by_pid = defaultdict(list)
@@ -172,7 +178,7 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
         cpu.append(max(0.0, first_after["cpu"] - last_before["cpu"] - stepped * per_step))
     stopped = {rank for rank in range(ranks) if rank // shard == killed_group}
     stopped |= {rank for pid, rank in survivors.items()
-                if stalls(sorted(line["t"] for line in by_pid[pid] if line["kind"] == "commit"))}
+                if stalls({line["step"]: line["t"] for line in by_pid[pid] if line["kind"] == "commit"})}
     [fault] = [e for e in events if e["kind"] == EventKind.FAULT_INJECTED]
     recovered = next((e for e in events if e["kind"] == EventKind.RECOVERED), {})
     next_commit = min(t for t in done if t > killed_at)

@@ -3,7 +3,8 @@
 changing them, the calls that show a recovery's cost on a rank, and appends one JSON line per
 event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
 
-- ``commit``: a step the rank applied (``StepTransaction.step`` returned ``Committed``);
+- ``commit``: a step the rank applied (``StepTransaction.step`` returned ``Committed``), with
+  each group's share of its samples;
 - ``process-group``: a process group created (``init_process_group``, ``new_group``, or a
   gloo / NCCL group built directly, as the cross-group groups are);
 - ``object-store``: the bytes of a rank's state handed to Ray to carry (``export_state``,
@@ -80,7 +81,8 @@ def install() -> None:
     def stepped(self, spec, share, *args, **kwargs):
         outcome = step(self, spec, share, *args, **kwargs)
         if isinstance(outcome, step_contributions.Committed):
-            _write("commit", step=outcome.record.step, group=outcome.record.group)
+            _write("commit", step=outcome.record.step, group=outcome.record.group,
+                   group_samples={str(group): samples for group, samples in outcome.record.group_samples.items()})
         return outcome
 
     step_transaction.StepTransaction.step = stepped
