@@ -4,9 +4,10 @@ measurement exists, else published, else assumed and said so) and ``PESSIMISTIC`
 at its worst published value, and each assumption at its worse end).
 
 This product's path is priced as it runs today (``elastic/driver``): every group waits for
-each recovery, two job-wide regroups of the cross-group process groups and one job-wide pause
-while the heal copies the state through the Ray object store. Each phase is its own figure so
-that a law measured on the real code (``bench/failure_cost.py``) can replace it.
+each recovery and for two job-wide regroups of the cross-group process groups (the failure's and
+the join's, each a driver call per rank), while the joining group takes the state rank to rank
+as every group steps (the catch-up). Each phase is its own figure so that a law measured on the
+real code (``bench/failure_cost.py``) can replace it.
 """
 
 from __future__ import annotations
