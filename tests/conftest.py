@@ -5,8 +5,9 @@ import secrets
 # Ray reads its auth mode and token once per process, when it is imported: set them first, so
 # that this process and every driver it starts join the test run's head with them.
 os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
-# Ray's usage statistics off, as the product runs its own Ray (start_local_ray): with them on,
-# Ray Data's usage threads query a Prometheus on localhost:9090 beside every test.
+# Ray's usage statistics off in this process and the drivers it starts, as in the product's own
+# Ray (start_local_ray) and the lanes' heads (--disable-usage-stats): with them on, Ray Data's
+# usage threads query a Prometheus on localhost:9090 beside every test.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 # One thread per test process, read as torch loads, as the ranks run: the two lanes
 # (pytest_collection_modifyitems) share two cores, and a thread per core each would contend.

@@ -79,7 +79,6 @@ class RayHead:
             "OMP_NUM_THREADS": "1",
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
-            "RAY_USAGE_STATS_ENABLED": "0",
         }
         self.headers = {"Authorization": f"Bearer {token}"}
         self.nodes: list[subprocess.Popen] = []

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch.distributed as dist
 
 from elastic.fleet.rendezvous import Rendezvous
+from tests.test_step_transaction import rank_spec
 from workers.attempt_watch import AttemptWatch, attempt_over_key
 from workers.control_surface import DriverSignals
-from workers.keyed_store import KeyedStore
+from workers.world import connect_store
 
 
 @pytest.fixture
@@ -20,11 +23,11 @@ def rendezvous() -> Rendezvous:
 
 
 def in_attempt(rendezvous: Rendezvous, attempt: int) -> tuple[AttemptWatch, DriverSignals]:
-    """A rank's signals and watch, the rank in ``attempt`` and watching for its key."""
+    """A rank's signals and watch, connecting as a rank does, the rank in ``attempt`` and
+    watching for its key."""
     signals = DriverSignals()
-    connect = lambda: KeyedStore(dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False,  # noqa: E731
-                                               wait_for_workers=False), rendezvous.secret)
-    watch = AttemptWatch(connect, signals)
+    spec = replace(rank_spec(0, group=0, group_rank=0, shard=1, port=rendezvous.port), store_secret=rendezvous.secret)
+    watch = AttemptWatch(partial(connect_store, spec), signals)
     signals.begin(attempt)
     watch.watch(attempt)
     return watch, signals
