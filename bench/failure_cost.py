@@ -19,7 +19,7 @@ Per size, in the window from the kill until the killed group commits again:
 - ``survivor_recovery_cpu_s``: CPU seconds each surviving rank spent beyond its steps (max);
 - ``object_store_bytes``: rank state handed to the Ray object store;
 - ``driver_calls``: actor calls the driver made, and the keys it set in the run's store to end an
-  attempt (its abort);
+  attempt (its abort) or hand the next segment on to the ranks waiting for it;
 - ``phases``: where the time from the kill to the group whole again went (``bench/goodput.py``'s
   ``kill_to_whole_phases``), and the run's ``recovered`` event's parts;
 - ``kill_to_commit_step_times``: kill to the next commit of any group, in step times.
@@ -75,7 +75,8 @@ def job_config(storage: str, ranks: int, shard: int, steps: int, killed: int):
 
 class DriverCalls:
     """Every actor call this process makes, with its wall time, and each key it sets in the run's
-    store to end an attempt (the abort: ``end_attempt``, one write whatever the ranks)."""
+    store to end an attempt (the abort: ``end_attempt``) or to hand the next segment to the ranks
+    that wait for it (``hand_off``): one write each, whatever the ranks."""
 
     def __init__(self):
         import ray.actor
@@ -84,7 +85,7 @@ class DriverCalls:
 
         self.times: list[tuple[float, str]] = []
         original = ray.actor.ActorMethod._remote
-        end_attempt = Rendezvous.end_attempt
+        end_attempt, hand_off = Rendezvous.end_attempt, Rendezvous.hand_off
 
         def counted(method, *args, **kwargs):
             self.times.append((time.time(), method._method_name))
@@ -94,8 +95,13 @@ class DriverCalls:
             self.times.append((time.time(), "end_attempt (store)"))
             return end_attempt(rendezvous, attempt)
 
+        def counted_hand_off(rendezvous, attempt, release, word):
+            self.times.append((time.time(), "hand_off (store)"))
+            return hand_off(rendezvous, attempt, release, word)
+
         ray.actor.ActorMethod._remote = counted
         Rendezvous.end_attempt = counted_end
+        Rendezvous.hand_off = counted_hand_off
 
     def between(self, start: float, end: float) -> int:
         return sum(start <= t <= end for t, _ in self.times)

@@ -56,6 +56,7 @@ from workers.step_feed import StepFeed
 from workers.control_surface import ActivityTracker, DriverSignals, FaultPlan
 from workers.step_transaction import Discarded, StepTransaction
 from workers.attempt_watch import AttemptWatch
+from workers.segment_handoff import SegmentHandoff
 from workers.world import World, connect_store
 
 CPU = torch.device("cpu")
@@ -106,6 +107,7 @@ class RankWorker:
         self.activity = ActivityTracker()
         self.signals = DriverSignals()
         self.attempt_watch = AttemptWatch(partial(connect_store, spec), self.signals)
+        self.handoff = SegmentHandoff(partial(connect_store, spec))
         self._take_place(spec)
 
     def _take_place(self, spec: RankSpec) -> None:
@@ -139,6 +141,8 @@ class RankWorker:
 
     # membership
 
+    # On the control thread: a rank that waits for its next segment answers whether it lives.
+    @ray.method(concurrency_group="control")
     def node(self) -> dict:
         return {"ip": ray_node_ip(), "pid": os.getpid(), "global_rank": self.spec.global_rank}
 
@@ -196,6 +200,13 @@ class RankWorker:
     # the segment: steps the ranks take on their own
 
     def run(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
+        """Train ``spec``'s segment, then each segment the driver hands on through the run's
+        store (``workers.segment_handoff``), until it releases the rank."""
+        while spec is not None:
+            yield from self._segment(spec)
+            spec = self.handoff.next_spec(spec.attempt, self.spec.global_rank, self.spec.group)
+
+    def _segment(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves, and
         send the segment's records and its end as ``elastic.core.segment_loop`` decides; every rank
         yields its ``SegmentEnd`` last."""
@@ -264,7 +275,7 @@ class RankWorker:
         if not self.transaction.joining.holds_state:
             failure = replace(failure, group_broken=True)
         return SegmentEnd(self.spec.global_rank, next_step, failure, healed=self.transaction.joining.take_receipt(),
-                          **found)
+                          waits_for_next=True, **found)
 
     def _held_records(self, loop: RankSegmentLoop) -> Iterator[GroupRecords]:
         held = loop.held()
@@ -325,6 +336,7 @@ class RankWorker:
 
     # the memory tier
 
+    @ray.method(concurrency_group="control")
     def set_buddy(self, handle) -> None:
         """The rank that keeps the copies of this rank's state (None: none)."""
         self.memory.set_buddy(handle)

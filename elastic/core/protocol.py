@@ -8,8 +8,11 @@ on in their cross-group sum, the groups' first ranks gather their committed ``St
 and the segment's first group sends them as one ``SegmentRecords``: one message for the whole segment,
 however many groups. A segment of one group, and a group whose segment ends, sends its own
 (``GroupRecords``). Every rank ends its segment with a ``SegmentEnd``: paused at a step boundary,
-or failed with the ``RankOutcome`` of the step it failed. The driver's calls per rank happen
-at boundaries and failures only.
+or failed with the ``RankOutcome`` of the step it failed. A rank that ended one then waits,
+in the same stream, for the segment it runs next (``NextSegment``), written once to the run's
+store for every waiting rank; the driver calls a rank only for what a segment does not do
+(a build, a save, an evaluation, a heal from storage), and releases it first
+(``ReleaseWaiting``).
 """
 
 from __future__ import annotations
@@ -318,6 +321,25 @@ class SegmentEnd:
     nonfinite: NonFinite | None = None
     integrity: IntegrityMismatch | None = None
     healed: HealReceipt | None = None  # a joining rank's catch-up in this segment
+    waits_for_next: bool = False  # the rank's stream goes on: it waits for a NextSegment or a ReleaseWaiting
+
+
+@dataclass(frozen=True)
+class NextSegment:
+    """The segment after an attempt, for the ranks that ended it and wait: a rank of one of
+    ``spec``'s groups runs ``own.get(rank, spec)`` (``own``: the few ranks whose spec differs, an
+    injected fault's), in the stream it ended the attempt in; a rank of another group returns."""
+
+    spec: SegmentSpec
+    own: dict[int, SegmentSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReleaseWaiting:
+    """The waiting ranks of ``groups`` (None: every group) return: the driver has calls for them.
+    The others wait on for the attempt's next word (``workers.segment_handoff``)."""
+
+    groups: frozenset[int] | None
 
 
 SegmentMessage = GroupRecords | SegmentRecords | SegmentEnd

@@ -2,8 +2,10 @@
 
 Every Ray call of the driver lives here or in ``elastic.fleet.rank_processes`` (placement, starting
 and killing ranks and spares): starting a segment and reading its stream, pausing, probing and
-aborting, evaluations, copying state, the memory tier, checkpoint calls. A run is one call
-per rank at a boundary (a streaming generator); its steps make no call at all.
+aborting, evaluations, copying state, the memory tier, checkpoint calls. A rank's run is a
+streaming generator that goes on from segment to segment: the next segment reaches the ranks
+that wait in theirs as one write to the run's store (``waiting_ranks``), and only a rank
+without one (new, rebuilt, or released for a call) gets a call; its steps make no call at all.
 The controller and the checkpoint coordinator speak to ranks only through these methods, in
 plain data (ranks, requests, reports), so a fake fleet drives them in tests without Ray.
 Failures come back as the two exceptions of ``elastic.fleet.api``, which names the interface
@@ -37,6 +39,7 @@ from elastic.core.protocol import (
     describe_error,
 )
 from elastic.fleet.rank_processes import RankProcesses, start_error
+from elastic.fleet.waiting_ranks import WaitingRanks
 
 # A quick control call (the cross-group rebuild) gets the collective timeout plus this margin.
 CONTROL_MARGIN_S = 30.0
@@ -48,6 +51,14 @@ HEALS = itertools.count()
 
 
 class Fleet(RankProcesses):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waiting = WaitingRanks(lambda *word: self.rendezvous.hand_off(*word), self.topology.group_of)
+
+    def kill(self, global_rank: int) -> None:
+        self.waiting.forget(global_rank)
+        super().kill(global_rank)
+
     def build(self, ranks, world_build: int) -> Pending:
         return self._call(ranks, "build", world_build)
 
@@ -73,6 +84,8 @@ class Fleet(RankProcesses):
     # calls in flight
 
     def _call(self, ranks, method: str, *args) -> Pending:
+        """``method`` on the training thread of each of ``ranks``, released first from its wait."""
+        self.waiting.release(ranks)
         return Pending({rank: getattr(self.actors[rank], method).remote(*args) for rank in ranks})
 
     def done(self, pending: Pending, timeout: float = 0.0) -> bool:
@@ -124,13 +137,16 @@ class Fleet(RankProcesses):
     # runs
 
     def start_segment(self, specs: dict[int, SegmentSpec]) -> SegmentStream:
-        """Start a segment on every rank; a spec shared by ranks is sent once."""
+        """Start a segment on every rank: one write for the ranks that wait in their streams,
+        a call to each other rank (a spec shared by ranks is sent once)."""
         shared: dict[int, ray.ObjectRef] = {}
-        generators = {}
+        generators = self.waiting.hand_on(specs)
         for rank, spec in specs.items():
+            if rank in generators:
+                continue
             ref = shared.setdefault(id(spec), ray.put(spec))
             generators[rank] = self.actors[rank].run.options(num_returns="streaming").remote(ref)
-        return SegmentStream(next(iter(specs.values())).attempt, generators)
+        return SegmentStream(next(iter(specs.values())).attempt, dict(sorted(generators.items())))
 
     def next_messages(self, stream: SegmentStream, timeout: float,
                       ranks: Iterable[int] | None = None) -> list[tuple[int, SegmentMessage | None]]:
@@ -152,6 +168,8 @@ class Fleet(RankProcesses):
             message = self._next_message(rank, generator)
             if not isinstance(message, RECORD_MESSAGES):
                 del stream.generators[rank]
+                if isinstance(message, SegmentEnd) and message.waits_for_next:
+                    self.waiting.add(rank, stream.attempt, generator)
             arrived.append((rank, message))
         return arrived
 
@@ -173,6 +191,7 @@ class Fleet(RankProcesses):
     # evaluations
 
     def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
+        self.waiting.release(requests)
         return Pending({rank: self.actors[rank].evaluate.remote(request) for rank, request in requests.items()})
 
     def next_outcomes(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
@@ -228,6 +247,7 @@ class Fleet(RankProcesses):
         ``HealCopy.fallback`` says why. A rank whose process is gone leaves its pairs no road:
         ``RanksLost``, as any state call."""
         heal = next(HEALS)
+        self.waiting.release([rank for pair in pairs for rank in pair])
         targets: dict[int, list[int]] = {}
         for source, target in pairs:
             targets.setdefault(source, []).append(target)
@@ -275,6 +295,7 @@ class Fleet(RankProcesses):
 
     def restore_memory(self, plan: MemoryRestore) -> None:
         """Every rank of ``plan`` back at its step: from its own copy, or a holder's copy of its state."""
+        self.waiting.release([*plan.own, *(owner for _, owner in plan.transfers)])
         own = {rank: self.actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
         transfers = {owner: self.actors[owner].import_held.remote(self.actors[holder].export_held.remote(
             owner, plan.step)) for holder, owner in plan.transfers}
@@ -287,7 +308,8 @@ class Fleet(RankProcesses):
         self.results(self._call(ranks, "save_checkpoint", url), self.state_call_s, "save_checkpoint")
 
     def finish_saves(self, ranks) -> Pending:
-        return self._call(ranks, "finish_checkpoint")
+        # on the rank's checkpoint thread: it does not wait behind the training thread
+        return Pending({rank: self.actors[rank].finish_checkpoint.remote() for rank in ranks})
 
     def abandon_saves(self, ranks) -> None:
         """End the ranks' uploads of a save given up on: each kills its upload process."""
@@ -298,6 +320,7 @@ class Fleet(RankProcesses):
     def restore(self, ranks, url: str, step: int, generators: dict[int, dict[str, bytes] | None]) -> None:
         """Load the checkpoint at ``url`` (of ``step``) into the ranks, each with its saved
         generator states (``None``: restart its stream from the seed and ``step``)."""
+        self.waiting.release(ranks)
         self.results(Pending({
             rank: self.actors[rank].load_checkpoint.remote(url, step, generators[rank]) for rank in ranks
         }), self.state_call_s, "load_checkpoint")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from workers.attempt_watch import attempt_over_key
 from workers.keyed_store import KeyedStore
+from workers.segment_handoff import next_segment_key
 
 
 @dataclass
@@ -51,3 +52,8 @@ class Rendezvous:
         """Set ``attempt``'s key, as the ranks read it (bound to the run's secret): every rank
         still in it stops, and every rank's watch of it ends (``workers.attempt_watch``)."""
         KeyedStore(self.store, self.secret).set(attempt_over_key(attempt), "")
+
+    def hand_off(self, attempt: int, release: int, word: bytes) -> None:
+        """Write the ``release``-th word to the ranks that wait after ``attempt``
+        (``workers.segment_handoff``): one key, however many ranks read it."""
+        KeyedStore(self.store, self.secret).set(next_segment_key(attempt, release), word)

@@ -5,8 +5,9 @@ at its worst published value, and each assumption at its worse end).
 
 This product's path is priced as it runs today (``elastic/driver``): every group waits for
 each recovery and for two job-wide regroups of the cross-group process groups (the failure's and
-the join's, each a driver call per rank), while the joining group takes the state rank to rank
-as every group steps (the catch-up). Each phase is its own figure so that a law measured on the
+the join's, each one word in the driver's store that its server hands every waiting rank, and
+a driver call per rank of the changed group), while the joining group takes the state rank to
+rank as every group steps (the catch-up). Each phase is its own figure so that a law measured on the
 real code (``bench/failure_cost.py``) can replace it.
 """
 
@@ -33,6 +34,7 @@ class Costs:
     node_death_s: float = 50.0
     # a regroup: every surviving rank's cross-group process groups rebuilt, every group waiting
     regroup_s: float = 0.3
+    store_reads_per_s: float = 18_500.0
     driver_calls_per_s: float = 8830.0
     comm_init_s_per_rank: float = 0.002
     comm_init_s_per_rank_squared: float = 0.0
@@ -74,9 +76,13 @@ SOURCES = {
     "node_death_s": "Ray's health check: 5 missed checks of 10 s each mark a silent node dead (ray_config_def.h)",
     "regroup_s": "measured: a regroup on 4 CPU ranks over gloo, less the step redone (bench/goodput.py, "
                  "docs/benchmarks.md)",
-    "driver_calls_per_s": "Ray 2.10's release microbenchmark, 1:n actor calls (async): 8,830/s; a regroup is one "
-                          "call per rank of the job, the segment's start, whose spec carries the new cross-group "
-                          "groups (RayFleet.start_segment; each rank enters its own)",
+    "store_reads_per_s": "measured: the next segment's word, one write to the driver's TCPStore, served to 128, 512 "
+                         "and 2,048 waiting ranks: the server's threads spent 54 us of CPU per rank "
+                         "(bench/handoff_fanout.py, docs/benchmarks.md); a regroup's segment start reaches every "
+                         "surviving rank so (Fleet.start_segment, fleet/waiting_ranks.py; each rank enters its own "
+                         "cross-group groups)",
+    "driver_calls_per_s": "Ray 2.10's release microbenchmark, 1:n actor calls (async): 8,830/s; a regroup makes one "
+                          "per rank of the changed group (its new ranks' first segment, its build)",
     "comm_init_s_per_rank": "assumed: a communicator's bootstrap grows 1 s per 500 ranks (each cross-group group has "
                             "one rank per group; a group's world, its ranks)",
     "comm_init_s_per_rank_squared": "none by default: NCCL's quadratic set-up at scale, which NCCL PR #1789 "
@@ -108,6 +114,7 @@ DEFAULT = Costs()
 PESSIMISTIC = replace(
     DEFAULT,
     node_death_s=65.0,
+    store_reads_per_s=7540.0,
     driver_calls_per_s=2450.0,
     comm_init_s_per_rank_squared=7.2e-9,
     pairing_s=0.09,
@@ -120,6 +127,8 @@ PESSIMISTIC = replace(
 
 PESSIMISTIC_SOURCES = SOURCES | {
     "node_death_s": "Ray's health check at its slowest: 5 x (3 s period + 10 s timeout) (ray_config_def.h)",
+    "store_reads_per_s": "measured: the same handoff's wall time from the write to the last rank's read, 133 us per "
+                         "rank, the 2,048 ranks' threads sharing the server's two cores (bench/handoff_fanout.py)",
     "driver_calls_per_s": "Ray 2.10's release microbenchmark, actor calls with arguments: 2,450/s",
     "comm_init_s_per_rank_squared": "NCCL PR #1789 (Meta, 2025): ncclBuildRing 26 s at 98,304 ranks and "
                                     "initTransportsRank 11 s at 49,152, both quadratic in the ranks",

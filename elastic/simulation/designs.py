@@ -526,11 +526,13 @@ class _Ours(_GroupReplay):
         return (min(found, costs.node_death_s) if kind in NODES_GONE else found) + costs.drain_s
 
     def regroup_s(self) -> float:
-        """Every rank's cross-group groups rebuilt: a driver call per rank (the segment's start,
-        whose spec carries the new groups), a communicator over the groups, the memory tier's
-        re-pairing."""
+        """Every rank's cross-group groups rebuilt as the next segment starts, its spec carrying
+        the new groups: one word in the driver's store, served to every rank waiting in its stream
+        (``store_reads_per_s``), and a driver call to each rank of the changed group; a
+        communicator over the groups; the memory tier's re-pairing."""
         costs = self.costs
-        return (costs.regroup_s + self.job.ranks / costs.driver_calls_per_s + costs.comm_init_s(self.job.groups)
+        return (costs.regroup_s + self.job.ranks / costs.store_reads_per_s
+                + self.job.model.group_gpus / costs.driver_calls_per_s + costs.comm_init_s(self.job.groups)
                 + costs.pairing_s)
 
     def leave_s(self, planned: bool) -> float:
