@@ -8,7 +8,6 @@ from __future__ import annotations
 import pickle
 import threading
 from dataclasses import replace
-from functools import partial
 
 import pytest
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from tests.reference import reference_run
 from tests.test_segment_loop import segment_spec
 from tests.test_step_transaction import rank_spec
 from tests.tiny import FAST_DETECTION, tiny_config
-from workers.keyed_store import KeyedStore, StoreTampered
+from workers.keyed_store import KeyedStore
 from workers.segment_handoff import SegmentHandoff, encode, next_segment_key
 from workers.world import connect_store
 
@@ -114,7 +113,7 @@ def rank_waits(rendezvous: Rendezvous, global_rank: int, group: int, attempt: in
     """A rank's wait after ``attempt``, on a thread, connecting as a rank does; its answer lands in the dict."""
     spec = replace(rank_spec(global_rank, group=group, group_rank=0, shard=1, port=rendezvous.port),
                    store_secret=rendezvous.secret)
-    handoff = SegmentHandoff(partial(connect_store, spec))
+    handoff = SegmentHandoff(connect_store(spec))
     answer: dict = {}
 
     def wait() -> None:
@@ -146,16 +145,19 @@ def test_ranks_read_their_next_segment_or_return_from_the_drivers_words(rendezvo
     assert answered(broken)["spec"] is None  # group 2 is not in the segment
 
 
-def test_a_word_without_the_runs_secret_is_refused(rendezvous):
+def test_a_word_without_the_runs_secret_is_refused_and_the_rank_leaves_its_stream(rendezvous, caplog):
+    """A client that reaches the store without the secret cannot hand a rank a segment: under the
+    key's plain name nothing is read, and a value it plants under the run's key is refused; the
+    rank leaves its stream (the driver reads that as the rank gone, and replaces it), and says why."""
     answer = rank_waits(rendezvous, 0, 0, 5)
     dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, wait_for_workers=False).set(
         next_segment_key(5, 0), encode(NextSegment(segment_spec(groups=1))))
     answer["thread"].join(0.3)
     assert answer["thread"].is_alive(), "a foreign key under the plain name is not the run's"
-    # the run's key with a value that a client without the secret planted
     hashed = KeyedStore(rendezvous.store, rendezvous.secret)._key(next_segment_key(5, 0))
     rendezvous.store.set(hashed, encode(NextSegment(segment_spec(groups=1))) + bytes(32))
-    assert isinstance(answered(answer).get("error"), StoreTampered)
+    assert answered(answer) == {"spec": None, "thread": answer["thread"]}
+    assert "was not written by this run" in caplog.text
 
 
 # a real run

@@ -17,14 +17,15 @@ driver wrote runs nothing that Ray's own calls would not.
 
 from __future__ import annotations
 
+import logging
 import pickle
-from collections.abc import Callable
 
 import torch.distributed as dist
 
-from elastic.core.protocol import NextSegment, ReleaseWaiting, SegmentSpec
+from elastic.core.protocol import NextSegment, ReleaseWaiting, SegmentSpec, describe_error
 from workers.attempt_watch import FOREVER
-from workers.keyed_store import StoreTampered
+
+log = logging.getLogger(__name__)
 
 
 def next_segment_key(attempt: int, release: int) -> str:
@@ -37,23 +38,22 @@ def encode(word: NextSegment | ReleaseWaiting) -> bytes:
 
 
 class SegmentHandoff:
-    def __init__(self, connect: Callable[[], dist.Store]):
-        self.connect = connect
-        self.store: dist.Store | None = None  # a wait holds its connection: one of its own, opened at the first
+    def __init__(self, store: dist.Store):
+        self.store = store  # a wait holds its connection: one of its own
 
     def next_spec(self, attempt: int, global_rank: int, group: int) -> SegmentSpec | None:
-        """The spec this rank runs after ``attempt``, or None: it returns."""
-        if self.store is None:
-            self.store = self.connect()
+        """The spec this rank runs after ``attempt``, or None: it returns. A word that cannot be
+        read (the store gone with its driver, a connection reset, a value without the run's
+        tag) ends the stream too: the driver reads that as the rank gone, and replaces it."""
         release = 0
         while True:
             key = next_segment_key(attempt, release)
             try:
                 self.store.wait([key], FOREVER)
                 word = pickle.loads(self.store.get(key))
-            except StoreTampered:
-                raise
-            except RuntimeError:  # the store is gone, and with it the driver that would write
+            except Exception as error:  # noqa: BLE001 - logged; the stream's end is the rank's report
+                log.warning("rank %d: the word after attempt %d could not be read, the rank leaves its stream: %s",
+                            global_rank, attempt, describe_error(error, 300))
                 return None
             if isinstance(word, NextSegment):
                 spec = word.own.get(global_rank, word.spec)

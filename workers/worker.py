@@ -107,7 +107,7 @@ class RankWorker:
         self.activity = ActivityTracker()
         self.signals = DriverSignals()
         self.attempt_watch = AttemptWatch(partial(connect_store, spec), self.signals)
-        self.handoff = SegmentHandoff(partial(connect_store, spec))
+        self.handoff = SegmentHandoff(connect_store(spec))
         self._take_place(spec)
 
     def _take_place(self, spec: RankSpec) -> None:

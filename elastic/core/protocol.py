@@ -11,8 +11,8 @@ however many groups. A segment of one group, and a group whose segment ends, sen
 or failed with the ``RankOutcome`` of the step it failed. A rank that ended one then waits,
 in the same stream, for the segment it runs next (``NextSegment``), written once to the run's
 store for every waiting rank; the driver calls a rank only for what a segment does not do
-(a build, a save, an evaluation, a heal from storage), and releases it first
-(``ReleaseWaiting``).
+(a build, a save, an evaluation, a heal or a restore outside a segment), and releases it
+first (``ReleaseWaiting``).
 """
 
 from __future__ import annotations

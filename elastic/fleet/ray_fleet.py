@@ -140,12 +140,15 @@ class Fleet(RankProcesses):
         """Start a segment on every rank: one write for the ranks that wait in their streams,
         a call to each other rank (a spec shared by ranks is sent once)."""
         shared: dict[int, ray.ObjectRef] = {}
-        generators = self.waiting.hand_on(specs)
-        for rank, spec in specs.items():
-            if rank in generators:
-                continue
-            ref = shared.setdefault(id(spec), ray.put(spec))
-            generators[rank] = self.actors[rank].run.options(num_returns="streaming").remote(ref)
+
+        def run(rank: int) -> ObjectRefGenerator:
+            ref = shared.setdefault(id(specs[rank]), ray.put(specs[rank]))
+            return self.actors[rank].run.options(num_returns="streaming").remote(ref)
+
+        # the calls first: should one raise, no waiting rank has started a segment nobody watches
+        generators = {rank: run(rank) for rank in specs if rank not in self.waiting.streams}
+        generators |= self.waiting.hand_on(specs)
+        generators |= {rank: run(rank) for rank in specs if rank not in generators}  # released by hand_on
         return SegmentStream(next(iter(specs.values())).attempt, dict(sorted(generators.items())))
 
     def next_messages(self, stream: SegmentStream, timeout: float,

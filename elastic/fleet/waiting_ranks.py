@@ -25,9 +25,8 @@ class WaitingRanks:
 
     def add(self, rank: int, attempt: int, stream: object) -> None:
         """``rank`` ended ``attempt`` and waits in ``stream``."""
-        if self.streams and attempt != self.attempt:  # ranks of an older attempt wait for nothing now
-            self.release(None)
-        if not self.streams:
+        if attempt != self.attempt:
+            self.release(None)  # ranks of an older attempt wait for nothing now
             self.attempt, self.releases = attempt, 0
         self.streams[rank] = stream
 
@@ -51,19 +50,16 @@ class WaitingRanks:
 
     def hand_on(self, specs: dict[int, SegmentSpec]) -> dict[int, object]:
         """Hand the waiting ranks among ``specs`` their segment in one write; returns their
-        streams. The other waiting ranks return."""
+        streams. The other waiting ranks return, the segment's groups' by the groups of ``specs``."""
+        # A waiting rank of the segment's groups that the segment leaves out must not run it: its
+        # group is released (its ranks in the segment get a call each).
+        groups = {self.group_of(rank) for rank in specs}
+        self.release([rank for rank in self.streams if rank not in specs and self.group_of(rank) in groups])
         continuing = [rank for rank in self.streams if rank in specs]
         if not continuing:
             self.release(None)
             return {}
         spec = most_common([specs[rank] for rank in continuing])
-        # a waiting rank of the segment's groups that the segment leaves out must not run it
-        left_out = [rank for rank in self.streams if rank not in specs and self.group_of(rank) in spec.groups]
-        if left_out:
-            self.release(left_out)
-            continuing = [rank for rank in self.streams if rank in specs]
-            if not continuing:
-                return {}
         own = {rank: specs[rank] for rank in continuing if specs[rank] is not spec and specs[rank] != spec}
         self._write(NextSegment(spec, own))
         streams = {rank: self.streams[rank] for rank in continuing}
