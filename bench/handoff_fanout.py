@@ -114,13 +114,6 @@ def measure(size: int, processes: int, repeats: int) -> dict:
             "all_s": [round(s, 5) for s in seconds], "word_bytes": word_bytes}
 
 
-def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares: ys = a + b * xs."""
-    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y - b * mean_x, b
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="32,128,512", help="waiting ranks, comma-separated")
@@ -134,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(size, args.processes, args.repeats))
         print(json.dumps(rows[-1]), flush=True)
     ranks = [row["ranks"] for row in rows]
-    fixed_s, per_rank_s = line_fit(ranks, [row["seconds"] for row in rows])
-    _, server_per_rank_s = line_fit(ranks, [row["server_cpu_s"] for row in rows])
+    per_rank_s, fixed_s = statistics.linear_regression(ranks, [row["seconds"] for row in rows])
+    server_per_rank_s, _ = statistics.linear_regression(ranks, [row["server_cpu_s"] for row in rows])
     figures = {"sizes": rows, "fixed_s": fixed_s, "per_rank_s": per_rank_s,
                "reads_per_s": 1.0 / per_rank_s if per_rank_s > 0 else None,
                "server_cpu_per_rank_s": server_per_rank_s}

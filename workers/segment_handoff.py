@@ -7,7 +7,8 @@ waits there (``elastic.fleet.ray_fleet``):
 - a ``NextSegment``: a rank of one of its spec's groups runs it, in the same stream; a rank of
   another group (its group broken, or evicted from the quorum) returns;
 - a ``ReleaseWaiting``: the ranks of its groups return, for the driver's calls that a segment
-  does not make (a build, a save, an evaluation); the others wait on the attempt's next key.
+  does not make (a build, a save, an evaluation, a heal or a restore outside a segment); the
+  others wait on the attempt's next key.
 
 So the next segment after a failure or a pause costs the driver one write, whatever the number
 of ranks, and not one call to each. Values are sealed with the run's secret

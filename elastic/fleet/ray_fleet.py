@@ -53,7 +53,9 @@ HEALS = itertools.count()
 class Fleet(RankProcesses):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.waiting = WaitingRanks(lambda *word: self.rendezvous.hand_off(*word), self.topology.group_of)
+        # the rendezvous looked up at each write: a fleet built without one (a placement test) writes nothing
+        self.waiting = WaitingRanks(lambda attempt, release, word: self.rendezvous.hand_off(attempt, release, word),
+                                    self.topology.group_of)
 
     def kill(self, global_rank: int) -> None:
         self.waiting.forget(global_rank)

@@ -3,8 +3,8 @@
 A rank that ended a segment stays in its stream and waits on the run's store for one word
 (``workers.segment_handoff``). The fleet keeps those ranks with their streams: the next segment
 goes to every one of them in one write (``hand_on``), and a call a segment does not make
-(a build, a save, an evaluation, a heal from storage) first releases the ranks it goes to,
-with their groups (``release``), so that it does not queue behind their wait.
+(a build, a save, an evaluation, a heal or a restore outside a segment) first releases the
+ranks it goes to, with their groups (``release``), so that it does not queue behind their wait.
 """
 
 from __future__ import annotations
