@@ -70,10 +70,12 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
 
     env = ray_head.driver_env()
     # Pressed twice, the second press must land before the first stop reaches its step
-    # boundary: step 6 does not end while the test runs (a slowdown of minutes, and a
-    # deadline past the test's end), and the checkpoint of step 5 is written after step 6
-    # began, so the first press always finds the run inside step 6.
-    slow_steps = ["--inject", "slow:rank=0,factor=100000,step=6", "--set", "fault_tolerance.min_deadline_s=300"]
+    # boundary: step 5 does not end while the test runs (a slowdown of minutes, and a
+    # deadline past the test's end). Step 5's checkpoint starts at the boundary before it and
+    # commits only as the driver watches the segment that begins with it, so the first press
+    # always finds the run inside step 5. (With the slow step later, the commit could come at
+    # a boundary, and the first press stop the run there before the second.)
+    slow_steps = ["--inject", "slow:rank=0,factor=100000,step=5", "--set", "fault_tolerance.min_deadline_s=300"]
     driver = subprocess.Popen(
         [sys.executable, "-m", "elastic", "train", "--run-name", "piped", "--steps", "2000", "--groups", "1",
          "--shard", "1", "--tp", "1", "--checkpoint-every", "5", *(slow_steps if presses == 2 else [])],
@@ -93,6 +95,7 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_stopped_too_is_a_preemp
     assert summary["last_checkpoint"] or presses == 2
     if presses == 2:  # the step it resumes from, which it knows: step 5's committed before the presses
         assert re.search(r"it resumes from its checkpoint of step 5$", summary["exit"]), summary["exit"]
+        assert summary["steps_committed"] == 5  # stopped inside the slow step, not at its boundary
 
 
 def test_sigterm_before_the_trainer_takes_the_signals_over_ends_preempted_with_a_summary(tmp_path):
