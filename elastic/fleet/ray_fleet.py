@@ -85,10 +85,18 @@ class Fleet(RankProcesses):
 
     # calls in flight
 
-    def _call(self, ranks, method: str, *args) -> Pending:
-        """``method`` on the training thread of each of ``ranks``, released first from its wait."""
+    def _training_threads(self, ranks: Iterable[int]) -> dict[int, ray.actor.ActorHandle]:
+        """The actors of ``ranks``, for calls on their training threads: each released first,
+        with its group, from a wait for its next segment, which such a call would queue behind.
+        Every training-thread call but a segment's ``run`` takes its actors from here."""
+        ranks = list(ranks)
         self.waiting.release(ranks)
-        return Pending({rank: getattr(self.actors[rank], method).remote(*args) for rank in ranks})
+        return {rank: self.actors[rank] for rank in ranks}
+
+    def _call(self, ranks, method: str, *args) -> Pending:
+        """``method`` on the training thread of each of ``ranks``."""
+        actors = self._training_threads(ranks)
+        return Pending({rank: getattr(actor, method).remote(*args) for rank, actor in actors.items()})
 
     def done(self, pending: Pending, timeout: float = 0.0) -> bool:
         refs = list(pending.refs.values())
@@ -196,8 +204,8 @@ class Fleet(RankProcesses):
     # evaluations
 
     def evaluate(self, requests: dict[int, EvalRequest]) -> Pending:
-        self.waiting.release(requests)
-        return Pending({rank: self.actors[rank].evaluate.remote(request) for rank, request in requests.items()})
+        actors = self._training_threads(requests)
+        return Pending({rank: actors[rank].evaluate.remote(request) for rank, request in requests.items()})
 
     def next_outcomes(self, pending: Pending, timeout: float) -> list[tuple[int, RankOutcome | None]]:
         """Reports that arrive within ``timeout`` (at least one unless it passes), taken out
@@ -252,12 +260,12 @@ class Fleet(RankProcesses):
         ``HealCopy.fallback`` says why. A rank whose process is gone leaves its pairs no road:
         ``RanksLost``, as any state call."""
         heal = next(HEALS)
-        self.waiting.release([rank for pair in pairs for rank in pair])
+        actors = self._training_threads(dict.fromkeys(rank for pair in pairs for rank in pair))
         targets: dict[int, list[int]] = {}
         for source, target in pairs:
             targets.setdefault(source, []).append(target)
-        sends = {source: self.actors[source].send_state.remote(heal, ranks) for source, ranks in targets.items()}
-        receives = {target: self.actors[target].receive_state.remote(heal, source) for source, target in pairs}
+        sends = {source: actors[source].send_state.remote(heal, ranks) for source, ranks in targets.items()}
+        receives = {target: actors[target].receive_state.remote(heal, source) for source, target in pairs}
         deadline = time.monotonic() + self.state_call_s
         copies: dict[int, HealCopy] = {}
         failed: dict[int, tuple[int, str]] = {}
@@ -274,7 +282,7 @@ class Fleet(RankProcesses):
         if lost:
             raise RanksLost(list(lost), "; ".join(dict.fromkeys(lost.values())), "receive_state")
         imported = self.results(Pending({
-            target: self.actors[target].import_state.remote(self.actors[source].export_state.remote())
+            target: actors[target].import_state.remote(actors[source].export_state.remote())
             for target, (source, _) in failed.items()
         }), self.state_call_s, "import_state") if failed else {}
         for target, (source, reason) in failed.items():
@@ -300,9 +308,9 @@ class Fleet(RankProcesses):
 
     def restore_memory(self, plan: MemoryRestore) -> None:
         """Every rank of ``plan`` back at its step: from its own copy, or a holder's copy of its state."""
-        self.waiting.release([*plan.own, *(owner for _, owner in plan.transfers)])
-        own = {rank: self.actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
-        transfers = {owner: self.actors[owner].import_held.remote(self.actors[holder].export_held.remote(
+        actors = self._training_threads(dict.fromkeys([*plan.own, *(owner for _, owner in plan.transfers)]))
+        own = {rank: actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
+        transfers = {owner: actors[owner].import_held.remote(self.actors[holder].export_held.remote(
             owner, plan.step)) for holder, owner in plan.transfers}
         self.results(Pending(own | transfers), self.state_call_s, "restore_memory")
 
@@ -325,8 +333,8 @@ class Fleet(RankProcesses):
     def restore(self, ranks, url: str, step: int, generators: dict[int, dict[str, bytes] | None]) -> None:
         """Load the checkpoint at ``url`` (of ``step``) into the ranks, each with its saved
         generator states (``None``: restart its stream from the seed and ``step``)."""
-        self.waiting.release(ranks)
+        actors = self._training_threads(ranks)
         self.results(Pending({
-            rank: self.actors[rank].load_checkpoint.remote(url, step, generators[rank]) for rank in ranks
+            rank: actors[rank].load_checkpoint.remote(url, step, generators[rank]) for rank in actors
         }), self.state_call_s, "load_checkpoint")
 
