@@ -16,9 +16,9 @@ the group's handoff channel (a gloo broadcast, ``workers.segment_handoff.pass_on
 store serves one read per group. ``--group-sizes`` times that pass-on: a group of that many
 rank processes on one gloo group, from the first rank's broadcast until the last rank holds the
 word, medians over ``--repeats``, and a straight line over the sizes (``pass_on_per_rank_s``,
-which the simulation charges per rank of the largest group, ``costs.pass_on_s_per_rank``), and
-the first rank's CPU (all its threads': gloo sends on its own), what it spends when its group's
-ranks are on other hosts (``first_rank_cpu_per_rank_s``).
+and the first rank's CPU per rank of its group, ``first_rank_cpu_per_rank_s``: what it spends
+when its group's ranks are on other hosts; the simulation charges that per rank of the largest
+group, ``costs.pass_on_s_per_rank``, and the wall time's rate in its pessimistic column).
 
     python bench/handoff_fanout.py --sizes 32,128,512 --group-sizes 2,4,8 --json OUT
 """
@@ -138,7 +138,7 @@ def group_rank(port: int, rank: int, size: int, attempts: int, words, received) 
         if rank == 0:
             word = words.get(timeout=600)
             started, cpu = time.time(), time.process_time()  # every thread's: gloo sends on its own
-            pass_on(channel, word, datetime.timedelta(seconds=600))
+            pass_on(channel, word)
             received.put((rank, (started, time.process_time() - cpu)))
         else:
             receive(channel)

@@ -15,7 +15,6 @@ background upload on a third, while training goes on.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 import warnings
@@ -108,7 +107,7 @@ class RankWorker:
         self.activity = ActivityTracker()
         self.signals = DriverSignals()
         self.attempt_watch = AttemptWatch(partial(connect_store, spec), self.signals)
-        self.handoff = SegmentHandoff(connect_store(spec), datetime.timedelta(seconds=spec.collective_timeout_s))
+        self.handoff = SegmentHandoff(connect_store(spec))
         self._take_place(spec)
 
     def _take_place(self, spec: RankSpec) -> None:

@@ -96,9 +96,6 @@ class World:
         replicate group; returns the group's mesh."""
         rank = self.rank
         self.leave_replicas()
-        if self.handoff_group is not None:  # a peer still waiting in it for a word reads the store instead
-            close_connections([self.handoff_group])
-            self.handoff_group = None
         if dist.is_initialized():
             if rank.nccl:
                 abort_process_groups_on_gpu()
