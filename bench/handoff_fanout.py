@@ -9,18 +9,9 @@ of that many ranks. Per size, the medians over ``--repeats`` handoffs, and a str
 each over the sizes. Here the ranks share the two cores with the server, so the wall time's
 per-rank cost is an upper bound (the ranks' own reads are in it); the server's CPU per rank is
 what a server whose ranks are on other hosts spends (one thread, libuv). The simulation charges
-the wall time's rate per read (``elastic/simulation/costs.py``, ``store_reads_per_s``).
+the wall time's rate per surviving rank (``elastic/simulation/costs.py``, ``store_reads_per_s``).
 
-Only a group's first rank reads the store; it passes the word on to the rest of its group over
-the group's handoff channel (a gloo broadcast, ``workers.segment_handoff.pass_on``), so the
-store serves one read per group. ``--group-sizes`` times that pass-on: a group of that many
-rank processes on one gloo group, from the first rank's broadcast until the last rank holds the
-word, medians over ``--repeats``, and a straight line over the sizes (``pass_on_per_rank_s``,
-and the first rank's CPU per rank of its group, ``first_rank_cpu_per_rank_s``: what it spends
-when its group's ranks are on other hosts; the simulation charges that per rank of the largest
-group, ``costs.pass_on_s_per_rank``, and the wall time's rate in its pessimistic column).
-
-    python bench/handoff_fanout.py --sizes 32,128,512 --group-sizes 2,4,8 --json OUT
+    python bench/handoff_fanout.py --sizes 32,128,512 --json OUT
 """
 
 from __future__ import annotations
@@ -123,60 +114,11 @@ def measure(size: int, processes: int, repeats: int) -> dict:
             "all_s": [round(s, 5) for s in seconds], "word_bytes": word_bytes}
 
 
-def group_rank(port: int, rank: int, size: int, attempts: int, words, received) -> None:
-    """One rank of a group: its first passes on each word it is handed, the others receive it."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from workers.segment_handoff import pass_on, receive
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
-    channel = dist.ProcessGroupGloo(dist.PrefixStore("handoff/", store), rank, size, datetime.timedelta(seconds=600))
-    for _ in range(attempts):
-        if rank == 0:
-            word = words.get(timeout=600)
-            started, cpu = time.time(), time.process_time()  # every thread's: gloo sends on its own
-            pass_on(channel, word)
-            received.put((rank, (started, time.process_time() - cpu)))
-        else:
-            receive(channel)
-            received.put((rank, time.time()))
-
-
-def measure_pass_on(size: int, repeats: int) -> dict:
-    import torch.distributed as dist
-
-    from workers.segment_handoff import encode
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    words, received = context.Queue(), context.Queue()
-    children = [context.Process(target=group_rank, args=(server.port, rank, size, repeats, words, received))
-                for rank in range(size)]
-    for child in children:
-        child.start()
-    seconds, cpu_s = [], []
-    for attempt in range(repeats):
-        time.sleep(0.5 if attempt else 10.0)  # every rank in its wait (the first time: started, grouped)
-        words.put(encode(NextSegment(job_spec(8192 * 12, attempt))))
-        times = dict(received.get(timeout=600) for _ in range(size))
-        (started, cpu), followers = times.pop(0), times.values()
-        seconds.append(max(followers) - started)
-        cpu_s.append(cpu)
-    for child in children:
-        child.join(timeout=60)
-    return {"group_ranks": size, "seconds": statistics.median(seconds), "first_rank_cpu_s": statistics.median(cpu_s),
-            "all_s": [round(s, 5) for s in seconds]}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="32,128,512", help="waiting ranks, comma-separated")
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--group-sizes", default="2,4,8", help="ranks of a group the first rank passes the word to")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.sizes.split(",")]
@@ -193,17 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"handoff: {fixed_s * 1e3:.2f} ms + {per_rank_s * 1e6:.1f} us per waiting rank "
           f"({figures['reads_per_s'] or float('inf'):,.0f} ranks served a second); the store's server "
           f"{server_per_rank_s * 1e6:.1f} us of CPU per rank")
-    groups = []
-    for size in [int(size) for size in args.group_sizes.split(",")]:
-        groups.append(measure_pass_on(size, args.repeats))
-        print(json.dumps(groups[-1]), flush=True)
-    group_ranks = [row["group_ranks"] for row in groups]
-    pass_on_per_rank_s, pass_on_fixed_s = statistics.linear_regression(group_ranks, [row["seconds"] for row in groups])
-    first_cpu_per_rank_s, _ = statistics.linear_regression(group_ranks, [row["first_rank_cpu_s"] for row in groups])
-    figures |= {"groups": groups, "pass_on_fixed_s": pass_on_fixed_s, "pass_on_per_rank_s": pass_on_per_rank_s,
-                "first_rank_cpu_per_rank_s": first_cpu_per_rank_s}
-    print(f"pass-on in a group: {pass_on_fixed_s * 1e3:.2f} ms + {pass_on_per_rank_s * 1e6:.1f} us per rank of the "
-          f"group; the first rank {first_cpu_per_rank_s * 1e6:.1f} us of CPU per rank")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

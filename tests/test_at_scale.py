@@ -112,8 +112,7 @@ def test_every_ledger_adds_up_to_the_wall_time_and_no_failure_is_all_training(de
 
 def test_a_gpu_lost_costs_ours_two_regroups_and_a_heal_the_other_groups_step_through():
     costs = DEFAULT
-    handoff_s = JOB.groups / costs.store_reads_per_s + (JOB.model.group_gpus - 1) * costs.pass_on_s_per_rank
-    regroup_s = (costs.regroup_s + handoff_s + JOB.model.group_gpus / costs.driver_calls_per_s
+    regroup_s = (costs.regroup_s + JOB.ranks / costs.store_reads_per_s + JOB.model.group_gpus / costs.driver_calls_per_s
                  + costs.comm_init_s(JOB.groups) + costs.pairing_s)
     heal_s = JOB.heal_bytes_per_gpu / costs.heal_bandwidth
     spare_s = costs.spare_takeover_s + costs.comm_init_s(JOB.model.group_gpus)  # shorter than a step: waited for

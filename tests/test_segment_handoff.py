@@ -5,8 +5,6 @@ call of their own."""
 
 from __future__ import annotations
 
-import datetime
-import logging
 import pickle
 import threading
 from dataclasses import replace
@@ -26,7 +24,7 @@ from tests.test_step_transaction import rank_spec
 from tests.tiny import FAST_DETECTION, tiny_config
 from workers.keyed_store import KeyedStore
 from workers.segment_handoff import SegmentHandoff, encode, next_segment_key
-from workers.world import close_connections, connect_store
+from workers.world import connect_store
 
 SHARD = 2  # ranks per group in the driver's side's cases
 
@@ -111,32 +109,16 @@ def rendezvous() -> Rendezvous:
     return Rendezvous.start("127.0.0.1")
 
 
-class CountedReads:
-    """A rank's store connection that counts the words it read."""
-
-    def __init__(self, store):
-        self.store, self.reads = store, 0
-
-    def wait(self, keys, timeout) -> None:
-        self.store.wait(keys, timeout)
-
-    def get(self, key: str) -> bytes:
-        self.reads += 1
-        return self.store.get(key)
-
-
-def rank_waits(rendezvous: Rendezvous, global_rank: int, group: int, attempt: int, channel=None) -> dict:
-    """A rank's wait after ``attempt``, on a thread, connecting as a rank does; its answer, and
-    its connection (``store``), land in the dict. ``channel``: its group's handoff channel."""
+def rank_waits(rendezvous: Rendezvous, global_rank: int, group: int, attempt: int) -> dict:
+    """A rank's wait after ``attempt``, on a thread, connecting as a rank does; its answer lands in the dict."""
     spec = replace(rank_spec(global_rank, group=group, group_rank=0, shard=1, port=rendezvous.port),
                    store_secret=rendezvous.secret)
-    store = CountedReads(connect_store(spec))
-    handoff = SegmentHandoff(store)
-    answer: dict = {"store": store}
+    handoff = SegmentHandoff(connect_store(spec))
+    answer: dict = {}
 
     def wait() -> None:
         try:
-            answer["spec"] = handoff.next_spec(attempt, global_rank, group, channel)
+            answer["spec"] = handoff.next_spec(attempt, global_rank, group)
         except Exception as error:  # noqa: BLE001 - the test reads it
             answer["error"] = error
 
@@ -174,65 +156,7 @@ def test_a_word_without_the_runs_secret_is_refused_and_the_rank_leaves_its_strea
     assert answer["thread"].is_alive(), "a foreign key under the plain name is not the run's"
     hashed = KeyedStore(rendezvous.store, rendezvous.secret)._key(next_segment_key(5, 0))
     rendezvous.store.set(hashed, encode(NextSegment(segment_spec(groups=1))) + bytes(32))
-    assert answered(answer)["spec"] is None and "error" not in answer
-    assert "was not written by this run" in caplog.text
-
-
-def handoff_channels(rendezvous: Rendezvous, size: int, name: str) -> list:
-    """A group's handoff channel, as each of its ``size`` ranks holds it: a real gloo group on
-    the run's store, formed together on threads as the group's ranks form it."""
-    channels: list = [None] * size
-
-    def form(rank: int) -> None:  # a connection each: a rendezvous's wait holds its connection
-        connection = dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, wait_for_workers=False)
-        channels[rank] = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", connection), rank, size,
-                                               datetime.timedelta(days=1))
-
-    threads = [threading.Thread(target=form, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    return channels
-
-
-def test_a_groups_first_rank_reads_the_word_and_passes_it_on_to_the_rest_of_its_group(rendezvous):
-    """The store serves one read per group: group 0's three ranks wait through a release of
-    another group and then get their segment (rank 2 its own), and only rank 0 read either."""
-    channels = handoff_channels(rendezvous, 3, "group0")
-    group0 = [rank_waits(rendezvous, rank, 0, 5, channels[rank]) for rank in range(3)]
-    alone = rank_waits(rendezvous, 3, 1, 5)  # a group of one rank reads for itself
-    rendezvous.hand_off(5, 0, encode(ReleaseWaiting(frozenset({1}))))
-    assert answered(alone)["spec"] is None
-    spec = segment_spec(groups=1)
-    own = replace(spec, deadline_s=1.5)
-    rendezvous.hand_off(5, 1, encode(NextSegment(spec, {2: own})))
-    assert [answered(answer)["spec"] for answer in group0] == [spec, spec, own]
-    assert [answer["store"].reads for answer in group0] == [2, 0, 0]
-
-
-def test_the_rest_of_a_group_whose_first_rank_is_gone_reads_the_store_and_is_not_taken_for_gone(rendezvous, caplog):
-    """Rank 0's connections closed (its process gone, as its peers see it): ranks 1 and 2 read
-    the word from the store themselves and run their segment; rank 0, alive here, runs it too.
-    (Said at info: the peer's loss is the driver's to report.)"""
-    caplog.set_level(logging.INFO, logger="workers.segment_handoff")
-    channels = handoff_channels(rendezvous, 3, "group0")
-    group0 = [rank_waits(rendezvous, rank, 0, 5, channels[rank]) for rank in range(3)]
-    close_connections([channels[0]])
-    spec = segment_spec(groups=1)
-    rendezvous.hand_off(5, 0, encode(NextSegment(spec, {})))
-    assert [answered(answer)["spec"] for answer in group0] == [spec, spec, spec]
-    assert [answer["store"].reads for answer in group0] == [1, 1, 1]
-    assert "read from the store instead" in caplog.text
-
-
-def test_a_word_the_first_rank_cannot_read_ends_its_whole_groups_streams(rendezvous, caplog):
-    channels = handoff_channels(rendezvous, 2, "group0")
-    group0 = [rank_waits(rendezvous, rank, 0, 5, channels[rank]) for rank in range(2)]
-    hashed = KeyedStore(rendezvous.store, rendezvous.secret)._key(next_segment_key(5, 0))
-    rendezvous.store.set(hashed, encode(NextSegment(segment_spec(groups=1))) + bytes(32))
-    assert [answered(answer)["spec"] for answer in group0] == [None, None]
-    assert [answer["store"].reads for answer in group0] == [1, 0]
+    assert answered(answer) == {"spec": None, "thread": answer["thread"]}
     assert "was not written by this run" in caplog.text
 
 

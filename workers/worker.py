@@ -204,8 +204,7 @@ class RankWorker:
         store (``workers.segment_handoff``), until it releases the rank."""
         while spec is not None:
             yield from self._segment(spec)
-            spec = self.handoff.next_spec(spec.attempt, self.spec.global_rank, self.spec.group,
-                                          self.world.handoff_group)
+            spec = self.handoff.next_spec(spec.attempt, self.spec.global_rank, self.spec.group)
 
     def _segment(self, spec: SegmentSpec) -> Iterator[SegmentMessage]:
         """Train ``spec``'s steps, each a transaction the ranks decide among themselves, and

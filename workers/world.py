@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic.core.topology import Topology
-from workers.attempt_watch import FOREVER
 from workers.keyed_store import KeyedStore
 from workers.rank_spec import RankSpec
 
@@ -76,7 +75,6 @@ class World:
         self.mesh: DeviceMesh | None = None
         self.checkpoint_group = None
         self.control_group = None  # None in a group of one rank: it has no one to agree with
-        self.handoff_group = None  # as the control group
         self.replicate_group = None  # None while the rank's position has no replica in another group
         self.replica_rank = 0
         self.replicas_build: int | None = None  # the cross-group groups' build the rank is in
@@ -112,14 +110,7 @@ class World:
         device_type = "cuda" if rank.use_gpu else "cpu"
         self.mesh = group_mesh(device_type, rank.layout)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
-        alone = rank.ranks_per_group == 1
-        self.control_group = None if alone else dist.new_group(backend="gloo", timeout=self.timeout)
-        # The group's first rank passes the driver's next word on here (workers.segment_handoff):
-        # a wait between segments has no bound (a heal, a save), as the vote's has. Formed within
-        # the collective timeout all the same: a peer that never joins must not hold the build.
-        self.handoff_group = None if alone else dist.new_group(backend="gloo", timeout=self.timeout)
-        if self.handoff_group is not None:
-            dist.distributed_c10d._set_pg_timeout(FOREVER, self.handoff_group)
+        self.control_group = dist.new_group(backend="gloo", timeout=self.timeout) if rank.ranks_per_group > 1 else None
         return self.mesh
 
     @property
@@ -132,12 +123,11 @@ class World:
     def close_connections(self) -> None:
         """Close the connections of every process group of the group's world but the
         checkpoint upload's (a save a broken group started is abandoned by the driver, not
-        here), the handoff's (no step waits in it: its ranks take their next word there, after
-        the step) and the replicate group (not the world's: the rank's failed step closed it,
+        here) and the replicate group (not the world's: the rank's failed step closed it,
         ``fail_replicas``): the ranks waiting in them raise. The world is unusable afterwards;
         the next build replaces it."""
         close_connections(group for group in list(dist.distributed_c10d._world.pg_map)
-                          if group is not self.checkpoint_group and group is not self.handoff_group)
+                          if group is not self.checkpoint_group)
 
     def fail_replicas(self) -> None:
         """Leave the replicate group as a rank whose step failed: its connections closed first

@@ -35,7 +35,6 @@ class Costs:
     # a regroup: every surviving rank's cross-group process groups rebuilt, every group waiting
     regroup_s: float = 0.3
     store_reads_per_s: float = 18_500.0
-    pass_on_s_per_rank: float = 13.3e-6
     driver_calls_per_s: float = 8830.0
     comm_init_s_per_rank: float = 0.002
     comm_init_s_per_rank_squared: float = 0.0
@@ -66,11 +65,6 @@ class Costs:
         """A communicator's bootstrap over ``ranks`` ranks."""
         return self.comm_init_s_per_rank * ranks + self.comm_init_s_per_rank_squared * ranks ** 2
 
-    def handoff_s(self, groups: int, group_ranks: int) -> float:
-        """The next segment's word to every waiting rank: one store read per group, and each
-        group's first rank passing it on to its other ranks, the groups at once."""
-        return groups / self.store_reads_per_s + (group_ranks - 1) * self.pass_on_s_per_rank
-
 
 SOURCES = {
     "deadline_factor": "this product's default (fault_tolerance.deadline_factor): a hang is found at this many "
@@ -84,13 +78,9 @@ SOURCES = {
                  "docs/benchmarks.md)",
     "store_reads_per_s": "measured: the next segment's word, one write to the driver's TCPStore, served to 128, 512 "
                          "and 2,048 waiting ranks: the server's threads spent 54 us of CPU per rank "
-                         "(bench/handoff_fanout.py, docs/benchmarks.md); a regroup's segment start reaches each "
-                         "group's first rank so (Fleet.start_segment, fleet/waiting_ranks.py), which passes it on "
-                         "to its group (workers/segment_handoff.py)",
-    "pass_on_s_per_rank": "measured: a group's first rank passing the word on to 2, 4, 8 and 16 rank processes over "
-                          "their handoff channel (a gloo broadcast) spent 13.3 us of CPU per rank of the group, as "
-                          "it would with its group on other hosts (bench/handoff_fanout.py); the largest group's "
-                          "pass-on is charged, the groups passing theirs on at once",
+                         "(bench/handoff_fanout.py, docs/benchmarks.md); a regroup's segment start reaches every "
+                         "surviving rank so (Fleet.start_segment, fleet/waiting_ranks.py; each rank enters its own "
+                         "cross-group groups)",
     "driver_calls_per_s": "Ray 2.10's release microbenchmark, 1:n actor calls (async): 8,830/s; a regroup makes one "
                           "per rank of the changed group (its new ranks' first segment, its build)",
     "comm_init_s_per_rank": "assumed: a communicator's bootstrap grows 1 s per 500 ranks (each cross-group group has "
@@ -125,7 +115,6 @@ PESSIMISTIC = replace(
     DEFAULT,
     node_death_s=65.0,
     store_reads_per_s=7540.0,
-    pass_on_s_per_rank=346e-6,
     driver_calls_per_s=2450.0,
     comm_init_s_per_rank_squared=7.2e-9,
     pairing_s=0.09,
@@ -140,9 +129,6 @@ PESSIMISTIC_SOURCES = SOURCES | {
     "node_death_s": "Ray's health check at its slowest: 5 x (3 s period + 10 s timeout) (ray_config_def.h)",
     "store_reads_per_s": "measured: the same handoff's wall time from the write to the last rank's read, 133 us per "
                          "rank, the 2,048 ranks' threads sharing the server's two cores (bench/handoff_fanout.py)",
-    "pass_on_s_per_rank": "measured: the same pass-on's wall time from the first rank's broadcast to the last rank "
-                          "holding the word, 346 us per rank of the group, its 16 processes sharing two cores "
-                          "(bench/handoff_fanout.py)",
     "driver_calls_per_s": "Ray 2.10's release microbenchmark, actor calls with arguments: 2,450/s",
     "comm_init_s_per_rank_squared": "NCCL PR #1789 (Meta, 2025): ncclBuildRing 26 s at 98,304 ranks and "
                                     "initTransportsRank 11 s at 49,152, both quadratic in the ranks",

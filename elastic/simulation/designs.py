@@ -527,12 +527,11 @@ class _Ours(_GroupReplay):
 
     def regroup_s(self) -> float:
         """Every rank's cross-group groups rebuilt as the next segment starts, its spec carrying
-        the new groups: one word in the driver's store, served to each group's first rank
-        (``store_reads_per_s``) and passed on to the rest of its group (``pass_on_s_per_rank``),
-        and a driver call to each rank of the changed group; a communicator over the groups; the
-        memory tier's re-pairing."""
+        the new groups: one word in the driver's store, served to every rank waiting in its stream
+        (``store_reads_per_s``), and a driver call to each rank of the changed group; a
+        communicator over the groups; the memory tier's re-pairing."""
         costs = self.costs
-        return (costs.regroup_s + costs.handoff_s(self.job.groups, self.job.model.group_gpus)
+        return (costs.regroup_s + self.job.ranks / costs.store_reads_per_s
                 + self.job.model.group_gpus / costs.driver_calls_per_s + costs.comm_init_s(self.job.groups)
                 + costs.pairing_s)
 
