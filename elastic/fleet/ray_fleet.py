@@ -260,7 +260,7 @@ class Fleet(RankProcesses):
         ``HealCopy.fallback`` says why. A rank whose process is gone leaves its pairs no road:
         ``RanksLost``, as any state call."""
         heal = next(HEALS)
-        actors = self._training_threads(dict.fromkeys(rank for pair in pairs for rank in pair))
+        actors = self._training_threads(rank for pair in pairs for rank in pair)
         targets: dict[int, list[int]] = {}
         for source, target in pairs:
             targets.setdefault(source, []).append(target)
@@ -308,7 +308,7 @@ class Fleet(RankProcesses):
 
     def restore_memory(self, plan: MemoryRestore) -> None:
         """Every rank of ``plan`` back at its step: from its own copy, or a holder's copy of its state."""
-        actors = self._training_threads(dict.fromkeys([*plan.own, *(owner for _, owner in plan.transfers)]))
+        actors = self._training_threads([*plan.own, *(owner for _, owner in plan.transfers)])
         own = {rank: actors[rank].restore_memory.remote(plan.step) for rank in plan.own}
         transfers = {owner: actors[owner].import_held.remote(self.actors[holder].export_held.remote(
             owner, plan.step)) for holder, owner in plan.transfers}
