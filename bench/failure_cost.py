@@ -17,6 +17,8 @@ Per size, in the window from the kill until the killed group commits again:
 - ``ranks_stopped``: the ranks whose own commits stalled so (the killed group's included);
 - ``groups_created_per_survivor``: process groups each surviving rank created (max, mean);
 - ``survivor_recovery_cpu_s``: CPU seconds each surviving rank spent beyond its steps (max);
+- ``survivor_regroups``: each surviving rank's entries into a new build of the cross-group
+  groups (their count, and one entry's wall and CPU seconds: the rendezvous with every peer);
 - ``object_store_bytes``: rank state handed to the Ray object store;
 - ``driver_calls``: actor calls the driver made, and the keys it set in the run's store to end an
   attempt (its abort) or hand the next segment on to the ranks waiting for it;
@@ -31,7 +33,10 @@ the memory tier's re-pairing after one group's loss and return at 98,304 ranks
 object store, in the same run (``bench/heal_transport.py``). Each figure is fit to a power law in the
 job's size (``a * ranks ** b``) and the exponents printed: 0 is flat.
 
-    python bench/failure_cost.py --ranks 4,8,16 --json OUT
+The rank processes fork from a server that imported torch once
+(``elastic.testing.forked_ray_workers``), so that 64 of them fit 24 GB.
+
+    python bench/failure_cost.py --ranks 4,16,64 --json OUT
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -170,10 +176,11 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
     by_pid = defaultdict(list)
     for line in lines:
         by_pid[line["pid"]].append(line)
-    created, cpu = [], []
+    created, cpu, regroups = [], [], []
     for pid in survivors:
         own = by_pid[pid]
         created.append(sum(1 for line in own if line["kind"] == "process-group" and killed_at <= line["t"] <= whole_at))
+        regroups.extend(line for line in own if line["kind"] == "regroup" and killed_at <= line["t"] <= whole_at)
         own_commits = [line for line in own if line["kind"] == "commit"]
         steady = [b["cpu"] - a["cpu"] for a, b in zip(own_commits, own_commits[1:]) if b["t"] < killed_at][2:]
         per_step = statistics.median(steady) if steady else 0.0
@@ -197,6 +204,7 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
         "ranks_stopped": len(stopped),
         "groups_created_per_survivor": {"max": max(created), "mean": round(statistics.mean(created), 2)},
         "survivor_recovery_cpu_s": round(max(cpu), 3),
+        "survivor_regroups": regroup_figures(regroups),
         "object_store_bytes": sum(line.get("nbytes", 0) for line in lines
                                   if line["kind"] == "object-store" and killed_at <= line["t"] <= whole_at),
         "rank_to_rank_bytes": sum(e.get("rank_to_rank_bytes", 0) for e in events if e["kind"] == EventKind.GROUP_HEALED),
@@ -208,6 +216,17 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
                                      kill_to_whole_phases(events, fault, killed_group).items()},
                    "recovered": {key: value for key, value in recovered.items() if key.endswith("_s")}},
     }
+
+
+def regroup_figures(regroups: list[dict]) -> dict:
+    """The survivors' entries into a new build of the cross-group groups in the window: how many
+    per survivor, and the median and largest wall and CPU seconds of one (the rendezvous, every
+    peer connected)."""
+    if not regroups:
+        return {"count": 0}
+    return {"count": len(regroups), "groups": sorted({line["groups"] for line in regroups}),
+            **{f"{what}_{stat}": round(read([line[what] for line in regroups]), 4)
+               for what in ("wall_s", "cpu_s") for stat, read in (("median", statistics.median), ("max", max))}}
 
 
 def power_law_exponent(sizes: list[int], values: list[float]) -> float | None:
@@ -243,17 +262,28 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from elastic.fleet.ray_connection import start_local_ray
+    from elastic.testing import forked_ray_workers
+    from elastic.testing.loopback import wait_for
 
     probe_dir = tempfile.mkdtemp(prefix="failure-probe-")
     os.environ["FAILURE_PROBE_DIR"] = probe_dir
+    # The rank processes fork from a server that imported torch once: each then holds about half
+    # the memory of one that imports it itself, and 64 of them fit 24 GB (they did not, before).
+    fork_socket = os.path.join(probe_dir, "fork.sock")
+    fork_server = forked_ray_workers.start_server(fork_socket, subprocess.DEVNULL,
+                                                  dict(os.environ, OMP_NUM_THREADS="1"))
+    wait_for(lambda: os.path.exists(fork_socket) or fork_server.poll() is not None, 120, "the fork server")
+    os.environ.update(forked_ray_workers.driver_env(fork_socket))
     ray.shutdown()
-    start_local_ray(num_cpus=max(sizes) + 2, log_to_driver=False, runtime_env={
-        "env_vars": {"FAILURE_PROBE_DIR": probe_dir,
-                     "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
-        "worker_process_setup_hook": "bench.failure_probe.install"})
     calls = DriverCalls()
     figures = {"group_ranks": args.shard, "step_s": args.step_s, "sizes": {}}
     try:
+        if fork_server.poll() is not None:
+            raise SystemExit(f"the fork server exited with {fork_server.returncode}")
+        start_local_ray(num_cpus=max(sizes) + 2, log_to_driver=False, runtime_env={
+            "env_vars": {"FAILURE_PROBE_DIR": probe_dir,
+                         "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
+            "worker_process_setup_hook": "bench.failure_probe.install"})
         for size in sizes:
             started = time.perf_counter()
             figures["sizes"][str(size)] = measured = measure(size, args.shard, args.step_s, args.steps, calls,
@@ -262,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         heal = heal_transport.measure(args.heal_dim, args.heal_layers, "cpu", repeats=3)
     finally:
         ray.shutdown()
+        fork_server.terminate()
+        fork_server.wait()
     medians = {road: statistics.median(seconds) for road, seconds in heal["seconds"].items()}
     figures["heal_bytes"] = heal["bytes"]
     figures["heal_speedup_vs_object_store"] = medians["object store"] / medians["rank to rank"]
@@ -272,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("ranks_stopped", lambda m: m["ranks_stopped"]),
                        ("groups_created_per_survivor", lambda m: m["groups_created_per_survivor"]["max"]),
                        ("survivor_recovery_cpu_s", lambda m: m["survivor_recovery_cpu_s"]),
+                       ("survivor_regroup_cpu_s", lambda m: m["survivor_regroups"].get("cpu_s_median", 0.0)),
+                       ("survivor_regroup_wall_s", lambda m: m["survivor_regroups"].get("wall_s_median", 0.0)),
                        ("object_store_bytes", lambda m: m["object_store_bytes"]),
                        ("driver_calls", lambda m: m["driver_calls"])):
         values = [read(figures["sizes"][str(size)]) for size in sizes]

@@ -9,6 +9,9 @@ event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
   gloo / NCCL group built directly, as the cross-group groups are);
 - ``object-store``: the bytes of a rank's state handed to Ray to carry (``export_state``,
   ``export_held``: the heal's and the memory tier's object-store roads);
+- ``regroup``: the rank entering a new build of the cross-group groups as a segment starts
+  (``StepTransaction.enter_replicas``), with its wall and CPU seconds (every thread's: the
+  rendezvous runs on one of its own) and the number of groups;
 - ``exit``: the process ending itself (the injected kill).
 
 Each line has the wall time ``t``, the process's CPU seconds so far (``cpu``: every thread)
@@ -86,6 +89,16 @@ def install() -> None:
         return outcome
 
     step_transaction.StepTransaction.step = stepped
+    enter_replicas = step_transaction.StepTransaction.enter_replicas
+
+    def regrouped(self, spec):
+        build, wall, cpu = self.world.replicas_build, time.perf_counter(), time.process_time()
+        enter_replicas(self, spec)
+        if self.world.replicas_build != build:
+            _write("regroup", groups=len(spec.groups), wall_s=time.perf_counter() - wall,
+                   cpu_s=time.process_time() - cpu)
+
+    step_transaction.StepTransaction.enter_replicas = regrouped
     exit_now = os._exit
 
     def exiting(code):

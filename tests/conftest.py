@@ -51,7 +51,7 @@ def end_detached_actors() -> None:
 def ray_head():
     """The one Ray instance of this lane's whole test run, on loopback (tests/ray_head.py). This
     process joins it, and so does every driver a test starts with ``driver_env()``; the
-    workers of both fork from the head's server (tests/forked_ray_workers.py)."""
+    workers of both fork from the head's server (elastic/testing/forked_ray_workers.py)."""
     set_test_credentials()  # before the head starts: its workers inherit them
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     head = RayHead(num_cpus=8)

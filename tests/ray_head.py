@@ -5,7 +5,7 @@ job API ``ray job submit`` talks to, only where a test submits jobs (tests/test_
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the
 machine, other users' included. ``add_node`` joins a further node to it, as a cluster grows.
-Beside it runs the server its jobs' workers fork from (tests/forked_ray_workers.py).
+Beside it runs the server its jobs' workers fork from (elastic/testing/forked_ray_workers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests import forked_ray_workers
+from elastic.testing import forked_ray_workers
 from elastic.testing.loopback import free_port
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -89,9 +89,7 @@ class RayHead:
         self.worker_python = str(Path(self.temp_dir) / "python")
         forked_ray_workers.write_worker_python(self.worker_python, str(self.fork_socket))
         with open(Path(self.temp_dir) / "fork-server.log", "w") as log:
-            self.fork_server = subprocess.Popen(
-                [sys.executable, forked_ray_workers.__file__, "serve", str(self.fork_socket)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.fork_server = forked_ray_workers.start_server(str(self.fork_socket), log, self.env)
         try:
             self.process = self._start_head(num_cpus, timeout)
         except BaseException:

@@ -1,4 +1,4 @@
-"""The launcher Ray starts for the test run's workers (tests/forked_ray_workers.py) stands
+"""The launcher Ray starts for the test run's workers (elastic/testing/forked_ray_workers.py) stands
 in for the worker it has forked: the worker gets the launcher's argv, environment, working
 directory and streams; the launcher exits as the worker did, passes signals on, and a
 launcher killed outright takes its worker with it. The head starts a job's workers that way

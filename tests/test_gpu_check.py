@@ -39,7 +39,7 @@ def gpu_check(out: Path, part: str, env: dict[str, str] | None = None) -> tuple[
 @pytest.mark.parametrize("part", [part if part in COMPUTING else pytest.param(part, marks=pytest.mark.waits)
                                   for part in PARTS])
 def test_the_part_runs_on_cpu_and_lands_in_the_table(ray_head, tmp_path, part):
-    # The part's Ray's workers fork from the test run's (tests/forked_ray_workers.py).
+    # The part's Ray's workers fork from the test run's (elastic/testing/forked_ray_workers.py).
     run, table = gpu_check(tmp_path, part, ray_head.forking_env())
     assert "failed (" not in table, table + run.stdout
     assert f"--only {part} " in table

@@ -3,23 +3,24 @@
 A rank actor's process spends about 3.3 of its 4 CPU-seconds of start-up importing torch,
 DTensor, DCP, ``torch._dynamo`` and the rank's code: over the suite's few hundred rank
 actors, about half the suite's CPU. The test run's head (``tests/ray_head.py``) starts a
-server that imports torch's part once, and its nodes' raylets start their workers with a
-``python`` that sends Ray's default worker through this file's launcher
+server that imports torch's part once (``start_server``), and its nodes' raylets start their
+workers with a ``python`` that sends Ray's default worker through this file's launcher
 (``write_worker_python``). So each worker of a job without a runtime env (the test run's own
 driver, and the CLI drivers a test joins to the head) is forked from that server, then runs
 Ray's own ``default_worker.py`` unchanged: Ray, the actors and the runs are all real, only
-the imports are shared. A driver that starts a Ray of its own (bench/gpu_check.py's parts)
-names the launcher as its job's ``py_executable`` through Ray's ``RAY_RUNTIME_ENV_HOOK``
-(``driver_env``). Jobs with a runtime env of their own (``ray job submit --working-dir``)
-and tests/test_listeners.py's local run keep Ray's plain start-up, so that path stays covered.
+the imports are shared. A driver that starts a Ray of its own (bench/gpu_check.py's parts,
+bench/failure_cost.py, whose 64 rank processes fit 24 GB only so) names the launcher as its
+job's ``py_executable`` through Ray's ``RAY_RUNTIME_ENV_HOOK`` (``driver_env``). Jobs with a
+runtime env of their own (``ray job submit --working-dir``) and tests/test_listeners.py's local
+run keep Ray's plain start-up, so that path stays covered.
 
 The launcher is what Ray starts and watches. It hands the server its argv, environment,
 working directory and standard streams, waits for the forked worker and exits with its
 status; signals it gets go to the worker, and if it is killed outright the worker follows
 (its lifeline pipe closes). The server runs no threads, so a fork copies no lock mid-use.
 
-    python -I -S tests/forked_ray_workers.py launch SOCKET default_worker.py ARGS...
-    python tests/forked_ray_workers.py serve SOCKET
+    python -I -S elastic/testing/forked_ray_workers.py launch SOCKET default_worker.py ARGS...
+    python elastic/testing/forked_ray_workers.py serve SOCKET
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 
 # The part of torch a rank imports on its way to its first step (elastic.testing.preload's:
@@ -41,7 +43,7 @@ RANK_MODULES = ("checkpointing.rank_io", "checkpointing.healing", "checkpointing
                 "workers.model_build", "workers.step_transaction", "workers.world")
 _FDS = 4  # stdin, stdout, stderr, the lifeline
 SOCKET = "ELASTIC_TEST_FORK_SOCKET"  # where a driver's runtime_env_hook finds the server
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def launch_command(socket_path: str) -> str:
@@ -60,6 +62,13 @@ def write_worker_python(path: str, socket_path: str) -> None:
     os.chmod(path, 0o700)
 
 
+def start_server(socket_path: str, log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The server at ``socket_path``, its output to ``log``; it listens once its imports are done
+    (a few seconds), and a launcher that comes earlier finds no socket."""
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", socket_path],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def runtime_env_hook(runtime_env: dict | None) -> dict:
     """Ray's ``RAY_RUNTIME_ENV_HOOK`` for a driver that starts a Ray of its own."""
     return {**(runtime_env or {}), "py_executable": launch_command(os.environ[SOCKET])}
@@ -68,8 +77,8 @@ def runtime_env_hook(runtime_env: dict | None) -> dict:
 def driver_env(socket_path: str) -> dict[str, str]:
     """What a driver process adds to its environment for its workers to fork from the server."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {"RAY_RUNTIME_ENV_HOOK": f"tests.forked_ray_workers.{runtime_env_hook.__name__}", SOCKET: socket_path,
-            "PYTHONPATH": path}
+    return {"RAY_RUNTIME_ENV_HOOK": f"elastic.testing.forked_ray_workers.{runtime_env_hook.__name__}",
+            SOCKET: socket_path, "PYTHONPATH": path}
 
 
 def _send(connection: socket.socket, payload: bytes, fds: list[int]) -> None:
