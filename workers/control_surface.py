@@ -104,6 +104,8 @@ class DriverSignals:
         self._pause_attempt = -1
         self._lock = threading.Lock()
         self._running = False  # the attempt begun last has not ended
+        self._waking = threading.Lock()  # not ``_lock``: ``during``'s action may request an abort
+        self._woken_at_abort: set[threading.Event] = set()
 
     def begin(self, attempt: int) -> None:
         with self._lock:
@@ -126,6 +128,9 @@ class DriverSignals:
     def request_abort(self, attempt: int) -> None:
         self._abort_attempt = attempt
         self._abort.set()
+        with self._waking:
+            for event in self._woken_at_abort:
+                event.set()
 
     def request_pause(self, attempt: int) -> None:
         self._pause_attempt = attempt
@@ -141,6 +146,17 @@ class DriverSignals:
     def wait(self, seconds: float) -> None:
         """Sleep up to ``seconds``, waking early at an abort."""
         self._abort.wait(seconds)
+
+    def wait_for(self, done: threading.Event, seconds: float) -> None:
+        """Sleep until ``done`` is set, an abort comes (or one is pending), or ``seconds`` pass."""
+        with self._waking:
+            self._woken_at_abort.add(done)
+        try:
+            if not self._abort.is_set():  # set after this, the abort sets ``done`` too
+                done.wait(seconds)
+        finally:
+            with self._waking:
+                self._woken_at_abort.discard(done)
 
 
 class FaultPlan(Protocol):
