@@ -220,8 +220,8 @@ def measure(ranks: int, shard: int, step_s: float, steps: int, calls: DriverCall
 
 def regroup_figures(regroups: list[dict]) -> dict:
     """The survivors' entries into a new build of the cross-group groups in the window: how many
-    per survivor, and the median and largest wall and CPU seconds of one (the rendezvous, every
-    peer connected)."""
+    (every survivor's), the groups' counts, and the median and largest wall and CPU seconds of one
+    (the rendezvous, every peer connected)."""
     if not regroups:
         return {"count": 0}
     return {"count": len(regroups), "groups": sorted({line["groups"] for line in regroups}),
@@ -273,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     fork_server = forked_ray_workers.start_server(fork_socket, subprocess.DEVNULL,
                                                   dict(os.environ, OMP_NUM_THREADS="1"))
     wait_for(lambda: os.path.exists(fork_socket) or fork_server.poll() is not None, 120, "the fork server")
+    if fork_server.poll() is not None:
+        raise SystemExit(f"the fork server exited with {fork_server.returncode}")
     os.environ.update(forked_ray_workers.driver_env(fork_socket))
     ray.shutdown()
     calls = DriverCalls()
     figures = {"group_ranks": args.shard, "step_s": args.step_s, "sizes": {}}
     try:
-        if fork_server.poll() is not None:
-            raise SystemExit(f"the fork server exited with {fork_server.returncode}")
         start_local_ray(num_cpus=max(sizes) + 2, log_to_driver=False, runtime_env={
             "env_vars": {"FAILURE_PROBE_DIR": probe_dir,
                          "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},

@@ -72,7 +72,7 @@ def test_a_key_without_the_runs_secret_is_not_the_attempts(rendezvous):
 
 
 def test_a_wait_for_a_signalled_end_sleeps_until_the_end_or_the_abort():
-    """``DriverSignals.wait_for``, a rank's wait on a host collective or a rendezvous: no polling
+    """``DriverSignals.wait_for``, a rank's wait on a rendezvous of the cross-group groups: no polling
     (a 1 ms poll spent 20-50 ms of CPU a second), woken by the end or by the attempt's abort,
     and not put to sleep by an abort already pending."""
     signals = DriverSignals()

@@ -104,10 +104,13 @@ SIGNALLED_RECHECK_S = 0.1
 
 
 class _Rendezvous:
-    """A replicate group's rendezvous (a future) waited for as a collective's work is."""
+    """A replicate group's rendezvous (a future) waited for as a collective's work is; its end
+    is signalled (``ended``, set on the rendezvous's own thread), so its wait need not poll."""
 
     def __init__(self, joining: Future):
         self.joining = joining
+        self.ended = threading.Event()
+        joining.add_done_callback(lambda _: self.ended.set())
 
     def is_completed(self) -> bool:
         return self.joining.done()
@@ -357,12 +360,12 @@ class StepTransaction:
         waiting on it would release nothing), and a completion signalled from gloo's worker
         thread runs Python there, under the GIL, between buckets (tried: the paced 4-rank step
         of ``bench/failure_cost.py`` took 0.85 s against 0.66 s polling, one run each).
-        A rendezvous's end is signalled (``_end_signal``) and the rank sleeps until it or an abort
+        A rendezvous's end is signalled (``_Rendezvous.ended``) and the rank sleeps until it or an abort
         comes: that wait lasts as long as the slowest replica takes to arrive, and a 1 ms poll
         cost a rank waiting 5 s for its replicas about 60 ms of CPU (``bench/failure_cost.py``).
         """
         rank = self.rank.global_rank
-        ended = self._end_signal(work)
+        ended = work.ended if isinstance(work, _Rendezvous) else None
         try:
             while not work.is_completed():
                 if self.signals.abort_requested():
@@ -381,16 +384,6 @@ class StepTransaction:
             raise
         except RuntimeError as error:
             raise CollectiveFailed(f"rank {rank}: cross-group collective failed: {error}") from error
-
-    @staticmethod
-    def _end_signal(work) -> threading.Event | None:
-        """An event set as a rendezvous ends (on the rendezvous's own thread); None for a
-        collective, whose end the wait polls."""
-        if not isinstance(work, _Rendezvous):
-            return None
-        ended = threading.Event()
-        work.joining.add_done_callback(lambda _: ended.set())
-        return ended
 
     def _apply(self, lr_scale: float, grad_scale: float) -> None:
         scale_gradients(self.model, grad_scale)
