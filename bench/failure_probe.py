@@ -3,6 +3,8 @@
 changing them, the calls that show a recovery's cost on a rank, and appends one JSON line per
 event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
 
+- ``step``: a step the rank took (``StepTransaction.step``), committed or not, with the CPU
+  seconds of the call (every thread's);
 - ``commit``: a step the rank applied (``StepTransaction.step`` returned ``Committed``), with
   each group's share of its samples;
 - ``process-group``: a process group created (``init_process_group``, ``new_group``, or a
@@ -82,7 +84,9 @@ def install() -> None:
     step = step_transaction.StepTransaction.step
 
     def stepped(self, spec, share, *args, **kwargs):
+        cpu = time.process_time()
         outcome = step(self, spec, share, *args, **kwargs)
+        _write("step", cpu_s=time.process_time() - cpu)
         if isinstance(outcome, step_contributions.Committed):
             _write("commit", step=outcome.record.step, group=outcome.record.group,
                    group_samples={str(group): samples for group, samples in outcome.record.group_samples.items()})

@@ -3,7 +3,8 @@ groups and no Ray: four processes on a loopback store, a live group of two ranks
 shard 2) and a joining group of the same shape. The joining ranks' states land at different
 steps, so one of them holds the state while its group peer still waits for its own: the group
 must idle on together (its FSDP2 collectives are the whole group's) until every joining rank
-has caught up, and then hold the live group's state bit for bit."""
+has caught up, and then hold the live group's state bit for bit. The copy goes over the replicate
+group (``World.copy_pair``), beside the steps' sums on it, and creates no process group."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from workers.world import World
 
 STEPS = 3
 LANDS_AFTER = {2: 0, 3: 1}  # joining rank -> the step after whose commit its state lands
+GROUPS = (0, 1)  # the replicate group's, in replica order
 
 
 def catching_up(rank: int, port: int) -> dict:
@@ -47,11 +49,13 @@ def catching_up(rank: int, port: int) -> dict:
     # the joining group's weights are not the live one's
     transaction, _ = new_transaction(spec, world, fsdp=True, model_seed=MODEL_SEED + group, adam=True)
     copying = ThreadPoolExecutor(max_workers=1)
+    source, target = (rank, rank + 2) if group == 0 else (rank - 2, rank)
+    pair = world.copy_pair("catch-up-test", source, target, GROUPS)
     if group == 0:
         state = {**export_local_state(transaction.model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
-        copying.submit(lambda: send_state([world.heal_pair("catch-up-test", rank, rank + 2)], state))
+        copying.submit(lambda: send_state([pair], state))
     else:
-        received = copying.submit(lambda: receive_state(world.heal_pair("catch-up-test", rank - 2, rank)))
+        received = copying.submit(lambda: receive_state(pair))
         arriving = Future()
         transaction.joining.begin(CatchingUp(arriving, source=rank - 2))
     caught_up, idle = [], []
@@ -66,6 +70,7 @@ def catching_up(rank: int, port: int) -> dict:
             arriving.set_result((received.result(TIMEOUT_S), 0, 0.0))
     copying.shutdown()
     return {"caught_up": caught_up, "idle": idle, "receipt": transaction.joining.take_receipt(),
+            "copied_over": (pair.group is world.replicate_group, pair.ranks),
             "state": export_local_state(transaction.model, transaction.optimizer)}
 
 
@@ -80,6 +85,7 @@ def test_a_joining_group_idles_together_until_every_rank_caught_up_then_holds_th
     assert all(rank["caught_up"] == [False, False, True] for rank in ranks)
     assert [rank["idle"] for rank in ranks[2:]] == [[True, True, False]] * 2  # rank 2 idled on in step 2
     assert [rank["receipt"].caught_up_steps for rank in ranks[2:]] == [1, 2]
+    assert all(rank["copied_over"] == (True, (0, 1)) for rank in ranks)  # no group of the copy's own
     for joined, live in ((ranks[2], ranks[0]), (ranks[3], ranks[1])):
         for got, expected in zip(joined["state"]["model"], live["state"]["model"]):
             assert torch.equal(got, expected)

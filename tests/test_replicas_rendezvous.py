@@ -3,7 +3,8 @@ with no call of the driver's: two processes on a loopback store, two groups of o
 rendezvous whose replica never comes ends at the driver's abort or at the step's deadline,
 as a cross-group wait does (the rank is a victim, not a culprit), and leaves the rank free
 to enter the next build with its replica. A rank whose step failed closes its connections
-as it leaves (``World.fail_replicas``), so its replica's wait ends at once."""
+as it leaves (``World.fail_replicas``), so its replica's wait ends at once. A rebuild reuses the
+store connection of the last rendezvous that ended, not one a rendezvous given up still waits on."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def entering(rank: int, port: int) -> dict:
     transaction.enter_replicas(replace(segment_spec(), replicas_build=1))
     found["replica_rank"] = world.replica_rank
     entered = world.replicate_group
+    first_connection = world._replicas_store
     transaction.enter_replicas(replace(segment_spec(), replicas_build=1))  # already in it: nothing rebuilt
     found["kept_its_group"] = world.replicate_group is entered
     result = take_step(transaction, 0, rank_batches(rank, 0))
@@ -59,6 +61,7 @@ def entering(rank: int, port: int) -> dict:
         found["left"] = (world.replicas_build, world.replicate_group)
         signals.begin(RUN)
     transaction.enter_replicas(replace(segment_spec(), replicas_build=4))
+    found["reconnected"] = world._replicas_store is not first_connection
     result = take_step(transaction, 1, rank_batches(rank, 1))
     found["after_loss"] = result.outcome.record.loss if isinstance(result.outcome, Committed) else result.raised
     # rank 1's step fails before its cross-group sum, and it leaves as a failed rank does
@@ -115,3 +118,10 @@ def test_a_failed_ranks_closed_connections_end_its_replicas_wait_at_once_not_at_
     assert ranks[1]["failed"][0] == "CollectiveFailed"
     raised, waited = ranks[0]["failed"]
     assert raised == "CollectiveFailed" and waited < TIMEOUT_S / 4
+
+
+def test_a_rebuild_reuses_the_connection_its_last_rendezvous_ended_with_not_one_given_up(ranks):
+    """Every rank rebuilds at once, and a new connection costs the store's server an accept and
+    c10d a reverse lookup of the address it logs (5 s where the resolver drops a burst)."""
+    assert ranks[1]["reconnected"] is False  # build 4 on build 1's connection
+    assert ranks[0]["reconnected"] is True  # builds 2 and 3 were given up, still waiting on theirs

@@ -10,8 +10,9 @@ routed) instead of applying it to the state it does not hold yet. Once the state
 segment's first step has landed, it loads it and applies the kept updates in order, with the
 same operations every replica applied them with, so its state is theirs bit for bit.
 
-The copy itself is ``workers.state_transfer``'s, on a pair group of its own: the source sends
-a host copy of its committed state taken as the segment began, so its own steps go on.
+The copy itself is ``workers.state_transfer``'s, over the segment's replicate group, which holds
+both ends already (``World.copy_pair``): the source sends a host copy of its committed state
+taken as the segment began, so its own steps go on.
 """
 
 from __future__ import annotations
@@ -81,22 +82,23 @@ class CatchingUp:
         return HealReceipt(self.source, nbytes, seconds, len(self.kept))
 
 
-def begin_copies(pool: ThreadPoolExecutor, catch_up: CatchUp, name: str, rank: int, world: World,
+def begin_copies(pool: ThreadPoolExecutor, catch_up: CatchUp, name: str, rank: int, world: World, groups: tuple[int, ...],
                  committed_state: Callable[[], dict], nbytes: Callable[[dict], int]) -> CatchingUp | None:
-    """A segment's copies on ``pool``'s threads, named ``name``: a source sends a host copy of
-    its committed state (``committed_state``, taken now) to its joining ranks; a joining rank
-    receives its own, and gets its catch-up (None for any other rank)."""
+    """A segment's copies on ``pool``'s threads, named ``name``, over the replicate group of the
+    segment's ``groups``: a source sends a host copy of its committed state
+    (``committed_state``, taken now) to its joining ranks; a joining rank receives its own, and
+    gets its catch-up (None for any other rank)."""
     targets = catch_up.targets_of(rank)
     if targets:
         state = committed_state()
-        pool.submit(lambda: send_state([world.heal_pair(name, rank, target) for target in targets], state))
+        pool.submit(lambda: send_state([world.copy_pair(name, rank, target, groups) for target in targets], state))
     if rank not in catch_up.sources:
         return None
     source = catch_up.sources[rank]
 
     def receive() -> tuple[dict, int, float]:
         started = time.perf_counter()
-        state = receive_state(world.heal_pair(name, source, rank))
+        state = receive_state(world.copy_pair(name, source, rank, groups))
         return state, nbytes(state), time.perf_counter() - started
 
     return CatchingUp(pool.submit(receive), source)

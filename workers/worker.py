@@ -222,7 +222,7 @@ class RankWorker:
             if spec.catch_up is not None:
                 self.transaction.joining.begin(begin_copies(
                     self.copies, spec.catch_up, f"catch-up{spec.attempt}", self.spec.global_rank, self.world,
-                    self._host_state, state_bytes))
+                    spec.groups, self._host_state, state_bytes))
             yield from self._steps(spec, faults)
         finally:
             self.signals.end()

@@ -10,7 +10,8 @@ down and rebuilt when membership changes without touching the group's own world;
 is the build number the driver gives each rebuild (``SegmentSpec.replicas_build``), and every
 rank of a segment enters that build's groups as the segment starts, over the segment's groups. A
 heal's source and target ranks build a pair group the same way, for the one copy
-(``heal_pair``, ``workers.state_transfer``).
+(``heal_pair``, ``workers.state_transfer``); a catch-up's copy goes over the segment's
+replicate group instead, which holds both already (``copy_pair``).
 
 A group whose step failed is rebuilt, and its ranks that still wait on a peer that left the
 step (a pipeline stage's receive, a TP or FSDP collective, the vote) are freed by closing the
@@ -79,6 +80,11 @@ class World:
         self.replica_rank = 0
         self.replicas_build: int | None = None  # the cross-group groups' build the rank is in
         self._replicas_store = None  # the replicate group's own connection to the store
+        # The connection of the last rendezvous that ended, free for the next: opening one
+        # costs the store's server an accept and c10d a reverse lookup of the address it
+        # logs, and every rank opens it at once, at every regroup. Gloo only: an NCCL group
+        # reads its store at its first collective, which a failure can leave blocked.
+        self._spare_store = None
         # Gloo process groups given up with work in flight: gloo cannot abort a collective
         # and destroying one would block until it times out, so they are kept until the
         # process ends. NCCL groups are aborted instead. (Gloo also carries CUDA tensors, where
@@ -146,6 +152,7 @@ class World:
                 self.replicate_group.abort()
             else:
                 self._abandoned.extend((self.replicate_group, self._replicas_store))
+                self._spare_store = self._replicas_store
         self.replicate_group = self._replicas_store = None
 
     def joining_replicas(self, build: int, replica_rank: int, replica_size: int) -> Future:
@@ -162,12 +169,14 @@ class World:
             joining.set_result(None)
             return joining
         position = ".".join(map(str, self.rank.position))
+        spare, self._spare_store = self._spare_store, None
 
         def rendezvous() -> None:
             try:
                 # A connection of its own: a rendezvous given up still blocks its connection
-                # in a wait until the timeout, which would hold up every other use of a shared one.
-                connection = connect_store(self.rank)
+                # in a wait until the timeout, which would hold up every other use of a shared
+                # one (and it is not passed on: only a group it formed gives it back).
+                connection = spare or connect_store(self.rank)
                 store = dist.PrefixStore(f"replicas{build}/replicate{position}/", connection)
                 if self.rank.nccl:
                     options = dist.ProcessGroupNCCL.Options()
@@ -199,6 +208,34 @@ class World:
 
     def heal_pair(self, copy: str, source: int, target: int) -> dist.ProcessGroupGloo:
         return heal_pair(self.store, copy, source, target, self.rank.global_rank == target, self.timeout)
+
+    def copy_pair(self, copy: str, source: int, target: int, groups: tuple[int, ...]):
+        """The pair the copy named ``copy`` goes over, from global rank ``source`` into ``target``
+        (both at this rank's position): the replicate group of the segment's ``groups`` (its
+        replica order), which holds both, so the copy costs no process group of its own; a
+        pair group of its own where that group is NCCL's, as the copy's tensors are host ones.
+
+        The copy's buckets then share the pair's connection with the ring's: a step's sum
+        between the two waits behind at most the buckets in flight."""
+        if self.replicate_group is None or self.rank.nccl:
+            return self.heal_pair(copy, source, target)
+        replica = [groups.index(self.rank.layout.group_of(rank)) for rank in (source, target)]
+        return PairInGroup(self.replicate_group, *replica)
+
+
+class PairInGroup:
+    """Two ranks of a gloo group addressed as a pair group's (the source 0, the target 1), as
+    ``workers.state_transfer`` sends and receives."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, source: int, target: int):
+        self.group = group
+        self.ranks = (source, target)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
+        return self.group.send(tensors, self.ranks[dst], tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int):
+        return self.group.recv(tensors, self.ranks[src], tag)
 
 
 def connect_store(rank: RankSpec) -> KeyedStore:
