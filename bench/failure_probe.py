@@ -3,8 +3,8 @@
 changing them, the calls that show a recovery's cost on a rank, and appends one JSON line per
 event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
 
-- ``step``: a step the rank took (``StepTransaction.step``), committed or not, with the CPU
-  seconds of the call (every thread's);
+- ``step``: a step the rank took (``StepTransaction.step``), committed, discarded or failed,
+  with the CPU seconds of the call (every thread's);
 - ``commit``: a step the rank applied (``StepTransaction.step`` returned ``Committed``), with
   each group's share of its samples;
 - ``process-group``: a process group created (``init_process_group``, ``new_group``, or a
@@ -14,6 +14,8 @@ event to ``$FAILURE_PROBE_DIR/<pid>.jsonl``:
 - ``regroup``: the rank entering a new build of the cross-group groups as a segment starts
   (``StepTransaction.enter_replicas``), with its wall and CPU seconds (every thread's: the
   rendezvous runs on one of its own) and the number of groups;
+- ``handoff``: the rank's wait for the driver's next word after a segment ended
+  (``SegmentHandoff.next_spec``), with its wall and CPU seconds;
 - ``exit``: the process ending itself (the injected kill).
 
 Each line has the wall time ``t``, the process's CPU seconds so far (``cpu``: every thread)
@@ -61,7 +63,7 @@ def install() -> None:
     """Ray's ``worker_process_setup_hook``: runs in each worker before it takes an actor."""
     import torch.distributed as dist
 
-    from workers import step_contributions, step_transaction, worker
+    from workers import segment_handoff, step_contributions, step_transaction, worker
 
     for name in ("init_process_group", "new_group"):
         setattr(dist, name, _counting(getattr(dist, name), "process-group", how=name))
@@ -85,8 +87,10 @@ def install() -> None:
 
     def stepped(self, spec, share, *args, **kwargs):
         cpu = time.process_time()
-        outcome = step(self, spec, share, *args, **kwargs)
-        _write("step", cpu_s=time.process_time() - cpu)
+        try:
+            outcome = step(self, spec, share, *args, **kwargs)
+        finally:  # a failed step raises: its work is the step's too
+            _write("step", cpu_s=time.process_time() - cpu)
         if isinstance(outcome, step_contributions.Committed):
             _write("commit", step=outcome.record.step, group=outcome.record.group,
                    group_samples={str(group): samples for group, samples in outcome.record.group_samples.items()})
@@ -103,6 +107,16 @@ def install() -> None:
                    cpu_s=time.process_time() - cpu)
 
     step_transaction.StepTransaction.enter_replicas = regrouped
+    next_spec = segment_handoff.SegmentHandoff.next_spec
+
+    def handed_on(self, *args, **kwargs):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return next_spec(self, *args, **kwargs)
+        finally:
+            _write("handoff", wall_s=time.perf_counter() - wall, cpu_s=time.process_time() - cpu)
+
+    segment_handoff.SegmentHandoff.next_spec = handed_on
     exit_now = os._exit
 
     def exiting(code):
