@@ -139,7 +139,8 @@ def test_with_two_groups_a_flipped_bit_rolls_both_back_to_a_verified_state(ray_c
 def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_memory(ray_cluster, tmp_path):
     """The bit flips in group 0 as step 4 begins; steps 4 and 5 sum its gradients into every
     group, and the check at step 6 finds it. Every rank holds its copy of step 3, the last
-    verified: all three groups go back to it, and the losses are the clean run's."""
+    verified: every group goes back to it before it takes samples again, and the losses are
+    the clean run's."""
     steps = 9
     config = tiny_config(tmp_path, groups=3, shard=1, steps=steps, integrity__every=3, checkpoint__memory_every=3,
                          fault_tolerance__inject="flip:rank=0,step=4", **FAST_DETECTION)
@@ -150,9 +151,13 @@ def test_a_flip_between_checks_rolls_every_group_back_to_the_verified_copy_in_me
     assert (found["step"], found["suspects"], found["majority"]) == (6, [0], [1, 2])
     [restored] = [event for event in summary["events"] if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
     assert (restored["step"], restored["rolled_back_steps"]) == (3, 3)
-    # the groups ready first restore it; one built later heals from them
+    # the groups ready first restore it; one built later heals from them, or is still out at the
+    # run's end (on a loaded machine its build can outlast the six steps left): no group takes
+    # samples without the verified state
     healed = {event["group"] for event in summary["events"] if event["kind"] == EventKind.GROUP_HEALED}
-    assert set(restored["groups"]) | healed == {0, 1, 2}
+    trained = {int(group) for record in summary["steps"][restored["step"]:]
+               for group, samples in record["group_samples"].items() if samples}
+    assert restored["groups"] and trained <= set(restored["groups"]) | healed, (trained, restored["groups"], healed)
     assert [record["step"] for record in summary["steps"]] == list(range(steps))  # the history after the rollback
     reference, _ = reference_run(config, steps)
     assert max_relative_difference(result.losses, reference) <= 1e-5
