@@ -23,6 +23,7 @@ from elastic.driver.recovery_timing import RECOVERY_PARTS
 from elastic.core.data_plan import PADDING_INDEX, epoch_order, rank_share
 from elastic.core.events import EventKind, EventLog, console_line
 from elastic.core.goodput import TimeLedger
+from elastic.core.protocol import BuildOutcome
 from elastic.core.topology import Topology
 from elastic.fleet.api import CallFailed, RanksLost
 from tests.fake_fleet import STATE_BYTES, CollectiveError, FakeClock, FakeFleet, Flip, Hang, Kill
@@ -177,6 +178,29 @@ def test_a_group_joining_while_the_other_steps_catches_up_with_no_copy_at_the_bo
     [healed] = scenario.kinds(EventKind.GROUP_HEALED)
     assert (healed["group"], healed["source_group"], healed["caught_up_steps"]) == (0, 1, 0)
     assert healed["rank_to_rank_bytes"] == 2 * STATE_BYTES and healed["object_store_bytes"] == 0
+    assert scenario.committed_steps() == list(range(12))
+
+
+def test_a_group_whose_state_copies_in_a_moment_heals_at_the_boundary_from_its_first_join(tmp_path):
+    # the built ranks report 1 MB of parameters: the first copy is foreseen at milliseconds,
+    # and a catch-up would cost the live group the joining group's samples for a whole step
+    scenario = Scenario(tmp_path, groups=2, shard=2)
+    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    build = scenario.fleet.build
+
+    def build_reporting(ranks, world_build):
+        pending = build(ranks, world_build)
+        for rank, call in pending.refs.items():
+            call.result = BuildOutcome(rank, 0.1, "node-0", parameter_bytes=10**6)
+        return pending
+
+    scenario.fleet.build = build_reporting
+    assert scenario.run() == "completed"
+
+    assert all(next(iter(specs.values())).catch_up is None for specs in scenario.fleet.segments)
+    [healed] = scenario.kinds(EventKind.GROUP_HEALED)
+    assert (healed["group"], healed.get("overlapped", False)) == (0, False)
+    assert scenario.fleet.copies == [(2, 0), (3, 1)]
     assert scenario.committed_steps() == list(range(12))
 
 

@@ -38,6 +38,11 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """The bytes of the rank's parameters (its shards of them)."""
+    return sum(_local(param).nbytes for param in model.parameters())
+
+
 def committed_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """The committed state's local tensors by name (what is staged), and the optimizer's
     state dict they come from."""

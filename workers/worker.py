@@ -48,7 +48,7 @@ from elastic.core.protocol import (
 from elastic.core.segment_loop import RankSegmentLoop, memory_snapshot_due
 from workers.failures import describe_failure, failure_outcome, raised_in_collective
 from workers.fault_injection import InjectedFaults
-from workers.memory_tier import MemoryTier, from_wire, state_bytes
+from workers.memory_tier import MemoryTier, from_wire, parameter_bytes, state_bytes
 from workers.pipeline import stage_model
 from workers.rank_spec import RankSpec
 from workers.catch_up import begin_copies
@@ -195,7 +195,8 @@ class RankWorker:
         self.feed = StepFeed(spec, self.hooks, self.loader)
         torch.manual_seed(rng.training_seed(spec.seed, spec.shard_index, stage=spec.pp_index))
         self.activity.count_entries_of(self.model)
-        return BuildOutcome(spec.global_rank, time.perf_counter() - started, ray_node_ip())
+        return BuildOutcome(spec.global_rank, time.perf_counter() - started, ray_node_ip(),
+                            parameter_bytes=parameter_bytes(self.model))
 
     # the segment: steps the ranks take on their own
 

@@ -21,13 +21,34 @@ def segment_boundary(step: int, steps: int, every: tuple[int, ...], fault_step: 
     return max(step + 1, min(stops))
 
 
+# A rank's committed state per byte of its parameters: the parameters and an Adam's two moments
+# of them (the product's own count: ``elastic.setup.memory_estimate.host_memory_per_rank``).
+STATE_PER_PARAMETER_BYTE = 3
+# A copy's speed before the run has timed one of its own: the slowest rank-to-rank copy measured
+# (``bench/heal_transport.py`` on a 2-core machine, 0.31 GB in 1.25 s). Slow on purpose: a large
+# state is then foreseen long and catches up, and a small one still heals in a moment.
+FIRST_COPY_BYTES_PER_S = 0.25e9
+
+
+def expected_copy_s(copy_s: float | None, parameter_bytes: int) -> float | None:
+    """How long a heal's copy is expected to take: the run's last copy's ``copy_s``, else,
+    before it has one, the copy of the state of a rank with ``parameter_bytes`` of parameters
+    at ``FIRST_COPY_BYTES_PER_S``; None when neither is known."""
+    if copy_s is not None:
+        return copy_s
+    if parameter_bytes <= 0:
+        return None
+    return STATE_PER_PARAMETER_BYTE * parameter_bytes / FIRST_COPY_BYTES_PER_S
+
+
 def catch_up_pays(copy_s: float | None, step_s: float, live: int, joining: int) -> bool:
     """Whether groups joining take the state while the live groups step (``CatchUp``) rather
     than at the boundary, every group waiting. Waiting costs the whole job the copy's
     ``copy_s``; catching up costs it the joining groups' share of the step rate for the whole
     steps the copy lasts (one at least: the live groups take their samples). ``copy_s``: how
-    long the run's last copy took, None before it has one (the catch-up then, which is what
-    a large state needs); ``step_s``: a typical step, 0 before one is timed."""
+    long the copy is expected to take (``expected_copy_s``), None when nothing is known of it
+    (the catch-up then, which is what a large state needs); ``step_s``: a typical step, 0
+    before one is timed."""
     if copy_s is None or step_s <= 0:
         return True
     steps = max(1, math.ceil(copy_s / step_s))

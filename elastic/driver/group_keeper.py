@@ -137,7 +137,10 @@ class GroupKeeper:
             self.stage_since[group] = self.clock()
         if self.membership.stage_of(group) is GroupStage.BUILDING and self.fleet.done(self.joining_calls[group]):
             built = self.fleet.results(self.joining_calls.pop(group))
-            self.node_of.update({rank: report.node_ip for rank, report in built.items() if report is not None})
+            for rank, report in built.items():
+                if report is not None:
+                    self.node_of[rank] = report.node_ip
+                    self.state_sources.built(report.parameter_bytes)
             self.membership.apply(group, Built())
             build_s = self.clock() - self.stage_since.pop(group)
             self.timing.longest("build_s", build_s)
@@ -169,7 +172,7 @@ class GroupKeeper:
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
         overlap_heal = (overlap_heal and not self.scaling.below_minimum(len(live))
-                        and catch_up_pays(self.state_sources.copy_s, step_s, len(live), len(ready)))
+                        and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
         try:
             self.state_sources.load(ready, live, overlap_heal)
         except FleetError:

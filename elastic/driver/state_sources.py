@@ -29,6 +29,7 @@ from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind
 from elastic.core.loss_scale import restored_loss_scale
 from elastic.core.memory_tier import plan_memory_restore
+from elastic.core.policies import expected_copy_s
 from elastic.core.protocol import CatchUp, HealReceipt
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.driver.run_context import RunContext
@@ -53,6 +54,15 @@ class StateSources:
         self.catching_up: CatchUp | None = None  # handed to the segment in flight, until its end
         self.heal_at_boundary: set[int] = set()  # groups whose catch-up failed: healed at the boundary next
         self.copy_s: float | None = None  # how long the run's last copy from a peer took
+        self.parameter_bytes = 0  # the most a rank built holds: its copy's size foreseen before one is timed
+
+    def built(self, parameter_bytes: int) -> None:
+        """A rank was built holding ``parameter_bytes`` of parameters."""
+        self.parameter_bytes = max(self.parameter_bytes, parameter_bytes)
+
+    def expected_copy_s(self) -> float | None:
+        """How long the next copy from a peer is expected to take (``policies.expected_copy_s``)."""
+        return expected_copy_s(self.copy_s, self.parameter_bytes)
 
     def load(self, groups: list[int], live: tuple[int, ...], overlap: bool = False) -> None:
         """Give ``groups``, on their way into the quorum, the run's state (nothing to give
