@@ -97,7 +97,9 @@ def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[st
     healed, joined = first(EventKind.GROUP_HEALED, group=group), first(EventKind.GROUP_JOINED, group=group)
     if not (failed and built and joined):
         return {}
-    if healed and healed.get("overlapped"):  # caught up while every group stepped: no wait for the copy
+    # caught up while every group stepped, or taken in the first step after the join: no wait
+    # for the copy before the group is in
+    if healed and (healed.get("overlapped") or healed.get("before_first_step")):
         healed = None
     heal_s = healed["seconds"] if healed else 0.0
     heal_started = (healed["t"] - heal_s) if healed else joined["t"]

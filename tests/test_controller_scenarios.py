@@ -181,12 +181,16 @@ def test_a_group_joining_while_the_other_steps_catches_up_with_no_copy_at_the_bo
     assert scenario.committed_steps() == list(range(12))
 
 
-def test_a_group_whose_state_copies_in_a_moment_heals_at_the_boundary_from_its_first_join(tmp_path):
-    # the built ranks report 1 MB of parameters: the first copy is foreseen at milliseconds,
-    # and a catch-up would cost the live group the joining group's samples for a whole step
+def test_a_group_whose_state_copies_in_a_moment_takes_it_before_the_first_step_from_its_first_join(tmp_path):
+    # the built ranks report 1 MB of parameters: the first copy is foreseen at milliseconds, and
+    # a catch-up would cost the live group the joining group's samples for a whole step; the
+    # copy goes over the next segment's replicate group all the same, before its first step
     scenario = Scenario(tmp_path, groups=2, shard=2)
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
     build = scenario.fleet.build
+    calls = []
+    copy_state = scenario.fleet.copy_state
+    scenario.fleet.copy_state = lambda pairs: calls.append(pairs) or copy_state(pairs)
 
     def build_reporting(ranks, world_build):
         pending = build(ranks, world_build)
@@ -197,10 +201,16 @@ def test_a_group_whose_state_copies_in_a_moment_heals_at_the_boundary_from_its_f
     scenario.fleet.build = build_reporting
     assert scenario.run() == "completed"
 
-    assert all(next(iter(specs.values())).catch_up is None for specs in scenario.fleet.segments)
+    assert calls == []  # no copy at the boundary, over a pair group of its own
+    [joining] = [specs for specs in scenario.fleet.segments if next(iter(specs.values())).catch_up is not None]
+    spec = next(iter(joining.values()))
+    assert spec.catch_up.sources == {0: 2, 1: 3} and spec.catch_up.groups == {0} and spec.catch_up.before_first_step
+    samples = {record.step: record.group_samples for record in scenario.controller.history.step_results}
+    batch = spec.global_batch
+    assert samples[spec.first_step] == {0: batch // 2, 1: batch // 2}  # its share from the first step
     [healed] = scenario.kinds(EventKind.GROUP_HEALED)
-    assert (healed["group"], healed.get("overlapped", False)) == (0, False)
-    assert scenario.fleet.copies == [(2, 0), (3, 1)]
+    assert (healed["group"], healed["overlapped"], healed["before_first_step"]) == (0, False, True)
+    assert healed["caught_up_at"] == spec.first_step
     assert scenario.committed_steps() == list(range(12))
 
 

@@ -48,6 +48,8 @@ def test_a_death_mid_step_leaves_the_computing_groups_live(ray_cluster, tmp_path
     assert not [e for e in events if e["kind"] == EventKind.RESTORED_FROM_CHECKPOINT]
     healed = [e for e in events if e["kind"] == EventKind.GROUP_HEALED]
     assert [(e["group"], e["source_group"]) for e in healed] == [(1, 0)]
+    # a state copied in a moment: taken over the next segment's replicate group before its first step
+    assert healed[0]["before_first_step"] and not healed[0]["overlapped"], healed
     # rank to rank: nothing went through the object store
     assert healed[0]["rank_to_rank_bytes"] > 0 and healed[0]["object_store_bytes"] == 0, healed
     assert not [e for e in events if e["kind"] == EventKind.HEAL_FALLBACK]

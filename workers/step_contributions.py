@@ -394,20 +394,28 @@ class JoiningRank(Contribution):
         self._write_gradients(update.gradients)
         return True
 
+    def take_state_now(self, timeout: float) -> None:
+        """Load the state before the segment's first step (``CatchUp.before_first_step``), waiting
+        for it at most ``timeout``, and take a share from that step on. Raises what the copy
+        raised; the rank then holds no state."""
+        self.idle = False
+        self.catch_up(timeout)
+
     def finish(self) -> None:
         """The segment's end: a rank still catching up waits for its state and applies what it
         kept (raises what the copy raised); none idles on."""
         self.idle = False
         self.catch_up()
 
-    def catch_up(self) -> None:
+    def catch_up(self, timeout: float | None = None) -> None:
         """Load the state of the segment's first step and apply the kept updates in order, as
         every replica applied them (at the segment's end, for a rank still catching up: it waits
-        for its state). Raises what the copy raised; the rank then holds no state."""
+        for its state). Raises what the copy raised, or ``HealFailed`` after ``timeout``; the
+        rank then holds no state."""
         catching_up, self.catching_up = self.catching_up, None
         if catching_up is None:
             return
-        state, nbytes, seconds = catching_up.state()
+        state, nbytes, seconds = catching_up.state(timeout)
         import_local_state(self.model, self.optimizer, state)
         rng.restore(state["rng"])
         for kept in catching_up.kept:

@@ -224,6 +224,12 @@ class RankWorker:
                 self.transaction.joining.begin(begin_copies(
                     self.copies, spec.catch_up, f"catch-up{spec.attempt}", self.spec.global_rank, self.world,
                     spec.groups, self._host_state, state_bytes))
+                if spec.catch_up.before_first_step and not self.transaction.joining.holds_state:
+                    try:
+                        self.transaction.joining.take_state_now(spec.deadline_s)
+                    except Exception as error:  # the copy failed: the rank holds no state
+                        yield self._end(spec.first_step, self._failed(spec.first_step, error))
+                        return
             yield from self._steps(spec, faults)
         finally:
             self.signals.end()

@@ -47,10 +47,17 @@ class CatchUp:
     holds it, the joining groups take no samples: they sum zeros with the others and keep each
     committed step's summed update, then load the state and apply those updates in order
     (``workers.catch_up``). The groups learn in a step's vote that every rank has caught up;
-    from the next step on the joining groups take their shares."""
+    from the next step on the joining groups take their shares.
+
+    ``before_first_step``: the copy is expected to be shorter than the joining groups' share of
+    a step (``policies.catch_up_pays`` says it does not pay): each joining rank loads the state
+    before the segment's first step and takes its share from it, and the other groups wait for
+    it there, in that step's cross-group sum. The copy still goes over the segment's replicate
+    group, so no rank makes a process group of its own for it."""
 
     sources: dict[int, int]  # joining global rank -> the global rank that sends it the state
     groups: frozenset[int]  # the joining groups
+    before_first_step: bool = False
 
     def targets_of(self, source: int) -> list[int]:
         return sorted(target for target, sent_by in self.sources.items() if sent_by == source)

@@ -61,7 +61,8 @@ class RankSegmentLoop:
         self.sent_in = -1  # the records interval last sent in (by its steps' starts), counted from the segment's start
         self.step_interval = 0  # the records interval the step in progress started in
         self.records: list[StepRecord] = []
-        self.caught_up = spec.catch_up is None  # every joining rank holds the state, as the votes said
+        # every joining rank holds the state, as the votes said (or before the first step)
+        self.caught_up = spec.catch_up is None or spec.catch_up.before_first_step
 
     def planning(self) -> SegmentSpec:
         """The spec the rank plans its next step's share from."""

@@ -164,17 +164,18 @@ class GroupKeeper:
 
     def join_ready_groups(self, overlap_heal: bool = False, step_s: float = 0.0) -> bool:
         """Join the groups built; ``overlap_heal``: the run steps next (a typical step of
-        ``step_s``), so they may take the state while it does (``state_sources``)."""
+        ``step_s``), so they take the state over its replicate group, while it steps where that
+        pays (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
         if not ready:
             return False
         live = self.membership.live_groups()
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
-        overlap_heal = (overlap_heal and not self.scaling.below_minimum(len(live))
-                        and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
+        catch_up = (overlap_heal and not self.scaling.below_minimum(len(live))
+                    and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
         try:
-            self.state_sources.load(ready, live, overlap_heal)
+            self.state_sources.load(ready, live, steps_next=overlap_heal, overlap=catch_up)
         except FleetError:
             for group in ready:  # what they hold now is unknown: build them afresh
                 self.membership.apply(group, Broken())

@@ -64,25 +64,29 @@ class StateSources:
         """How long the next copy from a peer is expected to take (``policies.expected_copy_s``)."""
         return expected_copy_s(self.copy_s, self.parameter_bytes)
 
-    def load(self, groups: list[int], live: tuple[int, ...], overlap: bool = False) -> None:
+    def load(self, groups: list[int], live: tuple[int, ...], steps_next: bool = False,
+             overlap: bool = False) -> None:
         """Give ``groups``, on their way into the quorum, the run's state (nothing to give
         before the first committed step: every group built holds the initial state).
-        ``overlap``: the run steps next, so they may catch up while it does."""
+        ``steps_next``: the run steps next, so they take it over the next segment's replicate
+        group; ``overlap``: while it steps (the catch-up), else before its first step."""
         if self.history.has_state:
-            if live and overlap and not self.heal_at_boundary & set(groups):
-                self._catch_up(groups, live[0])
+            if live and steps_next and not self.heal_at_boundary & set(groups):
+                self._catch_up(groups, live[0], before_first_step=not overlap)
             elif live:
                 self._heal_from_peers(groups, live[0])
             else:
                 self._restore(groups)
         self.trusted_until = None
 
-    def _catch_up(self, groups: list[int], source_group: int) -> None:
+    def _catch_up(self, groups: list[int], source_group: int, before_first_step: bool) -> None:
         sources = self.topology.global_ranks(source_group)
         pairs = {target: source for group in groups
                  for source, target in zip(sources, self.topology.global_ranks(group))}
-        pending = self.pending or CatchUp({}, frozenset())
-        self.pending = CatchUp({**pending.sources, **pairs}, pending.groups | set(groups))
+        pending = self.pending or CatchUp({}, frozenset(), before_first_step)
+        # groups joined apart share the segment's catch-up: one that would not wait makes all catch up
+        self.pending = CatchUp({**pending.sources, **pairs}, pending.groups | set(groups),
+                               pending.before_first_step and before_first_step)
 
     def take_catch_up(self) -> CatchUp | None:
         """The catch-up the next segment carries (``CatchUp``): the groups joined since the last."""
@@ -114,11 +118,12 @@ class StateSources:
             # step from which the group took its share, ``seconds`` its slowest copy's.
             caught_up_steps = max(receipt.caught_up_steps for receipt in receipts)
             self.copy_s = max(receipt.seconds for receipt in receipts)
+            overlapped = not catch_up.before_first_step
             self.events.emit(EventKind.GROUP_HEALED, group=group, source_group=self._source_group(catch_up, group),
                              seconds=round(self.copy_s, 4),
                              rank_to_rank_bytes=sum(receipt.bytes for receipt in receipts), object_store_bytes=0,
-                             overlapped=True, caught_up_steps=caught_up_steps,
-                             caught_up_at=first_step + caught_up_steps + 1)
+                             overlapped=overlapped, before_first_step=not overlapped, caught_up_steps=caught_up_steps,
+                             caught_up_at=first_step + caught_up_steps + 1 if overlapped else first_step)
         self.heal_at_boundary |= failed
         return frozenset(failed)
 
