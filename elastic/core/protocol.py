@@ -366,5 +366,4 @@ class BuildOutcome:
     global_rank: int
     seconds: float
     node_ip: str = ""
-    details: dict = field(default_factory=dict)
     parameter_bytes: int = 0  # its parameters' (its shards'), from which a heal's copy is foreseen
