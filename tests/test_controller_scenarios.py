@@ -181,24 +181,29 @@ def test_a_group_joining_while_the_other_steps_catches_up_with_no_copy_at_the_bo
     assert scenario.committed_steps() == list(range(12))
 
 
+def builds_report_parameters(fleet: FakeFleet, parameter_bytes: int) -> None:
+    """Every rank built reports ``parameter_bytes`` of parameters, from which the driver foresees a copy."""
+    build = fleet.build
+
+    def build_reporting(ranks, world_build):
+        pending = build(ranks, world_build)
+        for rank, call in pending.refs.items():
+            call.result = BuildOutcome(rank, 0.1, "node-0", parameter_bytes=parameter_bytes)
+        return pending
+
+    fleet.build = build_reporting
+
+
 def test_a_group_whose_state_copies_in_a_moment_takes_it_before_the_first_step_from_its_first_join(tmp_path):
     # the built ranks report 1 MB of parameters: the first copy is foreseen at milliseconds, and
     # a catch-up would cost the live group the joining group's samples for a whole step; the
     # copy goes over the next segment's replicate group all the same, before its first step
     scenario = Scenario(tmp_path, groups=2, shard=2)
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
-    build = scenario.fleet.build
     calls = []
     copy_state = scenario.fleet.copy_state
     scenario.fleet.copy_state = lambda pairs: calls.append(pairs) or copy_state(pairs)
-
-    def build_reporting(ranks, world_build):
-        pending = build(ranks, world_build)
-        for rank, call in pending.refs.items():
-            call.result = BuildOutcome(rank, 0.1, "node-0", parameter_bytes=10**6)
-        return pending
-
-    scenario.fleet.build = build_reporting
+    builds_report_parameters(scenario.fleet, 10**6)
     assert scenario.run() == "completed"
 
     assert calls == []  # no copy at the boundary, over a pair group of its own
@@ -214,9 +219,13 @@ def test_a_group_whose_state_copies_in_a_moment_takes_it_before_the_first_step_f
     assert scenario.committed_steps() == list(range(12))
 
 
-def test_a_catch_up_whose_copy_fails_heals_at_the_boundary_and_then_through_the_object_store(tmp_path):
+@pytest.mark.parametrize("before_first_step", [False, True], ids=["catch-up", "before-first-step"])
+def test_a_catch_up_whose_copy_fails_heals_at_the_boundary_and_then_through_the_object_store(tmp_path,
+                                                                                             before_first_step):
     scenario = Scenario(tmp_path, groups=2, shard=2)
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
+    if before_first_step:  # a state foreseen to copy in a moment: taken before the segment's first step
+        builds_report_parameters(scenario.fleet, 10**6)
     scenario.fleet.catch_up_failures = {1: "ChecksumMismatch: bucket 2 of 9 arrived with checksum 7, sent with 5"}
     scenario.fleet.heal_fallbacks = {1: "rank 1: ChecksumMismatch: bucket 2 of 9 arrived with checksum 7, sent with 5"}
     assert scenario.run() == "completed"
@@ -226,6 +235,9 @@ def test_a_catch_up_whose_copy_fails_heals_at_the_boundary_and_then_through_the_
     assert [(e["step"], e["broken_groups"], e["culprits"]) for e in discarded] == [(3, [0], {1: "death"}), (3, [0], {})]
     assert "HealFailed" in discarded[1]["errors"][1]
     assert scenario.fleet.copies == [(2, 0), (3, 1), (2, 0), (3, 1)]  # the catch-up's, then the boundary's
+    [catching_up] = [spec.catch_up for specs in scenario.fleet.segments for spec in [next(iter(specs.values()))]
+                     if spec.catch_up is not None]
+    assert catching_up.before_first_step is before_first_step
 
     [fallback] = scenario.kinds(EventKind.HEAL_FALLBACK)
     assert (fallback["group"], fallback["source"], fallback["target"]) == (0, 3, 1)

@@ -28,7 +28,7 @@ from elastic.core.topology import Topology
 from elastic.testing.gloo_ranks import loopback_store, rank_processes
 from workers import rng
 from workers.catch_up import CatchingUp
-from workers.failures import CollectiveFailed
+from workers.failures import CollectiveFailed, HealFailed
 from workers.state_transfer import receive_state, send_state
 from workers.gradient_sum import GradientSum
 from workers.rank_spec import RankSpec
@@ -191,6 +191,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     result = take_step(transaction, 0, rank_batches(rank, 0), faults=counting)
     yield "buckets sent in backward", (result, counting.sent, len(transaction.gradient_sum.buckets))
     yield "a joining rank catches up", catch_up(rank, spec, world)
+    yield "a joining rank takes the state before its first step", state_before_first_step(rank, spec, world)
 
     # one group of two ranks
     spec = rank_spec(rank, group=0, group_rank=rank, shard=2, port=port)
@@ -205,6 +206,37 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
     transaction, _ = new_transaction(spec, world)
     yield "one rank's sum fails", take_step(transaction, 0, rank_batches(rank, 0),
                                             faults=FailingCrossGroupSum() if rank == 0 else NO_FAULTS)
+
+
+def state_before_first_step(rank: int, spec: RankSpec, world: World) -> dict:
+    """Rank 1 joins with other weights and takes rank 0's state before its first step
+    (``CatchUp.before_first_step``); then each trains its own samples with Adam. A copy that
+    never lands ends its wait at the timeout, and leaves the rank without state."""
+    transaction, _ = new_transaction(spec, world, model_seed=MODEL_SEED + rank, adam=True)
+    if rank == 1:
+        copying = ThreadPoolExecutor(max_workers=1)
+        arriving = copying.submit(lambda: (receive_state(world.heal_pair("first-step-test", 0, 1)), 0, 0.0))
+        transaction.joining.begin(CatchingUp(arriving, source=0))
+        transaction.joining.take_state_now(TIMEOUT_S)
+        copying.shutdown()
+    else:
+        state = {**export_local_state(transaction.model, transaction.optimizer), "rng": rng.capture(on_gpu=False)}
+        send_state([world.heal_pair("first-step-test", 0, 1)], state)
+    caught_up = []
+    for step in range(2):
+        result = take_step(transaction, step, rank_batches(rank, step))
+        assert isinstance(result.outcome, Committed), result.raised
+        caught_up.append(result.outcome.caught_up)
+    outcome = {"caught_up": caught_up, "receipt": transaction.joining.take_receipt(),
+               "state": export_local_state(transaction.model, transaction.optimizer)}
+    if rank == 1:  # a copy that never lands
+        lost, _ = new_transaction(spec, world)
+        lost.joining.begin(CatchingUp(Future(), source=0))
+        try:
+            lost.joining.take_state_now(0.05)
+        except HealFailed as error:
+            outcome["never_landed"] = (str(error), lost.joining.holds_state)
+    return outcome
 
 
 def catch_up(rank: int, spec: RankSpec, world: World) -> dict:
@@ -352,6 +384,21 @@ def test_a_held_out_loss_leaves_the_shards_a_peer_heals_from(results):
     for before, after in scenario(results, "a held-out loss"):
         assert [tuple(local.shape) for local in after["model"]] == [tuple(local.shape) for local in before["model"]]
         assert all(torch.equal(x, y) for x, y in zip(after["model"], before["model"]))
+
+
+def test_a_joining_rank_that_takes_the_state_before_its_first_step_trains_its_share_as_its_replica(results):
+    """Loaded before step 0, it took its own samples in steps 0 and 1: its weights and Adam's
+    moments are the live rank's exactly, and no step counted it as catching up."""
+    live, joined = scenario(results, "a joining rank takes the state before its first step")
+    assert live["caught_up"] == joined["caught_up"] == [True, True]
+    assert live["receipt"] is None and joined["receipt"].caught_up_steps == 0 and joined["receipt"].source == 0
+    for got, expected in zip(joined["state"]["model"], live["state"]["model"]):
+        assert torch.equal(got, expected)
+    for index, moments in live["state"]["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(joined["state"]["optimizer"]["state"][index][key], value), key
+    error, holds_state = joined["never_landed"]
+    assert "did not arrive" in error and not holds_state
 
 
 def test_a_joining_rank_that_caught_up_holds_its_replicas_state_bit_for_bit(results):
