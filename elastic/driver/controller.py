@@ -199,7 +199,7 @@ class Controller:
                         self.groups.rebuild_replicas()
                     if self.straggler_actions_ready():
                         self.groups.apply_straggler_actions(self.stragglers.take())
-                    self.groups.settle(self.deadline.typical_s(), overlap_heal=not self.eval_due())
+                    self.groups.settle(self.deadline.typical_s(), steps_next=not self.eval_due())
                     if self.groups.start_failed():  # the run does not step next: joined groups heal now
                         self.state_sources.heal_pending_now()
                 if self.groups.start_failed():

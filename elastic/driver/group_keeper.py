@@ -162,8 +162,8 @@ class GroupKeeper:
         """What the waiting groups have reached: it changes while any of them moves on."""
         return tuple((group, stage, self.started.get(group)) for group, stage in self.membership.waiting_groups().items())
 
-    def join_ready_groups(self, overlap_heal: bool = False, step_s: float = 0.0) -> bool:
-        """Join the groups built; ``overlap_heal``: the run steps next (a typical step of
+    def join_ready_groups(self, steps_next: bool = False, step_s: float = 0.0) -> bool:
+        """Join the groups built; ``steps_next``: the run steps next (a typical step of
         ``step_s``), so they take the state over its replicate group, while it steps where that
         pays (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
@@ -172,10 +172,10 @@ class GroupKeeper:
         live = self.membership.live_groups()
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
-        catch_up = (overlap_heal and not self.scaling.below_minimum(len(live))
+        catch_up = (steps_next and not self.scaling.below_minimum(len(live))
                     and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
         try:
-            self.state_sources.load(ready, live, steps_next=overlap_heal, overlap=catch_up)
+            self.state_sources.load(ready, live, steps_next=steps_next, overlap=catch_up)
         except FleetError:
             for group in ready:  # what they hold now is unknown: build them afresh
                 self.membership.apply(group, Broken())
@@ -211,20 +211,20 @@ class GroupKeeper:
             self.reserve_group()
         self.spares.tend(bool(self.membership.live_groups()), self.history.step)
 
-    def settle(self, step_s: float = 0.0, overlap_heal: bool = False) -> None:
+    def settle(self, step_s: float = 0.0, steps_next: bool = False) -> None:
         """Grow toward max groups, move joining groups along, and hold below the minimum
         (returns early when a group failed to start: the controller recovers first).
 
         A group coming back on warm spares is built in well under a step: it is waited for,
         up to a typical step (``step_s``), rather than leave the survivors to start a step alone
         at twice its time and keep the group waiting at the boundary until it ends.
-        ``overlap_heal``: the run steps next, so groups that join may catch up as it does."""
+        ``steps_next``: the run steps next, so groups that join take the state in its segment."""
         self.grow()
         waited_from = progressed_at = self.clock()
         reached = self.progress()
         while not self._failed_starts:
             self.advance_groups()
-            self.join_ready_groups(overlap_heal, step_s)
+            self.join_ready_groups(steps_next, step_s)
             live = len(self.membership.live_groups())
             coming = (bool(self.on_spares & set(self.membership.groups))
                       and self.clock() - waited_from < step_s)
