@@ -157,30 +157,6 @@ def test_a_rank_death_heals_its_group_from_the_live_one(tmp_path):
     assert scenario.live_groups_by_step() == [2] * 12
 
 
-def test_a_group_joining_while_the_other_steps_catches_up_with_no_copy_at_the_boundary(tmp_path):
-    scenario = Scenario(tmp_path, groups=2, shard=2)
-    scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
-    calls = []
-    copy_state = scenario.fleet.copy_state
-    scenario.fleet.copy_state = lambda pairs: calls.append(pairs) or copy_state(pairs)
-    assert scenario.run() == "completed"
-
-    assert calls == []  # no copy at a boundary, where every group would wait for it
-    [joining] = [specs for specs in scenario.fleet.segments if next(iter(specs.values())).catch_up is not None]
-    spec = next(iter(joining.values()))
-    assert spec.catch_up.sources == {0: 2, 1: 3} and spec.catch_up.groups == {0}
-    assert set(joining) == {0, 1, 2, 3}  # group 0 steps in that segment from its first step
-    # the segment's first step: group 0 takes no samples while its state lands; then its share
-    samples = {record.step: record.group_samples for record in scenario.controller.history.step_results}
-    first = spec.first_step
-    batch = spec.global_batch
-    assert samples[first] == {0: 0, 1: batch} and samples[first + 1] == {0: batch // 2, 1: batch // 2}
-    [healed] = scenario.kinds(EventKind.GROUP_HEALED)
-    assert (healed["group"], healed["source_group"], healed["caught_up_steps"]) == (0, 1, 0)
-    assert healed["rank_to_rank_bytes"] == 2 * STATE_BYTES and healed["object_store_bytes"] == 0
-    assert scenario.committed_steps() == list(range(12))
-
-
 def builds_report_parameters(fleet: FakeFleet, parameter_bytes: int) -> None:
     """Every rank built reports ``parameter_bytes`` of parameters, from which the driver foresees a copy."""
     build = fleet.build
@@ -194,28 +170,45 @@ def builds_report_parameters(fleet: FakeFleet, parameter_bytes: int) -> None:
     fleet.build = build_reporting
 
 
-def test_a_group_whose_state_copies_in_a_moment_takes_it_before_the_first_step_from_its_first_join(tmp_path):
-    # the built ranks report 1 MB of parameters: the first copy is foreseen at milliseconds, and
-    # a catch-up would cost the live group the joining group's samples for a whole step; the
-    # copy goes over the next segment's replicate group all the same, before its first step
+def catch_up_segments(scenario: Scenario) -> list[dict]:
+    """The specs, by rank, of the segments that carried a ``CatchUp``."""
+    return [specs for specs in scenario.fleet.segments if next(iter(specs.values())).catch_up is not None]
+
+
+@pytest.mark.parametrize("before_first_step", [False, True], ids=["catch-up", "before-first-step"])
+def test_a_group_joining_while_the_other_steps_takes_the_state_in_the_segment_with_no_copy_at_the_boundary(
+        tmp_path, before_first_step):
+    # Nothing known of the copy: the group catches up while the other steps. The built ranks
+    # reporting 1 MB of parameters: the first copy is foreseen at milliseconds, and a catch-up
+    # would cost the live group the joining group's samples for a whole step; the copy goes over
+    # the next segment's replicate group all the same, before its first step.
     scenario = Scenario(tmp_path, groups=2, shard=2)
     scenario.fleet.faults = {3: [Kill(rank=1, after_s=0.5)]}
     calls = []
     copy_state = scenario.fleet.copy_state
     scenario.fleet.copy_state = lambda pairs: calls.append(pairs) or copy_state(pairs)
-    builds_report_parameters(scenario.fleet, 10**6)
+    if before_first_step:
+        builds_report_parameters(scenario.fleet, 10**6)
     assert scenario.run() == "completed"
 
-    assert calls == []  # no copy at the boundary, over a pair group of its own
-    [joining] = [specs for specs in scenario.fleet.segments if next(iter(specs.values())).catch_up is not None]
+    assert calls == []  # no copy at a boundary, where every group would wait for it over a pair group of its own
+    [joining] = catch_up_segments(scenario)
     spec = next(iter(joining.values()))
-    assert spec.catch_up.sources == {0: 2, 1: 3} and spec.catch_up.groups == {0} and spec.catch_up.before_first_step
+    assert spec.catch_up.sources == {0: 2, 1: 3} and spec.catch_up.groups == {0}
+    assert spec.catch_up.before_first_step is before_first_step
+    assert set(joining) == {0, 1, 2, 3}  # group 0 steps in that segment from its first step
     samples = {record.step: record.group_samples for record in scenario.controller.history.step_results}
+    first = spec.first_step
     batch = spec.global_batch
-    assert samples[spec.first_step] == {0: batch // 2, 1: batch // 2}  # its share from the first step
+    if before_first_step:  # its share from the first step
+        assert samples[first] == {0: batch // 2, 1: batch // 2}
+    else:  # the segment's first step: group 0 takes no samples while its state lands; then its share
+        assert samples[first] == {0: 0, 1: batch} and samples[first + 1] == {0: batch // 2, 1: batch // 2}
     [healed] = scenario.kinds(EventKind.GROUP_HEALED)
-    assert (healed["group"], healed["overlapped"], healed["before_first_step"]) == (0, False, True)
-    assert healed["caught_up_at"] == spec.first_step
+    assert (healed["group"], healed["source_group"], healed["caught_up_steps"]) == (0, 1, 0)
+    assert (healed["overlapped"], healed["before_first_step"]) == (not before_first_step, before_first_step)
+    assert healed["caught_up_at"] == (first if before_first_step else first + 1)
+    assert healed["rank_to_rank_bytes"] == 2 * STATE_BYTES and healed["object_store_bytes"] == 0
     assert scenario.committed_steps() == list(range(12))
 
 
@@ -235,9 +228,8 @@ def test_a_catch_up_whose_copy_fails_heals_at_the_boundary_and_then_through_the_
     assert [(e["step"], e["broken_groups"], e["culprits"]) for e in discarded] == [(3, [0], {1: "death"}), (3, [0], {})]
     assert "HealFailed" in discarded[1]["errors"][1]
     assert scenario.fleet.copies == [(2, 0), (3, 1), (2, 0), (3, 1)]  # the catch-up's, then the boundary's
-    [catching_up] = [spec.catch_up for specs in scenario.fleet.segments for spec in [next(iter(specs.values()))]
-                     if spec.catch_up is not None]
-    assert catching_up.before_first_step is before_first_step
+    [catching_up] = catch_up_segments(scenario)
+    assert next(iter(catching_up.values())).catch_up.before_first_step is before_first_step
 
     [fallback] = scenario.kinds(EventKind.HEAL_FALLBACK)
     assert (fallback["group"], fallback["source"], fallback["target"]) == (0, 3, 1)
