@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from checkpointing.pretrained import PretrainedSource
 from checkpointing.storage import StorageOptions
+from elastic.core.outer_rounds import OuterRounds
 from elastic.core.topology import Position, Topology
 from workers.pipeline import PipelineLayout
 
@@ -38,6 +39,7 @@ class RankSpec:
     pp_index: int = 0  # its place along the group's pipeline
     pretrained: PretrainedSource | None = None  # the weights a build loads: a run's start from model.init_from
     cp_index: int = 0
+    outer_rounds: OuterRounds | None = None  # DiLoCo's rounds (``sync.mode``); None: every step's gradients summed
 
     @property
     def pipeline(self) -> PipelineLayout:

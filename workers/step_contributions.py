@@ -131,22 +131,26 @@ class StepLoss(Contribution):
     then over the group from the ranks that compute it (the last stage; a TP row's ranks share
     it, counted by the first)."""
 
-    cross_group_slots = ballot_slots = {"loss_share": 1, "counted_tokens": 1}
+    cross_group_slots = {"loss_share": 1, "counted_tokens": 1}
+    ballot_slots = {**cross_group_slots, "group_counted": 1}
 
     def __init__(self, counts_loss: bool):
         self.counts_loss = counts_loss
         self.share, self.counted = 0.0, 0.0  # this rank's, from its compute
         self.loss, self.counted_tokens = 0.0, 0  # the step's (the loss before ``token_rescale``)
+        self.group_counted = 0  # the step's targets this group counted: a DiLoCo learner's gradient is their mean
 
     def summand(self) -> Values:
         return {"loss_share": [self.share], "counted_tokens": [float(self.counted)]}
 
     def ballot(self, sums: Values) -> Values:
-        return sums if self.counts_loss else nothing(sums)
+        ballot = {**sums, "group_counted": [float(self.counted)]}
+        return ballot if self.counts_loss else nothing(ballot)
 
     def after_vote(self, ballots: list[Values]) -> None:
         self.loss = sum(ballot["loss_share"][0] for ballot in ballots)
         self.counted_tokens = round(sum(ballot["counted_tokens"][0] for ballot in ballots))
+        self.group_counted = round(sum(ballot["group_counted"][0] for ballot in ballots))
 
 
 class Agreement(Contribution):
@@ -161,8 +165,11 @@ class Agreement(Contribution):
         self.signals = signals
         self.begin(-1, records_due=False)
 
-    def begin(self, attempt: int, records_due: bool) -> None:
-        self.attempt, self.records_due_here = attempt, records_due
+    def begin(self, attempt: int, records_due: bool, may_pause: bool = True) -> None:
+        """``may_pause``: the driver's pause may take effect after this step (under DiLoCo, only
+        after a round's last: the learners hold the run's state only between rounds; a pause
+        asked earlier is held, as the request stays, until then). An abort always does."""
+        self.attempt, self.records_due_here, self.may_pause = attempt, records_due, may_pause
         self.succeeded = self.aborted = False  # set by the transaction as the step goes
         self.records_due = self.every_rank_succeeded = self.pause = False  # the sums' and the vote's
 
@@ -172,7 +179,8 @@ class Agreement(Contribution):
 
     def ballot(self, sums: Values) -> Values:
         self.records_due = sums["records_due"][0] > 0
-        return {"succeeded": [float(self.succeeded)], "pause": [float(sums["pause"][0] + float(self.aborted) > 0)]}
+        paused = sums["pause"][0] > 0 and self.may_pause
+        return {"succeeded": [float(self.succeeded)], "pause": [float(paused or self.aborted)]}
 
     def after_vote(self, ballots: list[Values]) -> None:
         self.every_rank_succeeded = all(ballot["succeeded"][0] == 1.0 for ballot in ballots)
@@ -219,24 +227,38 @@ class IntegrityCheck(Contribution):
 class GradientNorm(Contribution):
     """The global gradient norm: each rank's part of its square in its ballot. After the
     cross-group sum one group's parts make it; stages hold different parameters, so each
-    counts its own."""
+    counts its own.
+
+    Under DiLoCo (``per_learner``) no gradient crosses groups: the norm is the group's own, which
+    clips its own step, and each rank's part is also summed across the groups, so that every
+    group learns whether any learner's norm is not finite, and all discard that step alike."""
 
     ballot_slots = {"grad_sq_norm": 1}
 
-    def __init__(self, model: torch.nn.Module, mesh_coordinate: dict[str, int]):
+    def __init__(self, model: torch.nn.Module, mesh_coordinate: dict[str, int], per_learner: bool = False):
         self.model = model
         self.mesh_coordinate = {name: index for name, index in mesh_coordinate.items() if name != "pp"}
+        self.per_learner = per_learner
+        if per_learner:
+            self.cross_group_slots = {"learners_sq": 1}
+            self.ballot_slots = {"grad_sq_norm": 1, "learners_sq": 1}
         self.own_sq, self.norm = 0.0, 0.0
+        self.learners_finite = True  # every learner's norm is finite (every-step: the one norm is)
 
     def measure(self, summed: bool) -> None:
-        """This rank's part (``squared_gradient_norm``); nothing where its sum failed."""
+        """This rank's part (``squared_gradient_norm``) once its gradients are the step's (summed
+        across groups, or, per learner, its own); nothing where its sum failed."""
         self.own_sq = squared_gradient_norm(self.model, self.mesh_coordinate) if summed else 0.0
 
+    def summand(self) -> Values:
+        return {"learners_sq": [self.own_sq]} if self.per_learner else {}
+
     def ballot(self, sums: Values) -> Values:
-        return {"grad_sq_norm": [self.own_sq]}
+        return {"grad_sq_norm": [self.own_sq], **sums}
 
     def after_vote(self, ballots: list[Values]) -> None:
         self.norm = global_norm({group_rank: ballot["grad_sq_norm"][0] for group_rank, ballot in enumerate(ballots)})
+        self.learners_finite = not self.per_learner or math.isfinite(sum(ballot["learners_sq"][0] for ballot in ballots))
 
 
 class Timing(Contribution):

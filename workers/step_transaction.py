@@ -69,6 +69,7 @@ from workers.failures import (
     VoteFailed,
 )
 from workers.gradient_sum import GradientSum, SumTimes
+from workers.outer_sync import OuterSync
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
 from workers.step_contributions import (
@@ -139,6 +140,9 @@ class StepTransaction:
                                   loss.loss_fn, activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
         self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
+        # DiLoCo's rounds (``sync.mode``): each group steps as a learner, and the gradients cross
+        # groups only as a round's pseudo-gradients (``workers.outer_sync``)
+        self.outer = OuterSync(rank.outer_rounds, model, optimizer) if rank.outer_rounds is not None else None
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.ranks_per_group))
         # The schedule scales these; the optimizer's own lr changes every step, and a heal or
@@ -151,7 +155,7 @@ class StepTransaction:
         self.step_loss = StepLoss(counts_loss(rank.position, rank.layout.pp))
         self.agreement = Agreement(signals)
         self.integrity = IntegrityCheck(rank.group, rank.position, model, optimizer, device)
-        self.gradient_norm = GradientNorm(model, world.mesh_coordinate)
+        self.gradient_norm = GradientNorm(model, world.mesh_coordinate, per_learner=self.outer is not None)
         self.timing = Timing()
         self.expert_balance = ExpertBalance(model, stages, first_of_tp_row=rank.tp_index == 0)
         self.loss_scaling = LossScaling()
@@ -180,7 +184,10 @@ class StepTransaction:
         deadline = started + spec.deadline_s
         step = share.step
         self.loss_scaling.begin(spec, step)
-        self.agreement.begin(spec.attempt, records_due)
+        if self.outer is not None and self.outer.rounds.at_boundary(step):
+            self.outer.begin_round()
+        self.agreement.begin(spec.attempt, records_due,
+                             may_pause=self.outer is None or self.outer.rounds.ends_at(step))
         self.integrity.start(step, spec.integrity_every, self.world.replicate_group)
         self.activity.set(step, Phase.DATA)
         on_device = [batch.to(self.device) for batch in batches.result()]
@@ -193,6 +200,8 @@ class StepTransaction:
         comm_started = time.perf_counter()
         self.activity.set(step, Phase.REPLICATE)
         sum_error, sum_times = None, SumTimes(0.0, 0.0)
+        if self.outer is not None:  # a learner's gradients are its own: their norm goes into the sum
+            self.gradient_norm.measure(summed=True)
         try:
             self.integrity.compare(lambda work: self.wait_replicate(work, deadline))
             sum_times, sums = self._sum_across_groups(deadline, faults, comm_started)
@@ -201,7 +210,8 @@ class StepTransaction:
             sum_error, sums = error, self.sum_layout.zeros()
         comm_s = time.perf_counter() - comm_started
         self.agreement.succeeded = sum_error is None
-        self.gradient_norm.measure(summed=sum_error is None)
+        if self.outer is None:
+            self.gradient_norm.measure(summed=sum_error is None)
         self.timing.own = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
         self.activity.set(step, Phase.VOTE)
         try:
@@ -229,13 +239,13 @@ class StepTransaction:
             # (the driver's abort takes effect at the cross-group sum), and the buckets of that
             # sum go out once it has ended.
             loss_share = self.pipeline.loss_share(batches, global_tokens, scale)
-            if self.world.replicate_group is not None:
-                self.gradient_sum.start(self.world.replicate_group)
+            if self.gradient_group is not None:
+                self.gradient_sum.start(self.gradient_group)
             return loss_share, counted_tokens(batches), faults.after_compute(self.compute_timer.seconds())
 
         def before_micro_batch(index: int) -> None:
             self.at_micro_batch(step, index)
-            self.gradient_sum.before_micro_batch(index, len(batches), self.world.replicate_group)
+            self.gradient_sum.before_micro_batch(index, len(batches), self.gradient_group)
 
         loss_share, counted = accumulate_counted(self.model, self.loss, batches, global_tokens, before_micro_batch,
                                                  self.expert_balance.held, scale)
@@ -252,9 +262,15 @@ class StepTransaction:
             if catching_up.must_wait():
                 catching_up.state(max(0.0, deadline - time.perf_counter()))
         self.expert_balance.idle()
-        if self.world.replicate_group is not None:
-            self.gradient_sum.start(self.world.replicate_group)
+        if self.gradient_group is not None:
+            self.gradient_sum.start(self.gradient_group)
         return 0.0, 0, 0.0
+
+    @property
+    def gradient_group(self):
+        """The process group the step's gradients are summed over: the replicate group, but for
+        DiLoCo's learners (none), and for a rank alone at its position (none)."""
+        return self.world.replicate_group if self.outer is None else None
 
     def _sum_across_groups(self, deadline: float, faults: FaultPlan,
                            backward_ended: float) -> tuple[SumTimes, dict[Contribution, Values]]:
@@ -264,7 +280,7 @@ class StepTransaction:
         faults.before_cross_group_sum()
         replicate_group = self.world.replicate_group
         sum_times = SumTimes(0.0, 0.0)
-        if replicate_group is not None:
+        if self.gradient_group is not None:
             sum_times = self.gradient_sum.finish(lambda work: self.wait_replicate(work, deadline), backward_ended)
         row = self.sum_layout.row({part: part.summand() for part in self.contributions})
         if replicate_group is not None:
@@ -298,19 +314,28 @@ class StepTransaction:
         its loss or norm is not finite (the same sums everywhere). Each contribution then acts
         on the outcome and fills its part of it."""
         rescale = token_rescale(share.global_tokens, self.step_loss.counted_tokens)
+        # a DiLoCo learner's gradient is the mean over its own group's targets
+        grad_rescale = (rescale if self.outer is None
+                        else token_rescale(share.global_tokens, self.step_loss.group_counted))
         scale = self.loss_scaling.value
-        loss, norm = self.step_loss.loss * rescale, self.gradient_norm.norm * rescale / scale
-        if self.integrity.disagreed or not (math.isfinite(loss) and math.isfinite(norm)):
+        loss, norm = self.step_loss.loss * rescale, self.gradient_norm.norm * grad_rescale / scale
+        finite = math.isfinite(loss) and math.isfinite(norm) and self.gradient_norm.learners_finite
+        if self.integrity.disagreed or not finite:
             self.discard_uncommitted()
             discarded = Discarded(nonfinite=None if self.integrity.disagreed else NonFinite(share.step, loss, norm))
             for part in self.contributions:
                 discarded = part.on_discard(discarded)
             return discarded
         clip_scale = clip_coefficient(norm, spec.clip_grad_norm)
-        lr_scale, grad_scale = spec.schedule.factor(share.step), clip_scale * rescale / scale
+        lr_scale, grad_scale = spec.schedule.factor(share.step), clip_scale * grad_rescale / scale
         if self.joining.commit(lr_scale, grad_scale, self.expert_balance.routed):
             self._apply(lr_scale, grad_scale)
         self._rng_before_step = None
+        if self.outer is not None:
+            self.outer.committed(self.step_loss.group_counted, self.step_loss.counted_tokens)
+            if self.outer.rounds.ends_at(share.step):
+                deadline = time.perf_counter() + spec.deadline_s
+                self.outer.outer_step(self.world.replicate_group, lambda work: self.wait_replicate(work, deadline))
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             times=(), counted=self.step_loss.counted_tokens)  # times: ``Timing``'s

@@ -390,6 +390,8 @@ class RankWorker:
         """Load the committed state of ``step``; ``generators``: the states saved for this
         rank's position, or None when the checkpoint has none for it (saved at another
         layout), and the stream restarts from the seed and the step."""
+        if self.transaction.outer is not None:
+            self.transaction.outer.hold_momentum()
         seconds = self.checkpoint_io.load(self.model, self.optimizer, url)
         self.transaction.discard_uncommitted()
         if generators is None:

@@ -75,6 +75,7 @@ class EventKind(StrEnum):
     RESTORED_FROM_CHECKPOINT = "restored-from-checkpoint"
     RESTORED_INITIAL_STATE = "restored-initial-state"
     RESTORED_FROM_MEMORY = "restored-from-memory"
+    ROUND_REDONE = "round-redone"  # DiLoCo: a learner lost inside a round, the learners going on back at its start
     RECOVERED = "recovered"
     EVAL_DISCARDED = "eval-discarded"
     # evaluation

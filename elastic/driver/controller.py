@@ -157,7 +157,7 @@ class Controller:
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
         self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale)
         self.timing = RecoveryTiming(events, clock)
-        run = RunContext(config, fleet, self.membership, self.history, self.timing, events, clock)
+        self.context = run = RunContext(config, fleet, self.membership, self.history, self.timing, events, clock)
         self.state_sources = StateSources(run, checkpoints)
         self.groups = GroupKeeper(run, self.state_sources, sleep, self.stragglers.mitigation)
         self.attempts = 0  # runs and evaluations started: each has its own number
@@ -197,7 +197,7 @@ class Controller:
                 with self.ledger.timing("recovery"):
                     if replicas_stale and self.membership.live_groups():
                         self.groups.rebuild_replicas()
-                    if self.straggler_actions_ready():
+                    if self.straggler_actions_ready() and self.context.between_rounds:
                         self.groups.apply_straggler_actions(self.stragglers.take())
                     self.groups.settle(self.deadline.typical_s(), steps_next=not self.eval_due())
                     if self.groups.start_failed():  # the run does not step next: joined groups heal now
@@ -402,6 +402,11 @@ class Controller:
                 self.events.emit(EventKind.RANK_FAILED, rank=eviction.rank, group=eviction.group,
                                  cause=eviction.cause, step=step, **failure.events)
             self.groups.evict(eviction.rank, eviction.cause)
+        if not self.context.between_rounds and plan.survivors:  # DiLoCo's round lost a learner: it is redone
+            round_start = self.config.sync.outer_rounds.start_of(step)
+            if not self.state_sources.redo_round(list(plan.survivors), round_start):
+                # no round's start in host memory: every group restores
+                plan = replace(plan, rebuilding=tuple(sorted({*plan.rebuilding, *plan.survivors})), survivors=())
         for group in plan.rebuilding:
             if group in self.membership.groups:
                 self.groups.rebuild(group)

@@ -37,6 +37,7 @@ class GroupKeeper:
     def __init__(self, run: RunContext, state_sources: StateSources, sleep: Callable[[float], None],
                  stragglers: StragglerMitigation | None):
         config, fleet, events, clock = run.config, run.fleet, run.events, run.clock
+        self.run = run
         self.config = config
         self.fleet = fleet
         self.topology = run.topology
@@ -61,6 +62,9 @@ class GroupKeeper:
         self.pairing = BuddyPairing(self.topology)  # the memory tier's buddies, kept across quorum changes
         self.spares = SpareKeeper(config.scaling.spares, config.scaling.uses_gpu, fleet, events, clock)
         self.on_spares: set[int] = set()  # joining groups whose every new process is a warm spare
+        # DiLoCo's learners lost in a round: the round is redone with them, so the run waits for
+        # them to come back (up to capacity_timeout_s, then goes on without them)
+        self.lost_learners: set[int] = set()
 
     # on the way in
 
@@ -167,12 +171,13 @@ class GroupKeeper:
         ``step_s``), so they take the state over its replicate group, while it steps where that
         pays (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
-        if not ready:
-            return False
         live = self.membership.live_groups()
+        if not ready or (live and not self.run.between_rounds):  # a learner joins between rounds
+            return False
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
-        catch_up = (steps_next and not self.scaling.below_minimum(len(live))
+        # DiLoCo's learners sum no gradients to catch up with.
+        catch_up = (steps_next and not self.scaling.below_minimum(len(live)) and self.config.sync.outer_rounds is None
                     and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
         try:
             self.state_sources.load(ready, live, steps_next=steps_next, overlap=catch_up)
@@ -183,6 +188,7 @@ class GroupKeeper:
         for group in ready:
             self.joining_since.pop(group, None)
             self.on_spares.discard(group)
+            self.lost_learners.discard(group)
         self.membership.join(ready)
         for group in ready:
             self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
@@ -226,8 +232,8 @@ class GroupKeeper:
             self.advance_groups()
             self.join_ready_groups(steps_next, step_s)
             live = len(self.membership.live_groups())
-            coming = (bool(self.on_spares & set(self.membership.groups))
-                      and self.clock() - waited_from < step_s)
+            coming = ((bool(self.on_spares & set(self.membership.groups)) and self.clock() - waited_from < step_s)
+                      or self._learner_coming_back(waited_from))
             if live and not self.scaling.below_minimum(live) and not coming:
                 return
             if self.progress() != reached:  # a group moved on: the wait is for capacity, not progress
@@ -245,6 +251,15 @@ class GroupKeeper:
                     "scaling.min_groups, or raise fault_tolerance.capacity_timeout_s"
                 )
             self.sleep(JOIN_POLL_S)
+
+    def _learner_coming_back(self, waited_from: float) -> bool:
+        """A DiLoCo learner lost in the round is on its way back: the round waits for it, for at
+        most ``capacity_timeout_s``; past that the run goes on with the learners it has (the
+        data plan gives them every sample)."""
+        self.lost_learners &= set(self.membership.groups)
+        if self.lost_learners and self.clock() - waited_from > self.config.fault_tolerance.capacity_timeout_s:
+            self.lost_learners.clear()
+        return bool(self.lost_learners)
 
     def saving_group(self) -> tuple[int, list[int]]:
         """The live group whose ranks save checkpoints (and report the final state), and its ranks."""
@@ -268,6 +283,7 @@ class GroupKeeper:
         self.started.pop(group, None)
         self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
+        self._leaving(group)
         self.membership.lose_rank(rank)
         self.events.emit(EventKind.RANK_EVICTED, rank=rank, group=group, cause=cause)
         return group
@@ -278,7 +294,13 @@ class GroupKeeper:
         self.started.pop(group, None)
         self._failed_starts.pop(group, None)
         self.on_spares.discard(group)
+        self._leaving(group)
         self.membership.apply(group, Broken())
+
+    def _leaving(self, group: int) -> None:
+        """``group`` leaves the quorum: under DiLoCo, a learner the round waits for."""
+        if self.config.sync.outer_rounds is not None and group in self.membership.live_groups():
+            self.lost_learners.add(group)
 
     def apply_straggler_actions(self, actions: StragglerActions) -> None:
         live = set(self.membership.live_groups())

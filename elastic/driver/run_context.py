@@ -28,3 +28,10 @@ class RunContext:
     @property
     def topology(self) -> Topology:
         return self.fleet.topology
+
+    @property
+    def between_rounds(self) -> bool:
+        """Whether the run stands between DiLoCo's rounds (``elastic.core.outer_rounds``), where
+        every learner holds the run's state: always, when every step sums the gradients."""
+        rounds = self.config.sync.outer_rounds
+        return rounds is None or rounds.at_boundary(self.history.step)

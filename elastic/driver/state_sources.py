@@ -21,6 +21,7 @@ steps committed after it rerun.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from checkpointing.catalog import Restorable
@@ -28,7 +29,7 @@ from elastic.core.data_plan import DataCursor
 from elastic.core.diagnosis import Diagnosis
 from elastic.core.events import EventKind
 from elastic.core.loss_scale import restored_loss_scale
-from elastic.core.memory_tier import plan_memory_restore
+from elastic.core.memory_tier import Holdings, MemoryRestore, plan_memory_restore
 from elastic.core.policies import expected_copy_s
 from elastic.core.protocol import CatchUp, HealReceipt
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
@@ -153,6 +154,23 @@ class StateSources:
                 return replace(diagnosis, broken_groups=frozenset(live))
         return diagnosis
 
+    def redo_round(self, groups: list[int], round_start: int) -> bool:
+        """DiLoCo: a learner was lost inside the round that began at ``round_start``. The learners
+        going on (``groups``) go back to the round's start, which each of their ranks holds in
+        the memory tier (an older round's where that is the newest they all hold), and the run
+        with them; the lost learner's group heals from them there. False when the memory tier
+        holds no such step: every group restores then."""
+        if not groups or not self.config.checkpoint.memory_every:
+            return False
+        at_most = round_start if self.trusted_until is None else min(round_start, self.trusted_until)
+        restored = self._back_to_memory(groups, holders=groups, at_most=at_most)
+        if restored is None:
+            return False
+        plan, _, seconds, rolled_back = restored
+        self.events.emit(EventKind.ROUND_REDONE, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
+                         seconds=round(seconds, 4))
+        return True
+
     def rewind(self, checkpoint: Restorable | None) -> int:
         """Continue from a checkpoint's step and cursor (``None``: the initial state's);
         returns the committed steps rolled back."""
@@ -208,19 +226,29 @@ class StateSources:
         if not self.config.checkpoint.memory_every:
             return False
         # a rank's copy may be held in any group, one still on its way back included
-        holdings = self.fleet.memory_holdings(self.topology.ranks_of(self.membership.groups))
-        plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, self.trusted_until)
-        if plan is None:
+        restored = self._back_to_memory(groups, holders=self.membership.groups, at_most=self.trusted_until)
+        if restored is None:
             return False
-        started = self.clock()
-        self.fleet.restore_memory(plan)
-        seconds = self.clock() - started
-        self.timing.add("heal_s", seconds)
-        rolled_back = self._rewind_to(plan.step, plan.cursor)
+        plan, holdings, seconds, rolled_back = restored
         self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
                          from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
                          host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
         return True
+
+    def _back_to_memory(self, groups: Iterable[int], holders: Iterable[int],
+                        at_most: int | None) -> tuple[MemoryRestore, dict[int, Holdings], float, int] | None:
+        """Every rank of ``groups`` back at the newest step (up to ``at_most``) the memory tier of
+        the ``holders``' ranks holds for all of them, and the run with them: the plan, the
+        holdings, the seconds and the steps rolled back; None when it holds none."""
+        holdings = self.fleet.memory_holdings(self.topology.ranks_of(holders))
+        plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, at_most)
+        if plan is None:
+            return None
+        started = self.clock()
+        self.fleet.restore_memory(plan)
+        seconds = self.clock() - started
+        self.timing.add("heal_s", seconds)
+        return plan, holdings, seconds, self._rewind_to(plan.step, plan.cursor)
 
     def _restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
         checkpoint, seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))

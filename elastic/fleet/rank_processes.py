@@ -54,6 +54,7 @@ def rank_spec(config: TrainConfig, topology: Topology, rendezvous: Rendezvous, g
         storage=config.checkpoint.storage_options(),
         upload_in_process=config.checkpoint.upload_in_process(config.scaling.uses_gpu),
         replicate_dtype=config.compute.replicate_precision,
+        outer_rounds=config.sync.outer_rounds,
         pretrained=pretrained,
     )
 

@@ -24,6 +24,7 @@ from elastic.core.faults import check_targets, parse_faults
 from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.model_shape import SHAPE_FIELDS, ModelShape, ShapeRules
+from elastic.core.outer_rounds import OuterRounds, whole_rounds
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
 from elastic.core.topology import SINGLE_STAGE_SCHEDULES, Topology
@@ -531,12 +532,45 @@ class StragglerConfig(Section):
     min_saving_s: NonNegativeFloat = Field(DEFAULT_MIN_SAVING_S, le=DAY_S)
 
 
+class SyncConfig(Section):
+    """How the replica groups' work is merged (``elastic.core.outer_rounds``): every step's
+    gradients summed across groups (``every-step``), or DiLoCo's outer rounds: each group a
+    learner for ``outer_every`` inner steps, then the learners' pseudo-gradients summed and
+    applied by the outer optimizer (Nesterov SGD, the paper's lr 0.7 and momentum 0.9)."""
+
+    mode: Literal["every-step", "diloco"] = "every-step"
+    outer_every: PositiveInt = Field(50, le=MAX_STEPS)
+    outer_lr: PositiveFloat = 0.7
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    # the pseudo-gradients' dtype across groups
+    precision: Literal["fp32", "bf16", "fp8", "int4"] = "fp32"
+    # a learner lost inside a round: redo the round from its start (every committed step as a
+    # clean run's), or drop it and commit over the learners that finished
+    lost_learner: Literal["redo", "drop"] = "redo"
+    # streaming DiLoCo: fragments of the model synced in turn, each overlapped with this many inner steps
+    fragments: PositiveInt = Field(1, le=4096)
+    sync_delay: NonNegativeInt = Field(0, le=MAX_STEPS)
+    # a round commits once this many learners finished and grace_s has passed (0: every learner)
+    quorum: NonNegativeInt = Field(0, le=4096)
+    grace_s: NonNegativeFloat = Field(0.0, le=DAY_S)
+
+    @property
+    def outer_rounds(self) -> OuterRounds | None:
+        if self.mode == "every-step":
+            return None
+        return OuterRounds(self.outer_every, self.outer_lr, self.outer_momentum, self.precision)
+
+
 class MetricsConfig(Section):
     host: str = "127.0.0.1"
     port: NonNegativeInt = Field(0, le=65535)
     # elastic train keeps serving the final values this long after the run ends, so that
     # Prometheus scrapes them (a dashboard being set up sees the whole run); Ctrl-C ends it.
     linger_s: NonNegativeFloat = Field(0.0, le=DAY_S)
+
+
+# The intervals that act on the run's state, which under DiLoCo is whole only between rounds.
+ROUND_INTERVALS = {"checkpoint": ("every", "memory_every"), "integrity": ("every",), "eval": ("every",)}
 
 
 class TrainConfig(Section):
@@ -561,6 +595,7 @@ class TrainConfig(Section):
     integrity: IntegrityConfig = IntegrityConfig()
     stragglers: StragglerConfig = StragglerConfig()
     metrics: MetricsConfig = MetricsConfig()
+    sync: SyncConfig = SyncConfig()
 
     @field_validator("storage")
     @classmethod
@@ -693,6 +728,70 @@ class TrainConfig(Section):
                 f"scaling.pp={scaling.pp} stages need at least {scaling.pp} micro-batches per step, and a rank gets "
                 f"{micro_batches} (global_batch={self.global_batch} over {scaling.max_groups} groups x shard "
                 f"{scaling.shard}, micro_batch={self.micro_batch}); {fix} global_batch")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _intervals_in_whole_rounds(cls, values: Any) -> Any:
+        """Under DiLoCo the state is the run's (every learner's the same) only between rounds:
+        the checkpoint, memory-tier, integrity and evaluation intervals left at their defaults
+        become whole rounds; one given that is not is refused (``_check_sync``)."""
+        if not isinstance(values, dict):
+            return values
+        sync = values.get("sync")
+        sync = sync.model_dump() if isinstance(sync, SyncConfig) else sync
+        if not isinstance(sync, dict) or sync.get("mode") != "diloco":
+            return values
+        every = sync.get("outer_every", SyncConfig.model_fields["outer_every"].default)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            return values  # refused by the field's own check
+        values = dict(values)
+        for section, names in ROUND_INTERVALS.items():
+            given = values.get(section)
+            model = cls.model_fields[section].annotation
+            if isinstance(given, BaseModel):
+                fields = {name: getattr(given, name) for name in given.model_fields_set}
+            elif isinstance(given, dict):
+                fields = dict(given)
+            elif given is None:
+                fields = {}
+            else:
+                continue
+            for name in names:
+                if name not in fields:
+                    fields[name] = whole_rounds(model.model_fields[name].default, every)
+            values[section] = fields if not isinstance(given, BaseModel) else given.model_copy(update=fields)
+        return values
+
+    @model_validator(mode="after")
+    def _check_sync(self) -> TrainConfig:
+        rounds = self.sync.outer_rounds
+        if rounds is None:
+            return self
+        sync, every = self.sync, rounds.every
+        misaligned = [f"{section}.{name}={value}" for section, names in ROUND_INTERVALS.items() for name in names
+                      if (value := getattr(getattr(self, section), name)) % every]
+        problems = [  # in order: the first that holds is refused
+            (sync.fragments > 1, f"sync.fragments={sync.fragments}: streaming fragments are not built yet; set "
+                                 "sync.fragments = 1"),
+            (sync.sync_delay, f"sync.sync_delay={sync.sync_delay}: an outer step overlapped with later inner steps "
+                              "is not built yet; set sync.sync_delay = 0"),
+            (sync.precision in ("fp8", "int4"), f"sync.precision={sync.precision}: quantized pseudo-gradients are "
+                                                "not built yet; use fp32 or bf16"),
+            (sync.lost_learner == "drop", "sync.lost_learner=drop: committing a round without a lost learner is not "
+                                          "built yet; use redo"),
+            (sync.quorum or sync.grace_s, "sync.quorum and sync.grace_s: a round that does not wait for every "
+                                          "learner is not built yet; set both to 0"),
+            (self.compute.precision == "fp16", "compute.precision=fp16: the learners' loss scales would part ways; "
+                                               "use bf16 or fp32"),
+            (self.steps % every, f"steps={self.steps} is not a whole number of rounds of sync.outer_every={every}; "
+                                 f"train {whole_rounds(self.steps, every)} steps or change outer_every"),
+            (misaligned, f"{', '.join(misaligned)}: the learners hold the run's state only between rounds; make "
+                         f"each a multiple of sync.outer_every={every}"),
+        ]
+        problem = next((text for broken, text in problems if broken), None)
+        if problem:
+            raise ValueError(f"sync.mode=diloco with {problem}")
+        return self
 
     @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:

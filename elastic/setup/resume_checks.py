@@ -17,8 +17,10 @@ from elastic.setup.config import ConfigError, TrainConfig
 
 
 # The settings a checkpoint's state and data cursor depend on. Layout, steps, checkpoint,
-# compute and metrics settings may change across a resume.
-STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch"}
+# compute and metrics settings may change across a resume. ``sync`` is recorded where it is not
+# the default (every step's sum): DiLoCo's rounds hold an outer momentum, and its settings'
+# math; a run that records none summed every step.
+STATE_FIELDS = {"model", "data", "optimizer", "seed", "global_batch", "sync"}
 # Recorded with the state (elastic export reads them back) but no part of its math: a resume
 # may differ in them (a run started before the field existed recorded none).
 NOT_IN_THE_MATH = {"model.max_position_embeddings"}
@@ -32,6 +34,8 @@ def config_record(config: TrainConfig) -> dict:
     """The settings the state depends on, as every manifest keeps them: a URL's secrets (a
     presigned data.path's signature) redacted, being no part of the settings."""
     record = config.model_dump(mode="json", include=STATE_FIELDS)
+    if config.sync.outer_rounds is None:
+        del record["sync"]
     # A decaying schedule's horizon as resolved: a run extended with more steps and no
     # explicit decay_steps would change its learning rates under the resume.
     schedule = config.lr_schedule

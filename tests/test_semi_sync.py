@@ -1,0 +1,124 @@
+"""Semi-synchronous training (``sync.mode = "diloco"``): each replica group a learner for a
+round of inner steps, then one outer step over the groups' pseudo-gradients. Real ranks on a
+real Ray, against DiLoCo written in one process (``tests/reference.py``); a learner killed at
+each moment of a round redoes the round, with the clean run's losses."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from elastic import ElasticTrainer
+from elastic.core.events import EventKind
+from elastic.testing.losses import max_relative_difference
+from tests.reference import max_parameter_difference, reference_diloco, reference_run
+from tests.test_experts import BALANCED, EXPERTS
+from tests.tiny import FAST_DETECTION, tiny_config
+from workers.pipeline import split_transformer
+
+ROUNDS = {"sync__mode": "diloco", "sync__outer_every": 4}
+STEPS = 12
+
+
+def kinds(result) -> list[str]:
+    return [event["kind"] for event in result.summary["events"]]
+
+
+@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED}],
+                         ids=["one-rank-groups", "pp2", "ep2"])
+def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layout):
+    config = tiny_config(tmp_path, groups=2, steps=STEPS, **ROUNDS, **layout)
+    split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
+    result = ElasticTrainer(config, keep_final_state=not layout, **split).fit()
+    assert result.ok, result.exit
+    reference, global_weights = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+    # the rounds are not every step's sum: the same job summing every step trains otherwise
+    every_step, _ = reference_run(config, STEPS)
+    assert max_relative_difference(reference, every_step) > 1e-3
+    if not layout:  # the global weights, compared whole: a group of one rank holds them so
+        final = result.final_state[(0, 0, 0, 0)]
+        # Sums in another order (micro-batches, the ring) move fp32 weights by ulps that Adam
+        # carries on; a step lost or applied twice moves them by about the inner lr, 3e-3.
+        assert max_parameter_difference(final, global_weights) <= 1e-4
+        assert max(weight.abs().max().item() for weight in global_weights) > 0.1  # weights that say something
+
+
+@pytest.mark.parametrize("kill_step", [6, 7, 8], ids=["inside-a-round", "at-a-rounds-last-step", "at-a-rounds-first"])
+def test_a_learner_killed_redoes_the_round_with_the_clean_runs_losses(ray_cluster, tmp_path, kill_step):
+    # min_groups 1: the survivor could go on alone; the round waits for its lost learner instead
+    config = tiny_config(tmp_path, groups=2, min_groups=1, steps=STEPS, scaling__spares=1,
+                         checkpoint__memory_every=4, fault_tolerance__inject=f"kill:rank=0,step={kill_step}",
+                         **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    redone = [event for event in events if event["kind"] == EventKind.ROUND_REDONE]
+    if kill_step % 4:  # inside the round from step 4: the survivor goes back to its start
+        assert [(event["step"], event["groups"], event["rolled_back_steps"]) for event in redone] == [
+            (4, [1], kill_step - 4)]
+    else:  # between rounds: nothing to redo, the group heals from its peer
+        assert not redone
+    [healed] = [event for event in events if event["kind"] == EventKind.GROUP_HEALED]
+    assert (healed["group"], healed["source_group"]) == (0, 1)
+    assert not [kind for kind in kinds(result) if kind.startswith("restored-")]
+    assert [record["step"] for record in result.summary["steps"]] == list(range(STEPS))
+    reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_a_round_lost_before_the_memory_tier_holds_its_start_restarts_from_the_initial_state(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, groups=2, steps=8, checkpoint__memory_every=8,
+                         fault_tolerance__inject="kill:rank=1,step=2", **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    assert EventKind.RESTORED_INITIAL_STATE in kinds(result)
+    reference, _ = reference_diloco(config, 8)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_a_stop_asked_inside_a_round_takes_effect_at_its_end(ray_cluster, tmp_path):
+    """A stop asked as the first step commits (SIGTERM, as a preemption sends) stops the run at
+    the round's end, whose state the final checkpoint holds."""
+    config = tiny_config(tmp_path, groups=2, steps=STEPS, **ROUNDS)
+
+    def stop_after_first_step(result) -> None:
+        if result.step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = ElasticTrainer(config, on_step=[stop_after_first_step]).fit()
+    summary = result.summary
+    assert summary["exit"] == "preempted", summary["exit"]
+    assert [record["step"] for record in summary["steps"]] == [0, 1, 2, 3]
+    saved = [event["step"] for event in summary["events"] if event["kind"] == EventKind.CHECKPOINT_COMMITTED]
+    assert saved[-1] == 4, saved
+
+
+def test_a_bit_flipped_between_rounds_is_found_and_healed_from_the_majority(ray_cluster, tmp_path):
+    """The integrity check compares the learners where they are equal, between rounds: the bit
+    flips in group 1 as round 2 begins, and the check at its first step finds it."""
+    config = tiny_config(tmp_path, groups=3, steps=STEPS, integrity__every=4,
+                         fault_tolerance__inject="flip:rank=1,step=8", **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    [found] = [event for event in result.summary["events"] if event["kind"] == EventKind.INTEGRITY_MISMATCH]
+    assert (found["step"], found["suspects"], found["majority"]) == (8, [1], [0, 2])
+    [healed] = [event for event in result.summary["events"] if event["kind"] == EventKind.GROUP_HEALED]
+    assert healed["group"] == 1 and healed["source_group"] in (0, 2)
+    reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_a_resume_at_another_layout_carries_the_outer_momentum(ray_cluster, tmp_path):
+    """Two rounds at one rank a group, checkpointed; two more after a resume with each group's
+    state sharded over two ranks: the clean run's losses. The round after the resume ends with
+    an outer step, whose momentum the last round's losses show."""
+    first = tiny_config(tmp_path, groups=2, steps=8, checkpoint__every=8, **ROUNDS)
+    assert ElasticTrainer(first).fit().ok
+    resumed = tiny_config(tmp_path, groups=2, shard=2, steps=16, checkpoint__every=8, **ROUNDS)
+    result = ElasticTrainer(resumed).fit()
+    assert result.ok and result.summary["resumed_from_step"] == 8, result.exit
+    reference, _ = reference_diloco(resumed, 16)
+    assert max_relative_difference(result.losses, reference[8:]) <= 1e-5

@@ -1,0 +1,108 @@
+"""DiLoCo's outer step on one rank (``elastic.core.outer_rounds``): the round's start kept,
+the pseudo-gradient summed with this position's rank in every other group, Nesterov SGD on the
+global weights, and the inner optimizer's state zeroed.
+
+The outer momentum lives in the inner optimizer's state, one tensor per parameter beside its
+own (``OUTER_MOMENTUM``), laid out like the parameter: a checkpoint, the memory tier and a heal
+carry it with no code of their own, and a resume at another layout reshards it as DCP reshards
+any optimizer state. The round's start weights are not state: at a round boundary they are the
+weights, and each rank takes its copy as the round's first step begins (``begin_round``), after
+whatever placed it there (a heal, a restore, the round before).
+
+The pseudo-gradients travel in the gradients' own buffers, bucket by bucket, through the cross-
+group sum the every-step mode uses for gradients (``workers.gradient_sum``), in the dtype
+``sync.precision`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.tensor import DTensor
+from torch.optim.sgd import sgd
+
+from elastic.core.outer_rounds import OuterRounds
+from workers.gradient_sum import GradientSum, SumTimes, local_gradient
+
+OUTER_MOMENTUM = "outer_momentum"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class OuterSync:
+    def __init__(self, rounds: OuterRounds, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.rounds = rounds
+        self.optimizer = optimizer
+        self.trained = [param for param in model.parameters() if param.requires_grad]
+        self.exchange = GradientSum(model, torch.bfloat16 if rounds.precision == "bf16" else torch.float32,
+                                    overlap=False)
+        self.round_start: list[torch.Tensor] | None = None  # this rank's shards of the global weights
+        # the round's counted tokens: this learner's and every learner's, which weigh its pseudo-gradient
+        self.own_tokens = self.all_tokens = 0
+
+    def begin_round(self) -> None:
+        """The round's first step begins: the weights now are the round's global ones."""
+        with torch.no_grad():
+            self.round_start = [_local(param).detach().clone() for param in self.trained]
+        self.own_tokens = self.all_tokens = 0
+
+    def committed(self, own_tokens: int, all_tokens: int) -> None:
+        """An inner step committed, counting ``own_tokens`` of this learner's and ``all_tokens`` in all."""
+        self.own_tokens += own_tokens
+        self.all_tokens += all_tokens
+
+    def outer_step(self, replicate_group, wait: Callable[[object], None]) -> SumTimes:
+        """After the round's last inner step is applied: the learners' pseudo-gradients summed,
+        each weighted by its share of the round's tokens, then the outer step on the global
+        weights, which every learner takes; the inner optimizer's state zeroed. Raises what the
+        sum raised (``wait``: the step's deadline and the driver's abort), the rank then holding
+        its round's inner weights: the run goes back to the round's start."""
+        if self.round_start is None:
+            raise RuntimeError("an outer step without the round's start: the round began before this rank held it")
+        weight = self.own_tokens / self.all_tokens if self.all_tokens else 0.0
+        pseudo = [local_gradient(param) for param in self.trained]
+        with torch.no_grad():
+            torch._foreach_copy_(pseudo, self.round_start)
+            torch._foreach_sub_(pseudo, [_local(param) for param in self.trained])
+            torch._foreach_mul_(pseudo, weight)
+        times = SumTimes(0.0, 0.0)
+        if replicate_group is not None:
+            self.exchange.start(replicate_group)
+            times = self.exchange.finish(wait)
+        momenta = [_local(self._momentum(param)) for param in self.trained]
+        with torch.no_grad():
+            sgd(self.round_start, pseudo, momenta, foreach=False, weight_decay=0.0, momentum=self.rounds.momentum,
+                lr=self.rounds.lr, dampening=0.0, nesterov=True, maximize=False)
+            for param, global_weights in zip(self.trained, self.round_start):
+                _local(param).copy_(global_weights)
+        self._zero_inner_state()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.round_start = None
+        return times
+
+    def hold_momentum(self) -> None:
+        """Before a checkpoint loads: DCP loads the optimizer state the optimizer holds places
+        for, so a model just built gets its inner optimizer's (DCP's own step with zero
+        gradients at lr 0 makes them) and the outer momentum's."""
+        _init_optim_state(self.optimizer)
+        for param in self.trained:
+            self._momentum(param)
+
+    def _momentum(self, param: torch.Tensor) -> torch.Tensor:
+        state = self.optimizer.state[param]
+        if OUTER_MOMENTUM not in state:
+            state[OUTER_MOMENTUM] = torch.zeros_like(param)
+        return state[OUTER_MOMENTUM]
+
+    def _zero_inner_state(self) -> None:
+        """Every learner begins the round with the same inner state: zeros (for Adam's family,
+        its state as new), the step count included."""
+        with torch.no_grad():
+            for param in self.trained:
+                for key, value in self.optimizer.state[param].items():
+                    if key != OUTER_MOMENTUM and torch.is_tensor(value):
+                        value.zero_()
