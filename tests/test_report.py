@@ -584,3 +584,16 @@ def test_the_timeline_draws_each_expert_layers_load_for_a_mixture_of_experts_alo
     dense = timeline_panels(make_summary())
     assert dense["expert"] is None  # a dense run's timeline is as it was: no panel more
     assert len(dense["axes"]) == len(panels["axes"]) - 1 == 6
+
+
+def test_the_report_prints_what_crossed_groups_and_the_diloco_rounds(tmp_path, capsys):
+    summary = make_summary(n_steps=8)
+    for entry in summary["steps"]:
+        outer = entry["step"] % 4 == 3
+        entry.update(cross_group_bytes=1_000_000 if outer else 1_000, outer_step=outer)
+    assert main([str(write_run(tmp_path, summary)), "--output", str(tmp_path / "t.png")]) == 0
+    steps = len(summary["steps"])
+    rounds = sum(entry["outer_step"] for entry in summary["steps"])
+    total = sum(entry["cross_group_bytes"] for entry in summary["steps"])
+    assert (f"across groups: {total / 1e6:.2f} MB over {steps} committed steps, {total / steps / 1e3:.1f} kB a step; "
+            f"{rounds} DiLoCo rounds") in capsys.readouterr().out

@@ -38,6 +38,12 @@ def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layo
     # the rounds are not every step's sum: the same job summing every step trains otherwise
     every_step, _ = reference_run(config, STEPS)
     assert max_relative_difference(reference, every_step) > 1e-3
+    steps = result.summary["steps"]
+    assert [record["step"] for record in steps if record["outer_step"]] == [3, 7, 11]
+    inner = {record["cross_group_bytes"] for record in steps if not record["outer_step"]}
+    outer = {record["cross_group_bytes"] for record in steps if record["outer_step"]}
+    # inside a round only the step's row crosses groups; at its end, the pseudo-gradients too
+    assert len(inner) == len(outer) == 1 and 0 < 100 * max(inner) < min(outer), (inner, outer)
     if not layout:  # the global weights, compared whole: a group of one rank holds them so
         final = result.final_state[(0, 0, 0, 0)]
         # Sums in another order (micro-batches, the ring) move fp32 weights by ulps that Adam

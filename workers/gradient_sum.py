@@ -88,6 +88,7 @@ class GradientSum:
         if bucket_bytes is None:
             bucket_bytes = min(BUCKET_BYTES, max(sum(sizes) / MIN_BUCKETS, MIN_BUCKET_BYTES))
         self.buckets = [[params[index] for index in bucket] for bucket in plan_buckets(sizes, bucket_bytes)]
+        self.payload_bytes = sum(sizes)  # what one sum hands the replicate group
         self._bucket_of = {id(param): number for number, bucket in enumerate(self.buckets) for param in bucket}
         self._group = None
         self._waiting: list[int] = []  # per bucket: gradients not final yet

@@ -281,6 +281,26 @@ class Timing(Contribution):
         return replace(record, times=self.times)
 
 
+class CrossGroupTraffic(Contribution):
+    """The bytes each rank hands the cross-group sums in the step, gathered, so that the group's
+    record holds its ranks' total (``StepRecord.cross_group_bytes``)."""
+
+    ballot_slots = {"bytes": 1}
+
+    def __init__(self):
+        self.own = 0  # this rank's, set by the transaction before the vote
+        self.group_bytes = 0
+
+    def ballot(self, sums: Values) -> Values:
+        return {"bytes": [float(self.own)]}
+
+    def after_vote(self, ballots: list[Values]) -> None:
+        self.group_bytes = round(sum(ballot["bytes"][0] for ballot in ballots))
+
+    def on_commit(self, record: StepRecord) -> StepRecord:
+        return replace(record, cross_group_bytes=self.group_bytes)
+
+
 class LossScaling(Contribution):
     """fp16's loss scale at the step in progress: the segment's spec gives it at its first
     step, and each commit moves it on by the rule the driver follows

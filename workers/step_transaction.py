@@ -76,6 +76,7 @@ from workers.step_contributions import (
     Agreement,
     Committed,
     Contribution,
+    CrossGroupTraffic,
     Discarded,
     ExpertBalance,
     GradientNorm,
@@ -157,12 +158,13 @@ class StepTransaction:
         self.integrity = IntegrityCheck(rank.group, rank.position, model, optimizer, device)
         self.gradient_norm = GradientNorm(model, world.mesh_coordinate, per_learner=self.outer is not None)
         self.timing = Timing()
+        self.traffic = CrossGroupTraffic()
         self.expert_balance = ExpertBalance(model, stages, first_of_tp_row=rank.tp_index == 0)
         self.loss_scaling = LossScaling()
         self.joining = JoiningRank(model, optimizer, self.expert_balance, self._apply)
         self.contributions: tuple[Contribution, ...] = (self.step_loss, self.agreement, self.integrity,
                                                         self.gradient_norm, self.timing, self.expert_balance,
-                                                        self.loss_scaling, self.joining)
+                                                        self.loss_scaling, self.joining, self.traffic)
         self.sum_layout = RowLayout({part: part.cross_group_slots for part in self.contributions})
         self.ballot_layout = RowLayout({part: part.ballot_slots for part in self.contributions})
 
@@ -213,6 +215,7 @@ class StepTransaction:
         if self.outer is None:
             self.gradient_norm.measure(summed=sum_error is None)
         self.timing.own = RankTimes(data_s, compute_s, comm_s, time.perf_counter() - started, *sum_times)
+        self.traffic.own = self._cross_group_bytes(step)
         self.activity.set(step, Phase.VOTE)
         try:
             self._vote(sums)
@@ -265,6 +268,16 @@ class StepTransaction:
         if self.gradient_group is not None:
             self.gradient_sum.start(self.gradient_group)
         return 0.0, 0, 0.0
+
+    def _cross_group_bytes(self, step: int) -> int:
+        """What this rank hands the cross-group sums in ``step``: the row, the gradients' buckets
+        or, where a DiLoCo round ends, the pseudo-gradients' (sent after the vote)."""
+        if self.world.replicate_group is None:
+            return 0
+        row = self.sum_layout.width * 8  # float64
+        if self.outer is None:
+            return row + self.gradient_sum.payload_bytes
+        return row + (self.outer.exchange.payload_bytes if self.outer.rounds.ends_at(step) else 0)
 
     @property
     def gradient_group(self):
@@ -338,7 +351,8 @@ class StepTransaction:
                 self.outer.outer_step(self.world.replicate_group, lambda work: self.wait_replicate(work, deadline))
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
-                            times=(), counted=self.step_loss.counted_tokens)  # times: ``Timing``'s
+                            times=(), counted=self.step_loss.counted_tokens,  # times: ``Timing``'s
+                            outer_step=self.outer is not None and self.outer.rounds.ends_at(share.step))
         for part in self.contributions:
             record = part.on_commit(record)
         return Committed(record, self.agreement.pause, self.agreement.records_due, self.joining.everyone_caught_up)

@@ -238,6 +238,10 @@ class StepRecord:
     # Per expert layer, by its number: its most loaded expert's tokens over the mean (1.0: even),
     # from what every rank of every group routed
     expert_load: dict[int, float] = field(default_factory=dict)
+    # The bytes the group's ranks handed the cross-group sums in the step: the gradients' buckets
+    # (every step's sum) or, after a DiLoCo round's last step, the pseudo-gradients'; the step's row
+    cross_group_bytes: int = 0
+    outer_step: bool = False  # a DiLoCo round ended with this step: the learners took the new global weights
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ class RunHistory:
             grad_clip_scale=first.clip_scale, step_s=round(step_s, 5), live_groups=len(first.group_samples),
             live_ranks=len(arrays.ranks), generation=generation, tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
             rank_arrays=arrays, group_samples=dict(first.group_samples), straggler_scores=straggler_scores,
-            expert_load=dict(first.expert_load),
+            expert_load=dict(first.expert_load), cross_group_bytes=first.cross_group_bytes * len(first.group_samples),
+            outer_step=first.outer_step,
         )
         self.losses.append(first.loss)
         self.cursor = first.next_cursor

@@ -54,6 +54,9 @@ class StepResult:
     group_samples: dict[int, int]  # each live group's share of the batch
     straggler_scores: dict[int, float] | None = None  # by rank; None where straggler mitigation is off
     expert_load: dict[int, float] = field(default_factory=dict)  # by expert layer: max over mean tokens
+    # the bytes every group's ranks handed the cross-group sums in the step (each group hands as many)
+    cross_group_bytes: int = 0
+    outer_step: bool = False  # a DiLoCo round ended with it
 
     @property
     def rank_times(self) -> dict[int, RankTimes]:

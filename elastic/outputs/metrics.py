@@ -65,6 +65,10 @@ class Metrics:
                           **labels)
         self.steps_committed = Counter("elastic_steps_committed", "Steps committed", **labels)
         self.steps_discarded = Counter("elastic_steps_discarded", "Steps discarded and rerun", **labels)
+        self.cross_group_bytes = Counter(
+            "elastic_cross_group_bytes", "Bytes the ranks handed the cross-group sums in committed steps: gradients "
+            "every step, or a DiLoCo round's pseudo-gradients", **labels)
+        self.outer_rounds = Counter("elastic_outer_rounds", "DiLoCo rounds committed (sync.mode = diloco)", **labels)
         self.nonfinite_steps = Counter(
             "elastic_nonfinite_steps", "Steps discarded for a loss or gradient norm that is not finite", **labels
         )
@@ -205,6 +209,9 @@ class Metrics:
         for layer, load in result.expert_load.items():
             self.expert_load.labels(layer=str(layer)).set(load)
         self.steps_committed.inc()
+        self.cross_group_bytes.inc(result.cross_group_bytes)
+        if result.outer_step:
+            self.outer_rounds.inc()
         self.step.set(result.step + 1)
         self.loss.set(result.loss)
         self.learning_rate.set(result.lr)

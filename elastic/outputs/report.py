@@ -88,6 +88,18 @@ def format_sources(samples: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def format_traffic(summary: RunSummary) -> str | None:
+    """What crossed groups over every leg's committed steps, per step, and the DiLoCo rounds
+    committed; None for a run of one group (nothing crossed)."""
+    steps = [entry for leg in (*summary.earlier_legs, summary) for entry in leg.steps]
+    total = sum(entry.cross_group_bytes for entry in steps)
+    if not total:
+        return None
+    rounds = sum(entry.outer_step for entry in steps)
+    line = f"across groups: {total / 1e6:.2f} MB over {len(steps)} committed steps, {total / len(steps) / 1e3:.1f} kB a step"
+    return line + (f"; {rounds} DiLoCo rounds" if rounds else "")
+
+
 def _default_output(run: str, summary: RunSummary) -> str:
     summary_path = _summary_path(run)
     fs, stripped = fsspec.core.url_to_fs(summary_path)
@@ -136,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"elastic report: error: {redact_credentials(str(err))}", file=sys.stderr)
         return 1
     print(format_breakdown(breakdown))
+    traffic = format_traffic(summary)
+    if traffic:
+        print(traffic)
     samples = summary.run_total.source_samples if summary.run_total else summary.source_samples
     if samples:
         print(format_sources(samples))

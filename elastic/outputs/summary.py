@@ -48,6 +48,8 @@ class StepEntry(Schema):
     group_samples: dict[int, int] = {}
     rank_straggler_score: dict[int, float] | None = None  # None where straggler mitigation is off
     expert_load: dict[int, float] = {}  # {} for a dense model
+    cross_group_bytes: int = 0  # what every group's ranks handed the cross-group sums
+    outer_step: bool = False  # a DiLoCo round ended with it
 
     @classmethod
     def of(cls, result: StepResult) -> StepEntry:
@@ -63,7 +65,7 @@ class StepEntry(Schema):
             rank_grad_sum_s={rank: time.grad_sum_s for rank, time in times.items()},
             rank_grad_sum_exposed_s={rank: time.grad_sum_exposed_s for rank, time in times.items()},
             group_samples=result.group_samples, rank_straggler_score=result.straggler_scores,
-            expert_load=result.expert_load,
+            expert_load=result.expert_load, cross_group_bytes=result.cross_group_bytes, outer_step=result.outer_step,
         )
 
 
