@@ -190,7 +190,7 @@ class StepTransaction:
             self.outer.begin_round()
         self.agreement.begin(spec.attempt, records_due,
                              may_pause=self.outer is None or self.outer.rounds.ends_at(step))
-        self.integrity.start(step, spec.integrity_every, self.world.replicate_group)
+        self.integrity.start(step, spec.integrity_every, self.world.cross_group)
         self.activity.set(step, Phase.DATA)
         on_device = [batch.to(self.device) for batch in batches.result()]
         data_s = time.perf_counter() - started
@@ -283,7 +283,7 @@ class StepTransaction:
     def gradient_group(self):
         """The process group the step's gradients are summed over: the replicate group, but for
         DiLoCo's learners (none), and for a rank alone at its position (none)."""
-        return self.world.replicate_group if self.outer is None else None
+        return self.world.cross_group if self.outer is None else None
 
     def _sum_across_groups(self, deadline: float, faults: FaultPlan,
                            backward_ended: float) -> tuple[SumTimes, dict[Contribution, Values]]:
@@ -291,7 +291,7 @@ class StepTransaction:
         summed with this position's ranks in the other groups in float64: identical at this
         position in every group."""
         faults.before_cross_group_sum()
-        replicate_group = self.world.replicate_group
+        replicate_group = self.world.cross_group
         sum_times = SumTimes(0.0, 0.0)
         if self.gradient_group is not None:
             sum_times = self.gradient_sum.finish(lambda work: self.wait_replicate(work, deadline), backward_ended)
@@ -348,7 +348,7 @@ class StepTransaction:
             self.outer.committed(self.step_loss.group_counted, self.step_loss.counted_tokens)
             if self.outer.rounds.ends_at(share.step):
                 deadline = time.perf_counter() + spec.deadline_s
-                self.outer.outer_step(self.world.replicate_group, lambda work: self.wait_replicate(work, deadline))
+                self.outer.outer_step(self.world.cross_group, lambda work: self.wait_replicate(work, deadline))
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             times=(), counted=self.step_loss.counted_tokens,  # times: ``Timing``'s
@@ -472,7 +472,7 @@ class StepTransaction:
         """The ``rows`` of this position's rank in every group, ``[replica rank, row, value]``; None when
         the gather fails: a peer group is gone, and the next cross-group sum fails and ends
         the segment as any failed sum does."""
-        replicate_group = self.world.replicate_group
+        replicate_group = self.world.cross_group
         own = torch.tensor(rows, dtype=torch.float64).to(self.device)
         gathered = [torch.empty_like(own) for _ in range(replicate_group.size())]
         try:

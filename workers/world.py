@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
@@ -77,6 +78,7 @@ class World:
         self.checkpoint_group = None
         self.control_group = None  # None in a group of one rank: it has no one to agree with
         self.replicate_group = None  # None while the rank's position has no replica in another group
+        self.slow_link: SlowLink | None = None  # the cross-group link's throttle, where a fault set one
         self.replica_rank = 0
         self.replicas_build: int | None = None  # the cross-group groups' build the rank is in
         self._replicas_store = None  # the replicate group's own connection to the store
@@ -155,6 +157,13 @@ class World:
                 self._spare_store = self._replicas_store
         self.replicate_group = self._replicas_store = None
 
+    @property
+    def cross_group(self):
+        """The replicate group as the steps' collectives go over it: through the ``slow_link``
+        where a fault throttles it."""
+        group = self.replicate_group
+        return group if group is None or self.slow_link is None else _OverSlowLink(group, self.slow_link)
+
     def joining_replicas(self, build: int, replica_rank: int, replica_size: int) -> Future:
         """Start (re)building the replicate group of this rank's position: ``replica_rank`` of
         the ``replica_size`` groups of the cross-group groups' build number ``build`` (none
@@ -221,6 +230,53 @@ class World:
             return self.heal_pair(copy, source, target)
         replica = [groups.index(self.rank.layout.group_of(rank)) for rank in (source, target)]
         return PairInGroup(self.replicate_group, *replica)
+
+
+class SlowLink:
+    """A rank's link to the other groups at ``bytes_per_s`` (the ``slow-link`` fault, with which
+    ``bench/semi_sync.py`` throttles the cross-group transport). Each collective's payload (what
+    the rank hands it) crosses after the payloads handed before it, from when it is handed, so a
+    sum that overlaps compute still overlaps it; the collective ends once both it and the
+    crossing have."""
+
+    def __init__(self, bytes_per_s: float):
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+
+    def carry(self, tensors: list[torch.Tensor], work) -> _Carried:
+        now = time.perf_counter()
+        self.free_at = max(self.free_at, now) + sum(t.numel() * t.element_size() for t in tensors) / self.bytes_per_s
+        return _Carried(work, self.free_at)
+
+
+class _Carried:
+    """A collective's work that ends no earlier than its payload crossed a ``SlowLink``."""
+
+    def __init__(self, work, crossed_at: float):
+        self.work, self.crossed_at = work, crossed_at
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.perf_counter() >= self.crossed_at
+
+    def wait(self) -> None:
+        self.work.wait()
+        time.sleep(max(0.0, self.crossed_at - time.perf_counter()))
+
+
+class _OverSlowLink:
+    """The replicate group with its collectives over a ``SlowLink``."""
+
+    def __init__(self, group, link: SlowLink):
+        self.group, self.link = group, link
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def allreduce(self, tensors: list[torch.Tensor]):
+        return self.link.carry(tensors, self.group.allreduce(tensors))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]):
+        return self.link.carry(inputs, self.group.allgather(outputs, inputs))
 
 
 class PairInGroup:

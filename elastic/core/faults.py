@@ -10,10 +10,13 @@ step starts. Runs without ``--inject`` (or straggler noise) use neither.
 Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
 ``kill-group``, ``hang``, ``slow`` (work added after the rank's compute), ``slow-device``
 (work added inside each of its blocks' forward, as a slow device would: its group's peers
-wait for it inside their collectives), ``fail-collective`` and ``flip`` (one bit of one
-parameter, silently: the integrity check's to find); keys are ``rank`` or ``group``
+wait for it inside their collectives), ``fail-collective``, ``flip`` (one bit of one
+parameter, silently: the integrity check's to find) and ``slow-link`` (a group's link to the
+other groups carries ``rate`` bytes a second from then on: ``bench/semi_sync.py`` throttles the
+cross-group transport with it); keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
-or ``at`` (seconds since training started), ``factor`` (for the slowdowns) and ``after``
+or ``at`` (seconds since training started), ``factor`` (for the slowdowns), ``rate`` (for
+``slow-link``) and ``after``
 (for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
 its peers compute; a step shorter than that waits for the death before its sum, so the
 death lands in the step named). A fault fires once, on the first step at or after its trigger, in the
@@ -31,9 +34,9 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
 from elastic.core.protocol import SegmentSpec
 
-KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip")
+KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip", "slow-link")
 _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "slow-device": "rank",
-           "fail-collective": "rank", "flip": "rank"}
+           "fail-collective": "rank", "flip": "rank", "slow-link": "group"}
 
 
 class FaultSpecError(ValueError):
@@ -49,6 +52,7 @@ class Fault:
     at: float | None = None
     factor: float = 1.0
     after: float = 0.0
+    rate: float = 0.0  # slow-link's bytes a second
     random_target: bool = False
 
     def targets(self, rank: int, group: int) -> bool:
@@ -78,7 +82,7 @@ def _parse_one(text: str) -> Fault:
                     fields[key] = int(value)
             elif key == "step":
                 fields["step"] = int(value)
-            elif key in ("at", "factor", "after"):
+            elif key in ("at", "factor", "after", "rate"):
                 number = float(value)
                 if not math.isfinite(number):
                     raise FaultSpecError(
@@ -88,7 +92,8 @@ def _parse_one(text: str) -> Fault:
                 fields[key] = number
             else:
                 raise FaultSpecError(
-                    f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor or after"
+                    f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor, "
+                    "rate or after"
                 )
         except ValueError as error:
             if isinstance(error, FaultSpecError):
@@ -101,6 +106,9 @@ def _parse_one(text: str) -> Fault:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs exactly one of step=N or at=SECONDS")
     if kind in ("slow", "slow-device") and fields.get("factor", 1.0) <= 1.0:
         raise FaultSpecError(f"fault_tolerance.inject: {text!r} needs factor > 1")
+    if (kind == "slow-link") != ("rate" in fields) or fields.get("rate", 1.0) <= 0:
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r}: rate=BYTES_PER_S > 0 applies to slow-link, and "
+                             "slow-link needs it")
     if "after" in fields and (kind not in ("kill", "kill-group") or not 0 < fields["after"] < 3600):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r}: after=SECONDS (0 to 3600) applies to kill and kill-group")
     return Fault(**fields)
@@ -145,6 +153,7 @@ class InjectedFault:
     kind: str
     factor: float = 1.0
     after_s: float = 0.0
+    rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,7 @@ class FaultSchedule:
             self.faults.remove(fault)
             self.events.emit(EventKind.FAULT_INJECTED, fault=fault.kind, ranks=targets, step=step)
             for rank in targets:
-                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after))
+                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after, fault.rate))
         return {
             rank: InjectedSegmentSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
             for rank, request in requests.items()

@@ -13,6 +13,7 @@ import datetime
 import multiprocessing
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -81,3 +82,16 @@ def _answer(target, rank: int, world: int, init_file: str, args: tuple, connecti
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def all_reduce_seconds(rank: int, nbytes: int, repeats: int) -> list[float]:
+    """A ``gloo_ranks`` target: each of ``repeats`` all-reduces of ``nbytes`` timed, after one
+    untimed (the connections' first use)."""
+    tensor = torch.ones(nbytes // 4)
+    dist.all_reduce(tensor)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - started)
+    return times

@@ -1,0 +1,144 @@
+"""Semi-synchronous training (``sync.mode = "diloco"``) against every step's sum, on the
+reference job (the README's ``elastic train``: the default model and generated corpus) at 4
+replica groups of one rank, on a local Ray, all in one run of this script:
+
+- **bytes**: what the ranks handed the cross-group sums per committed step (``cross_group_bytes``
+  in ``summary.json``: every step's gradients and row; or each step's row and a round's
+  pseudo-gradients), diloco's over every-step's (goal: at most 1/H);
+- **loss at equal tokens**: the held-out loss (the validation split's first samples) after the
+  same steps of the same global batch, diloco's relative to every-step's (goal: within 2 % at
+  H = 50);
+- **throttled**: the same job with each group's link to the others throttled (the ``slow-link``
+  fault) to 1/100 of the in-group link's speed, which the script measures first (a gloo
+  all-reduce of 16 MB between two processes on loopback, as the ranks of a group sum): tokens
+  a second of committed step time, diloco's over every-step's (goal: at least 10x).
+
+Streaming fragments and quantized (fp8, int4) exchanges are not built: the config refuses them,
+and the table says so.
+
+    python bench/semi_sync.py                 # 1000 steps, H = 10, 50, 100, fp32 and bf16
+    python bench/semi_sync.py --quick --json OUT   # 200 steps, H = 10: a few minutes on two cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic.setup.config import ConfigError  # noqa: E402
+from elastic.setup.preflight import build_config  # noqa: E402
+
+GROUPS = 4
+THROTTLE = 100  # the cross-group link is this many times slower than the in-group one
+PROBE_BYTES = 16 * 2**20
+
+
+def in_group_bytes_per_s() -> float:
+    """A gloo all-reduce's payload speed between two processes on loopback, the best of 5."""
+    from elastic.testing.gloo_ranks import all_reduce_seconds, gloo_ranks
+
+    with tempfile.TemporaryDirectory() as directory:
+        times = gloo_ranks(all_reduce_seconds, 2, str(Path(directory) / "init"), PROBE_BYTES, 5)
+    return PROBE_BYTES / min(times[0])
+
+
+def config(storage: Path, name: str, steps: int, sync: dict, inject: str = "") -> object:
+    return build_config({
+        "storage": str(storage), "run_name": name, "steps": steps,
+        "scaling": {"min_groups": GROUPS, "max_groups": GROUPS, "shard": 1, "tp": 1},
+        "data": {"validation_fraction": 0.05}, "eval": {"every": steps, "samples": 256},
+        "checkpoint": {"every": 0}, "fault_tolerance": {"inject": inject}, "sync": sync,
+    })
+
+
+def train(storage: Path, name: str, steps: int, sync: dict, inject: str = "") -> dict:
+    from elastic import ElasticTrainer
+
+    result = ElasticTrainer(config(storage, name, steps, sync, inject)).fit()
+    if not result.ok:
+        raise SystemExit(f"the {name} run failed: {result.exit}")
+    summary = result.summary
+    records = summary["steps"]
+    evaluated = [event["loss"] for event in summary["events"] if event["kind"] == "evaluated"]
+    step_s = sum(record["step_s"] for record in records)
+    return {
+        "held_out_loss": evaluated[-1],
+        "bytes_per_step": statistics.fmean(record["cross_group_bytes"] for record in records),
+        "tokens_per_s": sum(record["tokens_per_s"] * record["step_s"] for record in records) / step_s,
+        "outer_rounds": sum(record["outer_step"] for record in records),
+    }
+
+
+def refused(sync: dict) -> str | None:
+    try:
+        config(Path(tempfile.gettempdir()), "probe", 100, sync)
+    except ConfigError as error:
+        return str(error).splitlines()[-1].strip()
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="200 steps at H = 10, fp32 only")
+    parser.add_argument("--steps", type=int, help="steps of each untrottled run (default 1000; quick 200)")
+    parser.add_argument("--throttled-steps", type=int, default=40, help="steps of each throttled run")
+    parser.add_argument("--json", type=Path, help="write the headline figures here")
+    args = parser.parse_args()
+    steps = args.steps or (200 if args.quick else 1000)
+    every = (10,) if args.quick else (10, 50, 100)
+    precisions = ("fp32",) if args.quick else ("fp32", "bf16")
+    from elastic.fleet.ray_connection import start_local_ray
+
+    link = in_group_bytes_per_s()
+    rate = link / THROTTLE
+    print(f"in-group link (gloo all-reduce on loopback, 16 MB): {link / 1e6:.0f} MB/s; throttled cross-group link "
+          f"1/{THROTTLE} of it: {rate / 1e6:.1f} MB/s")
+    start_local_ray(log_to_driver=False)
+    throttle = ";".join(f"slow-link:group={group},step=0,rate={rate:.0f}" for group in range(GROUPS))
+    with tempfile.TemporaryDirectory() as directory:
+        storage = Path(directory)
+        baseline = train(storage, "every-step", steps, {"mode": "every-step"})
+        runs = {(h, precision): train(storage, f"diloco-h{h}-{precision}", steps,
+                                      {"mode": "diloco", "outer_every": h, "precision": precision})
+                for h in every for precision in precisions}
+        headline_every = 10 if args.quick else 50
+        throttled_steps = max(args.throttled_steps // headline_every, 1) * headline_every
+        throttled = {mode: train(storage, f"throttled-{mode}", throttled_steps,
+                                 {"mode": mode, "outer_every": headline_every}, throttle)
+                     for mode in ("every-step", "diloco")}
+    print(f"\nthe reference job at {GROUPS} groups x 1 rank, {steps} steps of {config(Path('.'), 'x', steps, {}).global_batch}"
+          f" samples; held-out loss after the last step")
+    print(f"{'sync':<22} {'bytes/step':>12} {'ratio':>8} {'x H':>6} {'held-out':>9} {'gap':>8} {'rounds':>7}")
+    print(f"{'every-step':<22} {baseline['bytes_per_step']:12.0f} {1:8.4f} {'':>6} {baseline['held_out_loss']:9.4f} "
+          f"{0:8.2%} {'':>7}")
+    figures = {}
+    for (h, precision), run in runs.items():
+        ratio = run["bytes_per_step"] / baseline["bytes_per_step"]
+        gap = (run["held_out_loss"] - baseline["held_out_loss"]) / baseline["held_out_loss"]
+        figures[(h, precision)] = (ratio, gap)
+        print(f"{f'diloco H={h} {precision}':<22} {run['bytes_per_step']:12.0f} {ratio:8.4f} {ratio * h:6.2f} "
+              f"{run['held_out_loss']:9.4f} {gap:8.2%} {run['outer_rounds']:7d}")
+    for sync in ({"mode": "diloco", "outer_every": 10, "fragments": 4}, {"mode": "diloco", "outer_every": 10,
+                                                                        "precision": "int4"}):
+        print(f"{json.dumps(sync)}: {refused(sync) or 'accepted'}")
+    speedup = throttled["diloco"]["tokens_per_s"] / throttled["every-step"]["tokens_per_s"]
+    print(f"\nthrottled to {rate / 1e6:.1f} MB/s across groups, {throttled_steps} steps, H={headline_every}: "
+          f"every-step {throttled['every-step']['tokens_per_s']:.0f} tokens/s, diloco "
+          f"{throttled['diloco']['tokens_per_s']:.0f} tokens/s: {speedup:.1f}x")
+    ratio, gap = figures[(headline_every, "fp32")]
+    if args.json:
+        args.json.write_text(json.dumps({"outer_every": headline_every, "bytes_ratio": ratio, "loss_gap": gap,
+                                         "throttled_speedup": speedup, "steps": steps,
+                                         "in_group_bytes_per_s": link, "cross_group_bytes_per_s": rate}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
