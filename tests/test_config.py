@@ -1,5 +1,7 @@
 """Bad input fails before any actor starts, naming the field and the fix."""
 
+import re
+
 import pytest
 
 from elastic.cli import build_parser, train_overrides
@@ -359,3 +361,30 @@ def test_cpu_offload_is_refused_where_fsdp2_does_not_hold_the_state_or_the_gradi
     one_group = parse_config({"scaling": {"shard": 2, "tp": 1, "max_groups": 1, "device": "cuda"},
                               "compute": {"offload": True}})
     check_capacity(one_group, {"CPU": 64, "GPU": 8})
+
+
+DILOCO = {"mode": "diloco", "outer_every": 4}
+
+
+def test_diloco_rounds_the_state_intervals_left_at_their_defaults_up_to_whole_rounds():
+    config = parse_config({"sync": DILOCO, "checkpoint": {"every": 8}})
+    assert (config.checkpoint.every, config.checkpoint.memory_every, config.integrity.every, config.eval.every) == (
+        8, 12, 12, 0)
+    assert config.sync.outer_rounds.every == 4
+    assert parse_config({}).sync.outer_rounds is None
+
+
+@pytest.mark.parametrize("values, refused", [
+    ({"sync": {**DILOCO, "fragments": 4}}, "sync.fragments=4: streaming fragments are not built yet"),
+    ({"sync": {**DILOCO, "precision": "int4"}}, "quantized pseudo-gradients are not built yet"),
+    ({"sync": {**DILOCO, "lost_learner": "drop"}}, "sync.lost_learner=drop"),
+    ({"sync": {**DILOCO, "quorum": 3}}, "sync.quorum and sync.grace_s"),
+    ({"sync": DILOCO, "compute": {"precision": "fp16"}}, "compute.precision=fp16"),
+    ({"sync": DILOCO, "steps": 10}, "steps=10 is not a whole number of rounds of sync.outer_every=4; train 12 steps"),
+    ({"sync": DILOCO, "integrity": {"every": 10}}, "integrity.every=10: the learners hold the run's state only "
+                                                   "between rounds; make each a multiple of sync.outer_every=4"),
+])
+def test_diloco_refuses_in_one_line_what_it_cannot_hold(values, refused):
+    with pytest.raises(ConfigError, match=re.escape(refused)) as error:
+        parse_config(values)
+    assert len(str(error.value).splitlines()) <= 2 and "sync.mode=diloco with" in str(error.value)

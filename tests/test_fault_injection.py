@@ -3,15 +3,19 @@ kill with ``after=`` lands in the step it was fired in, however short that step 
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 from torch import nn
 
 from elastic.core.data_plan import DataCursor
-from elastic.core.faults import InjectedFault, InjectedSegmentSpec
+from elastic.core.faults import FaultSpecError, InjectedFault, InjectedSegmentSpec, parse_faults
 from elastic.core.lr_schedule import LRSchedule
 from elastic.testing.gloo_ranks import rank_processes
 from workers.fault_injection import InjectedFaults
+from workers.world import SlowLink
 
 AFTER_S = 0.5
 
@@ -64,3 +68,40 @@ def test_a_slow_device_adds_its_work_inside_the_forward(monkeypatch):
     burn_s = 0.5 * fault_injection.STEP_OVER_FORWARD * 0.01
     assert [kind for kind, _ in happened] == ["forward", "burn", "forward", "burn"]
     assert [seconds for kind, seconds in happened if kind == "burn"] == pytest.approx([burn_s, burn_s])
+
+
+class DoneWork:
+    """A collective already complete, as loopback's are."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+def test_a_slow_link_carries_each_payload_after_the_ones_before_it():
+    link = SlowLink(bytes_per_s=10e6)
+    megabyte = [torch.zeros(250_000)]  # 1 MB of float32: 0.1 s at 10 MB/s
+    started = time.perf_counter()
+    first, second = link.carry(megabyte, DoneWork()), link.carry(megabyte, DoneWork())
+    assert not first.is_completed() and not second.is_completed()
+    first.wait()
+    assert 0.1 <= time.perf_counter() - started < 0.2 and not second.is_completed()
+    second.wait()
+    assert time.perf_counter() - started >= 0.2 and second.is_completed()
+
+
+@pytest.mark.parametrize("text, refused", [
+    ("slow-link:group=1,step=0,rate=1e6", None),
+    ("slow-link:group=1,step=0", "slow-link needs it"),
+    ("slow-link:group=1,step=0,rate=0", "rate=BYTES_PER_S > 0"),
+    ("slow:rank=1,step=0,factor=2,rate=1e6", "applies to slow-link"),
+])
+def test_a_slow_link_names_its_rate(text, refused):
+    if refused is None:
+        [fault] = parse_faults(text)
+        assert (fault.kind, fault.group, fault.rate) == ("slow-link", 1, 1e6)
+        return
+    with pytest.raises(FaultSpecError, match=re.escape(refused)):
+        parse_faults(text)

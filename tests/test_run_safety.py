@@ -52,6 +52,20 @@ def test_a_resume_may_change_layout_steps_and_checkpoint_settings(tmp_path):
     check_resumable(other, "r", saved)
 
 
+def test_a_resume_keeps_how_the_groups_merge_their_work(tmp_path):
+    """DiLoCo's checkpoint holds an outer momentum, and every-step's none: a resume that changes
+    the mode, or a round's settings, is refused; a run that never set ``sync`` records none."""
+    every_step = checkpoint_of(tiny_config(tmp_path, steps=40))
+    assert "sync" not in every_step.manifest.config
+    diloco = tiny_config(tmp_path, steps=40, sync__mode="diloco", sync__outer_every=4)
+    with pytest.raises(ConfigError, match=r"sync\.mode: 'every-step' -> 'diloco'"):
+        check_resumable(diloco, "r", every_step)
+    check_resumable(diloco, "r", checkpoint_of(diloco))
+    with pytest.raises(ConfigError, match=r"sync\.outer_every: 4 -> 8"):
+        check_resumable(tiny_config(tmp_path, steps=40, sync__mode="diloco", sync__outer_every=8), "r",
+                        checkpoint_of(diloco))
+
+
 def test_credentials_in_urls_never_reach_the_log(caplog):
     events = EventLog(lambda: 0.0)
     with caplog.at_level(logging.INFO, logger="elastic.events"):

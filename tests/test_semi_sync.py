@@ -128,3 +128,25 @@ def test_a_resume_at_another_layout_carries_the_outer_momentum(ray_cluster, tmp_
     assert result.ok and result.summary["resumed_from_step"] == 8, result.exit
     reference, _ = reference_diloco(resumed, 16)
     assert max_relative_difference(result.losses, reference[8:]) <= 1e-5
+
+
+@pytest.mark.waits  # the hang waits out its deadline
+@pytest.mark.parametrize("layout", [{"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED}],
+                         ids=["pp2", "ep2"])
+def test_a_kill_and_a_hang_inside_rounds_at_split_layouts_keep_the_clean_runs_losses(ray_cluster, tmp_path, layout):
+    """A stage (pp 2), or a rank holding half the experts (ep 2), killed inside the second round,
+    and one of the other group hung inside the third: each round redone, the routing bias moved
+    alike on every learner throughout."""
+    config = tiny_config(tmp_path, groups=2, min_groups=1, steps=STEPS, scaling__spares=1, checkpoint__memory_every=4,
+                         fault_tolerance__inject="kill:rank=1,step=5;hang:rank=2,step=9", **ROUNDS, **layout,
+                         **FAST_DETECTION)
+    split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
+    result = ElasticTrainer(config, **split).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    assert sorted((e["step"], e["rank"], e["cause"]) for e in events if e["kind"] == EventKind.RANK_FAILED) == [
+        (5, 1, "death"), (9, 2, "hang")]
+    assert [(e["step"], e["rolled_back_steps"]) for e in events if e["kind"] == EventKind.ROUND_REDONE] == [
+        (4, 1), (8, 1)]
+    reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5

@@ -62,8 +62,9 @@ def flatten(record: dict | list, prefix: str = "") -> dict:
 def recorded_settings(config: TrainConfig, checkpoint: Restorable) -> tuple[dict, dict]:
     """The settings the state depends on, flattened: (as the checkpoint recorded them, as they
     are now). A setting added since the checkpoint was written trained it at its default value."""
-    saved = {**flatten(config_record(TrainConfig())), **flatten(checkpoint.manifest.config)}
-    return saved, flatten(config_record(config))
+    # every step's sum, which a record without ``sync`` was trained with
+    defaults = {**flatten({"sync": TrainConfig().sync.model_dump(mode="json")}), **flatten(config_record(TrainConfig()))}
+    return {**defaults, **flatten(checkpoint.manifest.config)}, {**defaults, **flatten(config_record(config))}
 
 
 def is_data_setting(key: str) -> bool:
