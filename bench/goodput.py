@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elastic.core.outer_rounds import whole_rounds  # noqa: E402
 from elastic.setup.config import TrainConfig  # noqa: E402
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.events import EventKind  # noqa: E402
@@ -57,8 +59,12 @@ SYSTEMS = ("A", "B", "C", "D")
 
 
 def job_config(storage: str, name: str, steps: int, inject: str, spares: int, memory_every: int,
-               checkpoint_every: int, scaling: dict | None = None) -> TrainConfig:
-    """``scaling`` overrides the layout's settings (device, groups, shard)."""
+               checkpoint_every: int, scaling: dict | None = None, outer_every: int = 0) -> TrainConfig:
+    """``scaling`` overrides the layout's settings (device, groups, shard); ``outer_every``: DiLoCo's
+    rounds of that many steps (``sync.mode``), the steps and intervals in whole rounds."""
+    if outer_every:
+        steps, memory_every, checkpoint_every = (whole_rounds(value, outer_every)
+                                                 for value in (steps, memory_every, checkpoint_every))
     return build_config({
         "run_name": name, "storage": storage, "steps": steps, "global_batch": GLOBAL_BATCH,
         "micro_batch": MICRO_BATCH, "seed": 5,
@@ -69,6 +75,7 @@ def job_config(storage: str, name: str, steps: int, inject: str, spares: int, me
         "stragglers": {"enabled": False},
         "checkpoint": {"every": checkpoint_every, "memory_every": memory_every},
         "fault_tolerance": {"inject": inject, "min_deadline_s": 3.0},
+        "sync": {"mode": "diloco", "outer_every": outer_every} if outer_every else {},
     })
 
 
@@ -111,14 +118,23 @@ def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[st
 
 
 def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares: int, memory_every: int,
-                checkpoint_every: int, scaling: dict | None = None, steps: int | None = None) -> dict:
+                checkpoint_every: int, scaling: dict | None = None, steps: int | None = None,
+                outer_every: int = 0) -> dict:
     from elastic import ElasticTrainer
     from elastic.testing.paced import paced_model
 
     steps = steps or steps_for(interval, kills, step_s)
     inject = ";".join(f"kill:rank=random,at={interval * k:g}" for k in range(1, kills + 1))
+    if outer_every:
+        # A kill at a time fires at the run's next pause, which DiLoCo holds to a round's end: it
+        # would always land between rounds, where nothing is redone. A kill at a step instead,
+        # about every ``interval`` seconds, at a place in its round drawn at random.
+        draws = random.Random(f"goodput:{interval}:{outer_every}")
+        inject = ";".join(f"kill:rank=random,step={round(interval * k / step_s) + draws.randrange(outer_every)}"
+                          for k in range(1, kills + 1))
     name = f"goodput-{interval:g}-{spares}-{memory_every}"
-    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling)
+    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling, outer_every)
+    steps = config.steps
     summary = ElasticTrainer(config, model_fn=paced_model(config, step_s)).fit().summary
     assert summary["exit"] == "completed", summary["exit"]
     records = summary["steps"]
@@ -231,8 +247,10 @@ class Row:
 
 def run_row(args: argparse.Namespace, systems: set[str], interval: float) -> Row:
     with tempfile.TemporaryDirectory() as storage:
-        a = run_elastic(storage, interval, args.kills, args.step_s, 1, 10, args.checkpoint_every) if "A" in systems else None
-        b = run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every) if "B" in systems else None
+        a = (run_elastic(storage, interval, args.kills, args.step_s, 1, 10, args.checkpoint_every,
+                         outer_every=args.outer_every) if "A" in systems else None)
+        b = (run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every,
+                         outer_every=args.outer_every) if "B" in systems else None)
         c = run_ray_train(storage, interval, args.kills, args.step_s, args.checkpoint_every) if "C" in systems else None
         d = (run_torchft(storage, interval, args.kills, args.step_s, args.torchft_heartbeat_ms)
              if "D" in systems else None)
@@ -298,6 +316,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (A, B and C)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, comma-separated: A, B, C, D")
     parser.add_argument("--no-ray-train", action="store_true", help="leave C out")
+    parser.add_argument("--outer-every", type=int, default=0,
+                        help="A and B train DiLoCo's rounds of this many steps (sync.mode = diloco; 0: every step's sum)")
     parser.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
                         help="D's lighthouse --heartbeat_timeout_ms (torchft's default 5000)")
     args = parser.parse_args()
