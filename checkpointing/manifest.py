@@ -62,7 +62,8 @@ class Manifest(_Strict):
     format_version: Literal[1] = FORMAT_VERSION
     step: NonNegativeInt
     sequence: NonNegativeInt = 0  # commit order within the run (0: written before it was recorded)
-    cursor: dict[str, NonNegativeInt]
+    # the data plan's cursor: epoch, position and the samples returned to it (``DataCursor``)
+    cursor: dict[str, NonNegativeInt | tuple[NonNegativeInt, ...]]
     topology: dict[str, NonNegativeInt]
     config_hash: str
     config: dict[str, Any] = Field(default_factory=dict)  # the settings the state depends on

@@ -84,35 +84,46 @@ def max_parameter_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> fl
 
 
 
-def reference_diloco(config: TrainConfig, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+def reference_diloco(config: TrainConfig, steps: int,
+                     learners: list[list[int]] | None = None) -> tuple[list[float], list[torch.Tensor]]:
     """DiLoCo in one process, written from the paper, not from the trainer's code: one copy of
     the model and an inner optimizer per group, each stepping on its share of every global
     batch with its own mean gradient (clipped by its own norm); the experts' bias moved by every
     learner's routed tokens; every ``sync.outer_every`` steps the pseudo-gradients (global
     weights minus each learner's, weighted by its share of the round's tokens) summed, Nesterov
     SGD on the global weights, which every learner takes, and the inner optimizers' state
-    zeroed. Returns each step's loss (over every learner's tokens) and the final weights (the global ones, a
-    round having just ended)."""
+    zeroed. ``learners``: the groups that step at each step (default: every group, every
+    step); one that leaves inside a round is dropped from it (``sync.lost_learner = "drop"``),
+    its samples of the round returned to the data plan, which the next steps take first.
+    Returns each step's loss (over every learner's tokens) and the final weights (the global
+    ones, a round having just ended)."""
     hooks = resolve_hooks(config)
     rounds = config.sync.outer_rounds
     torch.manual_seed(config.seed)
     first = hooks.model_fn()
-    learners = [copy.deepcopy(first) for _ in range(config.scaling.max_groups)]
-    optimizers = [hooks.optimizer_fn(learner.parameters()) for learner in learners]
+    groups = config.scaling.max_groups
+    learners = learners or [list(range(groups))] * steps
+    models = [copy.deepcopy(first) for _ in range(groups)]
+    optimizers = [hooks.optimizer_fn(model.parameters()) for model in models]
     base_lrs = [group["lr"] for group in optimizers[0].param_groups]
     # the trained weights: the experts' bias is moved by the routed tokens alike on every learner
     global_weights = [param.detach().clone() for param in first.parameters() if param.requires_grad]
     momenta = [torch.zeros_like(param) for param in global_weights]
     max_norm = config.optimizer.clip_grad_norm or math.inf
-    weights = {group: 1.0 for group in range(len(learners))}
     dataset, seq_len = hooks.dataset, config.data.seq_len
     cursor, losses = DataCursor(), []
-    round_tokens = [0] * len(learners)
+    round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
     for step in range(steps):
+        stepping = learners[step]
+        if not rounds.at_boundary(step):
+            for lost in sorted(set(learners[step - 1]) - set(stepping)):  # dropped: its samples go back
+                cursor = cursor.with_returned(round_samples[lost])
+                round_tokens[lost], round_samples[lost] = 0, []
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
-        plans = split_across_groups(indices, weights)
+        plans = split_across_groups(indices, {group: 1.0 for group in stepping})
         step_tokens, loss = len(indices) * seq_len, 0.0
-        for group, (learner, optimizer) in enumerate(zip(learners, optimizers)):
+        for group in stepping:
+            learner, optimizer = models[group], optimizers[group]
             part = plans[group].indices
             loss += accumulate_gradients(learner, hooks.loss_fn, [collate(dataset, part.tolist(), torch.device("cpu"))],
                                          step_tokens)
@@ -120,35 +131,36 @@ def reference_diloco(config: TrainConfig, steps: int) -> tuple[list[float], list
                 if param.grad is not None:
                     param.grad.mul_(step_tokens / (len(part) * seq_len))
             round_tokens[group] += len(part) * seq_len
+            round_samples[group] += part.tolist()
             torch.nn.utils.clip_grad_norm_(learner.parameters(), max_norm)
             for param_group, base_lr in zip(optimizer.param_groups, base_lrs):
                 param_group["lr"] = base_lr * config.lr_schedule.factor(step)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss)
-        held = [expert_layers(learner) for learner in learners]
+        held = [expert_layers(models[group]) for group in stepping]
         if held[0]:
-            layout = RoutedLayout.of(learners[0].args)
+            layout = RoutedLayout.of(models[0].args)
             routed = [sum(counts) for counts in zip(*(layout.routed_tokens(experts) for experts in held))]
-            for experts in held:
-                balance_experts(experts, layout, routed)
+            for model in models:  # every learner's bias, one out of the round included, moves alike
+                balance_experts(expert_layers(model), layout, routed)
         if rounds.ends_at(step):
             total = sum(round_tokens)
             pseudo = [sum((start - param.detach()) * (tokens / total)
-                          for param, tokens in zip(params, round_tokens))
-                      for start, *params in zip(global_weights, *(trained(learner) for learner in learners))]
+                          for param, tokens in zip(params, round_tokens) if tokens)
+                      for start, *params in zip(global_weights, *(trained(model) for model in models))]
             sgd(global_weights, pseudo, momenta, weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr,
                 dampening=0.0, nesterov=True, maximize=False)
-            for learner, optimizer in zip(learners, optimizers):
+            for model, optimizer in zip(models, optimizers):
                 with torch.no_grad():
-                    for param, weight in zip(trained(learner), global_weights):
+                    for param, weight in zip(trained(model), global_weights):
                         param.copy_(weight)
                 for state in optimizer.state.values():
                     for value in state.values():
                         if torch.is_tensor(value):
                             value.zero_()
-            round_tokens = [0] * len(learners)
-    final = [param.detach().clone() for param in learners[0].parameters()]
+            round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
+    final = [param.detach().clone() for param in models[learners[-1][0]].parameters()]
     return losses, final
 
 

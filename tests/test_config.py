@@ -377,7 +377,6 @@ def test_diloco_rounds_the_state_intervals_left_at_their_defaults_up_to_whole_ro
 @pytest.mark.parametrize("values, refused", [
     ({"sync": {**DILOCO, "fragments": 4}}, "sync.fragments=4: streaming fragments are not built yet"),
     ({"sync": {**DILOCO, "precision": "int4"}}, "quantized pseudo-gradients are not built yet"),
-    ({"sync": {**DILOCO, "lost_learner": "drop"}}, "sync.lost_learner=drop"),
     ({"sync": {**DILOCO, "quorum": 3}}, "sync.quorum and sync.grace_s"),
     ({"sync": DILOCO, "compute": {"precision": "fp16"}}, "compute.precision=fp16"),
     ({"sync": DILOCO, "steps": 10}, "steps=10 is not a whole number of rounds of sync.outer_every=4; train 12 steps"),

@@ -784,7 +784,7 @@ class SampleLedger:
 
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
-        self.trained: dict[int, tuple[int, list[int]]] = {}  # step -> (epoch, samples); a rerun overwrites
+        self.trained: dict[int, tuple[int, dict[int, list[int]]]] = {}  # step -> (epoch, samples by group); a rerun overwrites
         self.cursor_after: dict[int, object] = {}
         scenario.controller.step_listeners.append(self.on_step)
 
@@ -793,15 +793,20 @@ class SampleLedger:
         spec = next(iter(self.scenario.fleet.segments[-1].values()))  # the run that committed it
         cursor = spec.cursor if step == spec.first_step else self.cursor_after[step - 1]
         shard = self.scenario.topology.shard
-        samples = [index for group in spec.groups for shard_index in range(shard)
-                   for micro_batch in rank_share(spec, step, cursor, group, shard_index, shard).micro_batches
-                   for index in micro_batch if index != PADDING_INDEX]
+        by_group = {group: [index for shard_index in range(shard)
+                            for micro_batch in rank_share(spec, step, cursor, group, shard_index, shard).micro_batches
+                            for index in micro_batch if index != PADDING_INDEX]
+                    for group in spec.groups}
         share = rank_share(spec, step, cursor, spec.groups[0], 0, shard)
-        self.trained[step] = (share.epoch, samples)
+        self.trained[step] = (share.epoch, by_group)
         self.cursor_after[step] = controller.history.cursor
 
-    def committed(self) -> list[tuple[int, list[int]]]:
+    def committed_by_group(self) -> list[tuple[int, dict[int, list[int]]]]:
         return [self.trained[record.step] for record in self.scenario.controller.history.step_results]
+
+    def committed(self) -> list[tuple[int, list[int]]]:
+        return [(epoch, [index for samples in by_group.values() for index in samples])
+                for epoch, by_group in self.committed_by_group()]
 
 
 def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_and_a_resume(tmp_path):
@@ -841,6 +846,31 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
         # exactly the epoch's order up to where training stands in it: nothing skipped
         assert set(samples) == set(epoch_order(dataset_len, seed, epoch)[: len(samples)].tolist())
     assert [len(by_epoch[epoch]) for epoch in range(4)] == [96] * 4  # whole epochs, less the tail
+
+
+def test_a_diloco_learner_dropped_inside_a_round_has_its_samples_trained_once_by_the_others(tmp_path):
+    """``sync.lost_learner = "drop"``: what a learner trained of its round before it was lost is
+    not in the round's outer step, so those samples go back into the data plan, and the next
+    steps train them first: over the epochs every sample is trained once."""
+    dataset_len = 100  # 12 steps of 8 an epoch; the 4-sample tail is skipped
+    scenario = Scenario(tmp_path, groups=3, steps=36, dataset_len=dataset_len,
+                        config={"sync__mode": "diloco", "sync__outer_every": 4, "sync__lost_learner": "drop"})
+    scenario.fleet.faults = {6: [Kill(rank=1, after_s=0.4)], 10: [Kill(rank=2, after_s=0.4)]}
+    ledger = SampleLedger(scenario)
+    assert scenario.run() == "completed"
+    dropped = scenario.kinds(EventKind.LEARNER_DROPPED)
+    assert [(event["step"], event["groups"], event["round_start"]) for event in dropped] == [(6, [1], 4), (10, [2], 8)]
+    assert not scenario.kinds(EventKind.ROUND_REDONE) and scenario.controller.history.steps_rolled_back == 0
+    by_epoch: dict[int, list[int]] = {}
+    for step, (epoch, by_group) in enumerate(ledger.committed_by_group()):
+        lost = {group for event in dropped for group in event["groups"] if event["round_start"] <= step < event["step"]}
+        by_epoch.setdefault(epoch, []).extend(index for group, samples in by_group.items() if group not in lost
+                                              for index in samples)
+    assert all(event["returned_samples"] > 0 for event in dropped)
+    for epoch, samples in by_epoch.items():
+        assert len(samples) == len(set(samples)), f"epoch {epoch}: a sample trained twice"
+        assert set(samples) == set(epoch_order(dataset_len, scenario.config.seed, epoch)[: len(samples)].tolist())
+    assert [len(by_epoch[epoch]) for epoch in range(2)] == [96] * 2
 
 
 def test_every_sample_of_every_source_of_a_mixture_is_trained_once_across_a_kill_a_resize_and_a_resume(

@@ -13,6 +13,7 @@ import pytest
 from elastic import ElasticTrainer
 from elastic.core.events import EventKind
 from elastic.testing.losses import max_relative_difference
+from elastic.testing.paced import paced_model
 from tests.reference import max_parameter_difference, reference_diloco, reference_run
 from tests.test_experts import BALANCED, EXPERTS
 from tests.tiny import FAST_DETECTION, tiny_config
@@ -149,4 +150,36 @@ def test_a_kill_and_a_hang_inside_rounds_at_split_layouts_keep_the_clean_runs_lo
     assert [(e["step"], e["rolled_back_steps"]) for e in events if e["kind"] == EventKind.ROUND_REDONE] == [
         (4, 1), (8, 1)]
     reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def learners_of(result) -> list[list[int]]:
+    """The groups that stepped at each committed step, as the run recorded them."""
+    return [sorted(int(group) for group, samples in record["group_samples"].items() if samples)
+            for record in result.summary["steps"]]
+
+
+@pytest.mark.waits  # paced steps
+@pytest.mark.parametrize("kill_step", [5, 6], ids=["one-step-into-a-round", "two-steps-into-a-round"])
+def test_a_learner_dropped_inside_a_round_returns_its_samples_and_the_others_go_on(ray_cluster, tmp_path, kill_step):
+    """``lost_learner = "drop"``: the survivor finishes the round alone, from where it stands
+    (nothing redone), taking the whole batch; the lost learner's samples of the round are the
+    next steps' first; the outer step merges the survivor alone. The one-process DiLoCo with the
+    same learners step by step trains the same losses."""
+    # paced steps: the group comes back on the warm spare within a round or two, well before the end
+    steps = 20
+    config = tiny_config(tmp_path, groups=2, min_groups=1, steps=steps, scaling__spares=1, checkpoint__memory_every=4,
+                         fault_tolerance__inject=f"kill:rank=0,step={kill_step}", sync__lost_learner="drop",
+                         **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config, model_fn=paced_model(config, 0.2)).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    [dropped] = [event for event in events if event["kind"] == EventKind.LEARNER_DROPPED]
+    assert (dropped["step"], dropped["groups"], dropped["round_start"]) == (kill_step, [0], 4)
+    assert dropped["returned_samples"] == (kill_step - 4) * config.global_batch // 2
+    assert EventKind.ROUND_REDONE not in kinds(result) and result.summary["steps_rolled_back"] == 0
+    learners = learners_of(result)
+    assert learners[kill_step] == [1] and learners[-1] == [0, 1]  # alone from the kill, both again later
+    assert [record["step"] for record in result.summary["steps"]] == list(range(steps))
+    reference, _ = reference_diloco(config, steps, learners)
     assert max_relative_difference(result.losses, reference) <= 1e-5

@@ -41,29 +41,31 @@ class OuterSync:
         self.exchange = GradientSum(model, torch.bfloat16 if rounds.precision == "bf16" else torch.float32,
                                     overlap=False)
         self.round_start: list[torch.Tensor] | None = None  # this rank's shards of the global weights
-        # the round's counted tokens: this learner's and every learner's, which weigh its pseudo-gradient
-        self.own_tokens = self.all_tokens = 0
+        self.own_tokens = 0  # the round's targets this learner counted: they weigh its pseudo-gradient
 
     def begin_round(self) -> None:
         """The round's first step begins: the weights now are the round's global ones."""
         with torch.no_grad():
             self.round_start = [_local(param).detach().clone() for param in self.trained]
-        self.own_tokens = self.all_tokens = 0
+        self.own_tokens = 0
 
-    def committed(self, own_tokens: int, all_tokens: int) -> None:
-        """An inner step committed, counting ``own_tokens`` of this learner's and ``all_tokens`` in all."""
+    def committed(self, own_tokens: int) -> None:
+        """An inner step committed, counting ``own_tokens`` of this learner's."""
         self.own_tokens += own_tokens
-        self.all_tokens += all_tokens
 
     def outer_step(self, replicate_group, wait: Callable[[object], None]) -> SumTimes:
         """After the round's last inner step is applied: the learners' pseudo-gradients summed,
         each weighted by its share of the round's tokens, then the outer step on the global
         weights, which every learner takes; the inner optimizer's state zeroed. Raises what the
         sum raised (``wait``: the step's deadline and the driver's abort), the rank then holding
-        its round's inner weights: the run goes back to the round's start."""
+        its round's inner weights: the run goes back to the round's start. The learners' tokens
+        are summed first: a learner dropped from the round counts none."""
         if self.round_start is None:
             raise RuntimeError("an outer step without the round's start: the round began before this rank held it")
-        weight = self.own_tokens / self.all_tokens if self.all_tokens else 0.0
+        tokens = torch.tensor([float(self.own_tokens)], dtype=torch.float64)
+        if replicate_group is not None:
+            wait(replicate_group.allreduce([tokens]))
+        weight = self.own_tokens / tokens.item() if tokens.item() else 0.0
         pseudo = [local_gradient(param) for param in self.trained]
         with torch.no_grad():
             torch._foreach_copy_(pseudo, self.round_start)

@@ -345,7 +345,7 @@ class StepTransaction:
             self._apply(lr_scale, grad_scale)
         self._rng_before_step = None
         if self.outer is not None:
-            self.outer.committed(self.step_loss.group_counted, self.step_loss.counted_tokens)
+            self.outer.committed(self.step_loss.group_counted)
             if self.outer.rounds.ends_at(share.step):
                 deadline = time.perf_counter() + spec.deadline_s
                 self.outer.outer_step(self.world.cross_group, lambda work: self.wait_replicate(work, deadline))

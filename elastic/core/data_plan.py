@@ -15,7 +15,7 @@ group's ``GroupPlan`` is a view made when dispatch asks for it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol
 
@@ -29,10 +29,19 @@ MicroBatches = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class DataCursor:
-    """Where the global order stands; valid at any world size."""
+    """Where the global order stands; valid at any world size. ``returned``: samples of this
+    epoch's order before ``position`` whose training was dropped (a DiLoCo learner lost inside a
+    round, ``sync.lost_learner = "drop"``): the next steps take them first."""
 
     epoch: int = 0
     position: int = 0
+    returned: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "returned", tuple(int(index) for index in self.returned))  # a manifest's list
+
+    def with_returned(self, indices: Iterable[int]) -> DataCursor:
+        return replace(self, returned=(*self.returned, *indices))
 
 
 @dataclass(frozen=True)
@@ -97,14 +106,21 @@ def epoch_order(dataset_len: int, seed: int, epoch: int) -> np.ndarray:
 def take_global_batch(
     cursor: DataCursor, dataset_len: int, batch: int, seed: int
 ) -> tuple[np.ndarray, DataCursor]:
-    """The next ``batch`` indices; an epoch's tail shorter than a batch is skipped."""
+    """The next ``batch`` indices: the samples returned first, then the epoch's order. An epoch
+    trains its order up to a whole number of batches (the tail shorter than a batch is skipped);
+    where samples were returned in it, its last batch is shorter, so that it still ends there,
+    each of those samples trained once: returned samples are this epoch's, and are trained in it."""
     if batch > dataset_len:
         raise ValueError(f"global_batch={batch} exceeds the dataset's {dataset_len} samples")
-    if cursor.position + batch > dataset_len:
+    usable = dataset_len - dataset_len % batch
+    returned = cursor.returned[:batch]
+    if not returned and cursor.position >= usable:
         cursor = DataCursor(cursor.epoch + 1, 0)
-    order = epoch_order(dataset_len, seed, cursor.epoch)
-    indices = order[cursor.position : cursor.position + batch]
-    return indices, DataCursor(cursor.epoch, cursor.position + batch)
+    end = min(cursor.position + batch - len(returned), usable)
+    indices = epoch_order(dataset_len, seed, cursor.epoch)[cursor.position : end]
+    if returned:
+        indices = np.concatenate([np.array(returned, dtype=np.int64), indices])
+    return indices, DataCursor(cursor.epoch, end, cursor.returned[batch:])
 
 
 def apportion_array(total: int, weights: np.ndarray, weight_sum: float | None = None) -> np.ndarray:
@@ -140,7 +156,7 @@ def plan_step(
     group_weights: dict[int, float],
 ) -> StepPlan:
     indices, next_cursor = take_global_batch(cursor, dataset_len, global_batch, seed)
-    started_at = cursor if cursor.position + global_batch <= dataset_len else DataCursor(cursor.epoch + 1, 0)
+    started_at = cursor if next_cursor.epoch == cursor.epoch else DataCursor(next_cursor.epoch, 0)
     return StepPlan(step, started_at, next_cursor, len(indices), split_across_groups(indices, group_weights))
 
 
@@ -160,6 +176,24 @@ def split_across_groups(indices: np.ndarray, group_weights: dict[int, float]) ->
     bounds = np.zeros(len(groups) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
     return GroupPlans(np.array(groups, dtype=np.int64), bounds, indices)
+
+
+def group_share(cursor: DataCursor, group_samples: Mapping[int, int], group: int, *, dataset_len: int,
+                global_batch: int, seed: int) -> np.ndarray:
+    """The samples ``group`` trained in a step that began at ``cursor`` and split its batch as
+    ``group_samples`` (each group's count, contiguous in group order)."""
+    indices, _ = take_global_batch(cursor, dataset_len, global_batch, seed)
+    before = sum(count for other, count in group_samples.items() if other < group)
+    return indices[before : before + group_samples.get(group, 0)]
+
+
+def dropped_samples(steps: Iterable[tuple[DataCursor, Mapping[int, int]]], groups: Iterable[int], *,
+                    dataset_len: int, global_batch: int, seed: int) -> list[int]:
+    """What ``groups`` trained in ``steps`` (each a step's cursor and its split), in step order:
+    a DiLoCo round's samples of learners dropped from it."""
+    return [int(index) for cursor, group_samples in steps for group in sorted(groups)
+            for index in group_share(cursor, group_samples, group, dataset_len=dataset_len,
+                                     global_batch=global_batch, seed=seed)]
 
 
 def group_weights(groups: Iterable[int], decided: Mapping[int, float]) -> dict[int, float]:

@@ -76,6 +76,7 @@ class EventKind(StrEnum):
     RESTORED_INITIAL_STATE = "restored-initial-state"
     RESTORED_FROM_MEMORY = "restored-from-memory"
     ROUND_REDONE = "round-redone"  # DiLoCo: a learner lost inside a round, the learners going on back at its start
+    LEARNER_DROPPED = "learner-dropped"  # DiLoCo's drop: a learner lost inside a round left it, its samples returned
     RECOVERED = "recovered"
     EVAL_DISCARDED = "eval-discarded"
     # evaluation

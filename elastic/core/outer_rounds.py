@@ -14,7 +14,10 @@ round boundary only (``at_boundary``: their intervals are whole rounds, ``whole_
 
 A learner lost inside a round is redone (``sync.lost_learner = "redo"``): the run goes back to
 the round's start, which the memory tier holds for every rank, and the round trains again
-with the same data, so every committed step equals a clean run's.
+with the same data, so every committed step equals a clean run's. Or it is dropped (``"drop"``):
+the learners going on finish the round without it, its samples of the round go back into the
+data plan (``DataCursor.returned``), and the outer step merges the learners that finished, by
+their tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ class OuterRounds:
     lr: float  # the outer optimizer's (Nesterov SGD's) learning rate
     momentum: float
     precision: str = "fp32"  # the pseudo-gradients' dtype across groups: fp32 or bf16
+    # a learner lost inside a round: its part dropped and its samples returned to the plan
+    # (``sync.lost_learner = "drop"``), else the round redone
+    drops: bool = False
 
     def ends_at(self, step: int) -> bool:
         """Whether ``step`` is its round's last inner step: the outer step follows it."""

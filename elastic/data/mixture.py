@@ -118,10 +118,13 @@ class Mixture(Recipe):
 
     def trained_before(self, cursor: DataCursor) -> np.ndarray:
         """The samples of each source the data plan gives before ``cursor``, from the first
-        epoch: what a run that stands there has trained of each."""
+        epoch: what a run that stands there has trained of each (the samples it returned to the
+        plan not yet)."""
         order = epoch_order(len(self), self.seed, cursor.epoch)[: cursor.position]
         sources = np.searchsorted(self._bounds, order, side="right") - 1
-        return cursor.epoch * self.counts + np.bincount(sources, minlength=len(self.sources))
+        returned = np.searchsorted(self._bounds, np.array(cursor.returned, dtype=np.int64), side="right") - 1
+        return (cursor.epoch * self.counts + np.bincount(sources, minlength=len(self.sources))
+                - np.bincount(returned, minlength=len(self.sources)))
 
     def locate(self, index: int) -> Drawn:
         """Which source's sample the mixture's ``index`` is in this epoch, and in which of its passes."""

@@ -33,7 +33,7 @@ from enum import StrEnum
 from checkpointing.catalog import Restorable
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.setup.config import TrainConfig
-from elastic.core.data_plan import group_weights
+from elastic.core.data_plan import dropped_samples, group_weights
 from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
 from elastic.core.exits import Ending, Exit
@@ -155,7 +155,9 @@ class Controller:
         self.watch = SegmentWatch(collector := OutcomeCollector(fleet, self.topology, self.deadline, events, clock))
         self.evaluation = Evaluation(config, collector, eval_len, events, ledger, clock)
         self.stragglers = StragglerWatch(config, self.topology, events, clock)
-        self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale)
+        rounds = config.sync.outer_rounds
+        self.history = RunHistory(integrity_every=config.integrity.every, loss_scale=config.compute.loss_scale,
+                                  outer_every=rounds.every if rounds is not None else 0)
         self.timing = RecoveryTiming(events, clock)
         self.context = run = RunContext(config, fleet, self.membership, self.history, self.timing, events, clock)
         self.state_sources = StateSources(run, checkpoints)
@@ -390,7 +392,8 @@ class Controller:
             diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.verified_step)
         # groups joined to catch up that no segment saw catch up hold no state
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | self.state_sources.unconfirmed())
-        plan = plan_recovery(diagnosis, self.topology, self.membership.live_groups())
+        live = self.membership.live_groups()
+        plan = plan_recovery(diagnosis, self.topology, live)
         if failure.failed in (FailedWork.STEP, FailedWork.EVALUATION):  # what failed is said before what it costs
             self.events.emit(
                 EventKind.STEP_DISCARDED if failure.failed is FailedWork.STEP else EventKind.EVAL_DISCARDED,
@@ -402,9 +405,13 @@ class Controller:
                 self.events.emit(EventKind.RANK_FAILED, rank=eviction.rank, group=eviction.group,
                                  cause=eviction.cause, step=step, **failure.events)
             self.groups.evict(eviction.rank, eviction.cause)
-        if not self.context.between_rounds and plan.survivors:  # DiLoCo's round lost a learner: it is redone
-            round_start = self.config.sync.outer_rounds.start_of(step)
-            if not self.state_sources.redo_round(list(plan.survivors), round_start):
+        rounds = self.config.sync.outer_rounds
+        if not self.context.between_rounds and plan.survivors:  # DiLoCo's round lost a learner
+            # A failure of a round's last step may be its outer step's: the learners going on may
+            # hold that step's inner update, not committed, so the round is redone.
+            if rounds.drops and not rounds.ends_at(step):
+                self.drop_learners([group for group in plan.rebuilding if group in live], step)
+            elif not self.state_sources.redo_round(list(plan.survivors), rounds.start_of(step)):
                 # no round's start in host memory: every group restores
                 plan = replace(plan, rebuilding=tuple(sorted({*plan.rebuilding, *plan.survivors})), survivors=())
         for group in plan.rebuilding:
@@ -416,6 +423,16 @@ class Controller:
                          detect_s=failure.seen_at - failure.started, drain_s=drained - failure.seen_at)
         if failure.failed is FailedWork.STEP:
             self.history.steps_discarded += 1
+
+    def drop_learners(self, groups: list[int], step: int) -> None:
+        """DiLoCo's ``drop``: the learners ``groups`` lost inside the round leave it; what they
+        trained of it goes back into the data plan, and the others finish the round without them."""
+        config = self.config
+        returned = dropped_samples(self.history.round_steps, groups, dataset_len=self.dataset_len,
+                                   global_batch=config.global_batch, seed=config.seed)
+        self.history.return_samples(returned)
+        self.events.emit(EventKind.LEARNER_DROPPED, step=step, groups=groups,
+                         round_start=config.sync.outer_rounds.start_of(step), returned_samples=len(returned))
 
     # checkpoints and the end of the run
 

@@ -298,8 +298,9 @@ class GroupKeeper:
         self.membership.apply(group, Broken())
 
     def _leaving(self, group: int) -> None:
-        """``group`` leaves the quorum: under DiLoCo, a learner the round waits for."""
-        if self.config.sync.outer_rounds is not None and group in self.membership.live_groups():
+        """``group`` leaves the quorum: under DiLoCo's redo, a learner the round waits for."""
+        rounds = self.config.sync.outer_rounds
+        if rounds is not None and not rounds.drops and group in self.membership.live_groups():
             self.lost_learners.add(group)
 
     def apply_straggler_actions(self, actions: StragglerActions) -> None:

@@ -31,6 +31,10 @@ class RunHistory:
     # corruption the check finds later arose after it.
     verified_step: int = 0
     loss_scale: LossScale | None = None  # fp16's at ``step``: moved on by each commit and overflow
+    outer_every: int = 0  # DiLoCo's round (0: every step's sum)
+    # The DiLoCo round in progress: each committed step's cursor and split, what a learner
+    # dropped from it had trained (``data_plan.dropped_samples``)
+    round_steps: list[tuple[DataCursor, dict[int, int]]] = field(default_factory=list)
 
     def commit(self, message: SegmentRecords, index: int, arrays: RankArrays, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
@@ -38,6 +42,9 @@ class RunHistory:
         votes agree on the loss, the norm and the clipping factor; ``arrays`` holds every rank's
         times). Returns the step's result."""
         first, step_s = message.records[index], float(message.step_s[index].max())  # the slowest group's period
+        if self.outer_every and self.step % self.outer_every == 0:
+            self.round_steps = []
+        self.round_steps.append((self.cursor, dict(first.group_samples)))
         tokens = first.counted
         result = StepResult(
             step=self.step, t=t, loss=first.loss, lr=first.lr, grad_norm=first.grad_norm,
@@ -69,12 +76,17 @@ class RunHistory:
         """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);
         later committed steps rerun."""
         self.step, self.cursor = step, cursor
+        self.round_steps = []
         kept = max(0, step - self.first_step)
         del self.losses[kept:]
         del self.step_results[kept:]
         self.eval_results = [result for result in self.eval_results if result.step <= step]
         self.has_state = True
         self.verified_step = step
+
+    def return_samples(self, indices: list[int]) -> None:
+        """Samples whose training was dropped: the next steps take them first."""
+        self.cursor = self.cursor.with_returned(indices)
 
     def eval_due(self, every: int, steps: int) -> bool:
         """Every ``every`` committed steps and after the last one, once per step."""

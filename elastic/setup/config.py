@@ -558,7 +558,8 @@ class SyncConfig(Section):
     def outer_rounds(self) -> OuterRounds | None:
         if self.mode == "every-step":
             return None
-        return OuterRounds(self.outer_every, self.outer_lr, self.outer_momentum, self.precision)
+        return OuterRounds(self.outer_every, self.outer_lr, self.outer_momentum, self.precision,
+                           drops=self.lost_learner == "drop")
 
 
 class MetricsConfig(Section):
@@ -777,8 +778,6 @@ class TrainConfig(Section):
                               "is not built yet; set sync.sync_delay = 0"),
             (sync.precision in ("fp8", "int4"), f"sync.precision={sync.precision}: quantized pseudo-gradients are "
                                                 "not built yet; use fp32 or bf16"),
-            (sync.lost_learner == "drop", "sync.lost_learner=drop: committing a round without a lost learner is not "
-                                          "built yet; use redo"),
             (sync.quorum or sync.grace_s, "sync.quorum and sync.grace_s: a round that does not wait for every "
                                           "learner is not built yet; set both to 0"),
             (self.compute.precision == "fp16", "compute.precision=fp16: the learners' loss scales would part ways; "
