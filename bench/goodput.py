@@ -59,12 +59,13 @@ SYSTEMS = ("A", "B", "C", "D")
 
 
 def job_config(storage: str, name: str, steps: int, inject: str, spares: int, memory_every: int,
-               checkpoint_every: int, scaling: dict | None = None, outer_every: int = 0) -> TrainConfig:
+               checkpoint_every: int, scaling: dict | None = None, outer_every: int = 0,
+               lost_learner: str = "redo") -> TrainConfig:
     """``scaling`` overrides the layout's settings (device, groups, shard); ``outer_every``: DiLoCo's
     rounds of that many steps (``sync.mode``), the steps and intervals in whole rounds."""
-    if outer_every:
-        steps, memory_every, checkpoint_every = (whole_rounds(value, outer_every)
-                                                 for value in (steps, memory_every, checkpoint_every))
+    if outer_every:  # the memory tier's copies at each round's start, as the config's default under DiLoCo
+        steps, checkpoint_every = whole_rounds(steps, outer_every), whole_rounds(checkpoint_every, outer_every)
+        memory_every = outer_every if memory_every else 0
     return build_config({
         "run_name": name, "storage": storage, "steps": steps, "global_batch": GLOBAL_BATCH,
         "micro_batch": MICRO_BATCH, "seed": 5,
@@ -75,7 +76,7 @@ def job_config(storage: str, name: str, steps: int, inject: str, spares: int, me
         "stragglers": {"enabled": False},
         "checkpoint": {"every": checkpoint_every, "memory_every": memory_every},
         "fault_tolerance": {"inject": inject, "min_deadline_s": 3.0},
-        "sync": {"mode": "diloco", "outer_every": outer_every} if outer_every else {},
+        "sync": {"mode": "diloco", "outer_every": outer_every, "lost_learner": lost_learner} if outer_every else {},
     })
 
 
@@ -119,7 +120,7 @@ def kill_to_whole_phases(events: list[dict], fault: dict, group: int) -> dict[st
 
 def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares: int, memory_every: int,
                 checkpoint_every: int, scaling: dict | None = None, steps: int | None = None,
-                outer_every: int = 0) -> dict:
+                outer_every: int = 0, lost_learner: str = "redo") -> dict:
     from elastic import ElasticTrainer
     from elastic.testing.paced import paced_model
 
@@ -133,7 +134,8 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
         inject = ";".join(f"kill:rank=random,step={round(interval * k / step_s) + draws.randrange(outer_every)}"
                           for k in range(1, kills + 1))
     name = f"goodput-{interval:g}-{spares}-{memory_every}"
-    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling, outer_every)
+    config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling, outer_every,
+                        lost_learner)
     steps = config.steps
     summary = ElasticTrainer(config, model_fn=paced_model(config, step_s)).fit().summary
     assert summary["exit"] == "completed", summary["exit"]
@@ -248,9 +250,9 @@ class Row:
 def run_row(args: argparse.Namespace, systems: set[str], interval: float) -> Row:
     with tempfile.TemporaryDirectory() as storage:
         a = (run_elastic(storage, interval, args.kills, args.step_s, 1, 10, args.checkpoint_every,
-                         outer_every=args.outer_every) if "A" in systems else None)
+                         outer_every=args.outer_every, lost_learner=args.lost_learner) if "A" in systems else None)
         b = (run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every,
-                         outer_every=args.outer_every) if "B" in systems else None)
+                         outer_every=args.outer_every, lost_learner=args.lost_learner) if "B" in systems else None)
         c = run_ray_train(storage, interval, args.kills, args.step_s, args.checkpoint_every) if "C" in systems else None
         d = (run_torchft(storage, interval, args.kills, args.step_s, args.torchft_heartbeat_ms)
              if "D" in systems else None)
@@ -318,6 +320,8 @@ def main() -> int:
     parser.add_argument("--no-ray-train", action="store_true", help="leave C out")
     parser.add_argument("--outer-every", type=int, default=0,
                         help="A and B train DiLoCo's rounds of this many steps (sync.mode = diloco; 0: every step's sum)")
+    parser.add_argument("--lost-learner", choices=("redo", "drop"), default="redo",
+                        help="with --outer-every: sync.lost_learner")
     parser.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
                         help="D's lighthouse --heartbeat_timeout_ms (torchft's default 5000)")
     args = parser.parse_args()

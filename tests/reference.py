@@ -84,8 +84,8 @@ def max_parameter_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> fl
 
 
 
-def reference_diloco(config: TrainConfig, steps: int,
-                     learners: list[list[int]] | None = None) -> tuple[list[float], list[torch.Tensor]]:
+def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] | None = None,
+                     dropped: dict[int, list[int]] | None = None) -> tuple[list[float], list[torch.Tensor]]:
     """DiLoCo in one process, written from the paper, not from the trainer's code: one copy of
     the model and an inner optimizer per group, each stepping on its share of every global
     batch with its own mean gradient (clipped by its own norm); the experts' bias moved by every
@@ -93,9 +93,10 @@ def reference_diloco(config: TrainConfig, steps: int,
     weights minus each learner's, weighted by its share of the round's tokens) summed, Nesterov
     SGD on the global weights, which every learner takes, and the inner optimizers' state
     zeroed. ``learners``: the groups that step at each step (default: every group, every
-    step); one that leaves inside a round is dropped from it (``sync.lost_learner = "drop"``),
-    its samples of the round returned to the data plan, which the next steps take first.
-    Returns each step's loss (over every learner's tokens) and the final weights (the global
+    step); ``dropped``: by step, the groups dropped from their round as it began
+    (``sync.lost_learner = "drop"``): their samples of the round go back to the data plan, which
+    the next steps take first. A group that steps inside a round it did not step in the step
+    before, or was dropped from, starts from the round's start. Returns each step's loss (over every learner's tokens) and the final weights (the global
     ones, a round having just ended)."""
     hooks = resolve_hooks(config)
     rounds = config.sync.outer_rounds
@@ -113,12 +114,21 @@ def reference_diloco(config: TrainConfig, steps: int,
     dataset, seq_len = hooks.dataset, config.data.seq_len
     cursor, losses = DataCursor(), []
     round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
+    dropped = dropped or {}
     for step in range(steps):
         stepping = learners[step]
-        if not rounds.at_boundary(step):
-            for lost in sorted(set(learners[step - 1]) - set(stepping)):  # dropped: its samples go back
-                cursor = cursor.with_returned(round_samples[lost])
-                round_tokens[lost], round_samples[lost] = 0, []
+        for lost in dropped.get(step, []):  # its samples go back
+            cursor = cursor.with_returned(round_samples[lost])
+            round_tokens[lost], round_samples[lost] = 0, []
+        joining = [] if rounds.at_boundary(step) else set(stepping) - (set(learners[step - 1]) - set(dropped.get(step, [])))
+        for group in sorted(joining):  # from the round's start, its inner state new
+            with torch.no_grad():
+                for param, weight in zip(trained(models[group]), global_weights):
+                    param.copy_(weight)
+            for state in optimizers[group].state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
         plans = split_across_groups(indices, {group: 1.0 for group in stepping})
         step_tokens, loss = len(indices) * seq_len, 0.0

@@ -369,7 +369,7 @@ DILOCO = {"mode": "diloco", "outer_every": 4}
 def test_diloco_rounds_the_state_intervals_left_at_their_defaults_up_to_whole_rounds():
     config = parse_config({"sync": DILOCO, "checkpoint": {"every": 8}})
     assert (config.checkpoint.every, config.checkpoint.memory_every, config.integrity.every, config.eval.every) == (
-        8, 12, 12, 0)
+        8, 4, 12, 0)
     assert config.sync.outer_rounds.every == 4
     assert parse_config({}).sync.outer_rounds is None
 

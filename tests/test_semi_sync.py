@@ -103,7 +103,7 @@ def test_a_stop_asked_inside_a_round_takes_effect_at_its_end(ray_cluster, tmp_pa
     assert saved[-1] == 4, saved
 
 
-def test_a_bit_flipped_between_rounds_is_found_and_healed_from_the_majority(ray_cluster, tmp_path):
+def test_a_bit_flipped_between_rounds_is_found_and_every_learner_goes_back_to_the_verified_round_start(ray_cluster, tmp_path):
     """The integrity check compares the learners where they are equal, between rounds: the bit
     flips in group 1 as round 2 begins, and the check at its first step finds it."""
     config = tiny_config(tmp_path, groups=3, steps=STEPS, integrity__every=4,
@@ -112,8 +112,10 @@ def test_a_bit_flipped_between_rounds_is_found_and_healed_from_the_majority(ray_
     assert result.ok, result.exit
     [found] = [event for event in result.summary["events"] if event["kind"] == EventKind.INTEGRITY_MISMATCH]
     assert (found["step"], found["suspects"], found["majority"]) == (8, [1], [0, 2])
-    [healed] = [event for event in result.summary["events"] if event["kind"] == EventKind.GROUP_HEALED]
-    assert healed["group"] == 1 and healed["source_group"] in (0, 2)
+    # the memory tier holds every rank's copy of the last round's start the check verified: every
+    # group goes back to it (``StateSources.after_mismatch``)
+    [restored] = [event for event in result.summary["events"] if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
+    assert (restored["step"], restored["groups"]) == (4, [0, 1, 2])
     reference, _ = reference_diloco(config, STEPS)
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
@@ -160,12 +162,13 @@ def learners_of(result) -> list[list[int]]:
 
 
 @pytest.mark.waits  # paced steps
-@pytest.mark.parametrize("kill_step", [5, 6], ids=["one-step-into-a-round", "two-steps-into-a-round"])
+@pytest.mark.parametrize("kill_step", [5, 7], ids=["one-step-into-a-round", "at-a-rounds-last-step"])
 def test_a_learner_dropped_inside_a_round_returns_its_samples_and_the_others_go_on(ray_cluster, tmp_path, kill_step):
-    """``lost_learner = "drop"``: the survivor finishes the round alone, from where it stands
-    (nothing redone), taking the whole batch; the lost learner's samples of the round are the
-    next steps' first; the outer step merges the survivor alone. The one-process DiLoCo with the
-    same learners step by step trains the same losses."""
+    """``lost_learner = "drop"``: the survivor goes on from where it stands (nothing redone); the
+    lost learner's samples of the round are the next steps' first; its group, back on the warm
+    spare, joins the round from its start (the memory tier's copy), taking its share of the
+    round's remaining steps; the outer step weighs each learner by its tokens of the round. The
+    one-process DiLoCo with the same learners step by step trains the same losses."""
     # paced steps: the group comes back on the warm spare within a round or two, well before the end
     steps = 20
     config = tiny_config(tmp_path, groups=2, min_groups=1, steps=steps, scaling__spares=1, checkpoint__memory_every=4,
@@ -179,7 +182,11 @@ def test_a_learner_dropped_inside_a_round_returns_its_samples_and_the_others_go_
     assert dropped["returned_samples"] == (kill_step - 4) * config.global_batch // 2
     assert EventKind.ROUND_REDONE not in kinds(result) and result.summary["steps_rolled_back"] == 0
     learners = learners_of(result)
-    assert learners[kill_step] == [1] and learners[-1] == [0, 1]  # alone from the kill, both again later
+    assert learners[-1] == [0, 1], learners
+    if learners[kill_step] == [0, 1]:  # back within the round (on a busy machine, perhaps at the next)
+        [joined] = [event for event in events if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
+        assert (joined["step"], joined["groups"], joined["rolled_back_steps"], joined["joined_round"]) == (
+            4, [0], 0, True)
     assert [record["step"] for record in result.summary["steps"]] == list(range(steps))
-    reference, _ = reference_diloco(config, steps, learners)
+    reference, _ = reference_diloco(config, steps, learners, dropped={kill_step: [0]})
     assert max_relative_difference(result.losses, reference) <= 1e-5

@@ -59,6 +59,12 @@ class StepDiscarded(RuntimeError):
     """The group's vote found that a peer's cross-group sum failed: every rank discards."""
 
 
+class OuterStepFailed(RuntimeError):
+    """A DiLoCo round's outer step failed (its cause: the pseudo-gradients' sum) after the
+    round's last inner step was applied: the rank holds an update of no committed step, so its
+    group is broken, builds again and takes the state anew."""
+
+
 class VoteFailed(RuntimeError):
     """The group's vote itself failed (a peer died or hung in it): the group is broken."""
 
@@ -148,6 +154,8 @@ def describe_failure(error: BaseException) -> str:
 def classify(error: BaseException, phase: Phase) -> Failure:
     """``phase``: where the rank was (``data``, ``compute``, ``replicate``; see ``RankActivity``)."""
     error = unwrapped(error)
+    if isinstance(error, OuterStepFailed) and error.__cause__ is not None:
+        return classify(error.__cause__, phase)
     if isinstance(error, (CollectiveAborted, CollectiveTimedOut, StepInterrupted, StepDiscarded)):
         return Failure.RELEASED
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
@@ -166,6 +174,6 @@ def failure_outcome(global_rank: int, step: int, error: BaseException, phase: Ph
     world is broken when a rank failed in its own work outside an agreed stop (its peers may
     wait for it in a collective of the group), or in the vote."""
     group_broken = (phase in (Phase.DATA, Phase.COMPUTE, Phase.STAGE_WAIT) and not isinstance(error, StepInterrupted)
-                    or isinstance(error, VoteFailed))
+                    or isinstance(unwrapped(error), (VoteFailed, OuterStepFailed)))
     return RankOutcome(global_rank, step, error=describe_failure(error), failure=classify(error, phase),
                        group_broken=group_broken)

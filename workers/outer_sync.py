@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.sgd import sgd
 
 from elastic.core.outer_rounds import OuterRounds
+from workers.failures import OuterStepFailed
 from workers.gradient_sum import GradientSum, SumTimes, local_gradient
 
 OUTER_MOMENTUM = "outer_momentum"
@@ -44,7 +45,8 @@ class OuterSync:
         self.own_tokens = 0  # the round's targets this learner counted: they weigh its pseudo-gradient
 
     def begin_round(self) -> None:
-        """The round's first step begins: the weights now are the round's global ones."""
+        """The round's first step begins, or this learner's first in a round it joined (from the
+        round's start, ``sync.lost_learner = "drop"``): the weights now are the round's global ones."""
         with torch.no_grad():
             self.round_start = [_local(param).detach().clone() for param in self.trained]
         self.own_tokens = 0
@@ -56,12 +58,30 @@ class OuterSync:
     def outer_step(self, replicate_group, wait: Callable[[object], None]) -> SumTimes:
         """After the round's last inner step is applied: the learners' pseudo-gradients summed,
         each weighted by its share of the round's tokens, then the outer step on the global
-        weights, which every learner takes; the inner optimizer's state zeroed. Raises what the
-        sum raised (``wait``: the step's deadline and the driver's abort), the rank then holding
-        its round's inner weights: the run goes back to the round's start. The learners' tokens
-        are summed first: a learner dropped from the round counts none."""
+        weights, which every learner takes; the inner optimizer's state zeroed. Raises
+        ``OuterStepFailed`` from what the sum raised (``wait``: the step's deadline and the
+        driver's abort), the rank then holding its round's last inner update, of no committed
+        step: its group builds again."""
         if self.round_start is None:
             raise RuntimeError("an outer step without the round's start: the round began before this rank held it")
+        try:
+            times = self._sum_pseudo_gradients(replicate_group, wait)
+        except Exception as error:
+            raise OuterStepFailed(f"the round's outer step failed: {error}") from error
+        momenta = [_local(self._momentum(param)) for param in self.trained]
+        with torch.no_grad():
+            sgd(self.round_start, [local_gradient(param) for param in self.trained], momenta, foreach=False, weight_decay=0.0, momentum=self.rounds.momentum,
+                lr=self.rounds.lr, dampening=0.0, nesterov=True, maximize=False)
+            for param, global_weights in zip(self.trained, self.round_start):
+                _local(param).copy_(global_weights)
+        self._zero_inner_state()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.round_start = None
+        return times
+
+    def _sum_pseudo_gradients(self, replicate_group, wait: Callable[[object], None]) -> SumTimes:
+        """Every learner's pseudo-gradient weighted by its share of the round's tokens (summed
+        first: a learner dropped from the round counts none), summed into the gradients."""
         tokens = torch.tensor([float(self.own_tokens)], dtype=torch.float64)
         if replicate_group is not None:
             wait(replicate_group.allreduce([tokens]))
@@ -71,20 +91,10 @@ class OuterSync:
             torch._foreach_copy_(pseudo, self.round_start)
             torch._foreach_sub_(pseudo, [_local(param) for param in self.trained])
             torch._foreach_mul_(pseudo, weight)
-        times = SumTimes(0.0, 0.0)
-        if replicate_group is not None:
-            self.exchange.start(replicate_group)
-            times = self.exchange.finish(wait)
-        momenta = [_local(self._momentum(param)) for param in self.trained]
-        with torch.no_grad():
-            sgd(self.round_start, pseudo, momenta, foreach=False, weight_decay=0.0, momentum=self.rounds.momentum,
-                lr=self.rounds.lr, dampening=0.0, nesterov=True, maximize=False)
-            for param, global_weights in zip(self.trained, self.round_start):
-                _local(param).copy_(global_weights)
-        self._zero_inner_state()
-        self.optimizer.zero_grad(set_to_none=False)
-        self.round_start = None
-        return times
+        if replicate_group is None:
+            return SumTimes(0.0, 0.0)
+        self.exchange.start(replicate_group)
+        return self.exchange.finish(wait)
 
     def hold_momentum(self) -> None:
         """Before a checkpoint loads: DCP loads the optimizer state the optimizer holds places

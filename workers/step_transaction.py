@@ -186,8 +186,8 @@ class StepTransaction:
         deadline = started + spec.deadline_s
         step = share.step
         self.loss_scaling.begin(spec, step)
-        if self.outer is not None and self.outer.rounds.at_boundary(step):
-            self.outer.begin_round()
+        if self.outer is not None and (self.outer.round_start is None or self.outer.rounds.at_boundary(step)):
+            self.outer.begin_round()  # a round's first step, or a learner's first in a round it joined
         self.agreement.begin(spec.attempt, records_due,
                              may_pause=self.outer is None or self.outer.rounds.ends_at(step))
         self.integrity.start(step, spec.integrity_every, self.world.cross_group)

@@ -407,9 +407,8 @@ class Controller:
             self.groups.evict(eviction.rank, eviction.cause)
         rounds = self.config.sync.outer_rounds
         if not self.context.between_rounds and plan.survivors:  # DiLoCo's round lost a learner
-            # A failure of a round's last step may be its outer step's: the learners going on may
-            # hold that step's inner update, not committed, so the round is redone.
-            if rounds.drops and not rounds.ends_at(step):
+            # (a group whose outer step failed holds an update of no committed step: it is broken)
+            if rounds.drops:
                 self.drop_learners([group for group in plan.rebuilding if group in live], step)
             elif not self.state_sources.redo_round(list(plan.survivors), rounds.start_of(step)):
                 # no round's start in host memory: every group restores

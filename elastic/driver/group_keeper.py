@@ -172,7 +172,7 @@ class GroupKeeper:
         pays (``state_sources``)."""
         ready = list(self.membership.groups_in(GroupStage.READY))
         live = self.membership.live_groups()
-        if not ready or (live and not self.run.between_rounds):  # a learner joins between rounds
+        if not ready:
             return False
         # Below the minimum the live groups were not stepping: the groups heal first and the
         # steps keep their split (a model that draws random numbers draws them as it would have).
@@ -180,7 +180,11 @@ class GroupKeeper:
         catch_up = (steps_next and not self.scaling.below_minimum(len(live)) and self.config.sync.outer_rounds is None
                     and catch_up_pays(self.state_sources.expected_copy_s(), step_s, len(live), len(ready)))
         try:
-            self.state_sources.load(ready, live, steps_next=steps_next, overlap=catch_up)
+            if live and not self.run.between_rounds:  # a DiLoCo learner joins between rounds, or from a round's start
+                if not self._joins_round(ready):
+                    return False
+            else:
+                self.state_sources.load(ready, live, steps_next=steps_next, overlap=catch_up)
         except FleetError:
             for group in ready:  # what they hold now is unknown: build them afresh
                 self.membership.apply(group, Broken())
@@ -194,6 +198,16 @@ class GroupKeeper:
             self.events.emit(EventKind.GROUP_JOINED, group=group, generation=self.membership.generation)
         self.rebuild_replicas(joined=ready)
         return True
+
+    def _joins_round(self, ready: list[int]) -> bool:
+        """Under DiLoCo's drop, groups ready inside a round join it as learners from its start,
+        where the memory tier holds it for them (``StateSources.join_round``), and take their
+        shares of its remaining steps; else (and where experts' routing bias has moved since the
+        round began, which the round's start does not hold) they join between rounds."""
+        rounds, model = self.config.sync.outer_rounds, self.config.model
+        if not rounds.drops or (model.experts and model.expert_bias_rate):
+            return False
+        return self.state_sources.join_round(ready, rounds.start_of(self.history.step))
 
     def rebuild_replicas(self, joined: Iterable[int] = ()) -> None:
         """New cross-group process groups over the quorum's groups: a new build, which the

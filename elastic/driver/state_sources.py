@@ -163,12 +163,31 @@ class StateSources:
         if not groups or not self.config.checkpoint.memory_every:
             return False
         at_most = round_start if self.trusted_until is None else min(round_start, self.trusted_until)
-        restored = self._back_to_memory(groups, holders=groups, at_most=at_most)
-        if restored is None:
+        planned = self._memory_plan(groups, holders=groups, at_most=at_most)
+        if planned is None:
             return False
-        plan, _, seconds, rolled_back = restored
+        plan, _ = planned
+        seconds = self._load_from_memory(plan)
+        rolled_back = self._rewind_to(plan.step, plan.cursor)
         self.events.emit(EventKind.ROUND_REDONE, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
                          seconds=round(seconds, 4))
+        return True
+
+    def join_round(self, groups: list[int], round_start: int) -> bool:
+        """DiLoCo's drop: ``groups`` join the round in progress, which began at ``round_start``,
+        as learners from its start: each of their ranks takes that step's state from the memory
+        tier (its own copy, or its buddy's of it), and the run stays where it stands. False when
+        the memory tier holds no copy of that step for one of them: they join between rounds."""
+        if not self.config.checkpoint.memory_every:
+            return False
+        planned = self._memory_plan(groups, holders=self.membership.groups, at_most=round_start)
+        if planned is None or planned[0].step != round_start:
+            return False
+        plan, _ = planned
+        seconds = self._load_from_memory(plan)
+        self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=0,
+                         from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
+                         joined_round=True)
         return True
 
     def rewind(self, checkpoint: Restorable | None) -> int:
@@ -226,29 +245,32 @@ class StateSources:
         if not self.config.checkpoint.memory_every:
             return False
         # a rank's copy may be held in any group, one still on its way back included
-        restored = self._back_to_memory(groups, holders=self.membership.groups, at_most=self.trusted_until)
-        if restored is None:
+        planned = self._memory_plan(groups, holders=self.membership.groups, at_most=self.trusted_until)
+        if planned is None:
             return False
-        plan, holdings, seconds, rolled_back = restored
+        plan, holdings = planned
+        seconds = self._load_from_memory(plan)
+        rolled_back = self._rewind_to(plan.step, plan.cursor)
         self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
                          from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
                          host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
         return True
 
-    def _back_to_memory(self, groups: Iterable[int], holders: Iterable[int],
-                        at_most: int | None) -> tuple[MemoryRestore, dict[int, Holdings], float, int] | None:
-        """Every rank of ``groups`` back at the newest step (up to ``at_most``) the memory tier of
-        the ``holders``' ranks holds for all of them, and the run with them: the plan, the
-        holdings, the seconds and the steps rolled back; None when it holds none."""
+    def _memory_plan(self, groups: Iterable[int], holders: Iterable[int],
+                     at_most: int | None) -> tuple[MemoryRestore, dict[int, Holdings]] | None:
+        """The newest step (up to ``at_most``) the memory tier of the ``holders``' ranks holds for
+        every rank of ``groups``, and those holdings; None when it holds none."""
         holdings = self.fleet.memory_holdings(self.topology.ranks_of(holders))
         plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, at_most)
-        if plan is None:
-            return None
+        return None if plan is None else (plan, holdings)
+
+    def _load_from_memory(self, plan: MemoryRestore) -> float:
+        """Every rank of ``plan`` back at its step; returns the seconds it took."""
         started = self.clock()
         self.fleet.restore_memory(plan)
         seconds = self.clock() - started
         self.timing.add("heal_s", seconds)
-        return plan, holdings, seconds, self._rewind_to(plan.step, plan.cursor)
+        return seconds
 
     def _restore_checkpoint(self, groups: list[int], checkpoint: Restorable) -> None:
         checkpoint, seconds = self.checkpoints.restore(checkpoint, self.topology.ranks_of(groups))

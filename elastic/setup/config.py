@@ -734,8 +734,9 @@ class TrainConfig(Section):
     @classmethod
     def _intervals_in_whole_rounds(cls, values: Any) -> Any:
         """Under DiLoCo the state is the run's (every learner's the same) only between rounds:
-        the checkpoint, memory-tier, integrity and evaluation intervals left at their defaults
-        become whole rounds; one given that is not is refused (``_check_sync``)."""
+        the checkpoint, integrity and evaluation intervals left at their defaults become whole
+        rounds, and the memory tier's a round (a lost learner's round is redone, or joined, from
+        its start); one given that is not whole rounds is refused (``_check_sync``)."""
         if not isinstance(values, dict):
             return values
         sync = values.get("sync")
@@ -759,7 +760,9 @@ class TrainConfig(Section):
                 continue
             for name in names:
                 if name not in fields:
-                    fields[name] = whole_rounds(model.model_fields[name].default, every)
+                    default = model.model_fields[name].default
+                    fields[name] = every if (section, name) == ("checkpoint", "memory_every") and default else (
+                        whole_rounds(default, every))
             values[section] = fields if not isinstance(given, BaseModel) else given.model_copy(update=fields)
         return values
 
