@@ -129,10 +129,12 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
     if outer_every:
         # A kill at a time fires at the run's next pause, which DiLoCo holds to a round's end: it
         # would always land between rounds, where nothing is redone. A kill at a step instead,
-        # about every ``interval`` seconds, at a place in its round drawn at random.
+        # about every ``interval`` seconds, moved on by up to a round (or an interval) at random.
         draws = random.Random(f"goodput:{interval}:{outer_every}")
-        inject = ";".join(f"kill:rank=random,step={round(interval * k / step_s) + draws.randrange(outer_every)}"
-                          for k in range(1, kills + 1))
+        every = round(interval / step_s)
+        at = [every * k + draws.randrange(min(outer_every, every)) for k in range(1, kills + 1)]
+        inject = ";".join(f"kill:rank=random,step={step}" for step in at)
+        steps = max(steps, at[-1] + every // 2)
     name = f"goodput-{interval:g}-{spares}-{memory_every}"
     config = job_config(storage, name, steps, inject, spares, memory_every, checkpoint_every, scaling, outer_every,
                         lost_learner)

@@ -162,7 +162,8 @@ def learners_of(result) -> list[list[int]]:
 
 
 @pytest.mark.waits  # paced steps
-@pytest.mark.parametrize("kill_step", [5, 7], ids=["one-step-into-a-round", "at-a-rounds-last-step"])
+@pytest.mark.parametrize("kill_step", [2, 5, 7], ids=["in-the-first-round", "one-step-into-a-round",
+                                                      "at-a-rounds-last-step"])
 def test_a_learner_dropped_inside_a_round_returns_its_samples_and_the_others_go_on(ray_cluster, tmp_path, kill_step):
     """``lost_learner = "drop"``: the survivor goes on from where it stands (nothing redone); the
     lost learner's samples of the round are the next steps' first; its group, back on the warm
@@ -178,15 +179,17 @@ def test_a_learner_dropped_inside_a_round_returns_its_samples_and_the_others_go_
     assert result.ok, result.exit
     events = result.summary["events"]
     [dropped] = [event for event in events if event["kind"] == EventKind.LEARNER_DROPPED]
-    assert (dropped["step"], dropped["groups"], dropped["round_start"]) == (kill_step, [0], 4)
-    assert dropped["returned_samples"] == (kill_step - 4) * config.global_batch // 2
+    round_start = kill_step - kill_step % 4
+    assert (dropped["step"], dropped["groups"], dropped["round_start"]) == (kill_step, [0], round_start)
+    assert dropped["returned_samples"] == (kill_step - round_start) * config.global_batch // 2
     assert EventKind.ROUND_REDONE not in kinds(result) and result.summary["steps_rolled_back"] == 0
     learners = learners_of(result)
     assert learners[-1] == [0, 1], learners
     if learners[kill_step] == [0, 1]:  # back within the round (on a busy machine, perhaps at the next)
-        [joined] = [event for event in events if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
-        assert (joined["step"], joined["groups"], joined["rolled_back_steps"], joined["joined_round"]) == (
-            4, [0], 0, True)
+        joined = [(event["step"], event["groups"], event["rolled_back_steps"], event["joined_round"])
+                  for event in events if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
+        # the first round's start is the initial state, which a group holds as it is built
+        assert joined == ([(round_start, [0], 0, True)] if round_start else [])
     assert [record["step"] for record in result.summary["steps"]] == list(range(steps))
     reference, _ = reference_diloco(config, steps, learners, dropped={kill_step: [0]})
     assert max_relative_difference(result.losses, reference) <= 1e-5

@@ -177,7 +177,10 @@ class StateSources:
         """DiLoCo's drop: ``groups`` join the round in progress, which began at ``round_start``,
         as learners from its start: each of their ranks takes that step's state from the memory
         tier (its own copy, or its buddy's of it), and the run stays where it stands. False when
-        the memory tier holds no copy of that step for one of them: they join between rounds."""
+        the memory tier holds no copy of that step for one of them: they join between rounds.
+        In the run's first round they hold its start already, as built."""
+        if round_start == 0 and self.history.first_step == 0:
+            return True  # the run's first round: a group built holds its start, the initial state
         if not self.config.checkpoint.memory_every:
             return False
         planned = self._memory_plan(groups, holders=self.membership.groups, at_most=round_start)
