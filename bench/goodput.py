@@ -149,6 +149,8 @@ def run_elastic(storage: str, interval: float, kills: int, step_s: float, spares
     groups, shard = config.scaling.max_groups, config.scaling.shard
     healthy = statistics.median(r["step_s"] for r in records if r["live_groups"] == groups)
     started, ended = records[0]["t"] - records[0]["step_s"], records[-1]["t"]
+    if summary["steps_rolled_back"]:  # the first steps' first commits were rolled back: from the groups' first join
+        started = min(e["t"] for e in events if e["kind"] == EventKind.GROUP_JOINED)
     whole, phases = [], []
     for fault in faults:
         [rank] = fault["ranks"]
