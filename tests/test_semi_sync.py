@@ -27,8 +27,9 @@ def kinds(result) -> list[str]:
     return [event["kind"] for event in result.summary["events"]]
 
 
-@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED}],
-                         ids=["one-rank-groups", "pp2", "ep2"])
+@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED},
+                                    {"shard": 2, "tp": 2}],
+                         ids=["one-rank-groups", "pp2", "ep2", "shard2-tp2"])
 def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layout):
     config = tiny_config(tmp_path, groups=2, steps=STEPS, **ROUNDS, **layout)
     split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
