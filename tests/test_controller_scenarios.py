@@ -851,15 +851,16 @@ def test_every_sample_of_an_epoch_is_trained_once_across_kills_a_grow_a_shrink_a
 def test_a_diloco_learner_dropped_inside_a_round_has_its_samples_trained_once_by_the_others(tmp_path):
     """``sync.lost_learner = "drop"``: what a learner trained of its round before it was lost is
     not in the round's outer step, so those samples go back into the data plan, and the next
-    steps train them first: over the epochs every sample is trained once."""
+    steps train them first: over the epochs every sample is trained once. Group 1 is dropped
+    twice in one round (back from the round's start in between): its first steps go back once."""
     dataset_len = 100  # 12 steps of 8 an epoch; the 4-sample tail is skipped
     scenario = Scenario(tmp_path, groups=3, steps=36, dataset_len=dataset_len,
                         config={"sync__mode": "diloco", "sync__outer_every": 4, "sync__lost_learner": "drop"})
-    scenario.fleet.faults = {6: [Kill(rank=1, after_s=0.4)], 10: [Kill(rank=2, after_s=0.4)]}
+    scenario.fleet.faults = {6: [Kill(rank=1, after_s=0.4)], 7: [Kill(rank=1, after_s=0.4)], 10: [Kill(rank=2, after_s=0.4)]}
     ledger = SampleLedger(scenario)
     assert scenario.run() == "completed"
     dropped = scenario.kinds(EventKind.LEARNER_DROPPED)
-    assert [(event["step"], event["groups"], event["round_start"]) for event in dropped] == [(6, [1], 4), (10, [2], 8)]
+    assert [(event["step"], event["groups"], event["round_start"]) for event in dropped] == [(6, [1], 4), (7, [1], 4), (10, [2], 8)]
     assert not scenario.kinds(EventKind.ROUND_REDONE) and scenario.controller.history.steps_rolled_back == 0
     by_epoch: dict[int, list[int]] = {}
     for step, (epoch, by_group) in enumerate(ledger.committed_by_group()):

@@ -187,11 +187,11 @@ def group_share(cursor: DataCursor, group_samples: Mapping[int, int], group: int
     return indices[before : before + group_samples.get(group, 0)]
 
 
-def dropped_samples(steps: Iterable[tuple[DataCursor, Mapping[int, int]]], groups: Iterable[int], *,
+def dropped_samples(steps: Iterable[tuple[DataCursor, Mapping[int, int]]], group: int, *,
                     dataset_len: int, global_batch: int, seed: int) -> list[int]:
-    """What ``groups`` trained in ``steps`` (each a step's cursor and its split), in step order:
-    a DiLoCo round's samples of learners dropped from it."""
-    return [int(index) for cursor, group_samples in steps for group in sorted(groups)
+    """What ``group`` trained in ``steps`` (each a step's cursor and its split), in step order:
+    a DiLoCo round's samples of a learner dropped from it."""
+    return [int(index) for cursor, group_samples in steps
             for index in group_share(cursor, group_samples, group, dataset_len=dataset_len,
                                      global_batch=global_batch, seed=seed)]
 

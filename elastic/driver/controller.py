@@ -191,7 +191,8 @@ class Controller:
             case AtBoundary(replicas_stale):
                 if self.groups.start_failed():
                     return self.group_start_failed()
-                if self.stop_requested.is_set():
+                # inside a DiLoCo round the learners hold no run's state to save: the stop waits for its end
+                if self.stop_requested.is_set() and self.context.between_rounds:
                     return Stopping(Exit(Ending.PREEMPTED))
                 if self.history.step >= self.config.steps and not self.eval_due():
                     return Stopping(Exit(Ending.COMPLETED))
@@ -406,10 +407,11 @@ class Controller:
                                  cause=eviction.cause, step=step, **failure.events)
             self.groups.evict(eviction.rank, eviction.cause)
         rounds = self.config.sync.outer_rounds
-        if not self.context.between_rounds and plan.survivors:  # DiLoCo's round lost a learner
+        lost = [group for group in plan.rebuilding if group in live]
+        if not self.context.between_rounds and plan.survivors and lost:  # DiLoCo's round lost a learner
             # (a group whose outer step failed holds an update of no committed step: it is broken)
             if rounds.drops:
-                self.drop_learners([group for group in plan.rebuilding if group in live], step)
+                self.drop_learners(lost, step)
             elif not self.state_sources.redo_round(list(plan.survivors), rounds.start_of(step)):
                 # no round's start in host memory: every group restores
                 plan = replace(plan, rebuilding=tuple(sorted({*plan.rebuilding, *plan.survivors})), survivors=())
@@ -427,9 +429,11 @@ class Controller:
         """DiLoCo's ``drop``: the learners ``groups`` lost inside the round leave it; what they
         trained of it goes back into the data plan, and the others finish the round without them."""
         config = self.config
-        returned = dropped_samples(self.history.round_steps, groups, dataset_len=self.dataset_len,
-                                   global_batch=config.global_batch, seed=config.seed)
-        self.history.return_samples(returned)
+        returned = [index for group in groups
+                    for index in dropped_samples(self.history.round_steps_of(group), group,
+                                                 dataset_len=self.dataset_len, global_batch=config.global_batch,
+                                                 seed=config.seed)]
+        self.history.return_samples(groups, returned)
         self.events.emit(EventKind.LEARNER_DROPPED, step=step, groups=groups,
                          round_start=config.sync.outer_rounds.start_of(step), returned_samples=len(returned))
 
@@ -438,7 +442,8 @@ class Controller:
     def maybe_checkpoint(self) -> None:
         if self.straggler_actions_ready():
             return  # the boundary replaces the slow rank first; the save, still due, follows at the next
-        if self.checkpoints is not None and self.checkpoints.wants_save(self.history.step):
+        if (self.checkpoints is not None and self.context.between_rounds
+                and self.checkpoints.wants_save(self.history.step)):
             self.checkpoints.start(self.history.step, self.history.cursor, *self.groups.saving_group(),
                                    loss_scale=self.history.loss_scale)
 
@@ -449,7 +454,8 @@ class Controller:
         if self.checkpoints is None:
             return reason
         grace_s = self.config.checkpoint.grace_s
-        if self.membership.live_groups():
+        # inside a DiLoCo round (a divergence stops the run there) no group holds the run's state
+        if self.membership.live_groups() and self.context.between_rounds:
             with self.ledger.timing("checkpoint_stall"):
                 if self.checkpoints.finish(self.history.step, self.history.cursor, *self.groups.saving_group(),
                                            self.clock() + grace_s, loss_scale=self.history.loss_scale):

@@ -35,6 +35,9 @@ class RunHistory:
     # The DiLoCo round in progress: each committed step's cursor and split, what a learner
     # dropped from it had trained (``data_plan.dropped_samples``)
     round_steps: list[tuple[DataCursor, dict[int, int]]] = field(default_factory=list)
+    # by group, the round's steps whose samples it had trained went back to the plan (it was
+    # dropped, and may have joined the round again from its start)
+    returned_through: dict[int, int] = field(default_factory=dict)
 
     def commit(self, message: SegmentRecords, index: int, arrays: RankArrays, *, generation: int, t: float,
                straggler_scores: dict[int, float] | None = None) -> StepResult:
@@ -42,9 +45,10 @@ class RunHistory:
         votes agree on the loss, the norm and the clipping factor; ``arrays`` holds every rank's
         times). Returns the step's result."""
         first, step_s = message.records[index], float(message.step_s[index].max())  # the slowest group's period
-        if self.outer_every and self.step % self.outer_every == 0:
-            self.round_steps = []
-        self.round_steps.append((self.cursor, dict(first.group_samples)))
+        if self.outer_every:
+            if self.step % self.outer_every == 0:
+                self.round_steps, self.returned_through = [], {}
+            self.round_steps.append((self.cursor, dict(first.group_samples)))
         tokens = first.counted
         result = StepResult(
             step=self.step, t=t, loss=first.loss, lr=first.lr, grad_norm=first.grad_norm,
@@ -76,7 +80,7 @@ class RunHistory:
         """Continue from ``step`` and ``cursor`` (a checkpoint's, or the initial state's);
         later committed steps rerun."""
         self.step, self.cursor = step, cursor
-        self.round_steps = []
+        self.round_steps, self.returned_through = [], {}
         kept = max(0, step - self.first_step)
         del self.losses[kept:]
         del self.step_results[kept:]
@@ -84,9 +88,15 @@ class RunHistory:
         self.has_state = True
         self.verified_step = step
 
-    def return_samples(self, indices: list[int]) -> None:
-        """Samples whose training was dropped: the next steps take them first."""
+    def round_steps_of(self, group: int) -> list[tuple[DataCursor, dict[int, int]]]:
+        """The round's committed steps whose samples ``group`` trained and has not returned."""
+        return self.round_steps[self.returned_through.get(group, 0):]
+
+    def return_samples(self, groups: list[int], indices: list[int]) -> None:
+        """What ``groups`` trained of the round's steps so far, dropped: the next steps take it first."""
         self.cursor = self.cursor.with_returned(indices)
+        for group in groups:
+            self.returned_through[group] = len(self.round_steps)
 
     def eval_due(self, every: int, steps: int) -> bool:
         """Every ``every`` committed steps and after the last one, once per step."""
