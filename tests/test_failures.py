@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.testing.gloo_ranks import rank_processes
-from elastic.testing.loopback import free_port
+from elastic.testing.gloo_ranks import loopback_store, rank_processes
 from workers.failures import (
     CollectiveAborted,
     CollectiveFailed,
@@ -93,8 +92,9 @@ def _second_step_after_peer_death(rank: int, port: int, layout: str, results) ->
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=20))
+    timeout = datetime.timedelta(seconds=20)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
     mesh = init_device_mesh("cpu", (2,))
@@ -132,7 +132,10 @@ def test_a_peer_dying_inside_a_real_gloo_collective_is_a_collective_failure(layo
     ``RuntimeError`` ("[Stage 0] failed to run forward"): the peer's death is still what it is."""
     context = rank_processes()
     received, results = context.Pipe(duplex=False)
-    port = free_port()
+    # The test holds the store, listening on a port it was given: a free port picked and then
+    # bound by a rank could be taken in between by another test's process.
+    store = loopback_store(60)
+    port = store.port
     ranks = [context.Process(target=_second_step_after_peer_death, args=(rank, port, layout, results))
              for rank in range(2)]
     for process in ranks:

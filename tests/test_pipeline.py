@@ -27,7 +27,6 @@ from elastic.setup.hooks import check_hooks, resolve_hooks
 from elastic.core.protocol import Failure
 from elastic.core.topology import Topology
 from elastic.testing.gloo_ranks import START_METHOD, gloo_ranks, loopback_store, rank_processes
-from elastic.testing.loopback import free_port
 from elastic.testing.paced import paced_model
 from elastic.testing.losses import max_relative_difference
 from tests.reference import reference_run
@@ -146,8 +145,9 @@ def train_every_layout(rank: int, port: int, out: str) -> None:
     first step's batch (forward only, through the schedule's ``eval``); rank 0 adds one
     process's."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                           timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=timeout)
     generator = torch.Generator().manual_seed(1)
     dataset = [torch.randint(0, ARGS.vocab_size, (SEQ + 1,), generator=generator) for _ in range(GLOBAL_BATCH * STEPS)]
     global_tokens = GLOBAL_BATCH * SEQ
@@ -192,7 +192,10 @@ def test_every_schedule_trains_and_evaluates_the_single_process_losses_with_fsdp
         tmp_path):
     out = tmp_path / "losses.json"
     rank_processes()  # sets what the fork server the ranks come from imports before it starts
-    mp.start_processes(train_every_layout, args=(free_port(), str(out)), nprocs=4, start_method=START_METHOD)
+    # The test holds the store, on a port it was given: a free port picked, then bound by a rank,
+    # could be taken in between by another test's process.
+    store = loopback_store(120)
+    mp.start_processes(train_every_layout, args=(store.port, str(out)), nprocs=4, start_method=START_METHOD)
     found = json.loads(out.read_text())
     assert sorted(found["runs"]) == sorted(f"{name}, {schedule}" for name in LAYOUTS for schedule, _ in SCHEDULES)
     # Stage 0 of the first run: waiting, not computing, until its first chunk (a hang before it
