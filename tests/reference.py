@@ -121,14 +121,8 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
             cursor = cursor.with_returned(round_samples[lost])
             round_tokens[lost], round_samples[lost] = 0, []
         joining = [] if rounds.at_boundary(step) else set(stepping) - (set(learners[step - 1]) - set(dropped.get(step, [])))
-        for group in sorted(joining):  # from the round's start, its inner state new
-            with torch.no_grad():
-                for param, weight in zip(trained(models[group]), global_weights):
-                    param.copy_(weight)
-            for state in optimizers[group].state.values():
-                for value in state.values():
-                    if torch.is_tensor(value):
-                        value.zero_()
+        for group in sorted(joining):
+            to_round_start(models[group], optimizers[group], global_weights)
         indices, cursor = take_global_batch(cursor, len(dataset), config.global_batch, config.seed)
         plans = split_across_groups(indices, {group: 1.0 for group in stepping})
         step_tokens, loss = len(indices) * seq_len, 0.0
@@ -162,16 +156,21 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
             sgd(global_weights, pseudo, momenta, weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr,
                 dampening=0.0, nesterov=True, maximize=False)
             for model, optimizer in zip(models, optimizers):
-                with torch.no_grad():
-                    for param, weight in zip(trained(model), global_weights):
-                        param.copy_(weight)
-                for state in optimizer.state.values():
-                    for value in state.values():
-                        if torch.is_tensor(value):
-                            value.zero_()
+                to_round_start(model, optimizer, global_weights)
             round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
     final = [param.detach().clone() for param in models[learners[-1][0]].parameters()]
     return losses, final
+
+
+def to_round_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_weights: list[torch.Tensor]) -> None:
+    """A learner at a round's start: the global weights, its inner optimizer's state zeroed."""
+    with torch.no_grad():
+        for param, weight in zip(trained(model), global_weights):
+            param.copy_(weight)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.zero_()
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

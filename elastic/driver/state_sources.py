@@ -160,15 +160,13 @@ class StateSources:
         the memory tier (an older round's where that is the newest they all hold), and the run
         with them; the lost learner's group heals from them there. False when the memory tier
         holds no such step: every group restores then."""
-        if not groups or not self.config.checkpoint.memory_every:
+        if not groups:
             return False
         at_most = round_start if self.trusted_until is None else min(round_start, self.trusted_until)
-        planned = self._memory_plan(groups, holders=groups, at_most=at_most)
-        if planned is None:
+        restored = self._back_to_memory(groups, holders=groups, at_most=at_most)
+        if restored is None:
             return False
-        plan, _ = planned
-        seconds = self._load_from_memory(plan)
-        rolled_back = self._rewind_to(plan.step, plan.cursor)
+        plan, _, seconds, rolled_back = restored
         self.events.emit(EventKind.ROUND_REDONE, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
                          seconds=round(seconds, 4))
         return True
@@ -181,8 +179,6 @@ class StateSources:
         In the run's first round they hold its start already, as built."""
         if round_start == 0 and self.history.first_step == 0:
             return True  # the run's first round: a group built holds its start, the initial state
-        if not self.config.checkpoint.memory_every:
-            return False
         planned = self._memory_plan(groups, holders=self.membership.groups, at_most=round_start)
         if planned is None or planned[0].step != round_start:
             return False
@@ -245,24 +241,34 @@ class StateSources:
     def _restore_from_memory(self, groups: list[int]) -> bool:
         """Every rank of ``groups`` back at the newest step the memory tier holds for all of
         them (no newer than the last verified one, after a mismatch); False when it holds none."""
-        if not self.config.checkpoint.memory_every:
-            return False
         # a rank's copy may be held in any group, one still on its way back included
-        planned = self._memory_plan(groups, holders=self.membership.groups, at_most=self.trusted_until)
-        if planned is None:
+        restored = self._back_to_memory(groups, holders=self.membership.groups, at_most=self.trusted_until)
+        if restored is None:
             return False
-        plan, holdings = planned
-        seconds = self._load_from_memory(plan)
-        rolled_back = self._rewind_to(plan.step, plan.cursor)
+        plan, holdings, seconds, rolled_back = restored
         self.events.emit(EventKind.RESTORED_FROM_MEMORY, step=plan.step, groups=groups, rolled_back_steps=rolled_back,
                          from_buddies=[owner for _, owner in plan.transfers], seconds=round(seconds, 4),
                          host_bytes_per_rank=max(held.nbytes for held in holdings.values()))
         return True
 
+    def _back_to_memory(self, groups: list[int], holders: Iterable[int],
+                        at_most: int | None) -> tuple[MemoryRestore, dict[int, Holdings], float, int] | None:
+        """Every rank of ``groups`` back at the newest step (up to ``at_most``) the memory tier of
+        the ``holders``' ranks holds for all of them, and the run with it: the plan, the holdings,
+        the seconds and the steps rolled back; None when it holds none."""
+        planned = self._memory_plan(groups, holders, at_most)
+        if planned is None:
+            return None
+        plan, holdings = planned
+        seconds = self._load_from_memory(plan)
+        return plan, holdings, seconds, self._rewind_to(plan.step, plan.cursor)
+
     def _memory_plan(self, groups: Iterable[int], holders: Iterable[int],
                      at_most: int | None) -> tuple[MemoryRestore, dict[int, Holdings]] | None:
         """The newest step (up to ``at_most``) the memory tier of the ``holders``' ranks holds for
-        every rank of ``groups``, and those holdings; None when it holds none."""
+        every rank of ``groups``, and those holdings; None when it holds none (or is off)."""
+        if not self.config.checkpoint.memory_every:
+            return None
         holdings = self.fleet.memory_holdings(self.topology.ranks_of(holders))
         plan = plan_memory_restore(self.topology.ranks_of(groups), holdings, at_most)
         return None if plan is None else (plan, holdings)
