@@ -230,11 +230,13 @@ def run_ray_train(storage: str, interval: float, kills: int, step_s: float, chec
             "wall_s": records[-1]["t"] - started, "steps": steps}
 
 
-def run_torchft(storage: str, interval: float, kills: int, step_s: float, heartbeat_ms: int) -> TorchftResult:
+def run_torchft(storage: str, interval: float, kills: int, step_s: float, heartbeat_ms: int,
+                outer_every: int = 0) -> TorchftResult:
+    """``outer_every``: torchft's DiLoCo (``torchft.local_sgd.DiLoCo``) with rounds of this many steps."""
     from bench.torchft_job import KillEvery, TorchftSettings, against_clean
 
     steps = steps_for(interval, kills, step_s)
-    config = job_config(storage, f"goodput-torchft-{interval:g}", steps, "", 0, 0, 0)
+    config = job_config(storage, f"goodput-torchft-{interval:g}", steps, "", 0, 0, 0, outer_every=outer_every)
     plan = KillEvery(interval, kills, config.seed)  # ranks drawn with the job's seed
     return against_clean(config, Path(storage) / f"torchft_{interval:g}", step_s, plan,
                          TorchftSettings(heartbeat_ms=heartbeat_ms))
@@ -258,7 +260,7 @@ def run_row(args: argparse.Namespace, systems: set[str], interval: float) -> Row
         b = (run_elastic(storage, interval, args.kills, args.step_s, 0, 0, args.checkpoint_every,
                          outer_every=args.outer_every, lost_learner=args.lost_learner) if "B" in systems else None)
         c = run_ray_train(storage, interval, args.kills, args.step_s, args.checkpoint_every) if "C" in systems else None
-        d = (run_torchft(storage, interval, args.kills, args.step_s, args.torchft_heartbeat_ms)
+        d = (run_torchft(storage, interval, args.kills, args.step_s, args.torchft_heartbeat_ms, args.outer_every)
              if "D" in systems else None)
     return Row(interval, a, b, c, d)
 
@@ -302,8 +304,9 @@ def print_torchft(d: TorchftResult) -> None:
     alone = sum(commit.participants < GROUPS for commit in steps.values())
     print(f"{'':>11}D: kill -> killed group trains its half again, s (step times): "
           f"{times([run.group_whole_s(kill) for kill in run.kills], run.healthy_s())}")
-    print(f"{'':>11}D: {len(steps)} steps committed ({alone} by one group alone) = {run.full_batch_steps():g} "
-          f"full-batch steps, {run.restarts} group restarts; losses {d.losses_against_clean()}")
+    unit = "rounds" if d.rounds else "steps"  # under DiLoCo torchft commits rounds
+    print(f"{'':>11}D: {len(steps)} {unit} committed ({alone} by one group alone) = {run.full_batch_steps():g} "
+          f"full-batch {unit}, {run.restarts} group restarts; losses {d.losses_against_clean()}")
 
 
 def chosen_systems(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> set[str]:
@@ -323,7 +326,8 @@ def main() -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, comma-separated: A, B, C, D")
     parser.add_argument("--no-ray-train", action="store_true", help="leave C out")
     parser.add_argument("--outer-every", type=int, default=0,
-                        help="A and B train DiLoCo's rounds of this many steps (sync.mode = diloco; 0: every step's sum)")
+                        help="A, B and D train DiLoCo's rounds of this many steps (sync.mode = diloco; 0: every "
+                             "step's sum)")
     parser.add_argument("--lost-learner", choices=("redo", "drop"), default="redo",
                         help="with --outer-every: sync.lost_learner")
     parser.add_argument("--torchft-heartbeat-ms", type=int, default=5000,

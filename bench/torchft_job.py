@@ -40,8 +40,9 @@ Settings, torchft's defaults unless said, so a torchft user would set it up alik
   ``--join_timeout_ms`` (60000) left at their defaults.
 - Manager: ``min_replica_size=1`` (commit with one group), ``timeout`` 30 s and
   ``ProcessGroupGloo(timeout=5 s)`` as torchft's ``train_ddp.py`` example sets them on CPU,
-  ``quorum_timeout`` and ``connect_timeout`` at their 60 s defaults, async quorum and the
-  HTTP checkpoint transport for healing as by default. ``init_sync=False``, as torchft's
+  ``quorum_timeout`` and ``connect_timeout`` at their 60 s defaults, async quorum (synchronous
+  under DiLoCo, which torchft's ``DiLoCo`` requires) and the HTTP checkpoint transport for
+  healing as by default. ``init_sync=False``, as torchft's
   docstring advises when every replica seeds its model alike (they do): with the default,
   step 0 heals one rank position of each group but one from another, and those groups'
   shares of step 0's batch are lost.
@@ -397,11 +398,13 @@ class ShardState:
         return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
-def build_manager(spec: WorkerSpec, state: ShardState):
+def build_manager(spec: WorkerSpec, state: ShardState, rounds: bool):
+    """``rounds``: for torchft's DiLoCo, which needs the quorum synchronous."""
     from torchft import Manager, ProcessGroupGloo
 
     settings = spec.settings
     return Manager(
+        use_async_quorum=not rounds,
         pg=ProcessGroupGloo(timeout=timedelta(seconds=settings.pg_timeout_s)),
         load_state_dict=state.load_state_dict, state_dict=state.state_dict, min_replica_size=1,
         replica_id=f"group_{spec.group}", lighthouse_addr=spec.lighthouse, hostname=HOST,
@@ -430,7 +433,6 @@ def train(spec: WorkerSpec) -> None:
     from workers.parallelize import fully_shard_model
 
     config = TrainConfig.model_validate_json(Path(spec.config_path).read_text())
-    run_dir = Path(spec.run_dir)
     hooks = resolve_hooks(config)
     # The group's own TCPStore (hosted by its rank 0) serves its gloo group and its Manager.
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{spec.store_port}", rank=spec.rank,
@@ -440,11 +442,21 @@ def train(spec: WorkerSpec) -> None:
     model = paced_model(config, spec.step_s)()
     fully_shard_model(model, mesh, list(model.layers.values()))
     inner = hooks.optimizer_fn(model.parameters())
-    manager = build_manager(spec, ShardState(model, inner))
-    optimizer = Optimizer(manager, inner)
+    manager = build_manager(spec, ShardState(model, inner), rounds=config.sync.outer_rounds is not None)
     if spec.wait_for_world:
         world_barrier(spec)
     cursors = DataCursors(len(hooks.dataset), config.global_batch, config.seed)
+    if config.sync.outer_rounds is not None:
+        train_rounds(spec, config, hooks, model, inner, manager, cursors)
+    else:
+        train_steps(spec, config, hooks, model, Optimizer(manager, inner), manager, cursors)
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+def train_steps(spec: WorkerSpec, config: TrainConfig, hooks, model, optimizer, manager, cursors: DataCursors) -> None:
+    """Every step's gradients averaged across the groups (``sync.mode = "every-step"``)."""
+    run_dir = Path(spec.run_dir)
     while manager.current_step() < config.steps:
         mark_first_step(run_dir)
         began = time.time()
@@ -461,10 +473,43 @@ def train(spec: WorkerSpec) -> None:
         if spec.rank == 0:
             attempt = Attempt(spec.group, step, time.time(), time.time() - began, loss.item(), participants,
                               committed=manager.current_step() == step + 1)
-            with attempt_log(run_dir, attempt).open("a") as handle:
-                handle.write(json.dumps(asdict(attempt)) + "\n")
-    manager.shutdown(wait=False)
-    dist.destroy_process_group()
+            log_attempt(run_dir, attempt)
+
+
+def train_rounds(spec: WorkerSpec, config: TrainConfig, hooks, model, inner, manager, cursors: DataCursors) -> None:
+    """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, one fragment: the whole model) with the
+    config's outer optimizer: each group steps alone for ``sync.outer_every`` inner steps, each
+    on its share of that step's global batch, then the quorum, the pseudo-gradients averaged
+    over it, and the outer step, which commits the round (torchft's step counts rounds). A
+    round that fails to commit puts the weights back to its start, and the group trains it
+    again; a restarted group heals at its first round's end and that round's work is not
+    counted. An attempt is a round: its loss is the group's mean over its inner steps."""
+    import torch
+    from torchft.local_sgd import DiLoCo
+
+    run_dir = Path(spec.run_dir)
+    rounds = config.sync.outer_rounds
+    outer = torch.optim.SGD(model.parameters(), lr=rounds.lr, momentum=rounds.momentum, nesterov=True)
+    with DiLoCo(manager, [model], inner, outer, sync_every=rounds.every, pin_memory=False):
+        while manager.current_step() < config.steps // rounds.every:
+            mark_first_step(run_dir)
+            began, planned, losses = time.time(), manager.current_step(), []
+            for inner_step in range(rounds.every):
+                step = planned * rounds.every + inner_step
+                if spec.kill and step == spec.kill.step:
+                    die_as_planned(spec.kill, spec.group, run_dir)
+                inner.zero_grad()
+                losses.append(group_gradients(model, hooks, config, spec, step, cursors.at(step)).item())
+                inner.step()  # the round's last runs the outer step
+            if spec.rank == 0:
+                log_attempt(run_dir, Attempt(spec.group, planned, time.time(), time.time() - began,
+                                             statistics.fmean(losses), manager.num_participants(),
+                                             committed=manager.current_step() == planned + 1))
+
+
+def log_attempt(run_dir: Path, attempt: Attempt) -> None:
+    with attempt_log(run_dir, attempt).open("a") as handle:
+        handle.write(json.dumps(asdict(attempt)) + "\n")
 
 
 # The supervisor.
@@ -671,7 +716,9 @@ def train_under(config: TrainConfig, run_dir: Path, step_s: float, plan: KillPla
         wait_for_others(supervisor)
     finished = TorchftRun(first_step_time(run_dir), read_attempts(run_dir), schedule.kills(), restarts, layout.groups)
     steps = {commit.step for commit in finished.commits}
-    assert steps == set(range(config.steps)), f"steps missing: {sorted(set(range(config.steps)) - steps)}"
+    # under DiLoCo an attempt is a round
+    units = config.steps if config.sync.outer_rounds is None else config.steps // config.sync.outer_rounds.every
+    assert steps == set(range(units)), f"steps missing: {sorted(set(range(units)) - steps)}"
     assert len(finished.kills) == plan.count, f"{len(finished.kills)} of {plan.count} kills fired"
     return finished
 
@@ -683,6 +730,7 @@ class TorchftResult:
 
     run: TorchftRun
     first_loss_difference: int | None
+    rounds: bool  # DiLoCo's: an attempt, a commit and a loss are a round's
 
     def losses_against_clean(self) -> str:
         return ("equal the clean torchft run's" if self.first_loss_difference is None
@@ -699,7 +747,8 @@ def against_clean(config: TrainConfig, run_dir: Path, step_s: float, plan: KillP
     sleeps, so the math is the same, sooner) in ``run_dir``-clean, and where their losses part."""
     killed = train_under(config, run_dir, step_s, plan, settings)
     clean = train_under(config, Path(f"{run_dir}-clean"), 0.0, NO_KILLS, settings)
-    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()))
+    return TorchftResult(killed, first_difference(killed.losses(), clean.losses()),
+                         rounds=config.sync.outer_rounds is not None)
 
 
 def main() -> None:

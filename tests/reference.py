@@ -150,9 +150,10 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
                 balance_experts(expert_layers(model), layout, routed)
         if rounds.ends_at(step):
             total = sum(round_tokens)
-            pseudo = [sum((start - param.detach()) * (tokens / total)
-                          for param, tokens in zip(params, round_tokens) if tokens)
-                      for start, *params in zip(global_weights, *(trained(model) for model in models))]
+            weighted = [[(start - param.detach()) * (tokens / total) for start, param in zip(global_weights, trained(model))]
+                        for model, tokens in zip(models, round_tokens) if tokens]
+            pseudo = ([sum(parts) for parts in zip(*weighted)] if rounds.precision not in ("fp8", "int4")
+                      else coded_sum(weighted, rounds.precision))
             sgd(global_weights, pseudo, momenta, weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr,
                 dampening=0.0, nesterov=True, maximize=False)
             for model, optimizer in zip(models, optimizers):
@@ -160,6 +161,27 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
             round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
     final = [param.detach().clone() for param in models[learners[-1][0]].parameters()]
     return losses, final
+
+
+def coded_sum(weighted: list[list[torch.Tensor]], precision: str) -> list[torch.Tensor]:
+    """The learners' pseudo-gradients summed in ``precision``'s codes (streaming DiLoCo's
+    quantized outer gradients): each learner's values, its parameters in order, coded in blocks
+    of 64 with the block's largest magnitude as its scale and decoded; the sum in fp32, in the
+    learners' order, coded and decoded once more, as every learner receives it."""
+    def round_trip(values: torch.Tensor) -> torch.Tensor:
+        blocks = torch.nn.functional.pad(values, (0, -values.numel() % 64)).view(-1, 64)
+        largest_code = 7.0 if precision == "int4" else torch.finfo(torch.float8_e4m3fn).max
+        largest = blocks.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(largest > 0, largest / largest_code, torch.ones_like(largest))
+        scaled = (blocks / scale).clamp(-largest_code, largest_code)
+        coded = torch.round(scaled) if precision == "int4" else scaled.to(torch.float8_e4m3fn).float()
+        return (coded * scale).reshape(-1)[:values.numel()]
+
+    shapes = [part.shape for part in weighted[0]]
+    total = torch.zeros(sum(part.numel() for part in weighted[0]))
+    for parts in weighted:
+        total += round_trip(torch.cat([part.reshape(-1) for part in parts]))
+    return [part.view(shape) for part, shape in zip(round_trip(total).split([shape.numel() for shape in shapes]), shapes)]
 
 
 def to_round_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_weights: list[torch.Tensor]) -> None:

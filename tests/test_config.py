@@ -372,11 +372,11 @@ def test_diloco_rounds_the_state_intervals_left_at_their_defaults_up_to_whole_ro
         8, 4, 12, 0)
     assert config.sync.outer_rounds.every == 4
     assert parse_config({}).sync.outer_rounds is None
+    assert parse_config({"sync": {**DILOCO, "precision": "int4"}}).sync.outer_rounds.precision == "int4"
 
 
 @pytest.mark.parametrize("values, refused", [
     ({"sync": {**DILOCO, "fragments": 4}}, "sync.fragments=4: streaming fragments are not built yet"),
-    ({"sync": {**DILOCO, "precision": "int4"}}, "quantized pseudo-gradients are not built yet"),
     ({"sync": {**DILOCO, "quorum": 3}}, "sync.quorum and sync.grace_s"),
     ({"sync": DILOCO, "compute": {"precision": "fp16"}}, "compute.precision=fp16"),
     ({"sync": DILOCO, "steps": 10}, "steps=10 is not a whole number of rounds of sync.outer_every=4; train 12 steps"),

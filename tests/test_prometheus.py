@@ -158,6 +158,23 @@ def test_the_step_gauge_and_the_committed_counter_agree(tmp_path):
     assert registry.get_sample_value("elastic_step") == registry.get_sample_value("elastic_steps_committed_total") == 3
 
 
+def test_a_learner_lost_inside_a_round_counts_as_a_round_redone_or_as_learners_dropped():
+    from prometheus_client import CollectorRegistry
+
+    from elastic.core.events import EventKind
+    from elastic.outputs.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics("t", registry)
+    assert registry.get_sample_value("elastic_rounds_redone_total") == 0
+    metrics.on_event({"t": 1.0, "kind": EventKind.ROUND_REDONE, "step": 4, "groups": [1, 2], "rolled_back_steps": 2,
+                      "seconds": 0.1})
+    metrics.on_event({"t": 2.0, "kind": EventKind.LEARNER_DROPPED, "step": 9, "groups": [0, 2], "round_start": 8,
+                      "returned_samples": 64})
+    assert registry.get_sample_value("elastic_rounds_redone_total") == 1
+    assert registry.get_sample_value("elastic_learners_dropped_total") == 2
+
+
 def test_every_failure_cause_has_its_series_from_the_start_and_counts_its_diagnoses():
     """One series per cause a failure can be diagnosed with, at 0 before any failure: those
     the run recovers from and those that stop it (own-data, own-code)."""

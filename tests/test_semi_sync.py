@@ -28,8 +28,8 @@ def kinds(result) -> list[str]:
 
 
 @pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2}, {"shard": 2, "scaling__ep": 2, **EXPERTS, **BALANCED},
-                                    {"shard": 2, "tp": 2}],
-                         ids=["one-rank-groups", "pp2", "ep2", "shard2-tp2"])
+                                    {"shard": 2, "tp": 2}, {"sync__precision": "int4"}, {"sync__precision": "fp8"}],
+                         ids=["one-rank-groups", "pp2", "ep2", "shard2-tp2", "int4", "fp8"])
 def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layout):
     config = tiny_config(tmp_path, groups=2, steps=STEPS, **ROUNDS, **layout)
     split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
@@ -46,6 +46,9 @@ def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layo
     outer = {record["cross_group_bytes"] for record in steps if record["outer_step"]}
     # inside a round only the step's row crosses groups; at its end, the pseudo-gradients too
     assert len(inner) == len(outer) == 1 and 0 < 100 * max(inner) < min(outer), (inner, outer)
+    if "sync__precision" in layout:  # what crossed is the codes: fp32 pseudo-gradients train otherwise
+        in_fp32, _ = reference_diloco(tiny_config(tmp_path, groups=2, steps=STEPS, **ROUNDS), STEPS)
+        assert max_relative_difference(reference, in_fp32) > 1e-4
     if not layout:  # the global weights, compared whole: a group of one rank holds them so
         final = result.final_state[(0, 0, 0, 0)]
         # Sums in another order (micro-batches, the ring) move fp32 weights by ulps that Adam
@@ -54,12 +57,13 @@ def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layo
         assert max(weight.abs().max().item() for weight in global_weights) > 0.1  # weights that say something
 
 
-@pytest.mark.parametrize("kill_step", [6, 7, 8], ids=["inside-a-round", "at-a-rounds-last-step", "at-a-rounds-first"])
-def test_a_learner_killed_redoes_the_round_with_the_clean_runs_losses(ray_cluster, tmp_path, kill_step):
+@pytest.mark.parametrize("kill_step, precision", [(6, "fp32"), (7, "fp32"), (8, "fp32"), (7, "int4")],
+                         ids=["inside-a-round", "at-a-rounds-last-step", "at-a-rounds-first", "int4-at-a-rounds-last-step"])
+def test_a_learner_killed_redoes_the_round_with_the_clean_runs_losses(ray_cluster, tmp_path, kill_step, precision):
     # min_groups 1: the survivor could go on alone; the round waits for its lost learner instead
     config = tiny_config(tmp_path, groups=2, min_groups=1, steps=STEPS, scaling__spares=1,
                          checkpoint__memory_every=4, fault_tolerance__inject=f"kill:rank=0,step={kill_step}",
-                         **ROUNDS, **FAST_DETECTION)
+                         sync__precision=precision, **ROUNDS, **FAST_DETECTION)
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     events = result.summary["events"]
@@ -158,6 +162,26 @@ def test_a_kill_and_a_hang_inside_rounds_at_split_layouts_keep_the_clean_runs_lo
         (4, 1), (8, 1)]
     reference, _ = reference_diloco(config, STEPS)
     assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
+def test_int4_pseudo_gradients_of_sharded_ranks_keep_the_learners_alike_and_a_redone_round_the_clean_runs(
+        ray_cluster, tmp_path):
+    """At shard 2 x tp 2 each rank codes its own shards: blocks the one-process DiLoCo, which codes
+    whole parameters, cuts elsewhere. The learners still decode the same bytes (the integrity
+    check at every round's end finds them alike), and a kill and a hang redo their rounds with
+    the clean run's losses."""
+    layout = {"shard": 2, "tp": 2, "sync__precision": "int4", "integrity__every": 4, **ROUNDS}
+    clean = ElasticTrainer(tiny_config(tmp_path / "clean", groups=2, steps=STEPS, **layout)).fit()
+    config = tiny_config(tmp_path / "faults", groups=2, min_groups=1, steps=STEPS, scaling__spares=1,
+                         checkpoint__memory_every=4, fault_tolerance__inject="kill:rank=1,step=5;hang:rank=6,step=9",
+                         **layout, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert clean.ok and result.ok, (clean.exit, result.exit)
+    assert EventKind.INTEGRITY_MISMATCH not in kinds(clean) + kinds(result)
+    assert [e["step"] for e in result.summary["events"] if e["kind"] == EventKind.ROUND_REDONE] == [4, 8]
+    assert max_relative_difference(result.losses, clean.losses) <= 1e-5
+    reference, _ = reference_diloco(config, STEPS)  # other blocks: the codes' rounding, not a step's
+    assert 0 < max_relative_difference(clean.losses, reference) <= 1e-2
 
 
 def learners_of(result) -> list[list[int]]:

@@ -99,6 +99,10 @@ class GradientSum:
             for param in params:
                 param.register_post_accumulate_grad_hook(self._gradient_final)
 
+    def handed_bytes(self, ranks: int) -> int:
+        """What one sum hands the replicate group, of however many ``ranks``."""
+        return self.payload_bytes
+
     @property
     def sent_in_backward(self) -> int:
         """Buckets of the step in progress sent so far."""

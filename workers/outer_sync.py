@@ -9,9 +9,9 @@ any optimizer state. The round's start weights are not state: at a round boundar
 weights, and each rank takes its copy as the round's first step begins (``begin_round``), after
 whatever placed it there (a heal, a restore, the round before).
 
-The pseudo-gradients travel in the gradients' own buffers, bucket by bucket, through the cross-
-group sum the every-step mode uses for gradients (``workers.gradient_sum``), in the dtype
-``sync.precision`` names.
+The pseudo-gradients travel in the gradients' own buffers: in fp32 or bf16 bucket by bucket,
+through the cross-group sum the every-step mode uses for gradients (``workers.gradient_sum``);
+in fp8 or int4 codes with a scale a block (``workers.quantized_sum``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch.optim.sgd import sgd
 from elastic.core.outer_rounds import OuterRounds
 from workers.failures import OuterStepFailed
 from workers.gradient_sum import GradientSum, SumTimes, local_gradient
+from workers.quantized_sum import CODES, QuantizedSum
 
 OUTER_MOMENTUM = "outer_momentum"
 
@@ -39,8 +40,9 @@ class OuterSync:
         self.rounds = rounds
         self.optimizer = optimizer
         self.trained = [param for param in model.parameters() if param.requires_grad]
-        self.exchange = GradientSum(model, torch.bfloat16 if rounds.precision == "bf16" else torch.float32,
-                                    overlap=False)
+        self.exchange = (QuantizedSum(self.trained, rounds.precision) if rounds.precision in CODES else
+                         GradientSum(model, torch.bfloat16 if rounds.precision == "bf16" else torch.float32,
+                                     overlap=False))
         self.round_start: list[torch.Tensor] | None = None  # this rank's shards of the global weights
         self.own_tokens = 0  # the round's targets this learner counted: they weigh its pseudo-gradient
 

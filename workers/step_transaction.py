@@ -277,7 +277,8 @@ class StepTransaction:
         row = self.sum_layout.width * 8  # float64
         if self.outer is None:
             return row + self.gradient_sum.payload_bytes
-        return row + (self.outer.exchange.payload_bytes if self.outer.rounds.ends_at(step) else 0)
+        return row + (self.outer.exchange.handed_bytes(self.world.replicate_group.size())
+                      if self.outer.rounds.ends_at(step) else 0)
 
     @property
     def gradient_group(self):

@@ -278,6 +278,10 @@ class _OverSlowLink:
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]):
         return self.link.carry(inputs, self.group.allgather(outputs, inputs))
 
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                      input_splits: list[int], options):
+        return self.link.carry([input], self.group.alltoall_base(output, input, output_splits, input_splits, options))
+
 
 class PairInGroup:
     """Two ranks of a gloo group addressed as a pair group's (the source 0, the target 1), as

@@ -30,7 +30,7 @@ class OuterRounds:
     every: int  # inner steps per round (H)
     lr: float  # the outer optimizer's (Nesterov SGD's) learning rate
     momentum: float
-    precision: str = "fp32"  # the pseudo-gradients' dtype across groups: fp32 or bf16
+    precision: str = "fp32"  # the pseudo-gradients across groups: fp32, bf16, fp8 or int4
     # a learner lost inside a round: its part dropped and its samples returned to the plan
     # (``sync.lost_learner = "drop"``), else the round redone
     drops: bool = False

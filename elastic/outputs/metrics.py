@@ -69,6 +69,10 @@ class Metrics:
             "elastic_cross_group_bytes", "Bytes the ranks handed the cross-group sums in committed steps: gradients "
             "every step, or a DiLoCo round's pseudo-gradients", **labels)
         self.outer_rounds = Counter("elastic_outer_rounds", "DiLoCo rounds committed (sync.mode = diloco)", **labels)
+        self.rounds_redone = Counter("elastic_rounds_redone", "DiLoCo rounds trained again from their start after a "
+                                     "learner was lost inside them (sync.lost_learner = redo)", **labels)
+        self.learners_dropped = Counter("elastic_learners_dropped", "DiLoCo learners dropped from a round they were "
+                                        "lost in, their samples returned (sync.lost_learner = drop)", **labels)
         self.nonfinite_steps = Counter(
             "elastic_nonfinite_steps", "Steps discarded for a loss or gradient norm that is not finite", **labels
         )
@@ -160,6 +164,10 @@ class Metrics:
         elif kind == EventKind.NONFINITE_STEP:
             self.steps_discarded.inc()
             (self.loss_scale_overflows if event.get("overflow") else self.nonfinite_steps).inc()
+        elif kind == EventKind.ROUND_REDONE:
+            self.rounds_redone.inc()
+        elif kind == EventKind.LEARNER_DROPPED:
+            self.learners_dropped.inc(len(event["groups"]))
         elif kind == EventKind.INTEGRITY_MISMATCH:
             self.integrity_mismatches.inc()
         elif kind == EventKind.EVALUATED:

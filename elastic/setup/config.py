@@ -542,7 +542,8 @@ class SyncConfig(Section):
     outer_every: PositiveInt = Field(50, le=MAX_STEPS)
     outer_lr: PositiveFloat = 0.7
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    # the pseudo-gradients' dtype across groups
+    # the pseudo-gradients across groups: fp32 or bf16 values, or fp8 or int4 codes with a scale
+    # every 64 values (workers.quantized_sum)
     precision: Literal["fp32", "bf16", "fp8", "int4"] = "fp32"
     # a learner lost inside a round: redo the round from its start (every committed step as a
     # clean run's), or drop it and commit over the learners that finished
@@ -779,8 +780,6 @@ class TrainConfig(Section):
                                  "sync.fragments = 1"),
             (sync.sync_delay, f"sync.sync_delay={sync.sync_delay}: an outer step overlapped with later inner steps "
                               "is not built yet; set sync.sync_delay = 0"),
-            (sync.precision in ("fp8", "int4"), f"sync.precision={sync.precision}: quantized pseudo-gradients are "
-                                                "not built yet; use fp32 or bf16"),
             (sync.quorum or sync.grace_s, "sync.quorum and sync.grace_s: a round that does not wait for every "
                                           "learner is not built yet; set both to 0"),
             (self.compute.precision == "fp16", "compute.precision=fp16: the learners' loss scales would part ways; "
