@@ -10,6 +10,7 @@ Beside it runs the server its jobs' workers fork from (elastic/testing/forked_ra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -51,6 +52,10 @@ def processes_mentioning(*markers: str) -> list[int]:
     return pids
 
 
+def command_of(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+
+
 def stop_block(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGTERM)
     try:
@@ -61,11 +66,15 @@ def stop_block(process: subprocess.Popen) -> None:
 
 
 class RayHead:
-    def __init__(self, num_cpus: int, job_server: bool = False, timeout: float = 300.0):
+    def __init__(self, num_cpus: int, job_server: bool = False, timeout: float = 300.0,
+                 gcs_redis: str | None = None):
         """Takes its token from this process's ``RAY_AUTH_TOKEN`` (see tests/conftest.py).
         ``job_server``: run Ray's dashboard, the job API at ``dashboard``. The lanes' heads run
         without it: the slowest process of a head's start, which failed a whole lane's on a
-        loaded machine, for one test. ``timeout`` bounds a try that neither comes up nor exits."""
+        loaded machine, for one test. ``timeout`` bounds a try that neither comes up nor exits.
+        ``gcs_redis``: the GCS keeps its tables in the Redis server at this address (Ray's GCS
+        fault tolerance), and the head runs without ``--block``, whose watch would end every
+        process of the head once its GCS dies: ``restart_gcs`` kills the GCS and starts it again."""
         # Short, because Ray's unix socket paths live under it (about 107 bytes at most).
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         self.job_server = job_server
@@ -80,6 +89,10 @@ class RayHead:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
         }
+        self.blocks = gcs_redis is None
+        self.restarted: list[subprocess.Popen] = []  # the GCS servers restart_gcs started
+        if gcs_redis:
+            self.env |= {"RAY_REDIS_ADDRESS": gcs_redis, "RAY_external_storage_namespace": Path(self.temp_dir).name}
         self.headers = {"Authorization": f"Bearer {token}"}
         self.nodes: list[subprocess.Popen] = []
         # Workers started with ``worker_python`` (this head's, for a job without a runtime env) or
@@ -119,7 +132,8 @@ class RayHead:
         ports = [x for flag in NODE_PORTS for x in (flag, str(free_port()))]
         with open(Path(self.temp_dir) / log_name, "w") as log:
             return subprocess.Popen(
-                [*RAY_START_WITH_WORKER_PYTHON, self.worker_python, "start", "--block", "--node-ip-address",
+                [*RAY_START_WITH_WORKER_PYTHON, self.worker_python, "start", *(["--block"] if self.blocks else []),
+                 "--node-ip-address",
                  "127.0.0.1", "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats", *ports,
                  *args],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -134,7 +148,7 @@ class RayHead:
         port = self.gcs_address.rsplit(":", 1)[1]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if process.poll() is not None:
+            if process.poll() is not None and (self.blocks or process.returncode != 0):
                 return False
             if self.fork_server.poll() is not None:
                 stop_block(process)
@@ -199,12 +213,44 @@ class RayHead:
         stop_block(node)
         self.nodes.remove(node)
 
+    def restart_gcs(self, down_s: float) -> None:
+        """Kill the head's GCS server (SIGKILL, as an out-of-memory kill would) and start it
+        again with the same command line and environment after ``down_s``."""
+        [pid] = [pid for pid in processes_mentioning(self.temp_dir) if command_of(pid)[0].endswith("gcs_server")]
+        command = command_of(pid)
+        environment = dict(entry.split("=", 1) for entry in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in entry)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(down_s)
+        self.restarted.append(subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def _end_processes(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL past ``grace_s``, as ``ray stop`` ends a node (a GCS backed by
+        Redis, the raylet and the autoscaler's monitor outlive a SIGTERM)."""
+        for pid in processes_mentioning(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and processes_mentioning(self.temp_dir):  # a zombie mentions nothing
+            time.sleep(0.1)
+        for pid in processes_mentioning(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for process in [self.process, *self.restarted]:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
     def stop(self) -> list[int]:
         """Stop the nodes, then the head; returns the processes that outlived them (and were
         then killed)."""
         for node in list(self.nodes):
             self.remove_node(node)
-        stop_block(self.process)
+        if self.blocks:
+            stop_block(self.process)
+        else:  # nothing watches the head's processes: each is asked to end, as ``ray stop`` asks
+            self._end_processes()
         stop_block(self.fork_server)
         leftovers = processes_mentioning(self.temp_dir)
         for pid in leftovers:
