@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
-from tests.ray_head import RayHead  # noqa: E402
+from elastic.testing.ray_head import RayHead  # noqa: E402
 from elastic.testing.s3 import MotoServer, set_test_credentials  # noqa: E402
 
 BUCKETS = itertools.count()
@@ -49,7 +49,7 @@ def end_detached_actors() -> None:
 
 @pytest.fixture(scope="session")
 def ray_head():
-    """The one Ray instance of this lane's whole test run, on loopback (tests/ray_head.py). This
+    """The one Ray instance of this lane's whole test run, on loopback (elastic/testing/ray_head.py). This
     process joins it, and so does every driver a test starts with ``driver_env()``; the
     workers of both fork from the head's server (elastic/testing/forked_ray_workers.py)."""
     set_test_credentials()  # before the head starts: its workers inherit them

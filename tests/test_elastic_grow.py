@@ -1,7 +1,7 @@
 """Growing: a node added mid-run lets the second replica group place, heal and join, and the
 committed steps are those of the fault-free reference, none lost or doubled.
 
-The node joins the test run's Ray head (tests/ray_head.py). Until it does, a placement group
+The node joins the test run's Ray head (elastic/testing/ray_head.py). Until it does, a placement group
 holds all of the head's free CPUs but the one a group needs (shard 2 x 0.5 CPU), so the second
 group cannot place; the node is added as the first checkpoint commits, so the run has trained
 on one group before it can grow."""

@@ -23,7 +23,7 @@ import yaml
 from elastic.core.events import EventKind
 from elastic.testing.loopback import free_port, wait_for
 from elastic.testing.losses import max_relative_difference
-from tests.ray_head import RayHead
+from elastic.testing.ray_head import RayHead
 from tests.tiny import tiny_config
 
 REDIS = shutil.which("redis-server")

@@ -1,5 +1,5 @@
 """``ray job submit`` against a Ray head started with ``ray start`` as a user starts one
-(tests/ray_head.py), with the dashboard, whose job API the command talks to: a short run
+(elastic/testing/ray_head.py), with the dashboard, whose job API the command talks to: a short run
 succeeds and its logs show progress; submitting the same run again resumes it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_head import RAY, RayHead
+from elastic.testing.ray_head import RAY, RayHead
 
 pytestmark = pytest.mark.waits  # a head of its own, two jobs submitted, each with Ray's plain start-up
 

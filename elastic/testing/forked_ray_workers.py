@@ -2,7 +2,7 @@
 
 A rank actor's process spends about 3.3 of its 4 CPU-seconds of start-up importing torch,
 DTensor, DCP, ``torch._dynamo`` and the rank's code: over the suite's few hundred rank
-actors, about half the suite's CPU. The test run's head (``tests/ray_head.py``) starts a
+actors, about half the suite's CPU. The test run's head (``elastic/testing/ray_head.py``) starts a
 server that imports torch's part once (``start_server``), and its nodes' raylets start their
 workers with a ``python`` that sends Ray's default worker through this file's launcher
 (``write_worker_python``). So each worker of a job without a runtime env (the test run's own

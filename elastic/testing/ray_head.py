@@ -1,12 +1,12 @@
-"""A test lane's one Ray instance (tests/conftest.py): a head started with ``ray start
+"""A Ray head of its own for the tests and the benchmarks that outlive a driver: ``ray start
 --head`` on loopback, with its own temp dir, ports and auth token; with Ray's dashboard, whose
-job API ``ray job submit`` talks to, only where a test submits jobs (tests/test_ray_job.py).
+job API ``ray job submit`` talks to, only where it is asked for (tests/test_ray_job.py). Each
+test lane runs one (tests/conftest.py), and ``bench/driver_loss.py`` one whose drivers it kills.
 
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the
 machine, other users' included. ``add_node`` joins a further node to it, as a cluster grows.
-Beside it runs the server its jobs' workers fork from (elastic/testing/forked_ray_workers.py).
-"""
+Beside it runs the server its jobs' workers fork from (elastic/testing/forked_ray_workers.py)."""
 
 from __future__ import annotations
 
