@@ -387,3 +387,10 @@ def test_diloco_refuses_in_one_line_what_it_cannot_hold(values, refused):
     with pytest.raises(ConfigError, match=re.escape(refused)) as error:
         parse_config(values)
     assert len(str(error.value).splitlines()) <= 2 and "sync.mode=diloco with" in str(error.value)
+
+
+def test_a_kill_inside_the_outer_step_needs_diloco():
+    with pytest.raises(ConfigError, match=re.escape("during=outer-step kills a rank inside DiLoCo's outer step; set "
+                                                    "sync.mode = diloco")):
+        parse_config({"fault_tolerance": {"inject": "kill:rank=0,step=3,during=outer-step"}})
+    assert parse_config({"sync": DILOCO, "fault_tolerance": {"inject": "kill:rank=0,step=3,during=outer-step"}})

@@ -105,3 +105,29 @@ def test_a_slow_link_names_its_rate(text, refused):
         return
     with pytest.raises(FaultSpecError, match=re.escape(refused)):
         parse_faults(text)
+
+
+@pytest.mark.parametrize("text, refused", [
+    ("kill:rank=1,step=7,during=outer-step", None),
+    ("kill:rank=1,step=7,during=inner-step", "use during=outer-step"),
+    ("kill:rank=1,step=7,after=0.5,during=outer-step", "applies to kill, without after"),
+    ("hang:rank=1,step=7,during=outer-step", "applies to kill, without after"),
+])
+def test_a_kill_inside_the_outer_step_is_named_by_during(text, refused):
+    if refused is None:
+        [fault] = parse_faults(text)
+        assert (fault.kind, fault.rank, fault.step, fault.during) == ("kill", 1, 7, "outer-step")
+        return
+    with pytest.raises(FaultSpecError, match=re.escape(refused)):
+        parse_faults(text)
+
+
+def test_a_kill_inside_the_outer_step_waits_for_it():
+    """Fired at its segment's start, the kill waits: the rank dies at its outer step's first
+    collective, not before."""
+    spec = InjectedSegmentSpec(attempt=1, first_step=4, stop_step=8, cursor=DataCursor(), dataset_len=64, global_batch=8,
+                               seed=0, group_weights={0: 1.0}, micro_batch=2, seq_len=8, schedule=LRSchedule(1e-3),
+                               clip_grad_norm=None, deadline_s=10.0, faults=(InjectedFault("kill", during="outer-step"),))
+    plan = InjectedFaults(seed=0, global_rank=0, world=None).plan(spec, nn.Linear(2, 2))
+    plan.before_cross_group_sum()  # the inner steps go on
+    assert plan.dies_in_outer_step

@@ -81,6 +81,27 @@ def test_a_learner_killed_redoes_the_round_with_the_clean_runs_losses(ray_cluste
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
 
+def test_a_rank_killed_inside_the_outer_step_fails_every_learners_exchange_and_the_round_is_redone(ray_cluster,
+                                                                                                    tmp_path):
+    """The kill lands after the round's last inner step committed, as the dying rank's first
+    collective of the outer step is sent: every learner's exchange fails, every group is broken
+    and takes the round's start from the memory tier, and the round is trained again."""
+    config = tiny_config(tmp_path, groups=2, min_groups=1, steps=STEPS, scaling__spares=1,
+                         checkpoint__memory_every=4, fault_tolerance__inject="kill:rank=0,step=7,during=outer-step",
+                         **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    # the round's last step is not committed: the survivor goes back to the round's start
+    assert [e["step"] for e in events if e["kind"] == EventKind.STEP_DISCARDED] == [7]
+    assert [(e["step"], e["groups"], e["rolled_back_steps"]) for e in events
+            if e["kind"] == EventKind.RESTORED_FROM_MEMORY] == [(4, [1], 3)]
+    assert [record["step"] for record in result.summary["steps"]] == list(range(STEPS))
+    assert not [kind for kind in kinds(result) if kind in ("restored-from-checkpoint", "restored-initial-state")]
+    reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
 def test_a_round_lost_before_the_memory_tier_holds_its_start_restarts_from_the_initial_state(ray_cluster, tmp_path):
     config = tiny_config(tmp_path, groups=2, steps=8, checkpoint__memory_every=8,
                          fault_tolerance__inject="kill:rank=1,step=2", **ROUNDS, **FAST_DETECTION)

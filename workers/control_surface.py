@@ -170,12 +170,19 @@ class FaultPlan(Protocol):
         """Called as the rank waits for the gradients' cross-group sum (begun in its last
         backward); may fail it."""
 
+    def in_outer_step(self) -> None:
+        """Called as the rank waits for each collective of DiLoCo's outer step; may end the
+        process."""
+
 
 class NoFaults:
     def after_compute(self, compute_s: float) -> float:
         return compute_s
 
     def before_cross_group_sum(self) -> None:
+        pass
+
+    def in_outer_step(self) -> None:
         pass
 
 

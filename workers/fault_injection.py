@@ -82,6 +82,7 @@ class InjectedFaults:
         self.slow_factor = 1.0
         self.fail_next_collective = False
         self.dying = False
+        self.dies_in_outer_step = False
 
     def plan(self, spec: SegmentSpec, model: nn.Module) -> FaultPlan:
         """The segment's plan, its faults fired: ``NO_FAULTS`` for a segment that injects none."""
@@ -94,7 +95,9 @@ class InjectedFaults:
 
     def _fire(self, fault: InjectedFault, model: nn.Module) -> None:
         if fault.kind in ("kill", "kill-group"):
-            if fault.after_s:
+            if fault.during:
+                self.dies_in_outer_step = True
+            elif fault.after_s:
                 # Dies mid-step while its peers compute; the step it was fired in never
                 # reaches its sum, so the death lands in that step however short it is.
                 threading.Timer(fault.after_s, os._exit, (1,)).start()
@@ -121,6 +124,10 @@ class InjectedFaults:
             extra += compute_s * self.noise * 2.0 * torch.rand((), generator=self.noise_rng).item()
         burn_cpu(extra)
         return compute_s + extra
+
+    def in_outer_step(self) -> None:
+        if self.dies_in_outer_step:
+            os._exit(1)
 
     def before_cross_group_sum(self) -> None:
         if self.dying:

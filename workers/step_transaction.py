@@ -225,7 +225,7 @@ class StepTransaction:
             raise sum_error
         if not self.agreement.every_rank_succeeded:
             raise StepDiscarded(f"rank {self.rank.global_rank}: step {step} discarded: a peer's cross-group sum failed")
-        outcome = self._apply_or_discard(spec, share)
+        outcome = self._apply_or_discard(spec, share, faults)
         self.activity.set(step, Phase.DONE)
         return outcome
 
@@ -322,7 +322,7 @@ class StepTransaction:
         for part in self.contributions:
             part.after_vote([ballot[part] for ballot in ballots])
 
-    def _apply_or_discard(self, spec: SegmentSpec, share: RankShare) -> Committed | Discarded:
+    def _apply_or_discard(self, spec: SegmentSpec, share: RankShare, faults: FaultPlan) -> Committed | Discarded:
         """What every rank of every group does with a step whose sums all succeeded: apply it
         at its learning rate and clipping factor, or discard it when replicas disagreed or
         its loss or norm is not finite (the same sums everywhere). Each contribution then acts
@@ -348,8 +348,7 @@ class StepTransaction:
         if self.outer is not None:
             self.outer.committed(self.step_loss.group_counted)
             if self.outer.rounds.ends_at(share.step):
-                deadline = time.perf_counter() + spec.deadline_s
-                self.outer.outer_step(self.world.cross_group, lambda work: self.wait_replicate(work, deadline))
+                self._outer_step(spec.deadline_s, faults)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             times=(), counted=self.step_loss.counted_tokens,  # times: ``Timing``'s
@@ -357,6 +356,18 @@ class StepTransaction:
         for part in self.contributions:
             record = part.on_commit(record)
         return Committed(record, self.agreement.pause, self.agreement.records_due, self.joining.everyone_caught_up)
+
+    def _outer_step(self, deadline_s: float, faults: FaultPlan) -> None:
+        """DiLoCo's outer step after the round's last inner update: each of its collectives
+        awaited within the step's deadline and the driver's abort (and where the fault plan
+        kills the rank inside it)."""
+        deadline = time.perf_counter() + deadline_s
+
+        def wait(work) -> None:
+            faults.in_outer_step()
+            self.wait_replicate(work, deadline)
+
+        self.outer.outer_step(self.world.cross_group, wait)
 
     def at_micro_batch(self, step: int, index: int) -> None:
         """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of

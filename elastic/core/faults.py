@@ -16,10 +16,12 @@ other groups carries ``rate`` bytes a second from then on: ``bench/semi_sync.py`
 cross-group transport with it); keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
 or ``at`` (seconds since training started), ``factor`` (for the slowdowns), ``rate`` (for
-``slow-link``) and ``after``
+``slow-link``), ``after``
 (for ``kill`` and ``kill-group``: seconds into the step, so the rank dies mid-step while
 its peers compute; a step shorter than that waits for the death before its sum, so the
-death lands in the step named). A fault fires once, on the first step at or after its trigger, in the
+death lands in the step named) and ``during=outer-step`` (for ``kill`` under DiLoCo: the
+rank dies inside the first outer step at or after its step, once its first collective there
+is sent). A fault fires once, on the first step at or after its trigger, in the
 rank(s) it names.
 """
 
@@ -39,6 +41,9 @@ _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank"
            "fail-collective": "rank", "flip": "rank", "slow-link": "group"}
 
 
+OUTER_STEP = "outer-step"
+
+
 class FaultSpecError(ValueError):
     pass
 
@@ -53,6 +58,7 @@ class Fault:
     factor: float = 1.0
     after: float = 0.0
     rate: float = 0.0  # slow-link's bytes a second
+    during: str = ""  # "outer-step": a kill inside DiLoCo's outer step
     random_target: bool = False
 
     def targets(self, rank: int, group: int) -> bool:
@@ -82,6 +88,10 @@ def _parse_one(text: str) -> Fault:
                     fields[key] = int(value)
             elif key == "step":
                 fields["step"] = int(value)
+            elif key == "during":
+                if value != OUTER_STEP:
+                    raise FaultSpecError(f"fault_tolerance.inject: during={value!r} in {text!r}; use during={OUTER_STEP}")
+                fields["during"] = value
             elif key in ("at", "factor", "after", "rate"):
                 number = float(value)
                 if not math.isfinite(number):
@@ -93,7 +103,7 @@ def _parse_one(text: str) -> Fault:
             else:
                 raise FaultSpecError(
                     f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor, "
-                    "rate or after"
+                    "rate, after or during"
                 )
         except ValueError as error:
             if isinstance(error, FaultSpecError):
@@ -111,6 +121,8 @@ def _parse_one(text: str) -> Fault:
                              "slow-link needs it")
     if "after" in fields and (kind not in ("kill", "kill-group") or not 0 < fields["after"] < 3600):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r}: after=SECONDS (0 to 3600) applies to kill and kill-group")
+    if "during" in fields and (kind != "kill" or "after" in fields):
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r}: during={OUTER_STEP} applies to kill, without after")
     return Fault(**fields)
 
 
@@ -154,6 +166,7 @@ class InjectedFault:
     factor: float = 1.0
     after_s: float = 0.0
     rate: float = 0.0
+    during: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,7 +213,8 @@ class FaultSchedule:
             self.faults.remove(fault)
             self.events.emit(EventKind.FAULT_INJECTED, fault=fault.kind, ranks=targets, step=step)
             for rank in targets:
-                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after, fault.rate))
+                firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after, fault.rate,
+                                                                 fault.during))
         return {
             rank: InjectedSegmentSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
             for rank, request in requests.items()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic.core.events import redact_credentials
+from elastic.core.events import EventKind, redact_credentials
 from elastic.core.goodput import goodput_of
 from elastic.outputs.summary import SUMMARY_NAME, RunSummary
 from elastic.outputs.timeline import goodput_breakdown, over_every_leg, whole_run
@@ -90,14 +90,23 @@ def format_sources(samples: dict[str, int]) -> str:
 
 def format_traffic(summary: RunSummary) -> str | None:
     """What crossed groups over every leg's committed steps, per step, and the DiLoCo rounds
-    committed; None for a run of one group (nothing crossed)."""
-    steps = [entry for leg in (*summary.earlier_legs, summary) for entry in leg.steps]
+    committed, with the learners lost inside them; None for a run of one group (nothing
+    crossed)."""
+    legs = (*summary.earlier_legs, summary)
+    steps = [entry for leg in legs for entry in leg.steps]
     total = sum(entry.cross_group_bytes for entry in steps)
     if not total:
         return None
     rounds = sum(entry.outer_step for entry in steps)
     line = f"across groups: {total / 1e6:.2f} MB over {len(steps)} committed steps, {total / len(steps) / 1e3:.1f} kB a step"
-    return line + (f"; {rounds} DiLoCo rounds" if rounds else "")
+    if not rounds:
+        return line
+    events = [event for leg in legs for event in leg.events]
+    redone = sum(event["kind"] == EventKind.ROUND_REDONE for event in events)
+    dropped = [event for event in events if event["kind"] == EventKind.LEARNER_DROPPED]
+    lost = (f" ({redone} redone, {sum(len(event['groups']) for event in dropped)} learners dropped, "
+            f"{sum(event['returned_samples'] for event in dropped)} samples returned)" if redone or dropped else "")
+    return f"{line}; {rounds} DiLoCo rounds{lost}"
 
 
 def _default_output(run: str, summary: RunSummary) -> str:

@@ -20,7 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from checkpointing.storage import StorageOptions, absolute_url, refuse_credentials
-from elastic.core.faults import check_targets, parse_faults
+from elastic.core.faults import OUTER_STEP, check_targets, parse_faults
 from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.model_shape import SHAPE_FIELDS, ModelShape, ShapeRules
@@ -797,8 +797,11 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _faults_within_layout(self) -> TrainConfig:
         scaling = self.scaling
-        check_targets(parse_faults(self.fault_tolerance.inject), scaling.max_groups,
-                      scaling.topology.ranks_per_group)
+        faults = parse_faults(self.fault_tolerance.inject)
+        check_targets(faults, scaling.max_groups, scaling.topology.ranks_per_group)
+        if self.sync.outer_rounds is None and any(fault.during for fault in faults):
+            raise ValueError(f"fault_tolerance.inject: during={OUTER_STEP} kills a rank inside DiLoCo's outer step; "
+                             "set sync.mode = diloco or leave it out")
         return self
 
     def _sequence_parallel_obstacles(self) -> list[str]:
