@@ -33,8 +33,8 @@ pytestmark = [
     pytest.mark.waits,  # a Ray head, a Redis and a driver of their own; the outage
 ]
 
-DOWN_S = 5.0  # the GCS's outage
-STEPS = 1200
+DOWN_S = 4.0  # the GCS's outage
+STEPS = 500
 
 
 class RedisServer:
@@ -108,12 +108,13 @@ def test_the_gcs_killed_and_started_again_mid_run_costs_no_step_and_no_rank(head
     # no rank failed, none restarted: the two groups built once, at the start
     assert kinds.count(EventKind.GROUP_BUILT) == 2 and EventKind.RANK_FAILED not in kinds, kinds
     assert summary["steps_committed"] == STEPS and summary["steps_discarded"] == 0
-    # the ranks trained on while the GCS was down (the summary's times are from the leg's start,
-    # and the summary is written as the leg ends)
+    # the ranks trained on while the GCS was down (the summary's times are when the driver
+    # heard of each step, from the leg's start; the ranks send their records about once a
+    # second, and the summary is written as the leg ends)
     leg_started = (run / "summary.json").stat().st_mtime - summary["wall_s"]
-    outage = (killed - leg_started + 1.0, killed - leg_started + DOWN_S - 1.0)
+    outage = (killed - leg_started + 0.5, killed - leg_started + DOWN_S - 0.5)
     assert sum(outage[0] <= step["t"] <= outage[1] for step in summary["steps"]) >= 5, outage
-    # Over a thousand steps, sums in another order than one process's part ways by more than
-    # ulps (1e-5 up to step 240, 4 % by the end, as Adam carries them on); a run on the same
+    # Over hundreds of steps, sums in another order than one process's part ways by more than
+    # ulps (1e-5 up to step 240, 4 % by step 1200, as Adam carries them on); a run on the same
     # ranks does not.
     assert max_relative_difference(summary["losses"], clean["losses"]) <= 1e-5
