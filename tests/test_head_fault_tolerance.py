@@ -34,7 +34,7 @@ pytestmark = [
 ]
 
 DOWN_S = 4.0  # the GCS's outage
-STEPS = 500
+STEPS = 800  # the run goes on for seconds after the GCS is back
 
 
 class RedisServer:

@@ -142,9 +142,12 @@ def test_a_bit_flipped_between_rounds_is_found_and_every_learner_goes_back_to_th
     [found] = [event for event in result.summary["events"] if event["kind"] == EventKind.INTEGRITY_MISMATCH]
     assert (found["step"], found["suspects"], found["majority"]) == (8, [1], [0, 2])
     # the memory tier holds every rank's copy of the last round's start the check verified: every
-    # group goes back to it (``StateSources.after_mismatch``)
-    [restored] = [event for event in result.summary["events"] if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
-    assert (restored["step"], restored["groups"]) == (4, [0, 1, 2])
+    # group goes back to it (``StateSources.after_mismatch``), all at once or, where one group is
+    # built again before the others (a busy machine), that one from memory and the others from it
+    events = result.summary["events"]
+    [restored] = [event for event in events if event["kind"] == EventKind.RESTORED_FROM_MEMORY]
+    healed = {event["group"] for event in events if event["kind"] == EventKind.GROUP_HEALED and event["t"] >= restored["t"]}
+    assert restored["step"] == 4 and set(restored["groups"]) | healed == {0, 1, 2}, (restored, healed)
     reference, _ = reference_diloco(config, STEPS)
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
