@@ -11,7 +11,9 @@ replica groups of one rank, on a local Ray, all in one run of this script:
 - **throttled**: the same job with each group's link to the others throttled (the ``slow-link``
   fault) to 1/100 of the in-group link's speed, which the script measures first (a gloo
   all-reduce of 16 MB between two processes on loopback, as the ranks of a group sum): tokens
-  a second of committed step time, diloco's over every-step's (goal: at least 10x).
+  a second of committed step time, diloco's over every-step's (goal: at least 10x). The full
+  run measures it at a quarter of the global batch too: a quarter of the compute a step, the
+  same bytes, as a faster device would leave the link a larger share of the step.
 
 The exchange's precisions: fp32 and bf16 values, fp8 and int4 codes with a scale every 64
 values (goal with int4: at most 1/(4H) of every-step's bytes). Streaming fragments are not
@@ -51,19 +53,20 @@ def in_group_bytes_per_s() -> float:
     return PROBE_BYTES / min(times[0])
 
 
-def config(storage: Path, name: str, steps: int, sync: dict, inject: str = "") -> object:
+def config(storage: Path, name: str, steps: int, sync: dict, inject: str = "", global_batch: int = 32) -> object:
     return build_config({
         "storage": str(storage), "run_name": name, "steps": steps,
+        "global_batch": global_batch, "micro_batch": min(4, global_batch // GROUPS),
         "scaling": {"min_groups": GROUPS, "max_groups": GROUPS, "shard": 1, "tp": 1},
         "data": {"validation_fraction": 0.05}, "eval": {"every": steps, "samples": 256},
         "checkpoint": {"every": 0}, "fault_tolerance": {"inject": inject}, "sync": sync,
     })
 
 
-def train(storage: Path, name: str, steps: int, sync: dict, inject: str = "") -> dict:
+def train(storage: Path, name: str, steps: int, sync: dict, inject: str = "", global_batch: int = 32) -> dict:
     from elastic import ElasticTrainer
 
-    result = ElasticTrainer(config(storage, name, steps, sync, inject)).fit()
+    result = ElasticTrainer(config(storage, name, steps, sync, inject, global_batch)).fit()
     if not result.ok:
         raise SystemExit(f"the {name} run failed: {result.exit}")
     summary = result.summary
@@ -112,9 +115,10 @@ def main() -> None:
                 for h in every for precision in precisions}
         headline_every = 50
         throttled_steps = max(args.throttled_steps // headline_every, 1) * headline_every
-        throttled = {mode: train(storage, f"throttled-{mode}", throttled_steps,
-                                 {"mode": mode, "outer_every": headline_every}, throttle)
-                     for mode in ("every-step", "diloco")}
+        batches = (32,) if args.quick else (32, 8)
+        throttled = {(batch, mode): train(storage, f"throttled-{batch}-{mode}", throttled_steps,
+                                          {"mode": mode, "outer_every": headline_every}, throttle, batch)
+                     for batch in batches for mode in ("every-step", "diloco")}
     print(f"\nthe reference job at {GROUPS} groups x 1 rank, {steps} steps of {config(Path('.'), 'x', steps, {}).global_batch}"
           f" samples; held-out loss after the last step")
     print(f"{'sync':<22} {'bytes/step':>12} {'ratio':>8} {'x H':>6} {'held-out':>9} {'gap':>8} {'rounds':>7}")
@@ -129,10 +133,14 @@ def main() -> None:
               f"{run['held_out_loss']:9.4f} {gap:8.2%} {run['outer_rounds']:7d}")
     fragments = {"mode": "diloco", "outer_every": 10, "fragments": 4}
     print(f"{json.dumps(fragments)}: {refused(fragments) or 'accepted'}")
-    speedup = throttled["diloco"]["tokens_per_s"] / throttled["every-step"]["tokens_per_s"]
-    print(f"\nthrottled to {rate / 1e6:.1f} MB/s across groups, {throttled_steps} steps, H={headline_every}: "
-          f"every-step {throttled['every-step']['tokens_per_s']:.0f} tokens/s, diloco "
-          f"{throttled['diloco']['tokens_per_s']:.0f} tokens/s: {speedup:.1f}x")
+    print(f"\nthrottled to {rate / 1e6:.1f} MB/s across groups, {throttled_steps} steps, H={headline_every}:")
+    speedups = {}
+    for batch in batches:
+        every_step, diloco = throttled[(batch, "every-step")], throttled[(batch, "diloco")]
+        speedups[batch] = diloco["tokens_per_s"] / every_step["tokens_per_s"]
+        print(f"  global batch {batch}: every-step {every_step['tokens_per_s']:.0f} tokens/s, diloco "
+              f"{diloco['tokens_per_s']:.0f} tokens/s: {speedups[batch]:.1f}x")
+    speedup = speedups[32]
     ratio, gap = figures[(headline_every, "fp32")]
     int4_ratio, int4_gap = figures[(headline_every, "int4")]
     if args.json:
