@@ -47,13 +47,15 @@ GROUPS = 2
 
 def metric(port: int, name: str) -> float | None:
     """``name``'s value at the driver's endpoint; None while it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
             text = response.read().decode()
     except OSError:
         return None
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} ")]
-    return values[0] if values else None
+    return next((sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                 if sample.name == name), None)
 
 
 class Leg:
@@ -66,7 +68,6 @@ class Leg:
                    "--tp", "1", "--steps", "1000000", "--storage", str(storage), "--run-name", "job",
                    "--checkpoint-every", str(args.checkpoint_every), "--metrics-host", "127.0.0.1",
                    "--metrics-port", str(self.port), "--set", f"checkpoint.lease_ttl_s={args.lease_ttl_s}"]
-        self.started = time.time()
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, cwd=storage, env=head.driver_env(), stdout=log,
                                             stderr=subprocess.STDOUT)

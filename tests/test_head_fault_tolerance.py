@@ -1,8 +1,8 @@
 """The Ray head's GCS lost mid-run and started again: with GCS fault tolerance (its tables in a
-real Redis server, as docs/operations.md and deploy/kuberay/raycluster.yaml set it up), the
-ranks keep training through the outage, on the steady path that no Ray call is on, and the run
-completes with the clean run's losses and no rank restarted. Without Redis the same outage ends
-the driver (``Ray's GCS fault tolerance`` in docs/operations.md).
+real Redis server, as docs/operations.md's "What survives what" sets it up for ``ray start`` and
+KubeRay), the ranks keep training through the outage, on the steady path that no Ray call is
+on, and the run completes with the clean run's losses and no rank restarted. Without Redis the
+same outage ends the driver (measured by hand; the same page says so).
 
 .ci/run installs the Debian package ``redis-server``; without the binary the test is skipped.
 """

@@ -55,6 +55,14 @@ def local_gradient_numel(param: nn.Parameter) -> int:
     return (param._local_tensor if isinstance(param, DTensor) else param).numel()
 
 
+def unflatten_into(gradients: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``flat``'s leading values written back into ``gradients``, in order (a sum's result)."""
+    offset = 0
+    for gradient in gradients:
+        gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+        offset += gradient.numel()
+
+
 def plan_buckets(sizes: list[int], bucket_bytes: float) -> list[list[int]]:
     """Consecutive indices into ``sizes`` (bytes each), cut where a bucket would exceed
     ``bucket_bytes``; a parameter larger than that is a bucket of its own."""
@@ -164,11 +172,7 @@ class GradientSum:
                 flat, work = self._in_flight[number]
                 self._in_flight[number] = None  # its flat copy goes once summed
                 wait(work)
-                offset = 0
-                for param in bucket:
-                    grad = local_gradient(param)
-                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
+                unflatten_into([local_gradient(param) for param in bucket], flat)
         finally:
             self._group = None
             self._in_flight = []

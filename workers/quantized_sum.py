@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.gradient_sum import SumTimes, local_gradient, local_gradient_numel
+from workers.gradient_sum import SumTimes, local_gradient, local_gradient_numel, unflatten_into
 
 BLOCK = 64
 SCALE_BYTES = 4  # fp32
@@ -115,10 +115,6 @@ class QuantizedSum:
         mine = encode(owned, self.code)
         gathered = [torch.empty_like(mine) for _ in range(ranks)]
         wait(group.allgather([gathered], [mine]))
-        sums = torch.cat([decode(chunk, self.code) for chunk in gathered])
-        offset = 0
-        for gradient in gradients:
-            gradient.copy_(sums[offset:offset + gradient.numel()].view_as(gradient))
-            offset += gradient.numel()
+        unflatten_into(gradients, torch.cat([decode(chunk, self.code) for chunk in gathered]))
         elapsed = time.perf_counter() - started
         return SumTimes(elapsed, elapsed)

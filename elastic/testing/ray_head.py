@@ -5,7 +5,9 @@ test lane runs one (tests/conftest.py), and ``bench/driver_loss.py`` one whose d
 
 It runs under ``ray start --block`` and is stopped by signalling that process, which shuts
 down exactly the processes it started: ``ray stop`` would kill every Ray process on the
-machine, other users' included. ``add_node`` joins a further node to it, as a cluster grows.
+machine, other users' included. A head whose GCS a Redis backs runs without ``--block`` (which
+would end the head once its GCS dies) and is stopped process by process, as ``ray stop`` stops
+them, but only its own. ``add_node`` joins a further node to it, as a cluster grows.
 Beside it runs the server its jobs' workers fork from (elastic/testing/forked_ray_workers.py)."""
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ def processes_mentioning(*markers: str) -> list[int]:
     """Pids whose command line mentions one of ``markers`` (paths only this head uses)."""
     pids = []
     for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone meanwhile, or not a process
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
-        if proc.name.isdigit() and int(proc.name) != os.getpid() and any(m in cmdline for m in markers):
+        try:
+            cmdline = " ".join(command_of(int(proc.name)))
+        except OSError:  # gone meanwhile
+            continue
+        if any(m in cmdline for m in markers):
             pids.append(int(proc.name))
     return pids
 
@@ -118,7 +122,7 @@ class RayHead:
             self.gcs_address = f"127.0.0.1:{free_port()}"
             self.dashboard = f"http://127.0.0.1:{free_port()}"
             process = self._start_node(
-                log_name, "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
+                log_name, self.blocks, "--head", "--port", self.gcs_address.rsplit(":", 1)[1], "--num-cpus", str(num_cpus),
                 "--temp-dir", self.temp_dir, f"--include-dashboard={str(self.job_server).lower()}",
                 "--dashboard-host", "127.0.0.1", "--dashboard-port", self.dashboard.rsplit(":", 1)[1],
                 "--ray-client-server-port", str(free_port()),
@@ -128,13 +132,12 @@ class RayHead:
             ended.append(f"{log_name} (exit {process.returncode}):\n{self.log(log_name)[-3000:]}")
         raise AssertionError("the head's ray start exited every time:\n" + "\n".join(ended))
 
-    def _start_node(self, log_name: str, *args: str) -> subprocess.Popen:
+    def _start_node(self, log_name: str, block: bool, *args: str) -> subprocess.Popen:
         ports = [x for flag in NODE_PORTS for x in (flag, str(free_port()))]
         with open(Path(self.temp_dir) / log_name, "w") as log:
             return subprocess.Popen(
-                [*RAY_START_WITH_WORKER_PYTHON, self.worker_python, "start", *(["--block"] if self.blocks else []),
-                 "--node-ip-address",
-                 "127.0.0.1", "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats", *ports,
+                [*RAY_START_WITH_WORKER_PYTHON, self.worker_python, "start", *(["--block"] if block else []),
+                 "--node-ip-address", "127.0.0.1", "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats", *ports,
                  *args],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env,
             )
@@ -195,7 +198,7 @@ class RayHead:
         before, ended = alive(), []
         for attempt in range(NODE_STARTS):
             log_name = f"node-{len(self.nodes)}-{attempt}.log"
-            node = self._start_node(log_name, "--address", self.gcs_address, "--num-cpus", str(num_cpus))
+            node = self._start_node(log_name, True, "--address", self.gcs_address, "--num-cpus", str(num_cpus))
             self.nodes.append(node)
             deadline = time.monotonic() + timeout
             while node.poll() is None and time.monotonic() < deadline:
