@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.setup.preflight import build_config  # noqa: E402
 from elastic.core.data_plan import DataCursor, plan_step  # noqa: E402
 from elastic.setup.hooks import resolve_hooks  # noqa: E402
-from workers.gradient_sum import GradientSum  # noqa: E402
+from workers.gradient_sum import GradientSum, trained  # noqa: E402
 from workers.train_step import accumulate_gradients, collate, squared_gradient_norm  # noqa: E402
 
 SIZES = {  # about 50 ms and 500 ms per step on one core of the CI machine
@@ -73,7 +73,7 @@ def plain_rank(rank: int, world: int, port: int, config, result_path: str, overl
     torch.manual_seed(config.seed)
     model = hooks.parallelize_fn(hooks.model_fn(), group_mesh)
     optimizer = hooks.optimizer_fn(model.parameters())
-    gradient_sum = GradientSum(model, torch.float32, overlap=overlap,
+    gradient_sum = GradientSum(trained(model), torch.float32, overlap=overlap,
                                **({} if overlap else {"bucket_bytes": float("inf")}))
     weights = dict.fromkeys(range(world), 1.0)
     cursor, times = DataCursor(), []

@@ -96,8 +96,15 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
     step); ``dropped``: by step, the groups dropped from their round as it began
     (``sync.lost_learner = "drop"``): their samples of the round go back to the data plan, which
     the next steps take first. A group that steps inside a round it did not step in the step
-    before, or was dropped from, starts from the round's start. Returns each step's loss (over every learner's tokens) and the final weights (the global
-    ones, a round having just ended)."""
+    before, or was dropped from, starts from the round's start. Streaming DiLoCo
+    (``sync.fragments``): block ``i``'s parameters are fragment ``(i + 1) % fragments``'s (the
+    embeddings fragment 0's, the final norm and output the last's), fragment ``f`` synced after the round's
+    step ``(f + 1) * outer_every // fragments`` with the tokens since its own last sync, and every
+    fragment after each ``fragments``-th round's last step; with ``sync.sync_delay`` a turn's
+    outer step (but where every fragment syncs) applied that many inner steps later, each learner
+    keeping ``sync.fragment_alpha`` of its own weights of the fragment then (and at undelayed
+    turns). Returns each step's loss (over every
+    learner's tokens) and the final weights (the global ones, a round having just ended)."""
     hooks = resolve_hooks(config)
     rounds = config.sync.outer_rounds
     torch.manual_seed(config.seed)
@@ -113,13 +120,21 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
     max_norm = config.optimizer.clip_grad_norm or math.inf
     dataset, seq_len = hooks.dataset, config.data.seq_len
     cursor, losses = DataCursor(), []
-    round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
+    round_samples = [[] for _ in range(groups)]
     dropped = dropped or {}
+    every, fragments = rounds.every, rounds.fragments
+    fragment_tokens = [[0] * groups for _ in range(fragments)]
+    pending = None  # a delayed outer step: (merged after step, fragment, its parameters, the pseudo-gradients' sum)
+    names = [name for name, param in first.named_parameters() if param.requires_grad]
+    blocks = [int(name.split(".")[1]) if name.startswith("layers.") else None for name in names]
+    first_block = next(index for index, block in enumerate(blocks) if block is not None)
+    fragment = [(block + 1) % fragments if block is not None else (0 if index < first_block else fragments - 1)
+                for index, block in enumerate(blocks)]
     for step in range(steps):
         stepping = learners[step]
         for lost in dropped.get(step, []):  # its samples go back
             cursor = cursor.with_returned(round_samples[lost])
-            round_tokens[lost], round_samples[lost] = 0, []
+            fragment_tokens[0][lost], round_samples[lost] = 0, []  # a drop: one fragment
         joining = [] if rounds.at_boundary(step) else set(stepping) - (set(learners[step - 1]) - set(dropped.get(step, [])))
         for group in sorted(joining):
             to_round_start(models[group], optimizers[group], global_weights)
@@ -134,7 +149,8 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
             for param in learner.parameters():
                 if param.grad is not None:
                     param.grad.mul_(step_tokens / (len(part) * seq_len))
-            round_tokens[group] += len(part) * seq_len
+            for tokens in fragment_tokens:
+                tokens[group] += len(part) * seq_len
             round_samples[group] += part.tolist()
             torch.nn.utils.clip_grad_norm_(learner.parameters(), max_norm)
             for param_group, base_lr in zip(optimizer.param_groups, base_lrs):
@@ -148,17 +164,36 @@ def reference_diloco(config: TrainConfig, steps: int, learners: list[list[int]] 
             routed = [sum(counts) for counts in zip(*(layout.routed_tokens(experts) for experts in held))]
             for model in models:  # every learner's bias, one out of the round included, moves alike
                 balance_experts(expert_layers(model), layout, routed)
-        if rounds.ends_at(step):
-            total = sum(round_tokens)
-            weighted = [[(start - param.detach()) * (tokens / total) for start, param in zip(global_weights, trained(model))]
-                        for model, tokens in zip(models, round_tokens) if tokens]
+        aligned = (step + 1) % (every * fragments) == 0
+        if pending and pending[0] == step:  # a delayed outer step merges: each learner mixes in alpha of its own
+            _, synced, held, pseudo = pending
+            pending = None
+            sgd([global_weights[index] for index in held], pseudo, [momenta[index] for index in held],
+                weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr, dampening=0.0, nesterov=True,
+                maximize=False)
+            for model, optimizer in zip(models, optimizers):
+                to_round_start(model, optimizer, global_weights, held, rounds.alpha)
+        into_round = (step + 1) % every or every
+        syncing = range(fragments) if aligned else [part for part in range(fragments)
+                                                     if (part + 1) * every // fragments == into_round]
+        for synced in syncing:
+            held = [index for index, placed in enumerate(fragment) if placed == synced]
+            total = sum(fragment_tokens[synced])
+            weighted = [[(global_weights[index] - trained(model)[index].detach()) * (tokens / total) for index in held]
+                        for model, tokens in zip(models, fragment_tokens[synced]) if tokens]
             pseudo = ([sum(parts) for parts in zip(*weighted)] if rounds.precision not in ("fp8", "int4")
                       else coded_sum(weighted, rounds.precision))
-            sgd(global_weights, pseudo, momenta, weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr,
-                dampening=0.0, nesterov=True, maximize=False)
+            fragment_tokens[synced] = [0] * groups
+            if rounds.delay and not aligned:  # sent now, merged ``delay`` inner steps on
+                pending = (step + rounds.delay, synced, held, pseudo)
+                continue
+            sgd([global_weights[index] for index in held], pseudo, [momenta[index] for index in held],
+                weight_decay=0.0, momentum=rounds.momentum, lr=rounds.lr, dampening=0.0, nesterov=True,
+                maximize=False)
             for model, optimizer in zip(models, optimizers):
-                to_round_start(model, optimizer, global_weights)
-            round_tokens, round_samples = [0] * groups, [[] for _ in range(groups)]
+                to_round_start(model, optimizer, global_weights, held, 0.0 if aligned else rounds.alpha)
+        if (step + 1) % every == 0:
+            round_samples = [[] for _ in range(groups)]
     final = [param.detach().clone() for param in models[learners[-1][0]].parameters()]
     return losses, final
 
@@ -184,15 +219,18 @@ def coded_sum(weighted: list[list[torch.Tensor]], precision: str) -> list[torch.
     return [part.view(shape) for part, shape in zip(round_trip(total).split([shape.numel() for shape in shapes]), shapes)]
 
 
-def to_round_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_weights: list[torch.Tensor]) -> None:
-    """A learner at a round's start: the global weights, its inner optimizer's state zeroed."""
+def to_round_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_weights: list[torch.Tensor],
+                   held: list[int] | None = None, alpha: float = 0.0) -> None:
+    """A learner at a round's start: the global weights (``alpha`` of its own mixed in), its
+    inner optimizer's state zeroed (of the trained parameters ``held``, by index: default all)."""
+    params = trained(model)
+    held = range(len(params)) if held is None else held
     with torch.no_grad():
-        for param, weight in zip(trained(model), global_weights):
-            param.copy_(weight)
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                value.zero_()
+        for index in held:
+            params[index].mul_(alpha).add_(global_weights[index], alpha=1.0 - alpha)
+            for value in optimizer.state[params[index]].values():
+                if torch.is_tensor(value):
+                    value.zero_()
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from elastic.cli import build_parser, train_overrides
+from elastic.core.outer_rounds import OuterRounds, fragment_of
 from elastic.setup.capacity import check_capacity, on_cluster
 from elastic.setup.config import CheckpointConfig, ConfigError, parse_config
 from elastic.setup.preflight import build_config, load_config
@@ -373,10 +374,42 @@ def test_diloco_rounds_the_state_intervals_left_at_their_defaults_up_to_whole_ro
     assert config.sync.outer_rounds.every == 4
     assert parse_config({}).sync.outer_rounds is None
     assert parse_config({"sync": {**DILOCO, "precision": "int4"}}).sync.outer_rounds.precision == "int4"
+    # with fragments the learners are alike every ``fragments`` rounds: the intervals are those
+    fragments = parse_config({"sync": {**DILOCO, "fragments": 2}, "steps": 16, "model": {"n_layers": 2}})
+    assert (fragments.checkpoint.every, fragments.checkpoint.memory_every, fragments.integrity.every) == (24, 8, 16)
+
+
+def test_streaming_fragments_sync_in_turn_and_all_at_once_where_the_learners_align():
+    rounds = OuterRounds(every=8, lr=0.7, momentum=0.9, fragments=4)
+    turns = {step: rounds.syncs_after(step) for step in range(40) if rounds.syncs_after(step)}
+    assert turns == {1: (0,), 3: (1,), 5: (2,), 7: (3,), 9: (0,), 11: (1,), 13: (2,), 15: (3,), 17: (0,), 19: (1,),
+                     21: (2,), 23: (3,), 25: (0,), 27: (1,), 29: (2,), 31: (0, 1, 2, 3), 33: (0,), 35: (1,), 37: (2,),
+                     39: (3,)}
+    assert (rounds.aligned_every, rounds.at_boundary(32), rounds.at_boundary(8), rounds.start_of(30)) == (
+        32, True, False, 0)
+    uneven = OuterRounds(every=10, lr=0.7, momentum=0.9, fragments=4)
+    assert [step for step in range(10) if uneven.syncs_after(step)] == [1, 4, 6, 9]
+    whole = OuterRounds(every=4, lr=0.7, momentum=0.9)
+    assert [step for step in range(12) if whole.syncs_after(step)] == [3, 7, 11] and whole.syncs_after(3) == (0,)
+    names = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1._checkpoint_wrapped_module.norm.weight",
+             "layers.2.feed_forward.w1.weight", "norm.weight", "output.weight"]
+    assert fragment_of(names, 2) == [0, 1, 0, 1, 1, 1]
+    assert fragment_of(names, 4) == [0, 1, 2, 3, 3, 3]
+    assert fragment_of(names[3:], 4) == [3, 3, 3]  # a later pipeline stage: the blocks' numbers decide
 
 
 @pytest.mark.parametrize("values, refused", [
-    ({"sync": {**DILOCO, "fragments": 4}}, "sync.fragments=4: streaming fragments are not built yet"),
+    ({"sync": {**DILOCO, "fragments": 8}, "steps": 64}, "sync.outer_every=4 gives sync.fragments=8 a turn each"),
+    ({"sync": {**DILOCO, "sync_delay": 1}}, "sync.sync_delay=1 and sync.fragments=1: a round's only outer step"),
+    ({"sync": {**DILOCO, "fragment_alpha": 0.5}}, "sync.fragment_alpha=0.5 and sync.fragments=1"),
+    ({"sync": {**DILOCO, "fragments": 2, "sync_delay": 2}, "steps": 64},
+     "sync.sync_delay=2: a fragment's outer step must merge before the next fragment's turn, at least 2 steps later"),
+    ({"sync": {**DILOCO, "outer_every": 8, "fragments": 8}, "steps": 128, "model": {"n_layers": 2}},
+     "sync.fragments=8 cuts the model's 2 blocks, its embeddings and its output, 4 parts; lower sync.fragments"),
+    ({"sync": {**DILOCO, "fragments": 2, "lost_learner": "drop"}, "steps": 64}, "set sync.lost_learner = \"redo\""),
+    ({"sync": {**DILOCO, "fragments": 2}, "steps": 64, "checkpoint": {"memory_every": 4}},
+     "checkpoint.memory_every=4: the learners hold the run's state only where every fragment syncs; make each a "
+     "multiple of sync.outer_every x sync.fragments = 8"),
     ({"sync": {**DILOCO, "quorum": 3}}, "sync.quorum and sync.grace_s"),
     ({"sync": DILOCO, "compute": {"precision": "fp16"}}, "compute.precision=fp16"),
     ({"sync": DILOCO, "steps": 10}, "steps=10 is not a whole number of rounds of sync.outer_every=4; train 12 steps"),

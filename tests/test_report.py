@@ -596,7 +596,7 @@ def test_the_report_prints_what_crossed_groups_and_the_diloco_rounds(tmp_path, c
     rounds = sum(entry["outer_step"] for entry in summary["steps"])
     total = sum(entry["cross_group_bytes"] for entry in summary["steps"])
     assert (f"across groups: {total / 1e6:.2f} MB over {steps} committed steps, {total / steps / 1e3:.1f} kB a step; "
-            f"{rounds} DiLoCo rounds\n") in capsys.readouterr().out
+            f"{rounds} DiLoCo outer steps\n") in capsys.readouterr().out
     # the learners lost inside rounds: a round redone, two learners dropped with their samples
     summary["events"] += [{"t": 1.0, "kind": "round-redone", "step": 4, "groups": [1], "rolled_back_steps": 2,
                            "seconds": 0.1},
@@ -604,4 +604,4 @@ def test_the_report_prints_what_crossed_groups_and_the_diloco_rounds(tmp_path, c
                            "returned_samples": 12}]
     (tmp_path / "lost").mkdir()
     assert main([str(write_run(tmp_path / "lost", summary)), "--output", str(tmp_path / "t.png")]) == 0
-    assert f"{rounds} DiLoCo rounds (1 redone, 2 learners dropped, 12 samples returned)" in capsys.readouterr().out
+    assert f"{rounds} DiLoCo outer steps (1 redone, 2 learners dropped, 12 samples returned)" in capsys.readouterr().out

@@ -57,6 +57,83 @@ def test_the_learners_train_as_diloco_in_one_process(ray_cluster, tmp_path, layo
         assert max(weight.abs().max().item() for weight in global_weights) > 0.1  # weights that say something
 
 
+# Streaming DiLoCo: fragment 0 (the embeddings and block 1) syncs after each round's step 1,
+# fragment 1 (block 0, the final norm and the output) after its step 3; both after every second
+# round's, where the learners are alike: steps 7 and 15.
+FRAGMENTS = {**ROUNDS, "sync__fragments": 2}
+
+
+DELAYED = {"sync__sync_delay": 1, "sync__fragment_alpha": 0.5}
+
+
+@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2, "sync__fragments": 4}, {"shard": 2, "tp": 2},
+                                    DELAYED, {"shard": 2, "tp": 2, "sync__precision": "int4", **DELAYED}],
+                         ids=["one-rank-groups", "pp2-four-fragments", "shard2-tp2", "delayed",
+                              "shard2-tp2-int4-delayed"])
+def test_streaming_fragments_train_as_streaming_diloco_in_one_process(ray_cluster, tmp_path, layout):
+    """At pp 2 with four fragments, each a step's turn, a stage holds two fragments and none of
+    the other two. Delayed: each turn's exchange (but at steps 7 and 15) crosses during the next
+    step and merges after it, each learner keeping half its own weights of the fragment."""
+    steps = 16
+    config = tiny_config(tmp_path, groups=2, steps=steps, **{**FRAGMENTS, **layout})
+    split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
+    result = ElasticTrainer(config, keep_final_state=layout in ({}, DELAYED), **split).fit()
+    assert result.ok, result.exit
+    reference, global_weights = reference_diloco(config, steps)
+    # each rank codes its own shards at int4: blocks the one-process run cuts elsewhere
+    assert max_relative_difference(result.losses, reference) <= (1e-2 if "sync__precision" in layout else 1e-5)
+    whole_model, _ = reference_diloco(tiny_config(tmp_path, groups=2, steps=steps, **ROUNDS), steps)
+    assert max_relative_difference(reference, whole_model) > 1e-4
+    if "sync__sync_delay" in layout:  # merged later, mixed: not the undelayed fragments' run
+        undelayed, _ = reference_diloco(tiny_config(tmp_path, groups=2, steps=steps, **FRAGMENTS), steps)
+        assert max_relative_difference(reference, undelayed) > 1e-4
+        exchanged = [record for record in result.summary["steps"] if record["outer_sum_s"]]
+        # merged one step after each turn but the aligned ones, which are exchanged then
+        assert [record["step"] for record in exchanged] == [2, 4, 6, 7, 10, 12, 14, 15], exchanged
+    records = result.summary["steps"]
+    turns = range(steps) if "scaling__pp" in layout else range(1, steps, 2)
+    assert [record["step"] for record in records if record["outer_step"]] == list(turns)
+    if "scaling__pp" in layout:
+        return
+    handed = {record["step"]: record["cross_group_bytes"] for record in records}
+    row = handed[0]
+    # a turn hands one fragment's pseudo-gradients; the last step of every second round both
+    assert row < handed[1] < handed[7] and row < handed[3] < handed[7]
+    assert handed[1] + handed[3] - row == handed[7] == handed[15] and handed[5] == handed[1]
+    if layout in ({}, DELAYED):
+        final = result.final_state[(0, 0, 0, 0)]
+        assert max_parameter_difference(final, global_weights) <= 1e-4
+
+
+@pytest.mark.parametrize("layout,inject,redone", [
+    ({}, "kill:rank=0,step=10", (8, 2)),
+    ({}, "kill:rank=0,step=9,during=outer-step", (8, 1)),
+    ({"scaling__pp": 2}, "kill:rank=1,step=11;hang:rank=2,step=13", None),
+    (DELAYED, "kill:rank=0,step=10", (8, 2)),
+], ids=["after-a-fragments-turn", "inside-a-fragments-outer-step", "pp2-kill-and-hang", "a-delayed-exchange-in-flight"])
+def test_a_learner_lost_between_fragments_turns_redoes_the_work_since_the_learners_were_alike(
+        ray_cluster, tmp_path, layout, inject, redone):
+    """Fragment 0 synced after step 9, its learners' other fragment not: the survivor goes back
+    to step 8, where the learners were alike, and every step since is trained again. Delayed:
+    fragment 0's exchange is crossing as the kill lands; the survivor's merge fails."""
+    steps = 16
+    config = tiny_config(tmp_path, groups=2, min_groups=1, steps=steps, scaling__spares=1,
+                         fault_tolerance__inject=inject, **FRAGMENTS, **layout, **FAST_DETECTION)
+    split = {"split_fn": split_transformer} if "scaling__pp" in layout else {}
+    result = ElasticTrainer(config, **split).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    back_to = [(event["step"], event["rolled_back_steps"]) for event in events
+               if event["kind"] in (EventKind.ROUND_REDONE, EventKind.RESTORED_FROM_MEMORY)]
+    if redone:
+        assert back_to == [redone], back_to
+    else:
+        assert back_to and {step for step, _ in back_to} == {8}, back_to
+    assert [record["step"] for record in result.summary["steps"]] == list(range(steps))
+    reference, _ = reference_diloco(config, steps)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
 @pytest.mark.parametrize("kill_step", [6, 7, 8], ids=["inside-a-round", "at-a-rounds-last-step", "at-a-rounds-first"])
 def test_a_learner_killed_redoes_the_round_with_the_clean_runs_losses(ray_cluster, tmp_path, kill_step):
     # min_groups 1: the survivor could go on alone; the round waits for its lost learner instead
@@ -111,6 +188,24 @@ def test_a_round_lost_before_the_memory_tier_holds_its_start_restarts_from_the_i
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
 
+def test_every_learner_lost_inside_a_round_restores_the_checkpoint_at_its_start(ray_cluster, tmp_path):
+    """Both copies of the position lost (each group's only rank killed at once): no memory tier
+    holds the round's start, so every group restores the checkpoint saved there, or, where its
+    upload was still in flight as the ranks died (a busy machine), the initial state."""
+    config = tiny_config(tmp_path, groups=2, steps=STEPS, checkpoint__every=4, checkpoint__memory_every=4,
+                         fault_tolerance__inject="kill:rank=0,step=6;kill:rank=1,step=6", **ROUNDS, **FAST_DETECTION)
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    events = result.summary["events"]
+    restored = [(event["kind"], event["step"]) for event in events if event["kind"].startswith("restored-")]
+    saved = EventKind.CHECKPOINT_FAILED not in kinds(result)
+    assert restored == ([(EventKind.RESTORED_FROM_CHECKPOINT, 4)] if saved else
+                        [(EventKind.RESTORED_INITIAL_STATE, 0)]), restored
+    assert [record["step"] for record in result.summary["steps"]] == list(range(STEPS))
+    reference, _ = reference_diloco(config, STEPS)
+    assert max_relative_difference(result.losses, reference) <= 1e-5
+
+
 @pytest.mark.waits  # paced steps
 def test_a_stop_asked_inside_a_round_takes_effect_at_its_end(ray_cluster, tmp_path):
     """A stop (SIGTERM, as a preemption sends) asked as the driver hears of the first step, while
@@ -152,13 +247,15 @@ def test_a_bit_flipped_between_rounds_is_found_and_every_learner_goes_back_to_th
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
 
-def test_a_resume_at_another_layout_carries_the_outer_momentum(ray_cluster, tmp_path):
+@pytest.mark.parametrize("rounds", [ROUNDS, FRAGMENTS], ids=["whole-model", "fragments"])
+def test_a_resume_at_another_layout_carries_the_outer_momentum(ray_cluster, tmp_path, rounds):
     """Two rounds at one rank a group, checkpointed; two more after a resume with each group's
     state sharded over two ranks: the clean run's losses. The round after the resume ends with
-    an outer step, whose momentum the last round's losses show."""
-    first = tiny_config(tmp_path, groups=2, steps=8, checkpoint__every=8, **ROUNDS)
+    an outer step, whose momentum the last round's losses show (with fragments, each
+    fragment's)."""
+    first = tiny_config(tmp_path, groups=2, steps=8, checkpoint__every=8, **rounds)
     assert ElasticTrainer(first).fit().ok
-    resumed = tiny_config(tmp_path, groups=2, shard=2, steps=16, checkpoint__every=8, **ROUNDS)
+    resumed = tiny_config(tmp_path, groups=2, shard=2, steps=16, checkpoint__every=8, **rounds)
     result = ElasticTrainer(resumed).fit()
     assert result.ok and result.summary["resumed_from_step"] == 8, result.exit
     reference, _ = reference_diloco(resumed, 16)

@@ -30,7 +30,7 @@ from workers import rng
 from workers.catch_up import CatchingUp
 from workers.failures import CollectiveFailed, HealFailed
 from workers.state_transfer import receive_state, send_state
-from workers.gradient_sum import GradientSum
+from workers.gradient_sum import GradientSum, trained
 from workers.rank_spec import RankSpec
 from workers.control_surface import NO_FAULTS, ActivityTracker, DriverSignals
 from workers.step_transaction import Committed, Discarded, StepTransaction
@@ -186,7 +186,7 @@ def scenarios(rank: int, store: dist.Store, port: int) -> Iterator[tuple[str, St
 
     # under FSDP2 (which calls the post-accumulate-grad hooks itself), one bucket per parameter
     transaction, _ = new_transaction(spec, world, fsdp=True)
-    transaction.gradient_sum = GradientSum(transaction.model, torch.float32, bucket_bytes=1)
+    transaction.gradient_sum = GradientSum(trained(transaction.model), torch.float32, bucket_bytes=1)
     counting = SentBeforeWaiting(transaction.gradient_sum)
     result = take_step(transaction, 0, rank_batches(rank, 0), faults=counting)
     yield "buckets sent in backward", (result, counting.sent, len(transaction.gradient_sum.buckets))

@@ -21,7 +21,7 @@ from elastic.core.faults import InjectedFault, InjectedSegmentSpec
 from elastic.core.protocol import SegmentSpec
 from workers.integrity import flip_bit
 from workers.control_surface import NO_FAULTS, FaultPlan
-from workers.world import SlowLink, World
+from workers.world import World
 
 
 class InjectedCollectiveFailure(RuntimeError):
@@ -115,7 +115,7 @@ class InjectedFaults:
         if fault.kind == "flip":
             flip_bit(model)
         if fault.kind == "slow-link":
-            self.world.slow_link = SlowLink(fault.rate)
+            self.world.throttle(fault.rate)
 
     def after_compute(self, compute_s: float) -> float:
         extra = (self.slow_factor - 1.0) * compute_s

@@ -43,6 +43,11 @@ class SumTimes(NamedTuple):
     exposed_s: float
 
 
+def trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer moves, in the model's order."""
+    return [param for param in model.parameters() if param.requires_grad]
+
+
 def local_gradient(param: nn.Parameter) -> torch.Tensor:
     """This rank's shard of the parameter's gradient (zeros where backward gave it none)."""
     if param.grad is None:
@@ -83,14 +88,16 @@ class _InFlight(NamedTuple):
 
 
 class GradientSum:
-    """The cross-group sum of one model's gradients, bucket by bucket.
+    """The cross-group sum of ``params``' gradients (``trained``: a model's), bucket by bucket.
 
     ``overlap=False`` sends every bucket once backward has ended (with a bucket size of
-    infinity, the one flat all-reduce of old: ``bench/overhead.py`` measures both)."""
+    infinity, the one flat all-reduce of old: ``bench/overhead.py`` measures both). ``values``:
+    where a parameter's summands are and its sum goes (default its gradient's shard)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, bucket_bytes: float | None = None,
-                 overlap: bool = True):
-        params = [param for param in model.parameters() if param.requires_grad][::-1]
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, bucket_bytes: float | None = None,
+                 overlap: bool = True, values: Callable[[nn.Parameter], torch.Tensor] = local_gradient):
+        self.values = values
+        params = params[::-1]
         self.dtype = dtype
         sizes = [local_gradient_numel(param) * dtype.itemsize for param in params]
         if bucket_bytes is None:
@@ -146,7 +153,7 @@ class GradientSum:
 
     def _send(self, number: int) -> None:
         self._first_sent_at = min(self._first_sent_at, time.perf_counter())
-        flat = torch.cat([local_gradient(param).reshape(-1) for param in self.buckets[number]]).to(self.dtype)
+        flat = torch.cat([self.values(param).reshape(-1) for param in self.buckets[number]]).to(self.dtype)
         work = None
         if self._error is None:
             try:
@@ -172,7 +179,7 @@ class GradientSum:
                 flat, work = self._in_flight[number]
                 self._in_flight[number] = None  # its flat copy goes once summed
                 wait(work)
-                unflatten_into([local_gradient(param) for param in bucket], flat)
+                unflatten_into([self.values(param) for param in bucket], flat)
         finally:
             self._group = None
             self._in_flight = []

@@ -75,10 +75,13 @@ def decode(coded: torch.Tensor, code: BlockCode) -> torch.Tensor:
 
 class QuantizedSum:
     """The sum of ``params``' gradients over the replicate group, in ``precision``'s codes
-    (``CODES``); the interface of ``workers.gradient_sum.GradientSum`` with ``overlap=False``."""
+    (``CODES``); the interface of ``workers.gradient_sum.GradientSum`` with ``overlap=False``,
+    its ``values`` too."""
 
-    def __init__(self, params: list[nn.Parameter], precision: str):
+    def __init__(self, params: list[nn.Parameter], precision: str,
+                 values: Callable[[nn.Parameter], torch.Tensor] = local_gradient):
         self.params = params
+        self.values = values
         self.code = CODES[precision]
         self.numel = sum(local_gradient_numel(param) for param in params)
         self._group = None
@@ -103,7 +106,7 @@ class QuantizedSum:
             raise RuntimeError("QuantizedSum.finish without start")
         started = time.perf_counter()
         ranks = group.size()
-        gradients = [local_gradient(param) for param in self.params]
+        gradients = [self.values(param) for param in self.params]
         flat = torch.zeros(self._blocks(ranks) * BLOCK, device=gradients[0].device)
         flat[:self.numel] = torch.cat([gradient.reshape(-1).float() for gradient in gradients])
         sent = encode(flat, self.code)

@@ -68,7 +68,7 @@ from workers.failures import (
     StepInterrupted,
     VoteFailed,
 )
-from workers.gradient_sum import GradientSum, SumTimes
+from workers.gradient_sum import GradientSum, SumTimes, trained
 from workers.outer_sync import OuterSync
 from workers.pipeline import Pipeline
 from workers.rank_spec import RankSpec
@@ -140,7 +140,7 @@ class StepTransaction:
         self.pipeline = (Pipeline(rank.pipeline, rank.pp_index, stages, world.mesh["pp"].get_group(), device,
                                   loss.loss_fn, activity) if stages else None)
         self.compute_timer = ComputeTimer(rank.use_gpu)
-        self.gradient_sum = GradientSum(model, torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
+        self.gradient_sum = GradientSum(trained(model), torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # DiLoCo's rounds (``sync.mode``): each group steps as a learner, and the gradients cross
         # groups only as a round's pseudo-gradients (``workers.outer_sync``)
         self.outer = OuterSync(rank.outer_rounds, model, optimizer) if rank.outer_rounds is not None else None
@@ -271,14 +271,13 @@ class StepTransaction:
 
     def _cross_group_bytes(self, step: int) -> int:
         """What this rank hands the cross-group sums in ``step``: the row, the gradients' buckets
-        or, where a DiLoCo round ends, the pseudo-gradients' (sent after the vote)."""
+        or, where DiLoCo's outer step follows, the pseudo-gradients' (sent after the vote)."""
         if self.world.replicate_group is None:
             return 0
         row = self.sum_layout.width * 8  # float64
         if self.outer is None:
             return row + self.gradient_sum.payload_bytes
-        return row + (self.outer.exchange.handed_bytes(self.world.replicate_group.size())
-                      if self.outer.rounds.ends_at(step) else 0)
+        return row + self.outer.handed_bytes(step, self.world.replicate_group.size())
 
     @property
     def gradient_group(self):
@@ -345,29 +344,28 @@ class StepTransaction:
         if self.joining.commit(lr_scale, grad_scale, self.expert_balance.routed):
             self._apply(lr_scale, grad_scale)
         self._rng_before_step = None
+        outer_sum = SumTimes(0.0, 0.0)
         if self.outer is not None:
             self.outer.committed(self.step_loss.group_counted)
-            if self.outer.rounds.ends_at(share.step):
-                self._outer_step(spec.deadline_s, faults)
+            outer_sum = self._outer_steps(share.step, spec.deadline_s, faults)
         record = StepRecord(share.step, self.rank.group, loss, norm, clip_scale, self.optimizer.param_groups[0]["lr"],
                             share.global_samples, share.group_samples, share.next_cursor, self.group_ranks,
                             times=(), counted=self.step_loss.counted_tokens,  # times: ``Timing``'s
-                            outer_step=self.outer is not None and self.outer.rounds.ends_at(share.step))
+                            outer_step=self.outer is not None and bool(self.outer.rounds.syncs_after(share.step)),
+                            outer_sum_s=outer_sum.total_s, outer_sum_exposed_s=outer_sum.exposed_s)
         for part in self.contributions:
             record = part.on_commit(record)
         return Committed(record, self.agreement.pause, self.agreement.records_due, self.joining.everyone_caught_up)
 
-    def _outer_step(self, deadline_s: float, faults: FaultPlan) -> None:
-        """DiLoCo's outer step after the round's last inner update: each of its collectives
-        awaited within the step's deadline and the driver's abort (and where the fault plan
-        kills the rank inside it)."""
+    def _outer_steps(self, step: int, deadline_s: float, faults: FaultPlan) -> SumTimes:
+        """DiLoCo's outer steps after the step's inner update (``OuterSync.after_update``): each
+        of their collectives awaited within the step's deadline and the driver's abort (and
+        where the fault plan kills the rank inside one, as it begins)."""
         deadline = time.perf_counter() + deadline_s
-
-        def wait(work) -> None:
+        if self.outer.rounds.syncs_after(step):
             faults.in_outer_step()
-            self.wait_replicate(work, deadline)
-
-        self.outer.outer_step(self.world.cross_group, wait)
+        return self.outer.after_update(step, self.world.cross_group, self.world.outer_cross_group,
+                                       lambda work: self.wait_replicate(work, deadline))
 
     def at_micro_batch(self, step: int, index: int) -> None:
         """Between micro-batches the group agrees whether to stop, over a CPU all-reduce of
@@ -450,6 +448,8 @@ class StepTransaction:
             rng.restore(self._rng_before_step)
             self._rng_before_step = None
         self.gradient_sum.abandon()
+        if self.outer is not None:
+            self.outer.abandon()
         self.optimizer.zero_grad(set_to_none=False)
 
     def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float, float]:

@@ -78,7 +78,11 @@ class World:
         self.checkpoint_group = None
         self.control_group = None  # None in a group of one rank: it has no one to agree with
         self.replicate_group = None  # None while the rank's position has no replica in another group
+        # The delayed outer steps' channel to the same replicas (``sync.sync_delay``): their
+        # exchange crosses while later steps' collectives go over the replicate group
+        self.outer_replicate_group = None
         self.slow_link: SlowLink | None = None  # the cross-group link's throttle, where a fault set one
+        self.outer_slow_link: SlowLink | None = None  # the outer channel's, alike
         self.replica_rank = 0
         self.replicas_build: int | None = None  # the cross-group groups' build the rank is in
         self._replicas_store = None  # the replicate group's own connection to the store
@@ -144,18 +148,20 @@ class World:
         it from the abort, between micro-batches). NCCL's communicators are aborted instead,
         which tells no peer."""
         if self.replicate_group is not None and not self.rank.nccl:
-            close_connections([self.replicate_group])
+            close_connections([group for group in (self.replicate_group, self.outer_replicate_group) if group])
         self.leave_replicas()
 
     def leave_replicas(self) -> None:
         self.replicas_build = None
         if self.replicate_group is not None:
+            groups = [group for group in (self.replicate_group, self.outer_replicate_group) if group is not None]
             if self.rank.nccl:
-                self.replicate_group.abort()
+                for group in groups:
+                    group.abort()
             else:
-                self._abandoned.extend((self.replicate_group, self._replicas_store))
+                self._abandoned.extend((*groups, self._replicas_store))
                 self._spare_store = self._replicas_store
-        self.replicate_group = self._replicas_store = None
+        self.replicate_group = self.outer_replicate_group = self._replicas_store = None
 
     @property
     def cross_group(self):
@@ -163,6 +169,16 @@ class World:
         where a fault throttles it."""
         group = self.replicate_group
         return group if group is None or self.slow_link is None else _OverSlowLink(group, self.slow_link)
+
+    @property
+    def outer_cross_group(self):
+        """The delayed outer steps' channel, as ``cross_group`` is the replicate group."""
+        group = self.outer_replicate_group
+        return group if group is None or self.outer_slow_link is None else _OverSlowLink(group, self.outer_slow_link)
+
+    def throttle(self, bytes_per_s: float) -> None:
+        """The ``slow-link`` fault: every channel to the other groups at ``bytes_per_s`` (each its own)."""
+        self.slow_link, self.outer_slow_link = SlowLink(bytes_per_s), SlowLink(bytes_per_s)
 
     def joining_replicas(self, build: int, replica_rank: int, replica_size: int) -> Future:
         """Start (re)building the replicate group of this rank's position: ``replica_rank`` of
@@ -179,6 +195,7 @@ class World:
             return joining
         position = ".".join(map(str, self.rank.position))
         spare, self._spare_store = self._spare_store, None
+        delayed_outer_steps = self.rank.outer_rounds is not None and self.rank.outer_rounds.delay > 0
 
         def rendezvous() -> None:
             try:
@@ -186,23 +203,28 @@ class World:
                 # in a wait until the timeout, which would hold up every other use of a shared
                 # one (and it is not passed on: only a group it formed gives it back).
                 connection = spare or connect_store(self.rank)
-                store = dist.PrefixStore(f"replicas{build}/replicate{position}/", connection)
-                if self.rank.nccl:
-                    options = dist.ProcessGroupNCCL.Options()
-                    options._timeout = self.timeout  # the default is 10 minutes
-                    group = dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
-                else:
-                    group = dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
-                joining.set_result((group, connection))  # torch holds only the store's C++ half: keep it
+                channels = ["replicate", "outer"] if delayed_outer_steps else ["replicate"]
+                groups = [self._process_group(dist.PrefixStore(f"replicas{build}/{channel}{position}/", connection),
+                                              replica_rank, replica_size) for channel in channels]
+                # torch holds only the store's C++ half: keep it
+                joining.set_result((groups[0], connection, groups[1] if delayed_outer_steps else None))
             except BaseException as error:  # noqa: BLE001 - the waiting rank raises it
                 joining.set_exception(error)
 
         threading.Thread(target=rendezvous, name=f"replicas{build}", daemon=True).start()
         return joining
 
+    def _process_group(self, store: dist.Store, replica_rank: int, replica_size: int):
+        if self.rank.nccl:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout  # the default is 10 minutes
+            return dist.ProcessGroupNCCL(store, replica_rank, replica_size, options)
+        return dist.ProcessGroupGloo(store, replica_rank, replica_size, self.timeout)
+
     def take_replicas(self, joined: tuple | None) -> None:
-        """The replicate group a rendezvous formed (None: the position has no replica), with its store."""
-        self.replicate_group, self._replicas_store = joined or (None, None)
+        """The replicate group a rendezvous formed (None: the position has no replica), with its
+        store and the delayed outer steps' channel."""
+        self.replicate_group, self._replicas_store, self.outer_replicate_group = joined or (None, None, None)
 
     def give_up_replicas(self, joining: Future) -> None:
         """The rank stopped waiting for ``joining``: a group it still forms is given up as one
@@ -211,7 +233,7 @@ class World:
 
         def abandon(done: Future) -> None:
             if done.exception() is None and done.result() is not None:
-                self._abandoned.extend(done.result())
+                self._abandoned.extend(held for held in done.result() if held is not None)
 
         joining.add_done_callback(abandon)
 

@@ -241,7 +241,11 @@ class StepRecord:
     # The bytes the group's ranks handed the cross-group sums in the step: the gradients' buckets
     # (every step's sum) or, after a DiLoCo round's last step, the pseudo-gradients'; the step's row
     cross_group_bytes: int = 0
-    outer_step: bool = False  # a DiLoCo round ended with this step: the learners took the new global weights
+    outer_step: bool = False  # a DiLoCo fragment's turn (a round's end, without fragments) followed this step
+    # The group's first rank's outer exchanges merged after this step: their seconds, and those
+    # the step waited for (all of a synced one's; of a delayed one's, what compute did not hide)
+    outer_sum_s: float = 0.0
+    outer_sum_exposed_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class RunHistory:
             live_ranks=len(arrays.ranks), generation=generation, tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
             rank_arrays=arrays, group_samples=dict(first.group_samples), straggler_scores=straggler_scores,
             expert_load=dict(first.expert_load), cross_group_bytes=first.cross_group_bytes * len(first.group_samples),
-            outer_step=first.outer_step,
+            outer_step=first.outer_step, outer_sum_s=first.outer_sum_s, outer_sum_exposed_s=first.outer_sum_exposed_s,
         )
         self.losses.append(first.loss)
         self.cursor = first.next_cursor

@@ -56,7 +56,9 @@ class StepResult:
     expert_load: dict[int, float] = field(default_factory=dict)  # by expert layer: max over mean tokens
     # the bytes every group's ranks handed the cross-group sums in the step (each group hands as many)
     cross_group_bytes: int = 0
-    outer_step: bool = False  # a DiLoCo round ended with it
+    outer_step: bool = False  # a DiLoCo outer step's turn followed it (``StepRecord.outer_step``)
+    outer_sum_s: float = 0.0  # its merged outer exchanges' seconds, and those the step waited for
+    outer_sum_exposed_s: float = 0.0
 
     @property
     def rank_times(self) -> dict[int, RankTimes]:

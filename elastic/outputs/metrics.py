@@ -68,7 +68,13 @@ class Metrics:
         self.cross_group_bytes = Counter(
             "elastic_cross_group_bytes", "Bytes the ranks handed the cross-group sums in committed steps: gradients "
             "every step, or a DiLoCo round's pseudo-gradients", **labels)
-        self.outer_rounds = Counter("elastic_outer_rounds", "DiLoCo rounds committed (sync.mode = diloco)", **labels)
+        self.outer_rounds = Counter("elastic_outer_rounds", "DiLoCo outer steps begun in committed steps: a round's "
+                                    "end, or with sync.fragments each fragment's turn", **labels)
+        self.outer_sum_seconds = Counter("elastic_outer_sum_seconds", "Seconds of the DiLoCo outer steps' exchanges "
+                                         "across groups (the first group's first rank's)", **labels)
+        self.outer_sum_exposed_seconds = Counter(
+            "elastic_outer_sum_exposed_seconds", "Of elastic_outer_sum_seconds, those the steps waited for: the "
+            "rest crossed behind the inner steps' compute (sync.sync_delay)", **labels)
         self.rounds_redone = Counter("elastic_rounds_redone", "DiLoCo rounds trained again from their start after a "
                                      "learner was lost inside them (sync.lost_learner = redo)", **labels)
         self.learners_dropped = Counter("elastic_learners_dropped", "DiLoCo learners dropped from a round they were "
@@ -220,6 +226,8 @@ class Metrics:
         self.cross_group_bytes.inc(result.cross_group_bytes)
         if result.outer_step:
             self.outer_rounds.inc()
+        self.outer_sum_seconds.inc(result.outer_sum_s)
+        self.outer_sum_exposed_seconds.inc(result.outer_sum_exposed_s)
         self.step.set(result.step + 1)
         self.loss.set(result.loss)
         self.learning_rate.set(result.lr)

@@ -106,7 +106,10 @@ def format_traffic(summary: RunSummary) -> str | None:
     dropped = [event for event in events if event["kind"] == EventKind.LEARNER_DROPPED]
     lost = (f" ({redone} redone, {sum(len(event['groups']) for event in dropped)} learners dropped, "
             f"{sum(event['returned_samples'] for event in dropped)} samples returned)" if redone or dropped else "")
-    return f"{line}; {rounds} DiLoCo rounds{lost}"
+    exchanged = sum(entry.outer_sum_s for entry in steps)
+    hidden = (f", their exchanges {exchanged:.1f} s, {1 - sum(entry.outer_sum_exposed_s for entry in steps) / exchanged:.0%}"
+              " hidden behind compute" if exchanged else "")
+    return f"{line}; {rounds} DiLoCo outer steps{lost}{hidden}"
 
 
 def _default_output(run: str, summary: RunSummary) -> str:

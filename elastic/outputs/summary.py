@@ -49,7 +49,9 @@ class StepEntry(Schema):
     rank_straggler_score: dict[int, float] | None = None  # None where straggler mitigation is off
     expert_load: dict[int, float] = {}  # {} for a dense model
     cross_group_bytes: int = 0  # what every group's ranks handed the cross-group sums
-    outer_step: bool = False  # a DiLoCo round ended with it
+    outer_step: bool = False  # a DiLoCo outer step's turn followed it
+    outer_sum_s: float = 0.0  # its merged outer exchanges' seconds (the first group's first rank's)
+    outer_sum_exposed_s: float = 0.0  # of which the step waited for
 
     @classmethod
     def of(cls, result: StepResult) -> StepEntry:
@@ -66,6 +68,7 @@ class StepEntry(Schema):
             rank_grad_sum_exposed_s={rank: time.grad_sum_exposed_s for rank, time in times.items()},
             group_samples=result.group_samples, rank_straggler_score=result.straggler_scores,
             expert_load=result.expert_load, cross_group_bytes=result.cross_group_bytes, outer_step=result.outer_step,
+            outer_sum_s=result.outer_sum_s, outer_sum_exposed_s=result.outer_sum_exposed_s,
         )
 
 

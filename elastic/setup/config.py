@@ -548,9 +548,13 @@ class SyncConfig(Section):
     # a learner lost inside a round: redo the round from its start (every committed step as a
     # clean run's), or drop it and commit over the learners that finished
     lost_learner: Literal["redo", "drop"] = "redo"
-    # streaming DiLoCo: fragments of the model synced in turn, each overlapped with this many inner steps
+    # streaming DiLoCo: the model's blocks cut into this many fragments, each synced once a round
+    # in turn; every ``fragments`` rounds all at once, where the learners are alike
     fragments: PositiveInt = Field(1, le=4096)
+    # a fragment's outer step merged this many inner steps after its turn, its exchange crossing
+    # behind their compute; and a learner's share of its own weights of the fragment as it merges
     sync_delay: NonNegativeInt = Field(0, le=MAX_STEPS)
+    fragment_alpha: Annotated[float, Field(ge=0, lt=1)] = 0.0
     # a round commits once this many learners finished and grace_s has passed (0: every learner)
     quorum: NonNegativeInt = Field(0, le=4096)
     grace_s: NonNegativeFloat = Field(0.0, le=DAY_S)
@@ -560,7 +564,8 @@ class SyncConfig(Section):
         if self.mode == "every-step":
             return None
         return OuterRounds(self.outer_every, self.outer_lr, self.outer_momentum, self.precision,
-                           drops=self.lost_learner == "drop")
+                           drops=self.lost_learner == "drop", fragments=self.fragments, delay=self.sync_delay,
+                           alpha=self.fragment_alpha)
 
 
 class MetricsConfig(Section):
@@ -734,10 +739,11 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _intervals_in_whole_rounds(cls, values: Any) -> Any:
-        """Under DiLoCo the state is the run's (every learner's the same) only between rounds:
-        the checkpoint, integrity and evaluation intervals left at their defaults become whole
-        rounds, and the memory tier's a round (a lost learner's round is redone, or joined, from
-        its start); one given that is not whole rounds is refused (``_check_sync``)."""
+        """Under DiLoCo the state is the run's (every learner's the same) only between rounds (with
+        fragments, every ``fragments`` rounds): the checkpoint, integrity and evaluation intervals
+        left at their defaults become whole such periods, and the memory tier's one period (a lost
+        learner's work is redone, or joined, from its start); one given that is not whole
+        periods is refused (``_check_sync``)."""
         if not isinstance(values, dict):
             return values
         sync = values.get("sync")
@@ -745,8 +751,10 @@ class TrainConfig(Section):
         if not isinstance(sync, dict) or sync.get("mode") != "diloco":
             return values
         every = sync.get("outer_every", SyncConfig.model_fields["outer_every"].default)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        fragments = sync.get("fragments", SyncConfig.model_fields["fragments"].default)
+        if any(not isinstance(value, int) or isinstance(value, bool) or value < 1 for value in (every, fragments)):
             return values  # refused by the field's own check
+        every *= fragments  # where the learners are alike (``OuterRounds.aligned_every``)
         values = dict(values)
         for section, names in ROUND_INTERVALS.items():
             given = values.get(section)
@@ -772,22 +780,38 @@ class TrainConfig(Section):
         rounds = self.sync.outer_rounds
         if rounds is None:
             return self
-        sync, every = self.sync, rounds.every
+        sync, every = self.sync, rounds.aligned_every
         misaligned = [f"{section}.{name}={value}" for section, names in ROUND_INTERVALS.items() for name in names
                       if (value := getattr(getattr(self, section), name)) % every]
+        period, between = ((f"sync.outer_every={every}", "between rounds") if sync.fragments == 1 else
+                           (f"sync.outer_every x sync.fragments = {every}", "where every fragment syncs"))
+        whole = f"rounds of {period}" if sync.fragments == 1 else f"{period} steps"
         problems = [  # in order: the first that holds is refused
-            (sync.fragments > 1, f"sync.fragments={sync.fragments}: streaming fragments are not built yet; set "
-                                 "sync.fragments = 1"),
-            (sync.sync_delay, f"sync.sync_delay={sync.sync_delay}: an outer step overlapped with later inner steps "
-                              "is not built yet; set sync.sync_delay = 0"),
+            (rounds.every < sync.fragments, f"sync.outer_every={rounds.every} gives sync.fragments={sync.fragments} "
+                                            "a turn each in a round only if it is at least as many; raise it"),
+            (sync.fragments > self.model.n_layers + 2,
+             f"sync.fragments={sync.fragments} cuts the model's {self.model.n_layers} blocks, its embeddings and its "
+             f"output, {self.model.n_layers + 2} parts; lower sync.fragments"),
+            (sync.fragments > 1 and sync.lost_learner == "drop",
+             "sync.fragments > 1 and sync.lost_learner=drop: a dropped learner's samples are in the fragments "
+             "synced since the learners were alike; set sync.lost_learner = \"redo\" or sync.fragments = 1"),
+            (sync.sync_delay and sync.fragments == 1,
+             f"sync.sync_delay={sync.sync_delay} and sync.fragments=1: a round's only outer step is where the learners "
+             "align, which is never delayed; set sync.fragments to 2 or more"),
+            (sync.fragment_alpha and sync.fragments == 1,
+             f"sync.fragment_alpha={sync.fragment_alpha} and sync.fragments=1: every outer step is where the learners "
+             "align, which takes the global weights whole; set sync.fragments to 2 or more"),
+            (sync.sync_delay >= rounds.every // sync.fragments,
+             f"sync.sync_delay={sync.sync_delay}: a fragment's outer step must merge before the next fragment's turn, "
+             f"at least {rounds.every // sync.fragments} steps later; lower it below that"),
             (sync.quorum or sync.grace_s, "sync.quorum and sync.grace_s: a round that does not wait for every "
                                           "learner is not built yet; set both to 0"),
             (self.compute.precision == "fp16", "compute.precision=fp16: the learners' loss scales would part ways; "
                                                "use bf16 or fp32"),
-            (self.steps % every, f"steps={self.steps} is not a whole number of rounds of sync.outer_every={every}; "
+            (self.steps % every, f"steps={self.steps} is not a whole number of {whole}; "
                                  f"train {whole_rounds(self.steps, every)} steps or change outer_every"),
-            (misaligned, f"{', '.join(misaligned)}: the learners hold the run's state only between rounds; make "
-                         f"each a multiple of sync.outer_every={every}"),
+            (misaligned, f"{', '.join(misaligned)}: the learners hold the run's state only {between}; make "
+                         f"each a multiple of {period}"),
         ]
         problem = next((text for broken, text in problems if broken), None)
         if problem:
