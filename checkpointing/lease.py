@@ -12,7 +12,10 @@ a probe object twice, and refuses to start (``LeaseUnsafe``) where the second cr
 through: there two drivers could both take the run. A driver is refused as well while the
 newest record is live: not released and not past its expiry. The holder renews its own record
 well before it expires, and a driver that dies stops renewing, so its lease ends ``ttl_s``
-later.
+later, or at once for the next driver on the same host: the record names the holder's host and
+process id, and a driver on that host that finds no such process (or only its zombie) takes
+the run without waiting (``holder_gone``). A host name names one process table: a holder on
+another host, or one whose process is there, is waited for.
 
 Every write is whole or nothing (a temporary file renamed over the record locally, a single
 PUT on S3): a crash mid-renewal leaves the previous record, never a truncated one. A record
@@ -51,6 +54,7 @@ log = logging.getLogger("elastic.lease")
 # Eight digits and more: generation 100,000,000 is 100000000.json, and still the newest.
 RECORD = re.compile(r"^(\d{8,})\.json$")
 FIELD_TYPES = {"generation": int, "holder": str, "expires_at": (int, float), "released": bool}
+OPTIONAL_FIELD_TYPES = {"host": str, "pid": int}  # absent from an older driver's records
 
 
 class LeaseRefused(RuntimeError):
@@ -97,9 +101,28 @@ class LeaseRecord:
     holder: str
     expires_at: float
     released: bool
+    host: str = ""  # the holder's host and process id: where a next driver can see it is gone
+    pid: int = 0
 
     def live(self, now: float) -> bool:
         return not self.released and self.expires_at > now
+
+    def holder_gone(self) -> bool:
+        """Whether this host is the holder's and has no process of its id but a zombie: the
+        holder died without releasing, and its lease needs no waiting out."""
+        if not self.pid or self.host != socket.gethostname() or self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's process of that id
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except (OSError, IndexError):
+            return False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -113,12 +136,14 @@ def parse_record(data: bytes, url: str, generation: int) -> LeaseRecord:
         raise LeaseCorrupt(url, "empty" if not data.strip() else f"not JSON: {error}") from None
     if not isinstance(fields, dict):
         raise LeaseCorrupt(url, "not a JSON object")
-    wrong = [name for name, kind in FIELD_TYPES.items() if not isinstance(fields.get(name), kind)]
+    wrong = [name for name, kind in FIELD_TYPES.items() if not isinstance(fields.get(name), kind)] + [
+        name for name, kind in OPTIONAL_FIELD_TYPES.items() if name in fields and not isinstance(fields[name], kind)]
     if wrong:
         raise LeaseCorrupt(url, f"missing or mistyped: {', '.join(wrong)}")
     if fields["generation"] != generation:
         raise LeaseCorrupt(url, f"its generation field says {fields['generation']}")
-    return LeaseRecord(generation, fields["holder"], float(fields["expires_at"]), fields["released"])
+    return LeaseRecord(generation, fields["holder"], float(fields["expires_at"]), fields["released"],
+                       fields.get("host", ""), fields.get("pid", 0))
 
 
 class LeaseDirectory:
@@ -227,28 +252,32 @@ def _sync_directory(directory: str) -> None:
 
 
 def _create_next(records: LeaseDirectory, record_for: Callable[[int], LeaseRecord], now: Callable[[], float],
-                 corrupt_ok: bool = False) -> tuple[LeaseRecord, list[int]]:
-    """Create the record of the generation after the newest, unless the newest is live
-    (``LeaseHeld``) or unreadable (``LeaseCorrupt``, unless ``corrupt_ok``). Returns it and the
-    generations that were there before it."""
+                 corrupt_ok: bool = False) -> tuple[LeaseRecord, list[int], LeaseRecord | None]:
+    """Create the record of the generation after the newest, unless the newest is live and its
+    holder not gone (``LeaseHeld``) or unreadable (``LeaseCorrupt``, unless ``corrupt_ok``).
+    Returns it, the generations that were there before it, and the gone holder's live record
+    it took the run from (None: the run was free)."""
     while True:
         generations = records.generations()
         newest = generations[-1] if generations else 0
-        if newest:
-            _refuse_if_live(records, newest, now(), corrupt_ok)
+        taken_from = _refuse_if_live(records, newest, now(), corrupt_ok) if newest else None
         record = record_for(newest + 1)
         if records.create(record):
-            return record, generations
+            return record, generations, taken_from
         # another driver created this generation first: its record now decides
 
 
-def _refuse_if_live(records: LeaseDirectory, generation: int, now: float, corrupt_ok: bool) -> None:
+def _refuse_if_live(records: LeaseDirectory, generation: int, now: float, corrupt_ok: bool) -> LeaseRecord | None:
+    """Raises ``LeaseHeld`` while the record of ``generation`` is live and its holder not gone;
+    returns it where it is live and its holder gone."""
     try:
         record = records.read(generation)
     except LeaseCorrupt:
         if corrupt_ok:
-            return
+            return None
         raise
+    if record.live(now) and record.holder_gone():
+        return record
     if record.live(now):
         raise LeaseHeld(
             f"another driver holds this run: {record.holder} (lease generation {generation}), until "
@@ -272,8 +301,8 @@ def break_lease(run_url: str, options: StorageOptions, clock: Callable[[], float
     checkpoints it may delete by them."""
     records = LeaseDirectory(lease_url(run_url), options)
     holder = f"lease broken by {default_holder()}"
-    record, _ = _create_next(records, lambda generation: LeaseRecord(generation, holder, clock(), True), clock,
-                             corrupt_ok=True)
+    record, _, _ = _create_next(records, lambda generation: LeaseRecord(generation, holder, clock(), True), clock,
+                                corrupt_ok=True)
     return record.generation
 
 
@@ -288,18 +317,21 @@ class RunLease:
         self.generation: int | None = None
         self.expires_at = 0.0
         self.lost: str | None = None
+        self.taken_from: LeaseRecord | None = None  # the gone holder's live record this driver took the run from
         self._lock = threading.Lock()
 
     def _records(self) -> LeaseDirectory:
         return LeaseDirectory(self.root_url, self.options)
 
-    def _record(self, expires_at: float, released: bool) -> LeaseRecord:
-        return LeaseRecord(self.generation, self.holder, expires_at, released)
+    def _record(self, expires_at: float, released: bool, generation: int | None = None) -> LeaseRecord:
+        return LeaseRecord(self.generation if generation is None else generation, self.holder, expires_at, released,
+                           socket.gethostname(), os.getpid())
 
     # protocol
 
     def acquire(self) -> int:
-        """Take the run, or raise ``LeaseHeld`` naming the holder and when its lease ends,
+        """Take the run, or raise ``LeaseHeld`` naming the holder and when its lease ends (a
+        holder on this host whose process is gone is not waited for: ``taken_from``),
         ``LeaseCorrupt`` if the newest record is unreadable, ``LeaseUnsafe`` on a store that
         does not honour exclusive creates."""
         records = self._records()
@@ -309,9 +341,8 @@ class RunLease:
                 "one object succeeded, so two drivers could both take this run; use a store (or a version of it) "
                 "that honours conditional writes, such as AWS S3"
             )
-        record, generations = _create_next(
-            records, lambda generation: LeaseRecord(generation, self.holder, self.clock() + self.ttl_s, False),
-            self.clock)
+        record, generations, self.taken_from = _create_next(
+            records, lambda generation: self._record(self.clock() + self.ttl_s, False, generation), self.clock)
         self.generation, self.expires_at = record.generation, record.expires_at
         for old in generations[:-1]:  # keep the previous holder's record for the history
             records.remove(old)

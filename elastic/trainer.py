@@ -195,6 +195,9 @@ class ElasticTrainer:
         final_state = None
         summary_path = None
         signals = StopOnSignals(stop, events)
+        if lease.taken_from is not None:
+            events.emit(EventKind.DRIVER_LOST, holder=lease.taken_from.holder,
+                        lease_left_s=round(lease.taken_from.expires_at - time.time(), 1))
         restore_ray_messages = lambda: None  # noqa: E731
         try:
             signals.catch(caught_before=signalled_before)

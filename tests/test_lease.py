@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import time
 
 import pytest
 import s3fs
@@ -124,8 +127,54 @@ def test_a_renewal_that_finds_a_newer_generation_loses_the_run(tmp_path):
         old.renew()
 
 
+def dead_pid() -> int:
+    """The id of a process of this host that ran and was reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_driver_on_the_dead_holders_host_takes_the_run_without_waiting_for_its_lease(tmp_path):
+    """The holder died holding a live lease (no release): a next driver on its host finds its
+    process gone and takes the run at once; one elsewhere, or finding the process there (a
+    zombie counts as gone), waits for the lease as before."""
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock(NOW)
+    here = socket.gethostname()
+    for generation, (host, pid) in enumerate([("another-host", dead_pid()), (here, os.getppid())], start=1):
+        write_record(url, options, generation, LeaseRecord(generation, f"holder {generation}", NOW + 60, False, host,
+                                                           pid).encode())
+        with pytest.raises(LeaseHeld, match=f"holder {generation}"):
+            RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire()
+    gone = LeaseRecord(3, "the dead driver", NOW + 60, False, here, dead_pid())
+    write_record(url, options, 3, gone.encode())
+    next_driver = RunLease(url, options, ttl_s=60, holder="next", clock=clock)
+    assert next_driver.acquire() == 4 and next_driver.taken_from == gone
+    record = LeaseDirectory(lease_url(url), options).read(4)
+    assert (record.holder, record.host, record.pid) == ("next", here, os.getpid())
+    with pytest.raises(LeaseHeld, match="next"):  # this driver is alive: no one takes the run from it
+        RunLease(url, options, ttl_s=60, holder="third", clock=clock).acquire()
+
+    zombie = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while not LeaseRecord(5, "z", NOW + 60, False, here, zombie.pid).holder_gone():
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+    finally:
+        zombie.wait()
+
+
+def test_an_older_drivers_record_without_its_process_is_waited_for(tmp_path):
+    url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock(NOW)
+    write_record(url, options, 1, json.dumps({"generation": 1, "holder": "old", "expires_at": NOW + 60,
+                                              "released": False}).encode())
+    with pytest.raises(LeaseHeld, match="old"):
+        RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire()
+
+
 def write_record(url: str, options: StorageOptions, generation: int, data: bytes) -> None:
     fs, path = options.filesystem(f"{url}/lease/{generation:08d}.json")
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(path, data)
 
 
@@ -242,3 +291,14 @@ def test_a_second_driver_exits_at_once_before_ray_or_any_actor_starts(tmp_path, 
     code = cli_main(["train", "--quiet", "--storage", str(tmp_path / "runs"), "--run-name", "taken"])
     assert code == 1
     assert "another driver holds this run: the first driver" in capsys.readouterr().err
+
+
+def test_a_driver_that_finds_the_holder_dead_on_its_host_trains_at_once_and_says_so(ray_cluster, tmp_path):
+    config = tiny_config(tmp_path, run_name="orphaned", steps=4)
+    url = str(tmp_path / "runs" / "orphaned")
+    write_record(url, StorageOptions(), 1, LeaseRecord(1, "the killed driver", time.time() + 600, False,
+                                                      socket.gethostname(), dead_pid()).encode())
+    result = ElasticTrainer(config).fit()
+    assert result.ok, result.exit
+    [lost] = [event for event in result.summary["events"] if event["kind"] == "driver-lost"]
+    assert lost["holder"] == "the killed driver" and 500 < lost["lease_left_s"] <= 600

@@ -49,6 +49,7 @@ class EventKind(StrEnum):
     DATA_CHANGED = "data-changed"
     STOP_REQUESTED = "stop-requested"
     LEASE_LOST = "lease-lost"
+    DRIVER_LOST = "driver-lost"  # the previous driver died holding the run: its lease taken without waiting it out
     METRICS_SERVING = "metrics-serving"
     # membership
     GROUP_RESERVED = "group-reserved"
@@ -165,6 +166,9 @@ def console_line(event: Event) -> str | None:
                     f"left to train; raise steps (--steps) above {resume_from} to train it further, or give "
                     "another run_name (--run-name) for a new run")
         return f"resuming from the checkpoint of step {resume_from}"
+    if kind == EventKind.DRIVER_LOST:
+        return (f"the previous driver ({event['holder']}) is gone: its lease taken {event['lease_left_s']:.0f}s "
+                "before it would have ended")
     if kind == EventKind.CHECKPOINT_SKIPPED:
         return f"checkpoint of step {step} skipped: {event['reason']}"
     if kind == EventKind.SPARE_LOST:
