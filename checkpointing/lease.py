@@ -12,10 +12,11 @@ a probe object twice, and refuses to start (``LeaseUnsafe``) where the second cr
 through: there two drivers could both take the run. A driver is refused as well while the
 newest record is live: not released and not past its expiry. The holder renews its own record
 well before it expires, and a driver that dies stops renewing, so its lease ends ``ttl_s``
-later, or at once for the next driver on the same host: the record names the holder's host and
-process id, and a driver on that host that finds no such process (or only its zombie) takes
-the run without waiting (``holder_gone``). A host name names one process table: a holder on
-another host, or one whose process is there, is waited for.
+later, or at once for a next driver that can see the holder's process is gone: the record
+names the holder's process (the machine's boot, the process table, its id and start time), and a
+driver on the same boot and process table that finds no such process, only its zombie, or
+another started at another time takes the run without waiting (``holder_gone``). A holder on
+another machine or in another container, or whose process is there, is waited for.
 
 Every write is whole or nothing (a temporary file renamed over the record locally, a single
 PUT on S3): a crash mid-renewal leaves the previous record, never a truncated one. A record
@@ -54,7 +55,7 @@ log = logging.getLogger("elastic.lease")
 # Eight digits and more: generation 100,000,000 is 100000000.json, and still the newest.
 RECORD = re.compile(r"^(\d{8,})\.json$")
 FIELD_TYPES = {"generation": int, "holder": str, "expires_at": (int, float), "released": bool}
-OPTIONAL_FIELD_TYPES = {"host": str, "pid": int}  # absent from an older driver's records
+OPTIONAL_FIELD_TYPES = {"process": str}  # absent from an older driver's records
 
 
 class LeaseRefused(RuntimeError):
@@ -87,6 +88,34 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+# In /proc/<pid>/stat after the command's closing parenthesis: the state is the first field,
+# the start time (clock ticks since boot) the twentieth.
+STARTTIME = 19
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``pid``'s /proc stat fields after its command, or None: no such process here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].decode().split()
+    except FileNotFoundError:
+        return None
+
+
+def process_identity(pid: int | None = None) -> str:
+    """``pid``'s (this process's) name for as long as it lives: the machine's boot, the process
+    table (PID namespace), the id and its start time; "" where /proc does not tell them."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        table = os.readlink("/proc/self/ns/pid")
+        fields = _stat_fields(pid)
+    except OSError:
+        return ""
+    return "" if fields is None else f"{boot_id}|{table}|{pid}|{fields[STARTTIME]}"
+
+
 def default_holder() -> str:
     return f"{socket.gethostname()} pid {os.getpid()} ({secrets.token_hex(3)})"
 
@@ -101,28 +130,22 @@ class LeaseRecord:
     holder: str
     expires_at: float
     released: bool
-    host: str = ""  # the holder's host and process id: where a next driver can see it is gone
-    pid: int = 0
+    process: str = ""  # the holder's ``process_identity``: where a next driver can see it is gone
 
     def live(self, now: float) -> bool:
         return not self.released and self.expires_at > now
 
     def holder_gone(self) -> bool:
-        """Whether this host is the holder's and has no process of its id but a zombie: the
-        holder died without releasing, and its lease needs no waiting out."""
-        if not self.pid or self.host != socket.gethostname() or self.pid == os.getpid():
+        """Whether the holder's process is gone, as this process can tell: the same boot of the
+        same machine and the same process table, and no process of its id, or only its
+        zombie, or one started at another time (its id reused). The holder died without
+        releasing, and its lease needs no waiting out."""
+        boot, table, pid, started = (self.process.split("|") + ["", "", "", ""])[:4]
+        own = process_identity()
+        if not own or own.split("|")[:2] != [boot, table] or own == self.process or not pid.isdigit():
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's process of that id
-            return False
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as stat:
-                return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except (OSError, IndexError):
-            return False
+        fields = _stat_fields(int(pid))
+        return fields is None or fields[0] == "Z" or fields[STARTTIME] != started
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -143,7 +166,7 @@ def parse_record(data: bytes, url: str, generation: int) -> LeaseRecord:
     if fields["generation"] != generation:
         raise LeaseCorrupt(url, f"its generation field says {fields['generation']}")
     return LeaseRecord(generation, fields["holder"], float(fields["expires_at"]), fields["released"],
-                       fields.get("host", ""), fields.get("pid", 0))
+                       fields.get("process", ""))
 
 
 class LeaseDirectory:
@@ -314,6 +337,7 @@ class RunLease:
         self.ttl_s = ttl_s
         self.holder = holder or default_holder()
         self.clock = clock
+        self.process = process_identity()
         self.generation: int | None = None
         self.expires_at = 0.0
         self.lost: str | None = None
@@ -325,7 +349,7 @@ class RunLease:
 
     def _record(self, expires_at: float, released: bool, generation: int | None = None) -> LeaseRecord:
         return LeaseRecord(self.generation if generation is None else generation, self.holder, expires_at, released,
-                           socket.gethostname(), os.getpid())
+                           self.process)
 
     # protocol
 

@@ -22,7 +22,7 @@ from checkpointing.signing import signing_key_from_environment
 from checkpointing.storage import join_url
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator, CheckpointsFailing, latest_checkpoint
 from elastic.setup.capacity import check_capacity, groups_beyond_capacity, on_cluster, spares_beyond_capacity
-from elastic.setup.config import ConfigError, TrainConfig, unbalanced_experts
+from elastic.setup.config import ConfigError, TrainConfig, replay_off, unbalanced_experts
 from elastic.setup.preflight import check_pretrained_weights, preflight, pretrained_refused
 from elastic.setup.resume_checks import (
     check_resumable, check_same_source, config_hash, config_record, resume_over_data,
@@ -214,7 +214,7 @@ class ElasticTrainer:
             self.config = on_cluster(self.config, cluster)
             check_capacity(self.config, cluster)
             for warning in (groups_beyond_capacity(self.config, cluster), spares_beyond_capacity(self.config, cluster),
-                            unbalanced_experts(self.config)):
+                            unbalanced_experts(self.config), replay_off(self.config)):
                 if warning is not None:
                     log.warning("%s", warning)
             if self.config.metrics.port or self.config.metrics.host != "127.0.0.1":

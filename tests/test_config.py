@@ -7,7 +7,7 @@ import pytest
 from elastic.cli import build_parser, train_overrides
 from elastic.core.outer_rounds import OuterRounds, fragment_of
 from elastic.setup.capacity import check_capacity, on_cluster
-from elastic.setup.config import CheckpointConfig, ConfigError, parse_config
+from elastic.setup.config import CheckpointConfig, ConfigError, parse_config, replay_off
 from elastic.setup.preflight import build_config, load_config
 
 
@@ -427,3 +427,17 @@ def test_a_kill_inside_the_outer_step_needs_diloco():
                                                     "sync.mode = diloco")):
         parse_config({"fault_tolerance": {"inject": "kill:rank=0,step=3,during=outer-step"}})
     assert parse_config({"sync": DILOCO, "fault_tolerance": {"inject": "kill:rank=0,step=3,during=outer-step"}})
+
+
+@pytest.mark.parametrize("values, said", [
+    ({"scaling": {"max_groups": 3}, "sync": DILOCO, "steps": 64},
+     "sync.mode=diloco: the learners hold different weights inside a round"),
+    ({"scaling": {"max_groups": 3}, "model": {"dropout": 0.1}}, "model.dropout=0.1: a replay draws other random"),
+])
+def test_spot_checks_where_they_cannot_name_a_culprit_are_off_and_the_start_says_so(values, said):
+    """A config saved whole (every field given) runs anywhere: the checks are off where they
+    cannot hold, and a warning line says why."""
+    warning = replay_off(parse_config({**values, "integrity": {"replay_every": 5}}))
+    assert warning.startswith("integrity.replay_every=5: no spot checks, since ") and said in warning, warning
+    assert replay_off(parse_config({})) is None  # two groups: each replays the other
+    assert replay_off(parse_config({"scaling": {"max_groups": 1}, "model": {"dropout": 0.1}})) is None  # no replica

@@ -311,3 +311,13 @@ def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_its_interval_of_
     assert floor.value == MIN_SCALE and floor.exhausted
     assert restored_loss_scale(saved_loss_scale(grown), LossScale(1024.0, growth_interval=3)) == grown
     assert restored_loss_scale({}, scale) is scale and restored_loss_scale(saved_loss_scale(grown), None) is None
+
+
+def test_a_compute_fault_names_how_often_and_how_wrong_and_nothing_else_takes_those_keys():
+    [wrong] = parse_faults("compute:rank=2,step=3,every=4,relative=0.001")
+    assert (wrong.kind, wrong.rank, wrong.step, wrong.every, wrong.relative) == ("compute", 2, 3, 4, 0.001)
+    [flipped] = parse_faults("compute:rank=2,step=3")
+    assert (flipped.every, flipped.relative) == (1, 0.0)
+    for spec in ("kill:rank=0,step=1,every=2", "compute:rank=0,step=1,every=0", "compute:rank=0,step=1,relative=2"):
+        with pytest.raises(FaultSpecError, match="apply to compute"):
+            parse_faults(spec)

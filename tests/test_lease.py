@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 
@@ -23,6 +22,7 @@ from checkpointing.lease import (
     RunLease,
     break_lease,
     lease_url,
+    process_identity,
 )
 from checkpointing.storage import StorageOptions
 from elastic.cli import main as cli_main
@@ -134,30 +134,41 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_a_driver_on_the_dead_holders_host_takes_the_run_without_waiting_for_its_lease(tmp_path):
-    """The holder died holding a live lease (no release): a next driver on its host finds its
-    process gone and takes the run at once; one elsewhere, or finding the process there (a
-    zombie counts as gone), waits for the lease as before."""
+def identity_of(pid: int, started: str | None = None) -> str:
+    """A process identity on this machine and process table: ``pid``'s, or one with its id
+    started at ``started`` (a process long gone, or a reused id)."""
+    boot, table, _, own_start = process_identity().split("|")
+    return f"{boot}|{table}|{pid}|{own_start if started is None else started}"
+
+
+def test_a_driver_that_sees_the_holders_process_gone_takes_the_run_without_waiting_for_its_lease(tmp_path):
+    """The holder died holding a live lease (no release): a next driver on its machine and in
+    its process table finds its process gone (no such id, an id reused by a process started
+    later, a zombie) and takes the run at once; one elsewhere, or finding the process there,
+    waits for the lease as before."""
     url, options, clock = str(tmp_path / "run"), StorageOptions(), FakeClock(NOW)
-    here = socket.gethostname()
-    for generation, (host, pid) in enumerate([("another-host", dead_pid()), (here, os.getppid())], start=1):
-        write_record(url, options, generation, LeaseRecord(generation, f"holder {generation}", NOW + 60, False, host,
-                                                           pid).encode())
+    elsewhere = identity_of(dead_pid()).replace("|pid:", "|other:")  # another container's table
+    alive = process_identity(os.getppid())
+    for generation, process in enumerate([elsewhere, alive, ""], start=1):
+        write_record(url, options, generation, LeaseRecord(generation, f"holder {generation}", NOW + 60, False,
+                                                           process).encode())
         with pytest.raises(LeaseHeld, match=f"holder {generation}"):
             RunLease(url, options, ttl_s=60, holder="next", clock=clock).acquire()
-    gone = LeaseRecord(3, "the dead driver", NOW + 60, False, here, dead_pid())
-    write_record(url, options, 3, gone.encode())
-    next_driver = RunLease(url, options, ttl_s=60, holder="next", clock=clock)
-    assert next_driver.acquire() == 4 and next_driver.taken_from == gone
-    record = LeaseDirectory(lease_url(url), options).read(4)
-    assert (record.holder, record.host, record.pid) == ("next", here, os.getpid())
-    with pytest.raises(LeaseHeld, match="next"):  # this driver is alive: no one takes the run from it
-        RunLease(url, options, ttl_s=60, holder="third", clock=clock).acquire()
+    for generation, process in [(4, identity_of(dead_pid())), (6, identity_of(os.getppid(), started="1"))]:
+        gone = LeaseRecord(generation, "the dead driver", NOW + 60, False, process)
+        write_record(url, options, generation, gone.encode())
+        next_driver = RunLease(url, options, ttl_s=60, holder="next", clock=clock)
+        assert next_driver.acquire() == generation + 1 and next_driver.taken_from == gone
+        record = LeaseDirectory(lease_url(url), options).read(generation + 1)
+        assert (record.holder, record.process) == ("next", process_identity())
+        with pytest.raises(LeaseHeld, match="next"):  # this driver is alive: no one takes the run from it
+            RunLease(url, options, ttl_s=60, holder="third", clock=clock).acquire()
 
     zombie = subprocess.Popen(["true"])
     try:
+        identity = process_identity(zombie.pid) or identity_of(zombie.pid)
         deadline = time.monotonic() + 10
-        while not LeaseRecord(5, "z", NOW + 60, False, here, zombie.pid).holder_gone():
+        while not LeaseRecord(8, "z", NOW + 60, False, identity).holder_gone():
             assert time.monotonic() < deadline, "the child never became a zombie"
             time.sleep(0.01)
     finally:
@@ -297,7 +308,7 @@ def test_a_driver_that_finds_the_holder_dead_on_its_host_trains_at_once_and_says
     config = tiny_config(tmp_path, run_name="orphaned", steps=4)
     url = str(tmp_path / "runs" / "orphaned")
     write_record(url, StorageOptions(), 1, LeaseRecord(1, "the killed driver", time.time() + 600, False,
-                                                      socket.gethostname(), dead_pid()).encode())
+                                                      identity_of(dead_pid())).encode())
     result = ElasticTrainer(config).fit()
     assert result.ok, result.exit
     [lost] = [event for event in result.summary["events"] if event["kind"] == "driver-lost"]

@@ -66,10 +66,9 @@ FRAGMENTS = {**ROUNDS, "sync__fragments": 2}
 DELAYED = {"sync__sync_delay": 1, "sync__fragment_alpha": 0.5}
 
 
-@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2, "sync__fragments": 4}, {"shard": 2, "tp": 2},
-                                    DELAYED, {"shard": 2, "tp": 2, "sync__precision": "int4", **DELAYED}],
-                         ids=["one-rank-groups", "pp2-four-fragments", "shard2-tp2", "delayed",
-                              "shard2-tp2-int4-delayed"])
+@pytest.mark.parametrize("layout", [{}, {"scaling__pp": 2, "sync__fragments": 4}, DELAYED,
+                                    {"shard": 2, "tp": 2, "sync__precision": "int4", **DELAYED}],
+                         ids=["one-rank-groups", "pp2-four-fragments", "delayed", "shard2-tp2-int4-delayed"])
 def test_streaming_fragments_train_as_streaming_diloco_in_one_process(ray_cluster, tmp_path, layout):
     """At pp 2 with four fragments, each a step's turn, a stage holds two fragments and none of
     the other two. Delayed: each turn's exchange (but at steps 7 and 15) crosses during the next

@@ -31,8 +31,9 @@ from workers.catch_up import CatchingUp
 from workers.failures import CollectiveFailed, HealFailed
 from workers.state_transfer import receive_state, send_state
 from workers.gradient_sum import GradientSum, trained
+from workers.step_feed import StepBatches
 from workers.rank_spec import RankSpec
-from workers.control_surface import NO_FAULTS, ActivityTracker, DriverSignals
+from workers.control_surface import NO_FAULTS, ActivityTracker, DriverSignals, NoFaults
 from workers.step_transaction import Committed, Discarded, StepTransaction
 from workers.train_step import Batch, TokenLoss, accumulate_gradients, collate, token_cross_entropy
 from workers.world import World
@@ -78,30 +79,24 @@ def share(step: int) -> RankShare:
 
 def loaded(batches: list[Batch]) -> Future:
     future = Future()
-    future.set_result(batches)
+    future.set_result(StepBatches(batches))
     return future
 
 
-class FailingCrossGroupSum:
+class FailingCrossGroupSum(NoFaults):
     """A fault plan whose rank's cross-group sum fails as a dead peer's would."""
-
-    def after_compute(self, compute_s: float) -> float:
-        return compute_s
 
     def before_cross_group_sum(self) -> None:
         raise CollectiveFailed("the cross-group sum failed here")
 
 
-class SentBeforeWaiting:
+class SentBeforeWaiting(NoFaults):
     """A fault plan that injects nothing and counts the gradient buckets already sent when
     the rank starts waiting for the sum: those backward sent."""
 
     def __init__(self, gradient_sum: GradientSum):
         self.gradient_sum = gradient_sum
         self.sent = -1
-
-    def after_compute(self, compute_s: float) -> float:
-        return compute_s
 
     def before_cross_group_sum(self) -> None:
         self.sent = self.gradient_sum.sent_in_backward

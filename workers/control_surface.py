@@ -174,6 +174,10 @@ class FaultPlan(Protocol):
         """Called as the rank waits for each collective of DiLoCo's outer step; may end the
         process."""
 
+    def perturb(self, step: int, bucket: int, flat: torch.Tensor) -> None:
+        """Called with each bucket of gradients the rank computed for ``step``, as it hands it
+        to the cross-group sum (or fingerprints a replay's); may change it in place."""
+
 
 class NoFaults:
     def after_compute(self, compute_s: float) -> float:
@@ -183,6 +187,9 @@ class NoFaults:
         pass
 
     def in_outer_step(self) -> None:
+        pass
+
+    def perturb(self, step: int, bucket: int, flat: torch.Tensor) -> None:
         pass
 
 

@@ -3,7 +3,8 @@ runs whose specs carry faults or straggler noise (``elastic.core.faults``).
 
 A rank fires its run's faults as the run's first step starts; some act at once (a kill, a
 hang set in the model, a flipped bit), others through the plan the step calls: a slowdown
-or noise added to its compute, a failure of its next cross-group sum. Production runs pass
+or noise added to its compute, a failure of its next cross-group sum, wrong values in the
+gradients it hands that sum. Production runs pass
 ``NO_FAULTS`` and their step has no injection branches.
 """
 
@@ -19,9 +20,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from elastic.core.faults import InjectedFault, InjectedSegmentSpec
 from elastic.core.protocol import SegmentSpec
-from workers.integrity import flip_bit
+from workers.integrity import INTEGER_VIEWS, flip_bit
 from workers.control_surface import NO_FAULTS, FaultPlan
 from workers.world import World
+
+# A float's stored mantissa bits: its top one flipped changes a value by up to half itself.
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
 class InjectedCollectiveFailure(RuntimeError):
@@ -83,12 +87,16 @@ class InjectedFaults:
         self.fail_next_collective = False
         self.dying = False
         self.dies_in_outer_step = False
+        self.first_step = 0  # the segment's, as its faults fire
+        # the device computes wrong (``compute``): from which step, how often, by what relative error
+        self.computes_wrong: tuple[int, int, float] | None = None
 
     def plan(self, spec: SegmentSpec, model: nn.Module) -> FaultPlan:
         """The segment's plan, its faults fired: ``NO_FAULTS`` for a segment that injects none."""
         if not isinstance(spec, InjectedSegmentSpec):
             return NO_FAULTS
         self.noise = spec.noise
+        self.first_step = spec.first_step
         for fault in spec.faults:
             self._fire(fault, model)
         return self
@@ -116,6 +124,8 @@ class InjectedFaults:
             flip_bit(model)
         if fault.kind == "slow-link":
             self.world.throttle(fault.rate)
+        if fault.kind == "compute":
+            self.computes_wrong = (self.first_step, fault.every, fault.relative)
 
     def after_compute(self, compute_s: float) -> float:
         extra = (self.slow_factor - 1.0) * compute_s
@@ -128,6 +138,18 @@ class InjectedFaults:
     def in_outer_step(self) -> None:
         if self.dies_in_outer_step:
             os._exit(1)
+
+    def perturb(self, step: int, bucket: int, flat: torch.Tensor) -> None:
+        if self.computes_wrong is None:
+            return
+        since, every, relative = self.computes_wrong
+        if step < since or (step - since) % every:
+            return
+        if relative:
+            flat.mul_(1.0 + relative)
+        elif bucket == 0:  # one bit: the top of the mantissa of the bucket's largest value
+            largest = int(flat.abs().argmax())
+            flat.view(INTEGER_VIEWS[flat.element_size()])[largest] ^= 1 << (MANTISSA_BITS[flat.dtype] - 1)
 
     def before_cross_group_sum(self) -> None:
         if self.dying:

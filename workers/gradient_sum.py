@@ -25,7 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from elastic.core.compute_replay import combine
 from workers.failures import CollectiveFailed
+from workers.integrity import bit_sum
 
 # A bucket holds at most DDP's default (large enough for NCCL's and gloo's bandwidth), and a
 # model has at least ``MIN_BUCKETS`` of them where that leaves each at least ``MIN_BUCKET_BYTES``:
@@ -41,6 +43,10 @@ class SumTimes(NamedTuple):
 
     total_s: float
     exposed_s: float
+
+
+def _unchanged(bucket: int, flat: torch.Tensor) -> None:
+    pass
 
 
 def trained(model: nn.Module) -> list[nn.Parameter]:
@@ -110,6 +116,11 @@ class GradientSum:
         self._in_flight: list[_InFlight | None] = []  # per bucket sent, in bucket order; None once summed
         self._error: Exception | None = None
         self._first_sent_at = math.inf
+        # Each bucket as it is handed on: where a fault changes it (a device computing wrong),
+        # and the fingerprint of what was handed, where the step is a spot check
+        self.perturb: Callable[[int, torch.Tensor], None] = _unchanged
+        self.fingerprinting = False
+        self.handed_fingerprint = 0
         if overlap:
             for param in params:
                 param.register_post_accumulate_grad_hook(self._gradient_final)
@@ -131,6 +142,7 @@ class GradientSum:
         self._in_flight = []
         self._error = None
         self._first_sent_at = math.inf
+        self.handed_fingerprint = 0
 
     def before_micro_batch(self, index: int, micro_batches: int, replicate_group) -> None:
         """Called before each of the step's ``micro_batches``: the last one's backward sends
@@ -151,9 +163,25 @@ class GradientSum:
         while len(self._in_flight) < len(self.buckets) and self._waiting[len(self._in_flight)] == 0:
             self._send(len(self._in_flight))
 
+    def _flat(self, number: int) -> torch.Tensor:
+        """Bucket ``number``'s values as they are handed on: flat, in the sum's dtype, perturbed."""
+        flat = torch.cat([self.values(param).reshape(-1) for param in self.buckets[number]]).to(self.dtype)
+        self.perturb(number, flat)
+        return flat
+
+    def fingerprint(self) -> int:
+        """What a sum would hand on now (every bucket, perturbed alike), fingerprinted: a
+        replay's, sending nothing."""
+        fingerprint = 0
+        for number in range(len(self.buckets)):
+            fingerprint = combine(fingerprint, bit_sum(self._flat(number)))
+        return fingerprint
+
     def _send(self, number: int) -> None:
         self._first_sent_at = min(self._first_sent_at, time.perf_counter())
-        flat = torch.cat([self.values(param).reshape(-1) for param in self.buckets[number]]).to(self.dtype)
+        flat = self._flat(number)
+        if self.fingerprinting:
+            self.handed_fingerprint = combine(self.handed_fingerprint, bit_sum(flat))
         work = None
         if self._error is None:
             try:

@@ -35,6 +35,11 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tu
     return named
 
 
+def bit_sum(tensor: torch.Tensor) -> int:
+    """The tensor's bits summed as integers, modulo 2**32 (``_bit_sum``), on the host."""
+    return int(_bit_sum(tensor).item()) % 2**32
+
+
 def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits summed as integers: its 32-bit words, or where its bytes do not make
     whole aligned words, its elements. On CUDA the words are summed in int32, which wraps at

@@ -68,7 +68,10 @@ class _Exchanged:
 
 
 class OuterSync:
-    def __init__(self, rounds: OuterRounds, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, rounds: OuterRounds, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 whole_model: bool = True):
+        """``whole_model``: the rank holds every block (no pipeline stages), so each fragment has
+        some of its parameters."""
         self.rounds = rounds
         self.optimizer = optimizer
         named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
@@ -78,6 +81,11 @@ class OuterSync:
         placed = fragment_of([name for name, _ in named], rounds.fragments)
         self.fragments = [[index for index, fragment in enumerate(placed) if fragment == number]
                           for number in range(rounds.fragments)]
+        if not all(self.fragments) and whole_model:
+            raise ValueError(
+                f"sync.fragments={rounds.fragments}: the model's parameters fall in "
+                f"{sum(map(bool, self.fragments))} of them, which are cut by the transformer blocks' names "
+                "(layers.<i>.); name the model's blocks so, or lower sync.fragments")
         self.exchanges = [self._exchange(self._params(fragment)) for fragment in range(rounds.fragments)]
         self.round_start: list[torch.Tensor] | None = None  # this rank's shards of the global weights
         # per fragment, the targets this learner counted since its last turn: they weigh its
@@ -103,11 +111,9 @@ class OuterSync:
         with torch.no_grad():
             self.round_start = [_local(param).detach().clone() for param in self.trained]
         self.own_tokens = [0] * self.rounds.fragments
-        self.abandon()
-
-    def abandon(self) -> None:
-        """The rank's state goes back to a committed one: an outer step in flight is given up,
-        its thread left to end as its channel is closed."""
+        # An outer step still in flight belongs to a state this one replaces (a restore, a
+        # heal): given up, its thread left to end as its channel is closed. A step discarded
+        # and tried again from the same state keeps it: its merge is still due.
         self.delayed = None
 
     def committed(self, own_tokens: int) -> None:
@@ -213,6 +219,8 @@ class OuterSync:
             except BaseException as error:  # noqa: BLE001 - the merge raises it
                 summed.set_exception(error)
 
+        if self.delayed is not None:
+            raise RuntimeError(f"fragment {fragment}'s outer step sent before fragment {self.delayed.fragment}'s merged")
         threading.Thread(target=exchange_on_thread, name=f"outer-step-{step}-fragment-{fragment}", daemon=True).start()
         self.delayed = _Delayed(fragment, step + self.rounds.delay, values, summed)
 

@@ -23,10 +23,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from elastic.core.compute_replay import ComputeMismatch, replay_due, replayed_group, verdict
 from elastic.core.gradient_clipping import global_norm
 from elastic.core.integrity import IntegrityMismatch, check_due
 from elastic.core.loss_scale import LossScale
 from elastic.core.protocol import HealReceipt, NonFinite, RankTimes, SegmentSpec, StepRecord
+from elastic.core.topology import Topology
 from checkpointing.healing import import_local_state
 from workers import rng
 from workers.catch_up import CatchingUp, KeptUpdate
@@ -59,6 +61,7 @@ class Discarded:
 
     nonfinite: NonFinite | None = None
     integrity: IntegrityMismatch | None = None  # this rank's position's finding, if it has one
+    replay: ComputeMismatch | None = None  # this rank's position's spot check's finding, if it has one
 
 
 class Contribution:
@@ -222,6 +225,54 @@ class IntegrityCheck(Contribution):
 
     def on_discard(self, discarded: Discarded) -> Discarded:
         return replace(discarded, integrity=self.finding) if self.disagreed else discarded
+
+
+class ComputeReplay(Contribution):
+    """A spot check's fingerprints (``elastic.core.compute_replay``): this rank's of its own
+    work and of the next group's as it replayed it, each in its group's slot of the row (every
+    other slot zero, so the sum gathers them); each position's verdict in its ballot, and a step
+    any position found not reproduced discarded by every rank of every group."""
+
+    def __init__(self, group: int, group_rank: int, position: tuple[int, ...], layout: Topology):
+        self.group, self.group_rank, self.position, self.layout = group, group_rank, position, layout
+        self.cross_group_slots = {"own": layout.max_groups, "replayed": layout.max_groups}
+        self.ballot_slots = {"mismatch": 1}
+        self.step, self.groups = 0, ()
+        self.replays: int | None = None  # the group whose work this rank replays in this step (a spot check)
+        self.own = self.replayed = 0  # the fingerprints
+        self.finding: ComputeMismatch | None = None  # this rank's position's
+        self.disagreed = False  # some position's replays did not reproduce the work
+
+    def begin(self, step: int, every: int, groups: tuple[int, ...]) -> int | None:
+        """Whether ``step`` is a spot check: the group whose work this rank replays, if so."""
+        self.step, self.groups = step, groups
+        self.replays = replayed_group(self.group, groups) if replay_due(step, every) else None
+        self.own = self.replayed = 0
+        self.finding, self.disagreed = None, False
+        return self.replays
+
+    def summand(self) -> Values:
+        own, replayed = [0.0] * self.layout.max_groups, [0.0] * self.layout.max_groups
+        if self.replays is not None:
+            own[self.group], replayed[self.replays] = float(self.own), float(self.replayed)
+        return {"own": own, "replayed": replayed}
+
+    def ballot(self, sums: Values) -> Values:
+        if self.replays is not None:
+            found = verdict(self.step, self.position, {group: int(sums["own"][group]) for group in self.groups},
+                            {group: int(sums["replayed"][group]) for group in self.groups}, self.groups)
+            self.finding = found and replace(found, suspect_ranks=tuple(
+                self.layout.global_ranks(group)[self.group_rank] for group in found.suspects))
+        return {"mismatch": [float(self.finding is not None)]}
+
+    def after_vote(self, ballots: list[Values]) -> None:
+        self.disagreed = any(ballot["mismatch"][0] > 0 for ballot in ballots)
+
+    def on_commit(self, record: StepRecord) -> StepRecord:
+        return replace(record, replayed=self.replays is not None)
+
+    def on_discard(self, discarded: Discarded) -> Discarded:
+        return replace(discarded, replay=self.finding) if self.disagreed else discarded
 
 
 class GradientNorm(Contribution):

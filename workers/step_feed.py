@@ -9,7 +9,11 @@ from dataclasses import replace
 
 import torch
 
-from elastic.core.data_plan import DataCursor, PlanInputs, RankShare, rank_share
+from typing import NamedTuple
+
+from elastic.core.compute_replay import replay_due, replayed_group
+from elastic.core.data_plan import DataCursor, RankShare, rank_share
+from elastic.core.protocol import SegmentSpec
 from workers.context_parallel import ContextShare
 from workers.pipeline import pipeline_micro_batches
 from workers.rank_spec import RankSpec
@@ -18,19 +22,36 @@ from workers.train_step import Batch
 CPU = torch.device("cpu")
 
 
+class StepBatches(NamedTuple):
+    """A step's samples on the host: the rank's own, and the ones it replays (a spot check's)."""
+
+    own: list[Batch]
+    replayed: list[Batch] | None = None
+
+
 class StepFeed:
     def __init__(self, rank: RankSpec, hooks, loader: ThreadPoolExecutor):
         self.rank, self.hooks, self.loader = rank, hooks, loader
 
-    def share(self, spec: PlanInputs, step: int, cursor: DataCursor) -> RankShare:
+    def share(self, spec: SegmentSpec, step: int, cursor: DataCursor) -> RankShare:
         rank = self.rank
         share = rank_share(spec, step, cursor, rank.group, rank.shard_index, rank.layout.shard)
-        return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, rank.pipeline))
+        replayed = None
+        if replay_due(step, spec.replay_every):
+            replayed = pipeline_micro_batches(
+                rank_share(spec, step, cursor, replayed_group(rank.group, spec.groups), rank.shard_index,
+                           rank.layout.shard).micro_batches, rank.pipeline)
+        return replace(share, micro_batches=pipeline_micro_batches(share.micro_batches, rank.pipeline),
+                       replayed=replayed)
 
     def prefetch(self, share: RankShare) -> Future:
-        """Read the step's samples on the loader thread while the current step computes."""
-        return self.loader.submit(lambda: [self._own_part(self.hooks.micro_batch(mb, CPU, epoch=share.epoch))
-                                           for mb in share.micro_batches])
+        """Read the step's samples on the loader thread while the current step computes: its
+        own, and at a spot check the next group's it replays (``StepBatches``)."""
+        def read(micro_batches) -> list[Batch]:
+            return [self._own_part(self.hooks.micro_batch(mb, CPU, epoch=share.epoch)) for mb in micro_batches]
+
+        return self.loader.submit(lambda: StepBatches(read(share.micro_batches),
+                                                      read(share.replayed) if share.replayed is not None else None))
 
     def held_out(self, micro_batches, device: torch.device) -> list[Batch]:
         """An evaluation's samples, read now."""

@@ -75,6 +75,7 @@ from workers.rank_spec import RankSpec
 from workers.step_contributions import (
     Agreement,
     Committed,
+    ComputeReplay,
     Contribution,
     CrossGroupTraffic,
     Discarded,
@@ -143,7 +144,8 @@ class StepTransaction:
         self.gradient_sum = GradientSum(trained(model), torch.bfloat16 if rank.replicate_dtype == "bf16" else torch.float32)
         # DiLoCo's rounds (``sync.mode``): each group steps as a learner, and the gradients cross
         # groups only as a round's pseudo-gradients (``workers.outer_sync``)
-        self.outer = OuterSync(rank.outer_rounds, model, optimizer) if rank.outer_rounds is not None else None
+        self.outer = (OuterSync(rank.outer_rounds, model, optimizer, whole_model=not stages)
+                      if rank.outer_rounds is not None else None)
         # the global ranks of this rank's group, in group-rank order
         self.group_ranks = tuple(rank.global_rank - rank.group_rank + peer for peer in range(rank.ranks_per_group))
         # The schedule scales these; the optimizer's own lr changes every step, and a heal or
@@ -156,6 +158,7 @@ class StepTransaction:
         self.step_loss = StepLoss(counts_loss(rank.position, rank.layout.pp))
         self.agreement = Agreement(signals)
         self.integrity = IntegrityCheck(rank.group, rank.position, model, optimizer, device)
+        self.replay = ComputeReplay(rank.group, rank.group_rank, rank.position, rank.layout)
         self.gradient_norm = GradientNorm(model, world.mesh_coordinate, per_learner=self.outer is not None)
         self.timing = Timing()
         self.traffic = CrossGroupTraffic()
@@ -164,7 +167,7 @@ class StepTransaction:
         self.joining = JoiningRank(model, optimizer, self.expert_balance, self._apply)
         self.contributions: tuple[Contribution, ...] = (self.step_loss, self.agreement, self.integrity,
                                                         self.gradient_norm, self.timing, self.expert_balance,
-                                                        self.loss_scaling, self.joining, self.traffic)
+                                                        self.loss_scaling, self.joining, self.traffic, self.replay)
         self.sum_layout = RowLayout({part: part.cross_group_slots for part in self.contributions})
         self.ballot_layout = RowLayout({part: part.ballot_slots for part in self.contributions})
 
@@ -191,12 +194,19 @@ class StepTransaction:
         self.agreement.begin(spec.attempt, records_due,
                              may_pause=self.outer is None or self.outer.rounds.ends_at(step))
         self.integrity.start(step, spec.integrity_every, self.world.cross_group)
+        replays = self.replay.begin(step, spec.replay_every, spec.groups)
+        self.gradient_sum.perturb = lambda bucket, flat: faults.perturb(step, bucket, flat)
+        self.gradient_sum.fingerprinting = replays is not None
         self.activity.set(step, Phase.DATA)
-        on_device = [batch.to(self.device) for batch in batches.result()]
+        loaded = batches.result()
+        on_device = [batch.to(self.device) for batch in loaded.own]
         data_s = time.perf_counter() - started
         if self.joining.idle:
             self.step_loss.share, self.step_loss.counted, compute_s = self._idle(step, deadline)
         else:
+            if replays is not None:
+                self.replay.replayed = self._replayed(step, [batch.to(self.device) for batch in loaded.replayed],
+                                                      share.global_tokens)
             self.step_loss.share, self.step_loss.counted, compute_s = self._compute(step, on_device,
                                                                                     share.global_tokens, faults)
         comm_started = time.perf_counter()
@@ -254,6 +264,23 @@ class StepTransaction:
                                                  self.expert_balance.held, scale)
         return loss_share, counted, faults.after_compute(self.compute_timer.seconds())
 
+    def _replayed(self, step: int, batches: list[Batch], global_tokens: int) -> int:
+        """A spot check: the next group's share of the step computed here, from the same state
+        (every group holds it), and the fingerprint of the gradients it would hand the
+        cross-group sum; then the gradients zeroed for the rank's own share. The generators
+        are left as they were, and the experts' counts are the own share's first micro-batch's
+        to set."""
+        with torch.random.fork_rng(devices=[self.device] if self.rank.use_gpu else []):
+            if self.pipeline is not None:
+                self.pipeline.loss_share(batches, global_tokens, self.loss_scaling.value)
+            else:
+                accumulate_counted(self.model, self.loss, batches, global_tokens,
+                                   lambda index: self.at_micro_batch(step, index), self.expert_balance.held,
+                                   self.loss_scaling.value)
+        fingerprint = self.gradient_sum.fingerprint()
+        self.optimizer.zero_grad(set_to_none=False)
+        return fingerprint
+
     def _idle(self, step: int, deadline: float) -> tuple[float, float, float]:
         """A joining rank's share while it catches up: no samples, zeros in the sums. One that
         kept as many updates as it may waits for its state first."""
@@ -295,6 +322,7 @@ class StepTransaction:
         sum_times = SumTimes(0.0, 0.0)
         if self.gradient_group is not None:
             sum_times = self.gradient_sum.finish(lambda work: self.wait_replicate(work, deadline), backward_ended)
+            self.replay.own = self.gradient_sum.handed_fingerprint
         row = self.sum_layout.row({part: part.summand() for part in self.contributions})
         if replicate_group is not None:
             on_device = row.to(self.device)
@@ -333,9 +361,10 @@ class StepTransaction:
         scale = self.loss_scaling.value
         loss, norm = self.step_loss.loss * rescale, self.gradient_norm.norm * grad_rescale / scale
         finite = math.isfinite(loss) and math.isfinite(norm) and self.gradient_norm.learners_finite
-        if self.integrity.disagreed or not finite:
+        if self.integrity.disagreed or self.replay.disagreed or not finite:
             self.discard_uncommitted()
-            discarded = Discarded(nonfinite=None if self.integrity.disagreed else NonFinite(share.step, loss, norm))
+            found = self.integrity.disagreed or self.replay.disagreed
+            discarded = Discarded(nonfinite=None if found else NonFinite(share.step, loss, norm))
             for part in self.contributions:
                 discarded = part.on_discard(discarded)
             return discarded
@@ -448,8 +477,6 @@ class StepTransaction:
             rng.restore(self._rng_before_step)
             self._rng_before_step = None
         self.gradient_sum.abandon()
-        if self.outer is not None:
-            self.outer.abandon()
         self.optimizer.zero_grad(set_to_none=False)
 
     def held_out_loss(self, step: int, batches: list[Batch], global_tokens: int) -> tuple[float, float, float]:

@@ -252,7 +252,8 @@ class RankWorker:
                 return
             if isinstance(outcome, Discarded):
                 yield from self._held_records(loop)
-                yield self._end(share.step, nonfinite=outcome.nonfinite, integrity=outcome.integrity)
+                yield self._end(share.step, nonfinite=outcome.nonfinite, integrity=outcome.integrity,
+                                replay=outcome.replay)
                 return
             if memory_snapshot_due(stepping, share.step + 1):
                 self.memory.snapshot(share.step + 1, share.next_cursor, self.model, self.optimizer,

@@ -237,6 +237,8 @@ class RankShare:
     global_tokens: int
     global_samples: int
     group_samples: dict[int, int]
+    # at a spot check, the next group's micro-batches at this rank's place, which it replays
+    replayed: MicroBatches | None = None
 
 
 def rank_share(spec: PlanInputs, step: int, cursor: DataCursor, group: int, shard_index: int, shard: int) -> RankShare:

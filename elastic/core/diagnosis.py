@@ -10,10 +10,11 @@ blocked in it, must rebuild it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from elastic.core.compute_replay import ComputeMismatch
 from elastic.core.integrity import IntegrityMismatch, suspect_groups
 from elastic.core.protocol import Failure, RankActivity, RankOutcome, describe_error
 
@@ -40,6 +41,9 @@ class Cause(StrEnum):
     STUCK_IN_COLLECTIVE = "stuck-in-collective"
     # Slow by its hardware: replaced or its group evicted by the straggler policy.
     STRAGGLER = "straggler"
+    # Its device computed wrong values, which a spot check's replay on other ranks did not
+    # reproduce: replaced, and the state taken back to where the last clean check left it.
+    SILENT_CORRUPTION = "silent-corruption"
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,13 @@ class Diagnosis:
     broken_groups: frozenset[int]
     errors: dict[int, str]
     stuck: tuple[int, ...] = ()
-    corrupt: frozenset[int] = frozenset()  # groups whose state failed the integrity check
+    corrupt: frozenset[int] = frozenset()  # groups whose state failed the integrity check, or a spot check
 
     @property
     def cause(self) -> Cause:
         causes = set(self.culprits.values())
-        for cause in (Cause.DEATH, Cause.HANG, Cause.OWN_DATA, Cause.OWN_CODE, Cause.OWN_ERROR, Cause.CONTROL_ERROR):
+        for cause in (Cause.DEATH, Cause.HANG, Cause.OWN_DATA, Cause.OWN_CODE, Cause.OWN_ERROR, Cause.CONTROL_ERROR,
+                      Cause.SILENT_CORRUPTION):
             if cause in causes:
                 return cause
         return Cause.INTEGRITY_MISMATCH if self.corrupt else Cause.COLLECTIVE_ERROR
@@ -107,6 +112,16 @@ def diagnose_mismatch(mismatches: Iterable[IntegrityMismatch]) -> Diagnosis:
     every group is suspect, from a tier below); every rank is healthy, none is evicted."""
     suspects = suspect_groups(mismatches)
     return Diagnosis({}, suspects, {}, corrupt=suspects)
+
+
+def diagnose_compute(found: Iterable[ComputeMismatch], group_of: Callable[[int], int]) -> Diagnosis:
+    """A spot check did not reproduce some groups' work: each suspect rank is evicted (the one
+    named, or with two groups both of the pair); every group's state since the last clean check
+    is suspect (the wrong gradients went into every group's update), which the caller takes back."""
+    found = list(found)
+    culprits = {rank: Cause.SILENT_CORRUPTION for mismatch in found for rank in mismatch.suspect_ranks}
+    groups = frozenset(group for mismatch in found for group in mismatch.mismatched)
+    return Diagnosis(culprits, frozenset(group_of(rank) for rank in culprits), {}, corrupt=groups)
 
 
 def merged(diagnoses: Iterable[Diagnosis]) -> Diagnosis:

@@ -49,7 +49,9 @@ class EventKind(StrEnum):
     DATA_CHANGED = "data-changed"
     STOP_REQUESTED = "stop-requested"
     LEASE_LOST = "lease-lost"
-    DRIVER_LOST = "driver-lost"  # the previous driver died holding the run: its lease taken without waiting it out
+    DRIVER_LOST = "driver-lost"
+    SILENT_CORRUPTION_FOUND = "silent-corruption-found"  # a spot check's replay did not reproduce a rank's work
+    STEP_REPLAYED = "step-replayed"  # a spot check: every group's work replayed by another, and reproduced  # the previous driver died holding the run: its lease taken without waiting it out
     METRICS_SERVING = "metrics-serving"
     # membership
     GROUP_RESERVED = "group-reserved"

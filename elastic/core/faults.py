@@ -11,7 +11,10 @@ Syntax: ``;``-separated faults, each ``kind:key=value,...``. Kinds are ``kill``,
 ``kill-group``, ``hang``, ``slow`` (work added after the rank's compute), ``slow-device``
 (work added inside each of its blocks' forward, as a slow device would: its group's peers
 wait for it inside their collectives), ``fail-collective``, ``flip`` (one bit of one
-parameter, silently: the integrity check's to find) and ``slow-link`` (a group's link to the
+parameter, silently: the integrity check's to find), ``compute`` (the rank's device computes
+wrong from then on: what it hands the cross-group gradient sum has one bit flipped, or with
+``relative=E`` every value off by that relative error; every ``every`` steps, default each; its
+state untouched: the replay's to find) and ``slow-link`` (a group's link to the
 other groups carries ``rate`` bytes a second from then on: ``bench/semi_sync.py`` throttles the
 cross-group transport with it); keys are ``rank`` or ``group``
 (global numbering at the start of the run; ``random`` picks one from the seed), ``step``
@@ -36,9 +39,9 @@ from elastic.core.events import EventKind, EventLog
 from elastic.core.topology import Topology
 from elastic.core.protocol import SegmentSpec
 
-KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip", "slow-link")
+KINDS = ("kill", "kill-group", "hang", "slow", "slow-device", "fail-collective", "flip", "compute", "slow-link")
 _TARGET = {"kill": "rank", "kill-group": "group", "hang": "rank", "slow": "rank", "slow-device": "rank",
-           "fail-collective": "rank", "flip": "rank", "slow-link": "group"}
+           "fail-collective": "rank", "flip": "rank", "compute": "rank", "slow-link": "group"}
 
 
 OUTER_STEP = "outer-step"
@@ -59,6 +62,8 @@ class Fault:
     after: float = 0.0
     rate: float = 0.0  # slow-link's bytes a second
     during: str = ""  # "outer-step": a kill inside DiLoCo's outer step
+    every: int = 1  # compute's: it computes wrong every this many steps
+    relative: float = 0.0  # compute's relative error (0: a flipped bit)
     random_target: bool = False
 
     def targets(self, rank: int, group: int) -> bool:
@@ -86,13 +91,13 @@ def _parse_one(text: str) -> Fault:
                     fields[key] = -1
                 else:
                     fields[key] = int(value)
-            elif key == "step":
-                fields["step"] = int(value)
+            elif key in ("step", "every"):
+                fields[key] = int(value)
             elif key == "during":
                 if value != OUTER_STEP:
                     raise FaultSpecError(f"fault_tolerance.inject: during={value!r} in {text!r}; use during={OUTER_STEP}")
                 fields["during"] = value
-            elif key in ("at", "factor", "after", "rate"):
+            elif key in ("at", "factor", "after", "rate", "relative"):
                 number = float(value)
                 if not math.isfinite(number):
                     raise FaultSpecError(
@@ -103,7 +108,7 @@ def _parse_one(text: str) -> Fault:
             else:
                 raise FaultSpecError(
                     f"fault_tolerance.inject: unknown key {key!r} in {text!r}; use rank, group, step, at, factor, "
-                    "rate, after or during"
+                    "rate, after, during, every or relative"
                 )
         except ValueError as error:
             if isinstance(error, FaultSpecError):
@@ -121,6 +126,10 @@ def _parse_one(text: str) -> Fault:
                              "slow-link needs it")
     if "after" in fields and (kind not in ("kill", "kill-group") or not 0 < fields["after"] < 3600):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r}: after=SECONDS (0 to 3600) applies to kill and kill-group")
+    if ("every" in fields or "relative" in fields) and (
+            kind != "compute" or fields.get("every", 1) < 1 or not 0 <= fields.get("relative", 0.0) < 1):
+        raise FaultSpecError(f"fault_tolerance.inject: {text!r}: every=STEPS (1 or more) and relative=ERROR (0 to 1) "
+                             "apply to compute")
     if "during" in fields and (kind != "kill" or "after" in fields):
         raise FaultSpecError(f"fault_tolerance.inject: {text!r}: during={OUTER_STEP} applies to kill, without after")
     return Fault(**fields)
@@ -167,6 +176,8 @@ class InjectedFault:
     after_s: float = 0.0
     rate: float = 0.0
     during: str = ""
+    every: int = 1
+    relative: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,7 +225,7 @@ class FaultSchedule:
             self.events.emit(EventKind.FAULT_INJECTED, fault=fault.kind, ranks=targets, step=step)
             for rank in targets:
                 firing.setdefault(rank, []).append(InjectedFault(fault.kind, fault.factor, fault.after, fault.rate,
-                                                                 fault.during))
+                                                                 fault.during, fault.every, fault.relative))
         return {
             rank: InjectedSegmentSpec(**vars(request), faults=tuple(firing.get(rank, ())), noise=self.noise)
             for rank, request in requests.items()

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from elastic.core.data_plan import DataCursor
+from elastic.core.compute_replay import ComputeMismatch
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
@@ -87,6 +88,8 @@ class SegmentSpec:
     replicas_build: int = 0
     records_interval_s: float = 1.0  # the segment's records are sent about this often
     integrity_every: int = 0  # steps that begin with the replicas' integrity check (0: none)
+    # steps whose work each group also replays of the next group's (``elastic.core.compute_replay``; 0: none)
+    replay_every: int = 0
     memory_every: int = 0  # the ranks copy their state into host memory at steps that are multiples (0: never)
     loss_scale: LossScale | None = None  # fp16's, at first_step; None: no loss scaling
     catch_up: CatchUp | None = None  # groups taking the state while the others step
@@ -102,7 +105,7 @@ class SegmentSpec:
         joining = self.catch_up.groups if self.catch_up is not None else frozenset()
         return replace(self, group_weights={group: 0.0 if group in joining else weight
                                             for group, weight in self.group_weights.items()},
-                       integrity_every=0, memory_every=0)
+                       integrity_every=0, replay_every=0, memory_every=0)
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,7 @@ class StepRecord:
     # the step waited for (all of a synced one's; of a delayed one's, what compute did not hide)
     outer_sum_s: float = 0.0
     outer_sum_exposed_s: float = 0.0
+    replayed: bool = False  # a spot check: every group's work was replayed and reproduced
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,7 @@ class SegmentEnd:
     failure: RankOutcome | None = None
     nonfinite: NonFinite | None = None
     integrity: IntegrityMismatch | None = None
+    replay: ComputeMismatch | None = None  # what its position's spot check found, as ``integrity``
     healed: HealReceipt | None = None  # a joining rank's catch-up in this segment
     waits_for_next: bool = False  # the rank's stream goes on: it waits for a NextSegment or a ReleaseWaiting
 

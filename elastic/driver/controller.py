@@ -33,8 +33,9 @@ from enum import StrEnum
 from checkpointing.catalog import Restorable
 from elastic.driver.checkpoint_coordinator import CheckpointCoordinator
 from elastic.setup.config import TrainConfig
+from elastic.core.compute_replay import MIN_GROUPS
 from elastic.core.data_plan import dropped_samples, group_weights
-from elastic.core.diagnosis import Diagnosis, diagnose_control_failure
+from elastic.core.diagnosis import Cause, Diagnosis, diagnose_control_failure
 from elastic.core.events import EventKind, EventLog
 from elastic.core.exits import Ending, Exit
 from elastic.core.faults import FaultSchedule
@@ -288,8 +289,16 @@ class Controller:
             deadline_s=self.deadline.seconds(), replicas_build=self.groups.replicas_build,
             records_interval_s=RECORDS_INTERVAL_S, loss_scale=self.history.loss_scale,
             integrity_every=self.config.integrity.every, memory_every=self.config.checkpoint.memory_every,
+            replay_every=self._replay_every(),
             catch_up=self.state_sources.take_catch_up(),
         )
+
+    def _replay_every(self) -> int:
+        """The spot checks' interval for a segment: none under DiLoCo (the learners differ inside a
+        round), with dropout (a replay draws other random numbers), nor for a group alone."""
+        config, live = self.config, len(self.membership.live_groups())
+        replayable = config.sync.outer_rounds is None and not config.model.dropout and live >= MIN_GROUPS
+        return config.integrity.replay_every if replayable else 0
 
     def next_boundary(self) -> int:
         every = (self.checkpoints.catalog.every if self.checkpoints else 0, self.config.eval.every)
@@ -338,6 +347,8 @@ class Controller:
         now = self.clock()
         self.ledger.charge("committed", now - self.charged_until)
         self.charged_until = now
+        if result.replayed:
+            self.events.emit(EventKind.STEP_REPLAYED, step=result.step)
         for listener in self.step_listeners:
             listener(result)
 
@@ -389,7 +400,11 @@ class Controller:
             self.state_sources.rewind(self.resume)
             for group in self.membership.live_groups():
                 self.groups.rebuild(group)
-        if diagnosis.corrupt:
+        if diagnosis.cause is Cause.SILENT_CORRUPTION:
+            # every group applied the wrong gradients of the steps since the last clean spot check
+            diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.replayed_step,
+                                                          every_group=self.history.replayed_step < self.history.step)
+        elif diagnosis.corrupt:
             diagnosis = self.state_sources.after_mismatch(diagnosis, self.history.verified_step)
         # groups joined to catch up that no segment saw catch up hold no state
         diagnosis = replace(diagnosis, broken_groups=diagnosis.broken_groups | self.state_sources.unconfirmed())

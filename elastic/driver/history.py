@@ -30,6 +30,10 @@ class RunHistory:
     # The newest state the replicas' check found identical (or that every group loaded): a
     # corruption the check finds later arose after it.
     verified_step: int = 0
+    # The newest state no computation error can have spoiled, as far as the spot checks know: the
+    # state after the last step whose work was replayed and reproduced (a device that began
+    # computing wrong before it would have been found there)
+    replayed_step: int = 0
     loss_scale: LossScale | None = None  # fp16's at ``step``: moved on by each commit and overflow
     outer_every: int = 0  # DiLoCo's round (0: every step's sum)
     # The DiLoCo round in progress: each committed step's cursor and split, what a learner
@@ -57,6 +61,7 @@ class RunHistory:
             rank_arrays=arrays, group_samples=dict(first.group_samples), straggler_scores=straggler_scores,
             expert_load=dict(first.expert_load), cross_group_bytes=first.cross_group_bytes * len(first.group_samples),
             outer_step=first.outer_step, outer_sum_s=first.outer_sum_s, outer_sum_exposed_s=first.outer_sum_exposed_s,
+            replayed=first.replayed,
         )
         self.losses.append(first.loss)
         self.cursor = first.next_cursor
@@ -65,6 +70,8 @@ class RunHistory:
         self.has_state = True
         if check_due(self.step, self.integrity_every) and len(first.group_samples) > 1:
             self.verified_step = self.step
+        if first.replayed:
+            self.replayed_step = self.step + 1
         self.step += 1
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.after_commit()
@@ -86,7 +93,7 @@ class RunHistory:
         del self.step_results[kept:]
         self.eval_results = [result for result in self.eval_results if result.step <= step]
         self.has_state = True
-        self.verified_step = step
+        self.verified_step = self.replayed_step = step
 
     def round_steps_of(self, group: int) -> list[tuple[DataCursor, dict[int, int]]]:
         """The round's committed steps whose samples ``group`` trained and has not returned."""

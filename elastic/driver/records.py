@@ -59,6 +59,7 @@ class StepResult:
     outer_step: bool = False  # a DiLoCo outer step's turn followed it (``StepRecord.outer_step``)
     outer_sum_s: float = 0.0  # its merged outer exchanges' seconds, and those the step waited for
     outer_sum_exposed_s: float = 0.0
+    replayed: bool = False  # a spot check: every group's work replayed by another, and reproduced
 
     @property
     def rank_times(self) -> dict[int, RankTimes]:

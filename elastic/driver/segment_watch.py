@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from elastic.core.diagnosis import diagnose_mismatch
+from elastic.core.compute_replay import ComputeMismatch
+from elastic.core.diagnosis import diagnose_compute, diagnose_mismatch
 from elastic.core.events import EventKind
 from elastic.core.integrity import IntegrityMismatch
 from elastic.core.protocol import (
@@ -81,6 +82,7 @@ class SegmentInbox:
         self.committed_until = started  # when the last was
         self.nonfinite: NonFinite | None = None
         self.mismatches: dict[tuple[int, ...], IntegrityMismatch] = {}  # by position, from the ranks that found them
+        self.not_reproduced: dict[tuple[int, ...], ComputeMismatch] = {}  # a spot check's findings, alike
         self.healed: dict[int, HealReceipt] = {}
 
     def file(self, arrived) -> list[tuple[int, RankOutcome | None]]:
@@ -106,6 +108,8 @@ class SegmentInbox:
                 self.nonfinite = self.nonfinite or message.nonfinite
                 if message.integrity is not None:
                     self.mismatches[message.integrity.position] = message.integrity
+                if message.replay is not None:
+                    self.not_reproduced[message.replay.position] = message.replay
                 if message.healed is not None:
                     self.healed[rank] = message.healed
                 message = message.failure or RankOutcome(rank, message.next_step)
@@ -187,6 +191,9 @@ class SegmentWatch:
         if not failed and inbox.mismatches:
             return replace(self.integrity_failed(list(inbox.mismatches.values()), inbox.next, inbox.committed_until),
                            healed=inbox.healed)
+        if not failed and inbox.not_reproduced:
+            return replace(self.replay_failed(list(inbox.not_reproduced.values()), inbox.next, inbox.committed_until),
+                           healed=inbox.healed)
         if not failed:
             return SegmentOutcome(inbox.next, None, inbox.committed_until, inbox.nonfinite, inbox.healed)
         if inbox.only_victims_reported(hung):
@@ -227,3 +234,15 @@ class SegmentWatch:
                                         position=list(mismatch.position), suspects=list(mismatch.suspects),
                                         majority=list(mismatch.majority), tensors=list(mismatch.tensors))
         return SegmentOutcome(next_step, FailureSeen(diagnose_mismatch(mismatches), seen_at), committed_until)
+
+    def replay_failed(self, found: list[ComputeMismatch], next_step: int, committed_until: float) -> SegmentOutcome:
+        """Every rank discarded ``next_step``: a spot check's replays did not reproduce some
+        groups' work; the rank that computed wrong is named where three groups or more could,
+        else the ranks it may be."""
+        seen_at = self.clock()
+        for mismatch in sorted(found, key=lambda finding: finding.position):
+            self.collector.events.emit(EventKind.SILENT_CORRUPTION_FOUND, step=mismatch.step,
+                                        position=list(mismatch.position), groups=list(mismatch.mismatched),
+                                        suspects=list(mismatch.suspect_ranks), named=mismatch.named)
+        return SegmentOutcome(next_step, FailureSeen(diagnose_compute(found, self.topology.group_of), seen_at),
+                              committed_until)

@@ -141,13 +141,17 @@ class StateSources:
         self.pending = self.catching_up = None
         return frozenset(groups)
 
-    def after_mismatch(self, diagnosis: Diagnosis, verified_step: int) -> Diagnosis:
+    def after_mismatch(self, diagnosis: Diagnosis, verified_step: int, every_group: bool = False) -> Diagnosis:
         """Replicas disagreed: no state after ``verified_step`` (the last check passed) is
         trusted. Since then the odd groups' gradients went into every group's update, so when
         the memory tier holds a verified copy for every live rank, every group goes back to
-        it; else only the odd groups rebuild, and heal from the others."""
+        it; else only the odd groups rebuild, and heal from the others. ``every_group``: every
+        group's state is suspect (a device computed wrong): all go back, to the memory tier's
+        copy or a checkpoint at or before ``verified_step``, or the initial state."""
         self.trusted_until = verified_step
         live = self.membership.live_groups()
+        if every_group:
+            return replace(diagnosis, broken_groups=frozenset(live) | diagnosis.broken_groups)
         if self.config.checkpoint.memory_every and live:
             ranks = self.topology.ranks_of(live)
             if plan_memory_restore(ranks, self.fleet.memory_holdings(ranks), verified_step) is not None:

@@ -18,7 +18,8 @@ from elastic.driver.records import StepResult
 # The bounded label values, created at zero before anything happens: Prometheus only sees a
 # counter's first increment if it scraped the series before it, so increase() over a fresh
 # series misses the first failure, and panels would show "no data" instead of 0.
-RANK_FAILURES = (Cause.DEATH, Cause.HANG, Cause.OWN_ERROR, Cause.COLLECTIVE_ERROR, Cause.CONTROL_ERROR)
+RANK_FAILURES = (Cause.DEATH, Cause.HANG, Cause.OWN_ERROR, Cause.COLLECTIVE_ERROR, Cause.CONTROL_ERROR,
+                 Cause.SILENT_CORRUPTION)
 RECOVERY_CAUSES = (*RANK_FAILURES, Cause.INTEGRITY_MISMATCH)  # a mismatch evicts no rank
 # Every cause a failure can be diagnosed with: those the run recovers from, and those that stop it
 FAILURE_CAUSES = (*RECOVERY_CAUSES, Cause.OWN_DATA, Cause.OWN_CODE)
@@ -90,6 +91,11 @@ class Metrics:
             "elastic_integrity_mismatches", "Positions whose replicas disagreed about their committed state",
             **labels,
         )
+        self.replays = Counter("elastic_replays", "Spot checks committed: every group's work of a step replayed "
+                               "by another group and reproduced bit for bit (integrity.replay_every)", **labels)
+        self.silent_corruptions = Counter(
+            "elastic_silent_corruptions", "Positions where a spot check's replay did not reproduce a group's work: "
+            "a device computed wrong (each a silent-corruption-found event)", **labels)
         self.steps_rolled_back = Counter(
             "elastic_steps_rolled_back", "Committed steps rerun after a restore (no live peer): from memory, a checkpoint or the initial state", **labels
         )
@@ -176,6 +182,10 @@ class Metrics:
             self.learners_dropped.inc(len(event["groups"]))
         elif kind == EventKind.INTEGRITY_MISMATCH:
             self.integrity_mismatches.inc()
+        elif kind == EventKind.SILENT_CORRUPTION_FOUND:
+            self.silent_corruptions.inc()
+        elif kind == EventKind.STEP_REPLAYED:
+            self.replays.inc()
         elif kind == EventKind.EVALUATED:
             self.eval_loss.set(event["loss"])
         elif kind == EventKind.GROUP_HEALED:

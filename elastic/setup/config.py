@@ -24,6 +24,7 @@ from elastic.core.faults import OUTER_STEP, check_targets, parse_faults
 from elastic.core.loss_scale import LossScale
 from elastic.core.lr_schedule import LRSchedule
 from elastic.core.model_shape import SHAPE_FIELDS, ModelShape, ShapeRules
+from elastic.core.compute_replay import MIN_GROUPS
 from elastic.core.outer_rounds import OuterRounds, whole_rounds
 from elastic.core.straggler_detector import DEFAULT_MAD_GATE, DEFAULT_PATIENCE, DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from elastic.core.straggler_policy import DEFAULT_MIN_SAVING_S
@@ -502,6 +503,12 @@ class IntegrityConfig(Section):
     # integer per tensor) before the step is applied; a mismatch discards the step and heals
     # the odd groups (0: never). Runs of one group have no replica to compare with.
     every: NonNegativeInt = Field(10, le=MAX_STEPS)
+    # Every N steps a spot check: each replica group also computes the next group's share of
+    # the step, and a share not reproduced bit for bit names the rank that computed it wrong,
+    # among three groups or more, or the pair it is one of, with two (elastic.core.compute_replay;
+    # 0: never). It needs every step's sum and a model without dropout; a run of replicas
+    # without them checks nothing, and says so as it starts.
+    replay_every: NonNegativeInt = Field(100, le=MAX_STEPS)
 
 
 class FaultToleranceConfig(Section):
@@ -795,6 +802,9 @@ class TrainConfig(Section):
             (sync.fragments > 1 and sync.lost_learner == "drop",
              "sync.fragments > 1 and sync.lost_learner=drop: a dropped learner's samples are in the fragments "
              "synced since the learners were alike; set sync.lost_learner = \"redo\" or sync.fragments = 1"),
+            (sync.sync_delay and self.scaling.uses_gpu,
+             f"sync.sync_delay={sync.sync_delay} on GPUs: a delayed exchange's CUDA stream is not kept apart from the "
+             "inner steps' yet, so it would not cross behind their compute; set sync.sync_delay = 0"),
             (sync.sync_delay and sync.fragments == 1,
              f"sync.sync_delay={sync.sync_delay} and sync.fragments=1: a round's only outer step is where the learners "
              "align, which is never delayed; set sync.fragments to 2 or more"),
@@ -869,6 +879,21 @@ class TrainConfig(Section):
             decay_steps=optimizer.decay_steps or self.steps,
             min_ratio=optimizer.min_lr_ratio,
         )
+
+
+def replay_off(config: TrainConfig) -> str | None:
+    """A start-up warning for spot checks asked of replicas that cannot hold them, which then
+    check nothing (``replay_every``): None for a run of one group, which has no replica."""
+    every, groups = config.integrity.replay_every, config.scaling.max_groups
+    problems = [  # in order: the first that holds is said
+        (config.sync.outer_rounds is not None, "sync.mode=diloco: the learners hold different weights inside a round"),
+        (config.model.dropout, f"model.dropout={config.model.dropout:g}: a replay draws other random numbers than "
+                               "the work it replays"),
+    ]
+    problem = next((text for broken, text in problems if broken), None)
+    if not every or groups < MIN_GROUPS or problem is None:
+        return None
+    return f"integrity.replay_every={every}: no spot checks, since {problem}"
 
 
 def unbalanced_experts(config: TrainConfig) -> str | None:
