@@ -505,6 +505,18 @@ def test_checkpoints_have_a_colour_and_a_legend_entry_of_their_own():
     assert to_hex(median.get_color()) in others and checkpoint_colour not in others
 
 
+def test_a_silent_corruption_found_is_marked_and_labelled_with_its_suspects():
+    from elastic.outputs.timeline_figure import _event_label
+
+    summary = make_summary()
+    summary["events"].append({"t": 12.0, "kind": "silent-corruption-found", "step": 20, "position": [0, 0, 0, 0],
+                              "groups": [0], "suspects": [3], "named": True})
+    legend = timeline_panels(summary)["events"]
+    assert "silent corruption found (a spot check's replay, the integrity check)" in [
+        text.get_text() for text in legend.get_texts()]
+    assert _event_label(summary["events"][-1]) == "computed wrong: rank 3"
+
+
 def test_each_leg_is_labelled_with_how_it_ended():
     from elastic.outputs.timeline import leg_ending
 

@@ -45,6 +45,8 @@ EVENT_CATEGORIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "checkpoint": ("checkpoint committed", CHECKPOINT_COLOUR, "-", (K.CHECKPOINT_COMMITTED,)),
     "checkpoint-failed": ("checkpoint failed", "#9467bd", "-.", (K.CHECKPOINT_FAILED,)),
     "discarded": ("step discarded", "#7f7f7f", ":", (K.STEP_DISCARDED,)),
+    "corruption": ("silent corruption found (a spot check's replay, the integrity check)", "#e377c2", "-.",
+                   (K.SILENT_CORRUPTION_FOUND, K.INTEGRITY_MISMATCH)),
 }
 # Goodput categories -> colour, for the wall-time bar.
 BREAKDOWN_COLOURS = {"committed": "#2ca02c", "evaluation": "#bcbd22", "recovery": "#d62728", "discarded": "#7f7f7f",
@@ -447,6 +449,10 @@ def _event_label(event: dict[str, Any]) -> str | None:
         return f"{event.get('action', 'mitigate')} {target}" if target is not None else event.get("action")
     if kind == K.CHECKPOINT_FAILED:
         return "ckpt failed"
+    if kind == K.SILENT_CORRUPTION_FOUND:
+        return f"computed wrong: rank {', '.join(map(str, event.get('suspects', [])))}"
+    if kind == K.INTEGRITY_MISMATCH:
+        return f"state differs: group {', '.join(map(str, event.get('suspects', [])))}"
     return None
 
 
