@@ -107,7 +107,8 @@ def test_streaming_fragments_train_as_streaming_diloco_in_one_process(ray_cluste
 @pytest.mark.parametrize("layout,inject,redone", [
     ({}, "kill:rank=0,step=10", (8, 2)),
     ({}, "kill:rank=0,step=9,during=outer-step", (8, 1)),
-    ({"scaling__pp": 2}, "kill:rank=1,step=11;hang:rank=2,step=13", None),
+    pytest.param({"scaling__pp": 2}, "kill:rank=1,step=11;hang:rank=2,step=13", None,
+                 marks=pytest.mark.waits),  # the hang waits out its deadline
     (DELAYED, "kill:rank=0,step=10", (8, 2)),
 ], ids=["after-a-fragments-turn", "inside-a-fragments-outer-step", "pp2-kill-and-hang", "a-delayed-exchange-in-flight"])
 def test_a_learner_lost_between_fragments_turns_redoes_the_work_since_the_learners_were_alike(
