@@ -284,6 +284,7 @@ def test_a_kill_and_a_hang_inside_rounds_at_split_layouts_keep_the_clean_runs_lo
     assert max_relative_difference(result.losses, reference) <= 1e-5
 
 
+@pytest.mark.waits  # the hang waits out its deadline
 def test_int4_pseudo_gradients_of_sharded_ranks_keep_the_learners_alike_and_a_redone_round_the_clean_runs(
         ray_cluster, tmp_path):
     """At shard 2 x tp 2 each rank codes its own shards: blocks the one-process DiLoCo, which codes
