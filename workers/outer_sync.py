@@ -175,12 +175,15 @@ class OuterSync:
                     _local(param).copy_(global_weights)
         self._zero_inner_state(params)
 
-    def _weighted_pseudo_gradients(self, fragment: int, into: list[torch.Tensor], weight: float) -> None:
+    def _weighted_pseudo_gradients(self, fragment: int, into: list[torch.Tensor], weight: float | None) -> None:
+        """The fragment's pseudo-gradients written into ``into``, times ``weight`` (None: the
+        caller weighs them later, once the learners' tokens are summed)."""
         indices = self.fragments[fragment]
         with torch.no_grad():
             torch._foreach_copy_(into, [self.round_start[index] for index in indices])
             torch._foreach_sub_(into, [_local(self.trained[index]) for index in indices])
-            torch._foreach_mul_(into, weight)
+            if weight is not None:
+                torch._foreach_mul_(into, weight)
 
     def _sum_pseudo_gradients(self, fragment: int, replicate_group, wait: Callable[[object], None]) -> SumTimes:
         """Every learner's pseudo-gradient of ``fragment`` weighted by its share of the tokens
@@ -199,10 +202,12 @@ class OuterSync:
         gradients'), summed on a thread over the outer channel: its own connections, so the
         later steps' collectives do not queue behind it, and the only user of them, so every
         rank issues its collectives in one order. Weighted as a synced fragment's are."""
+        if self.delayed is not None:
+            raise RuntimeError(f"fragment {fragment}'s outer step sent before fragment {self.delayed.fragment}'s merged")
         own, self.own_tokens[fragment] = self.own_tokens[fragment], 0
         params = self._params(fragment)
         values = {id(param): torch.empty_like(_local(param)) for param in params}
-        self._weighted_pseudo_gradients(fragment, [values[id(param)] for param in params], 1.0)
+        self._weighted_pseudo_gradients(fragment, [values[id(param)] for param in params], None)
         exchange = self._exchange(params, values=lambda param: values[id(param)])
         summed: Future = Future()
 
@@ -219,8 +224,6 @@ class OuterSync:
             except BaseException as error:  # noqa: BLE001 - the merge raises it
                 summed.set_exception(error)
 
-        if self.delayed is not None:
-            raise RuntimeError(f"fragment {fragment}'s outer step sent before fragment {self.delayed.fragment}'s merged")
         threading.Thread(target=exchange_on_thread, name=f"outer-step-{step}-fragment-{fragment}", daemon=True).start()
         self.delayed = _Delayed(fragment, step + self.rounds.delay, values, summed)
 

@@ -148,13 +148,13 @@ class World:
         it from the abort, between micro-batches). NCCL's communicators are aborted instead,
         which tells no peer."""
         if self.replicate_group is not None and not self.rank.nccl:
-            close_connections([group for group in (self.replicate_group, self.outer_replicate_group) if group])
+            close_connections(self._replica_channels)
         self.leave_replicas()
 
     def leave_replicas(self) -> None:
         self.replicas_build = None
         if self.replicate_group is not None:
-            groups = [group for group in (self.replicate_group, self.outer_replicate_group) if group is not None]
+            groups = self._replica_channels
             if self.rank.nccl:
                 for group in groups:
                     group.abort()
@@ -169,6 +169,12 @@ class World:
         where a fault throttles it."""
         group = self.replicate_group
         return group if group is None or self.slow_link is None else _OverSlowLink(group, self.slow_link)
+
+    @property
+    def _replica_channels(self) -> list:
+        """The process groups to this position's replicas: the replicate group, and the delayed
+        outer steps' where there is one."""
+        return [group for group in (self.replicate_group, self.outer_replicate_group) if group is not None]
 
     @property
     def outer_cross_group(self):
